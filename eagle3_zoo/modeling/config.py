@@ -1,0 +1,229 @@
+"""Drafter configuration and the config.json of the canonical (SGLang / official / vLLM) checkpoint layout."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default low/mid/high selection in the internal convention (HF hidden-state indices)."""
+    if num_layers < 4:
+        raise ValueError(f"EAGLE-3 needs a target with >= 4 decoder layers to pick 3 aux layers, got {num_layers}")
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def to_sglang_layer_ids(ids: tuple[int, ...] | list[int]) -> list[int]:
+    """Internal ids (hidden state ENTERING layer i) -> SGLang `eagle_aux_hidden_state_layer_ids` (output of i-1).
+
+    SGLang captures the input of layer `id + 1`, so the two conventions differ by exactly one.
+    """
+    if any(i < 1 for i in ids):
+        raise ValueError(f"aux layer ids {list(ids)}: id 0 (the embeddings) has no SGLang output-layer index")
+    return [int(i) - 1 for i in ids]
+
+
+def from_sglang_layer_ids(ids: list[int]) -> tuple[int, ...]:
+    """SGLang `eagle_aux_hidden_state_layer_ids` -> internal ids (HF hidden-state indices)."""
+    return tuple(int(i) + 1 for i in ids)
+
+
+@dataclass
+class Eagle3Config:
+    """Shape and provenance of an EAGLE-3 drafter (one Llama decoder layer reading fused target features).
+
+    `aux_layer_ids` are in the internal convention: HF `output_hidden_states` indices, i.e. the residual stream
+    entering those decoder layers of the target (vLLM/speculators use the same; SGLang stores `id - 1`).
+    """
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int  # the target's vocabulary; embeddings and d2t live in this id space
+    draft_vocab_size: int
+    target_hidden_size: int | None = None  # None = hidden_size
+    head_dim: int | None = None  # None = hidden_size // num_attention_heads
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # HF rope_scaling dict (e.g. {"rope_type": "llama3", ...})
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 8192
+    hidden_act: str = "silu"
+    aux_layer_ids: tuple[int, ...] | None = None
+    torch_dtype: str = "float32"
+    target_model_type: str | None = None
+    target_name_or_path: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # unknown config.json keys, kept for round trips
+
+    def __post_init__(self) -> None:
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.aux_layer_ids is not None:
+            self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
+        problems = []
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            problems.append(f"draft_vocab_size={self.draft_vocab_size} must be in 1..vocab_size={self.vocab_size}")
+        if self.torch_dtype not in _DTYPES:
+            problems.append(f"torch_dtype={self.torch_dtype!r}; valid: {', '.join(_DTYPES)}")
+        if self.hidden_act != "silu":
+            problems.append(f"hidden_act={self.hidden_act!r}; EAGLE-3 drafters use 'silu'")
+        if problems:
+            raise ValueError("invalid Eagle3Config: " + "; ".join(problems))
+
+    @property
+    def num_aux_layers(self) -> int:
+        return len(self.aux_layer_ids) if self.aux_layer_ids else 3
+
+    @classmethod
+    def from_target_config(
+        cls,
+        target_config: Any,
+        draft_vocab_size: int,
+        aux_layer_ids: tuple[int, ...] | list[int] | None = None,
+        **overrides: Any,
+    ) -> Eagle3Config:
+        """Size a drafter like its target (hidden, heads, MLP, RoPE), as EAGLE-3 does by default."""
+        tc = target_config
+        rope = getattr(tc, "rope_parameters", None) or {}
+        rope_theta = rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", "default")
+        rope_scaling = None if rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+        num_layers = tc.num_hidden_layers
+        kwargs: dict[str, Any] = dict(
+            hidden_size=tc.hidden_size,
+            num_attention_heads=tc.num_attention_heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+            intermediate_size=tc.intermediate_size,
+            vocab_size=tc.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=tc.hidden_size,
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+            max_position_embeddings=getattr(tc, "max_position_embeddings", 8192),
+            aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(num_layers),
+            target_model_type=getattr(tc, "model_type", None),
+            target_name_or_path=getattr(tc, "_name_or_path", None) or None,
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def to_llama_config(self) -> Any:
+        """A transformers LlamaConfig with this drafter's attention/RoPE settings (for the rotary embedding)."""
+        from transformers import LlamaConfig
+
+        rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+            num_hidden_layers=1,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=rope,
+        )
+
+    # ---- config.json (canonical layout) ----
+    def to_json_dict(self) -> dict[str, Any]:
+        rope_parameters = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        d: dict[str, Any] = {
+            "architectures": [ARCHITECTURE],
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": self.hidden_act,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            # Older loaders and the speculators converter read only the top-level rope_theta / rope_scaling;
+            # transformers 5 reads rope_parameters. Write all three.
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "rope_parameters": rope_parameters,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "torch_dtype": self.torch_dtype,
+        }
+        if self.aux_layer_ids is not None:
+            d["eagle_config"] = {
+                "eagle_aux_hidden_state_layer_ids": to_sglang_layer_ids(self.aux_layer_ids),
+                "use_aux_hidden_state": True,
+            }
+        d["eagle3_zoo"] = {
+            "aux_layer_ids_convention": "sglang eagle_aux_hidden_state_layer_ids = HF hidden_states index - 1",
+            "target_model_type": self.target_model_type,
+            "target_name_or_path": self.target_name_or_path,
+        }
+        d.update(self.extra)
+        return d
+
+    @classmethod
+    def from_json_dict(cls, d: dict[str, Any], source: str = "config.json") -> Eagle3Config:
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if k not in d]
+        if missing:
+            raise ValueError(f"{source}: missing required keys {missing} for an EAGLE-3 drafter config")
+        kwargs: dict[str, Any] = {k: d.pop(k) for k in list(d) if k in known and k not in ("extra",)}
+        kwargs.setdefault("num_key_value_heads", kwargs["num_attention_heads"])
+        kwargs.setdefault("draft_vocab_size", kwargs["vocab_size"])
+        rope_parameters = d.pop("rope_parameters", None) or {}
+        if "rope_theta" not in kwargs:  # official releases omit it: Llama's default base 10000
+            kwargs["rope_theta"] = float(rope_parameters.get("rope_theta", 10000.0))
+        if kwargs.get("rope_scaling") is None and rope_parameters.get("rope_type", "default") != "default":
+            kwargs["rope_scaling"] = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+        scaling = kwargs.get("rope_scaling")
+        if scaling and "rope_type" not in scaling and "type" in scaling:  # pre-4.45 HF spelling
+            kwargs["rope_scaling"] = {**scaling, "rope_type": scaling["type"]}
+        eagle = d.pop("eagle_config", None) or {}
+        if eagle.get("eagle_aux_hidden_state_layer_ids") is not None:
+            kwargs["aux_layer_ids"] = from_sglang_layer_ids(eagle["eagle_aux_hidden_state_layer_ids"])
+        zoo = d.pop("eagle3_zoo", None) or {}
+        kwargs.setdefault("target_model_type", zoo.get("target_model_type"))
+        kwargs.setdefault("target_name_or_path", zoo.get("target_name_or_path"))
+        if kwargs.get("torch_dtype") not in _DTYPES:
+            kwargs["torch_dtype"] = "float32" if kwargs.get("torch_dtype") is None else str(kwargs["torch_dtype"])
+        for k in ("architectures", "model_type", "num_hidden_layers", "tie_word_embeddings", "attention_bias"):
+            d.pop(k, None)
+        kwargs["extra"] = d
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{source}: {e}") from e
+
+    def save(self, path: str | Path) -> None:
+        from eagle3_zoo.modeling.io import atomic_write_text
+
+        atomic_write_text(Path(path), json.dumps(self.to_json_dict(), indent=2, sort_keys=False) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Eagle3Config:
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from e
+        return cls.from_json_dict(d, source=str(path))

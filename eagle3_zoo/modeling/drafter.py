@@ -1,0 +1,261 @@
+"""The EAGLE-3 drafter: one Llama decoder layer over fused target features, in the SGLang/official layout.
+
+    g        = fc(cat(low, mid, high))                                  # step 0 only
+    x        = cat(input_layernorm(embed(token)), hidden_norm(h))       # width 2H, embedding first
+    h'       = h + o_proj(attn(q_proj(x), k_proj(x), v_proj(x)))        # residual is the pre-norm input h
+    h'       = h' + mlp(post_attention_layernorm(h'))
+    logits   = lm_head(norm(h'))                                        # draft vocab; h' is fed back
+
+Two forward paths share the weights and the projection/RoPE code: `ttt_rollout` (whole sequences, K unrolled
+steps, the TTT attention pattern) and `step` (a few new tokens over a KV cache, explicit mask and positions),
+which chain and tree drafting use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from eagle3_zoo.modeling.attention import cached_attention, ttt_attention
+from eagle3_zoo.modeling.config import Eagle3Config
+from eagle3_zoo.modeling.io import atomic_write
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(2 * h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B,T,2H] -> q [B,heads,T,d], k/v [B,kv_heads,T,d] with RoPE applied to q and k."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = attn.shape
+        return self.o_proj(attn.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = LlamaRMSNorm(h, eps=eps)
+        self.hidden_norm = LlamaRMSNorm(h, eps=eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps=eps)
+        self.mlp = LlamaMLP(config.to_llama_config())
+
+    def attn_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
+    def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        h = hidden + self.self_attn.output(attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DraftCache:
+    """KV cache of the drafter's single layer: keys/values `[B, kv_heads, S, d]` (RoPE applied)."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None:
+            self.keys, self.values = k, v
+        else:
+            self.keys = torch.cat([self.keys, k], dim=-2)
+            self.values = torch.cat([self.values, v], dim=-2)
+        return self.keys, self.values
+
+    def keep(self, indices: torch.Tensor) -> None:
+        """Keep the cached slots `indices` (in this order) and drop the rest."""
+        if self.keys is None:
+            return
+        indices = indices.to(self.keys.device)
+        self.keys = self.keys.index_select(-2, indices)
+        self.values = self.values.index_select(-2, indices)
+
+    def crop(self, length: int) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[..., :length, :], self.values[..., :length, :]
+
+
+@dataclass
+class DraftStepOutput:
+    logits: torch.Tensor  # [B, q, draft_vocab]
+    hidden: torch.Tensor  # [B, q, H] pre-norm output, fed back as the next step's `hidden`
+
+
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3 draft head. The target's embedding is passed in (frozen) and never part of this module."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(config.num_aux_layers * config.target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        # kept out of the module tree so that casting the drafter to bf16 never rounds the RoPE frequencies
+        self._rotary = (LlamaRotaryEmbedding(config.to_llama_config()),)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True  # identity-prefix mapping until set_vocab
+        self.register_buffer("t2d", t2d)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+
+    # ---- vocabulary ----
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(
+                f"vocab mapping shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)} do not match the drafter "
+                f"(draft_vocab_size={self.config.draft_vocab_size}, vocab_size={self.config.vocab_size})"
+            )
+        if int(t2d.sum()) != self.config.draft_vocab_size:
+            raise ValueError(f"t2d marks {int(t2d.sum())} ids, expected {self.config.draft_vocab_size}")
+        self.d2t.copy_(d2t.to(torch.int64))
+        self.t2d.copy_(t2d.to(torch.bool))
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # ---- shared pieces ----
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """Target features `[B, T, n_aux*Ht]` -> step-0 hidden `[B, T, H]`."""
+        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    def _rope(self, x: torch.Tensor, position_ids: torch.Tensor):
+        return self._rotary[0](x, position_ids)
+
+    # ---- inference path ----
+    def new_cache(self) -> DraftCache:
+        return DraftCache()
+
+    def step(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DraftCache,
+        attn_mask: torch.Tensor | None = None,
+    ) -> DraftStepOutput:
+        """Run `q` new tokens over the cache.
+
+        Args:
+            embeds: `[B, q, H]` target embeddings of the input tokens.
+            hidden: `[B, q, H]` step-0 fused features (`fuse`) or the drafter's previous pre-norm output.
+            position_ids: `[B, q]` RoPE positions.
+            cache: the drafter's KV cache; the new keys/values are appended.
+            attn_mask: additive `[B, 1, q, len(cache)+q]` mask (0 = visible); None = causal, all past visible.
+        """
+        layer = self.midlayer
+        hidden = hidden.to(self.fc.weight.dtype)
+        x = layer.attn_input(embeds.to(hidden.dtype), hidden)
+        cos, sin = self._rope(x, position_ids)
+        q, k, v = layer.self_attn.project(x, cos, sin)
+        k_all, v_all = cache.append(k, v)
+        h = layer.finish(hidden, cached_attention(q, k_all, v_all, attn_mask))
+        return DraftStepOutput(logits=self.logits(h), hidden=h)
+
+    # ---- training path ----
+    def ttt_rollout(
+        self,
+        embeds: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        steps: int,
+        position_ids: torch.Tensor | None = None,
+    ):
+        """Unroll the drafter for `steps` TTT steps over whole sequences; yields each step's pre-norm hidden.
+
+        Args:
+            embeds: `[B, T + steps, H]` target embeddings of the input tokens shifted by one: row t of step k uses
+                `embeds[:, t + k]` (i.e. pass the embeddings of tokens x_1..x_{T+steps}; pad with any ids).
+            aux_hidden: `[B, T, n_aux*Ht]` target features at positions 0..T-1.
+            steps: number of unrolled steps K.
+            position_ids: `[B, T]` base positions (default 0..T-1); step k uses position t + k.
+
+        Yields:
+            `[B, T, H]` hidden of step k, for k = 0..steps-1 (gradients flow through the whole rollout).
+        """
+        layer = self.midlayer
+        b, t, _ = aux_hidden.shape
+        if embeds.shape[1] < t + steps - 1:
+            raise ValueError(f"embeds must cover T + steps - 1 = {t + steps - 1} positions, got {embeds.shape[1]}")
+        if position_ids is None:
+            position_ids = torch.arange(t, device=aux_hidden.device).expand(b, t)
+        hidden = self.fuse(aux_hidden)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for k in range(steps):
+            x = layer.attn_input(embeds[:, k : k + t].to(hidden.dtype), hidden)
+            cos, sin = self._rope(x, position_ids + k)
+            q, key, value = layer.self_attn.project(x, cos, sin)
+            keys.append(key)
+            values.append(value)
+            hidden = layer.finish(hidden, ttt_attention(q, keys, values))
+            yield hidden
+
+    # ---- checkpoint (canonical SGLang / official layout) ----
+    def save_pretrained(self, save_dir: str | Path) -> Path:
+        save_dir = Path(save_dir)
+        save_dir.mkdir(parents=True, exist_ok=True)
+        dtype = _DTYPE[self.config.torch_dtype]
+        tensors = {
+            name: (p.detach().to(dtype) if p.is_floating_point() else p.detach()).contiguous().cpu()
+            for name, p in self.state_dict().items()
+        }
+        atomic_write(save_dir / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+        self.config.save(save_dir / CONFIG_NAME)
+        return save_dir
+
+    @classmethod
+    def from_pretrained(
+        cls, load_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    ) -> Eagle3Drafter:
+        load_dir = Path(load_dir)
+        for name in (CONFIG_NAME, WEIGHTS_NAME):
+            if not (load_dir / name).is_file():
+                raise FileNotFoundError(f"{load_dir}: no {name}; a canonical EAGLE-3 drafter folder has {CONFIG_NAME} "
+                                        f"and {WEIGHTS_NAME} (use eagle3_zoo.hub import for other formats)")
+        config = Eagle3Config.load(load_dir / CONFIG_NAME)
+        state = load_file(str(load_dir / WEIGHTS_NAME), device=str(device))
+        model = cls(config)
+        expected = set(model.state_dict())
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise ValueError(f"{load_dir / WEIGHTS_NAME}: missing keys {missing}, unexpected keys {unexpected}")
+        model.load_state_dict(state)
+        model.to(device=device, dtype=dtype or _DTYPE[config.torch_dtype])
+        return model
+
