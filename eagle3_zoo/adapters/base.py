@@ -1,0 +1,223 @@
+"""The target-adapter protocol and the registry keyed by Hugging Face `model_type`.
+
+An adapter *declares* how a family is built (decoder-layer class, attribute paths, keys to ignore on load, chat
+formats, a tiny test config); shared code only reads the declarations, never branches on family names.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from eagle3_zoo.adapters.capture import cache_kwargs, capture_aux_hidden
+from eagle3_zoo.adapters.chat import ChatFormat, build_chat_example, resolve_chat_format
+from eagle3_zoo.adapters.testing import TinyTokenizerSpec, build_tiny_tokenizer
+
+
+class UnknownAdapterError(ValueError):
+    """No adapter is registered for a `model_type`."""
+
+
+class TargetAdapter:
+    """What eagle3-zoo needs to know about one target family. Subclass, fill the declarations, register.
+
+    Attributes:
+        model_type: HF ``config.model_type`` (set by `register_adapter`).
+        decoder_layer_class: Class name of the decoder layer (the FSDP wrap unit); matched by name so
+            ``trust_remote_code`` copies of the same architecture qualify too.
+        base_model_attr: Attribute of the ``*ForCausalLM`` holding the base model.
+        layers_attr: Attribute of the base model holding the decoder layers.
+        embed_attr: Attribute of the base model holding the token embedding.
+        lm_head_attr: Attribute of the ``*ForCausalLM`` holding the output projection.
+        keys_to_ignore_on_load: Regexes of checkpoint keys that are expected to be unused (e.g. MTP layers).
+        chat_formats: The family's chat formats; the one matching the tokenizer is used (`chat_format`).
+        tiny_tokenizer_spec: Special tokens of the family's tokenizer, for `tiny_tokenizer()`.
+    """
+
+    model_type: ClassVar[str] = ""
+    decoder_layer_class: ClassVar[str] = ""
+    base_model_attr: ClassVar[str] = "model"
+    layers_attr: ClassVar[str] = "layers"
+    embed_attr: ClassVar[str] = "embed_tokens"
+    lm_head_attr: ClassVar[str] = "lm_head"
+    keys_to_ignore_on_load: ClassVar[tuple[str, ...]] = ()
+    chat_formats: ClassVar[tuple[ChatFormat, ...]] = ()
+    tiny_tokenizer_spec: ClassVar[TinyTokenizerSpec | None] = None
+
+    def aux_layer_ids(self, num_layers: int) -> tuple[int, int, int]:
+        """Default EAGLE-3 aux layers (low, mid, high), internal convention (= HF hidden-state indices).
+
+        Raises:
+            ValueError: if the target is too shallow for the default; pass explicit ids then.
+        """
+        ids = (2, num_layers // 2, num_layers - 3)
+        if num_layers < 3:
+            raise ValueError(
+                f"default aux layers {ids} need >= 3 decoder layers, the target has {num_layers}; pass explicit ids"
+            )
+        return ids
+
+    def tiny_config(self) -> PretrainedConfig:
+        """A small random-weight config of this family for tests (2-4 layers, small dims)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no tiny_config()")
+
+    def tiny_tokenizer(self) -> Any:
+        """A byte-level BPE tokenizer with the family's special tokens and first chat format (ids < 512), for tests."""
+        if self.tiny_tokenizer_spec is None or not self.chat_formats:
+            raise NotImplementedError(f"{type(self).__name__} declares no tiny_tokenizer_spec/chat_formats")
+        return build_tiny_tokenizer(self.tiny_tokenizer_spec, self.chat_formats[0].template)
+
+    def base_model(self, model: nn.Module) -> nn.Module:
+        """The base (headless) model of a ``*ForCausalLM``; a base model is returned as is."""
+        inner = getattr(model, self.base_model_attr, None)
+        if isinstance(inner, nn.Module) and hasattr(inner, self.layers_attr):
+            return inner
+        if hasattr(model, self.layers_attr):
+            return model
+        raise ValueError(
+            f"{type(model).__name__} has neither '{self.base_model_attr}.{self.layers_attr}' nor '{self.layers_attr}' "
+            f"(adapter '{self.model_type}')"
+        )
+
+    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
+        """The decoder layers, in order."""
+        return getattr(self.base_model(model), self.layers_attr)
+
+    def decoder_layer_cls(self, model: nn.Module) -> type[nn.Module]:
+        """The decoder-layer class of `model` (the FSDP wrap unit / activation-checkpointing unit).
+
+        Matched along each layer's MRO, so layers FSDP2 has already swapped to its ``FSDP<Name>`` subclasses still
+        resolve to the declared class.
+
+        Raises:
+            ValueError: if the layers are not of the declared class (model and adapter disagree).
+        """
+        found = set()
+        for layer in self.decoder_layers(model):
+            match = [cls for cls in type(layer).__mro__ if cls.__name__ == self.decoder_layer_class]
+            if not match:
+                raise ValueError(
+                    f"adapter '{self.model_type}' declares decoder layers '{self.decoder_layer_class}', "
+                    f"{type(model).__name__} has {type(layer).__name__}"
+                )
+            found.add(match[0])
+        if len(found) != 1:
+            raise ValueError(f"{type(model).__name__} mixes decoder-layer classes {sorted(map(str, found))}")
+        return found.pop()
+
+    def embed_tokens(self, model: nn.Module) -> nn.Embedding:
+        """The (frozen) input embedding the drafter shares."""
+        return getattr(self.base_model(model), self.embed_attr)
+
+    def lm_head(self, model: nn.Module) -> nn.Linear:
+        """The (frozen) output projection that turns final hidden states into target logits."""
+        return getattr(model, self.lm_head_attr)
+
+    def ignored_on_load(self, key: str) -> bool:
+        """Whether checkpoint key `key` is expected to be unused when loading this family."""
+        return any(re.match(pattern, key) for pattern in self.keys_to_ignore_on_load)
+
+    def chat_format(self, tokenizer: Any) -> ChatFormat:
+        """The declared chat format that matches `tokenizer`'s template (or vocabulary)."""
+        return resolve_chat_format(tokenizer, self.chat_formats)
+
+    def build_example(
+        self,
+        tokenizer: Any,
+        messages: Sequence[Mapping[str, str]],
+        max_length: int,
+        system_prompt: str | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Tokenise a conversation with the target's chat template and mark the supervised assistant tokens.
+
+        See `eagle3_zoo.adapters.chat.build_chat_example` (same arguments, returns ``input_ids`` and ``loss_mask``).
+        """
+        fmt = self.chat_format(tokenizer)
+        return build_chat_example(tokenizer, messages, max_length, fmt, system_prompt=system_prompt)
+
+    def forward_features(
+        self,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        layer_ids: Sequence[int] | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Run the base model once and return the EAGLE-3 target features.
+
+        Call under ``torch.no_grad()``/``torch.inference_mode()`` for a frozen target.
+
+        Args:
+            model: The target (``*ForCausalLM`` or base model).
+            input_ids: ``[B, T]`` token ids (the new tokens when a KV cache is passed).
+            attention_mask: 2D padding mask ``[B, past + T]`` or a 4D float mask ``[B, 1, T, past + T]``.
+            layer_ids: Aux layers (internal convention); default ``aux_layer_ids(N)``.
+            **kwargs: Passed to the base model (``position_ids``, ``past_key_values``/``cache``, ``use_cache``...).
+
+        Returns:
+            ``(aux_hidden [B, T, 3H], final_hidden [B, T, H] post-norm, base-model outputs incl. the cache)``.
+        """
+        base = self.base_model(model)
+        kwargs = cache_kwargs(base, kwargs)
+        with capture_aux_hidden(model, self, layer_ids) as capture:
+            outputs = base(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        return capture.aux_hidden, outputs.last_hidden_state, outputs
+
+
+_REGISTRY: dict[str, type[TargetAdapter]] = {}
+_A = TypeVar("_A", bound=type[TargetAdapter])
+
+
+def register_adapter(model_type: str) -> Callable[[_A], _A]:
+    """Class decorator registering a `TargetAdapter` subclass for HF ``config.model_type == model_type``.
+
+    Raises:
+        ValueError: if another class is already registered for `model_type`.
+    """
+
+    def decorate(cls: _A) -> _A:
+        known = _REGISTRY.get(model_type)
+        if known is not None and known.__qualname__ != cls.__qualname__:
+            raise ValueError(f"model_type '{model_type}' is already registered by {known.__qualname__}")
+        cls.model_type = model_type
+        _REGISTRY[model_type] = cls
+        return cls
+
+    return decorate
+
+
+def available_adapters() -> list[str]:
+    """Registered model types, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_adapter(model_type: str) -> TargetAdapter:
+    """The adapter registered for `model_type`.
+
+    Raises:
+        UnknownAdapterError: naming the known families and how to add one.
+    """
+    cls = _REGISTRY.get(model_type)
+    if cls is None:
+        raise UnknownAdapterError(
+            f"unknown target model_type '{model_type}'; available: {', '.join(available_adapters()) or 'none'}. "
+            f"To add a family: (1) write eagle3_zoo/adapters/<family>.py with a TargetAdapter subclass decorated "
+            f"@register_adapter('{model_type}') (declare decoder_layer_class, chat_formats, tiny_config; modules in "
+            f"eagle3_zoo/adapters/ are discovered automatically), (2) a recipe in recipes/, "
+            f"(3) a test tests/test_adapters_<family>.py (capture vs output_hidden_states, loss masks)."
+        )
+    return cls()
+
+
+def adapter_for(model_or_config: Any) -> TargetAdapter:
+    """The adapter for a model, a config, or a config dict (reads ``model_type``)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    model_type = config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
+    if not model_type:
+        raise UnknownAdapterError(f"{type(model_or_config).__name__} has no model_type to select an adapter by")
+    return get_adapter(model_type)

@@ -1,0 +1,194 @@
+"""Assistant loss masks for each family's real chat template (tiny offline tokenizers; SmolLM2's real GGUF one)."""
+
+import pytest
+
+from eagle3_zoo.adapters import TemplateMappingError, get_adapter, load_embedded_tokenizer
+from eagle3_zoo.adapters.chat import ChatFormat, build_chat_example
+from eagle3_zoo.adapters.llama import SMOLLM2_CHAT_TEMPLATE
+
+SYSTEM = "You are a terse geography tutor."
+# 3 turns; the last reply has multi-byte characters that byte-level BPE splits across tokens
+CONVERSATION = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "The capital of France is Paris."},
+    {"role": "user", "content": "And of Italy?"},
+    {"role": "assistant", "content": "Rome, of course."},
+    {"role": "user", "content": "Say goodbye in French."},
+    {"role": "assistant", "content": "Au revoir! À bientôt 🙂"},
+]
+REPLIES = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
+# (adapter, tokenizer source, end-of-turn token)
+CASES = {
+    "llama3": ("llama", "tiny", "<|eot_id|>"),
+    "qwen2.5": ("qwen2", "tiny", "<|im_end|>"),
+    "deepseek_v3": ("deepseek_v3", "tiny", "<｜end▁of▁sentence｜>"),
+    "smollm2": ("llama", "gguf", "<|im_end|>"),
+}
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    return load_embedded_tokenizer()  # the real tokenizer, read from the embedded GGUF (or the converted cache)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request):
+    family, source, eot = CASES[request.param]
+    adapter = get_adapter(family)
+    if source == "gguf":
+        tokenizer = request.getfixturevalue("smollm2_tokenizer")
+    else:
+        tokenizer = adapter.tiny_tokenizer()
+    return adapter, tokenizer, eot
+
+
+def _supervised_runs(ids, mask):
+    runs, current = [], []
+    for token, supervised in zip(ids, mask):
+        if supervised:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    return runs + ([current] if current else [])
+
+
+def _encode(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _expected_mask(tokenizer, ids, replies, eot):
+    """Independent oracle: walk the ids and mark each reply's own tokenisation + the end-of-turn id where it occurs."""
+    eot_id = tokenizer.convert_tokens_to_ids(eot)
+    expected, pos = [0] * len(ids), 0
+    for reply in replies:
+        run = _encode(tokenizer, reply) + [eot_id]
+        while ids[pos : pos + len(run)] != run:
+            pos += 1
+            assert pos < len(ids), f"reply {reply!r} not found as its own tokens"
+        expected[pos : pos + len(run)] = [1] * len(run)
+        pos += len(run)
+    return expected
+
+
+def test_loss_mask_is_exactly_assistant_content_and_end_of_turn(case):
+    adapter, tokenizer, eot = case
+    assert adapter.chat_format(tokenizer).end_of_turn == eot
+    example = adapter.build_example(tokenizer, CONVERSATION, max_length=4096)
+    ids, mask = example["input_ids"].tolist(), example["loss_mask"].tolist()
+    assert len(ids) == len(mask) and set(mask) <= {0, 1}
+    assert ids == tokenizer.apply_chat_template(CONVERSATION, tokenize=True)["input_ids"]
+    assert mask == _expected_mask(tokenizer, ids, REPLIES, eot)  # token by token
+    assert [tokenizer.decode(run) for run in _supervised_runs(ids, mask)] == [r + eot for r in REPLIES]
+    unsupervised = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+    assert SYSTEM in unsupervised and "What is the capital of France?" in unsupervised
+    assert not any(reply in unsupervised for reply in REPLIES)
+
+
+def test_default_system_prompt_and_system_prompt_argument(case):
+    adapter, tokenizer, eot = case
+    no_system = CONVERSATION[1:]
+    base = adapter.build_example(tokenizer, no_system, max_length=4096)
+    ids, mask = base["input_ids"].tolist(), base["loss_mask"].tolist()
+    assert mask == _expected_mask(tokenizer, ids, REPLIES, eot)
+    if adapter.chat_format(tokenizer).name == "chatml-qwen2.5":
+        assert "You are Qwen, created by Alibaba Cloud. You are a helpful assistant." in tokenizer.decode(ids)
+    with_arg = adapter.build_example(tokenizer, no_system, max_length=4096, system_prompt=SYSTEM)
+    full = adapter.build_example(tokenizer, CONVERSATION, max_length=4096)
+    assert with_arg["input_ids"].tolist() == full["input_ids"].tolist()
+    # an explicit system message in the data wins over the argument
+    kept = adapter.build_example(tokenizer, CONVERSATION, max_length=4096, system_prompt="ignored")
+    assert kept["input_ids"].tolist() == full["input_ids"].tolist()
+
+
+def test_empty_assistant_turn_is_rendered_but_not_supervised(case):
+    adapter, tokenizer, eot = case
+    messages = [dict(m) for m in CONVERSATION]
+    messages[4]["content"] = ""  # "Rome, of course." -> empty reply
+    example = adapter.build_example(tokenizer, messages, max_length=4096)
+    ids, mask = example["input_ids"].tolist(), example["loss_mask"].tolist()
+    assert ids == tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
+    assert mask == _expected_mask(tokenizer, ids, [REPLIES[0], REPLIES[2]], eot)
+    assert len(_supervised_runs(ids, mask)) == 2
+
+
+def test_truncation_keeps_a_consistent_prefix(case):
+    adapter, tokenizer, _ = case
+    full = adapter.build_example(tokenizer, CONVERSATION, max_length=4096)
+    first_supervised = full["loss_mask"].tolist().index(1)
+    for max_length in (1, first_supervised + 3, len(full["input_ids"]) - 1):
+        short = adapter.build_example(tokenizer, CONVERSATION, max_length=max_length)
+        assert len(short["input_ids"]) == len(short["loss_mask"]) == max_length
+        assert short["input_ids"].tolist() == full["input_ids"][:max_length].tolist()
+        assert short["loss_mask"].tolist() == full["loss_mask"][:max_length].tolist()
+    with pytest.raises(ValueError, match="max_length"):
+        adapter.build_example(tokenizer, CONVERSATION, max_length=0)
+
+
+def test_llama3_template_trims_replies_and_the_mask_follows():
+    adapter = get_adapter("llama")
+    tokenizer = adapter.tiny_tokenizer()
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  Hello there.\n"}]
+    example = adapter.build_example(tokenizer, messages, max_length=256)
+    runs = _supervised_runs(example["input_ids"].tolist(), example["loss_mask"].tolist())
+    assert [tokenizer.decode(r) for r in runs] == ["Hello there.<|eot_id|>"]
+
+
+def test_tokenizer_without_template_uses_the_familys_template():
+    adapter = get_adapter("qwen2")
+    tokenizer = adapter.tiny_tokenizer()
+    reference = adapter.build_example(tokenizer, CONVERSATION, max_length=4096)
+    tokenizer.chat_template = None
+    example = adapter.build_example(tokenizer, CONVERSATION, max_length=4096)
+    assert example["input_ids"].tolist() == reference["input_ids"].tolist()
+    assert example["loss_mask"].tolist() == reference["loss_mask"].tolist()
+
+
+def test_smollm2_gguf_tokenizer_carries_the_real_chatml_template(smollm2_tokenizer):
+    assert smollm2_tokenizer.chat_template == SMOLLM2_CHAT_TEMPLATE
+    assert len(smollm2_tokenizer) == 49152
+    assert get_adapter("llama").chat_format(smollm2_tokenizer).name == "chatml-smollm2"
+
+
+def test_unmappable_templates_give_clear_errors():
+    tokenizer = get_adapter("qwen2").tiny_tokenizer()
+    # rewrites earlier turns when more follow (as reasoning templates that drop old thoughts): not prefix-stable
+    counting = ChatFormat(
+        "counting",
+        "{{ messages | length }} turns:{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        "<|im_end|>",
+    )
+    with pytest.raises(TemplateMappingError, match="not prefixes"):
+        build_chat_example(_without_template(tokenizer), CONVERSATION, 4096, counting)
+    # closes assistant turns without the declared end-of-turn token
+    no_eot = ChatFormat(
+        "no-eot",
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}",
+        "<|im_end|>",
+    )
+    with pytest.raises(TemplateMappingError, match="does not contain the end-of-turn token"):
+        build_chat_example(_without_template(tokenizer), CONVERSATION, 4096, no_eot)
+    qwen = get_adapter("qwen2")
+    with pytest.raises(TemplateMappingError, match="leading assistant turn"):
+        qwen.build_example(tokenizer, [{"role": "assistant", "content": "Hi"}], max_length=64)
+
+
+def test_bad_messages_and_unknown_templates_are_rejected():
+    adapter = get_adapter("deepseek_v3")
+    tokenizer = adapter.tiny_tokenizer()
+    with pytest.raises(ValueError, match="message 1: role 'gpt'"):
+        adapter.build_example(tokenizer, [{"role": "user", "content": "q"}, {"role": "gpt", "content": "a"}], 64)
+    with pytest.raises(ValueError, match="message 0 \\(user\\): content must be a str"):
+        adapter.build_example(tokenizer, [{"role": "user", "content": None}], 64)
+    tokenizer.chat_template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}"
+    with pytest.raises(TemplateMappingError, match="declare a ChatFormat"):
+        adapter.build_example(tokenizer, CONVERSATION, 64)
+
+
+def _without_template(tokenizer):
+    tokenizer = type(tokenizer)(tokenizer_object=tokenizer.backend_tokenizer, eos_token=tokenizer.eos_token)
+    tokenizer.chat_template = None
+    return tokenizer
