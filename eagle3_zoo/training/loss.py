@@ -58,14 +58,15 @@ class _FusedSoftCE(torch.autograd.Function):
     """sum_rows -(p * log_softmax(h @ W.T)).sum(-1) with grads computed chunk-wise in forward."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, p: torch.Tensor, chunk: int):
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, p: torch.Tensor, rows: torch.Tensor | None, chunk: int):
         w = weight.float()
         grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device)
         grad_w = torch.zeros_like(w) if weight.requires_grad else None
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.zeros((), dtype=torch.int64, device=h.device)
         for i in range(0, h.shape[0], chunk):
-            hc, pc = h[i : i + chunk].float(), p[i : i + chunk]
+            hc = h[i : i + chunk].float()
+            pc = p[i : i + chunk] if rows is None else p.index_select(0, rows[i : i + chunk])  # gather per chunk
             logits = hc @ w.t()
             logp = torch.log_softmax(logits, dim=-1)
             loss -= (pc * logp).sum()
@@ -85,14 +86,22 @@ class _FusedSoftCE(torch.autograd.Function):
         h_dtype, w_dtype = ctx.dtypes
         gh = (grad_h * grad_loss).to(h_dtype)
         gw = (grad_w * grad_loss).to(w_dtype) if grad_w.numel() else None
-        return gh, gw, None, None
+        return gh, gw, None, None, None
 
 
 def fused_soft_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor, chunk: int = 1024
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    probs: torch.Tensor,
+    chunk: int = 1024,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed soft cross-entropy of `hidden [N,H] @ weight.T` against `probs [N,Vd]`; returns (loss_sum, n_correct)."""
-    return _FusedSoftCE.apply(hidden, weight, probs, chunk)
+    """Summed soft cross-entropy of `hidden [N,H] @ weight.T` against target probabilities.
+
+    `probs` is `[N, Vd]`, or `[M, Vd]` with `rows [N]` selecting the row of each hidden state (gathered chunk by
+    chunk, so no `[N, Vd]` copy is made). Returns `(loss_sum, n_correct)`.
+    """
+    return _FusedSoftCE.apply(hidden, weight, probs, rows, chunk)
 
 
 def ttt_loss(
@@ -126,6 +135,7 @@ def ttt_loss(
         raise ValueError(f"{len(weights)} step weights for {steps} TTT steps")
     b, t = input_ids.shape
     probs, valid = target_distribution(target_logits, drafter.t2d, target_valid)
+    flat_probs = probs.reshape(b * t, -1)
     # token fed at step k, position t is x_{t+1+k}; positions past the end read a pad id and are never supervised
     next_ids = torch.cat([input_ids[:, 1:], input_ids.new_zeros(b, steps)], dim=1)
     with torch.no_grad():
@@ -143,8 +153,8 @@ def ttt_loss(
         n = rows_b.numel()
         if n:
             h_rows = drafter.norm(hidden[rows_b, rows_t])
-            loss_sum, correct = fused_soft_cross_entropy(h_rows, drafter.lm_head.weight, probs[rows_b, rows_t + 1 + k],
-                                                         chunk)
+            loss_sum, correct = fused_soft_cross_entropy(h_rows, drafter.lm_head.weight, flat_probs, chunk,
+                                                         rows=rows_b * t + rows_t + 1 + k)
             loss_k = loss_sum / n
             acc_k = correct.float() / n
         else:

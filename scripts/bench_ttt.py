@@ -1,0 +1,189 @@
+#!/usr/bin/env python
+"""Time one EAGLE-3 TTT train step (forward + backward): eagle3-zoo vs a straightforward eager implementation of the
+official formulation, in the same process, on the same weights and batch.
+
+Baseline ("official", after SafeAILab/EAGLE eagle/traineagle3/cnets.py): per step a full T x T fp32 score matrix
+plus one extra dot product per earlier step concatenated before the softmax, lm_head logits over every position,
+log_softmax, and the target distribution recomputed from full-vocab fp32 target logits (argmax mask, t2d slice,
+softmax) after shifting. eagle3-zoo: flash causal attention + log-space diagonal merge, target distribution once,
+lm_head + soft CE fused and computed only on supervised rows.
+
+Tokens/s are timed alternately in this process; peak memory is the peak RSS growth of a forked child running
+one step of each in a fresh interpreter (the RSS grown after the batch is built).
+
+    python scripts/bench_ttt.py                       # the issue's shape: K=7, T=2048, H=576, Vd=32000, V=49152
+    python scripts/bench_ttt.py --seq-len 512 --iters 1   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab
+from eagle3_zoo.training.loss import ttt_loss
+
+
+def official_step_loss(drafter, embed, input_ids, aux_hidden, target_logits, loss_mask, steps, weights):
+    """Eager EAGLE-3 TTT loss as the official trainer formulates it (positions fixed across steps, as there)."""
+    layer = drafter.midlayer
+    attn = layer.self_attn
+    b, t = input_ids.shape
+    t2d = drafter.t2d
+    hidden = drafter.fuse(aux_hidden)
+    pos = torch.arange(t)[None]
+    mask = torch.full((t, t), torch.finfo(torch.float32).min).triu(1)[None, None]
+    ids = torch.cat([input_ids[:, 1:], input_ids.new_zeros(b, 1)], 1)
+    tgt = torch.cat([target_logits[:, 1:], target_logits.new_zeros(b, 1, target_logits.shape[-1])], 1)
+    lmask = torch.cat([loss_mask[:, 2:], loss_mask.new_zeros(b, 2)], 1).float()
+    cache_k, cache_v = [], []
+    groups = attn.num_heads // attn.num_kv_heads
+    total = 0.0
+    for k in range(steps):
+        with torch.no_grad():
+            embeds = embed(ids)
+            full = tgt.float()
+            position_mask = t2d[full.argmax(-1)].float() * lmask
+            target_p = torch.softmax(full[..., t2d], dim=-1)
+        x = layer.attn_input(embeds, hidden)
+        cos, sin = drafter._rope(x, pos)
+        q, key, value = attn.project(x, cos, sin)
+        cache_k.append(key.repeat_interleave(groups, 1))
+        cache_v.append(value.repeat_interleave(groups, 1))
+        w = (q @ cache_k[0].transpose(2, 3)) / math.sqrt(attn.head_dim) + mask
+        for j in range(1, k + 1):
+            w = torch.cat([w, ((q * cache_k[j]).sum(-1) / math.sqrt(attn.head_dim))[..., None]], dim=-1)
+        w = torch.softmax(w, dim=-1, dtype=torch.float32)
+        out = w[..., :t] @ cache_v[0]
+        for j in range(1, k + 1):
+            out = out + w[..., t + j - 1, None] * cache_v[j]
+        hidden = layer.finish(hidden, out)
+        logits = drafter.lm_head(drafter.norm(hidden)).float()
+        logp = F.log_softmax(logits, dim=-1)
+        loss = -(position_mask[..., None] * target_p * logp).sum(-1).sum() / (position_mask.sum() + 1e-6)
+        total = total + weights[k] * loss
+        # official: shift inputs, targets and masks left by one for the next step, and hide the diagonal
+        ids = torch.cat([ids[:, 1:], ids.new_zeros(b, 1)], 1)
+        tgt = torch.cat([tgt[:, 1:], tgt.new_zeros(b, 1, tgt.shape[-1])], 1)
+        lmask = torch.cat([lmask[:, 1:], lmask.new_zeros(b, 1)], 1)
+        idx = torch.arange(t)
+        mask = mask.clone()
+        mask[:, :, idx[k:], idx[: t - k]] = torch.finfo(torch.float32).min
+    return total
+
+
+def build(args):
+    torch.manual_seed(0)
+    cfg = Eagle3Config(hidden_size=args.hidden, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                       intermediate_size=args.intermediate, vocab_size=args.vocab, draft_vocab_size=args.draft_vocab,
+                       rope_theta=10000.0, aux_layer_ids=(2, 15, 27))
+    drafter = Eagle3Drafter(cfg)
+    counts = torch.randint(0, 1000, (args.vocab,))
+    drafter.set_vocab(*build_draft_vocab(counts, args.draft_vocab))
+    embed = torch.nn.Embedding(args.vocab, args.hidden).requires_grad_(False)
+    b, t = args.batch, args.seq_len
+    ids = torch.randint(0, args.vocab, (b, t))
+    aux = torch.randn(b, t, 3 * args.hidden)
+    target_logits = torch.randn(b, t, args.vocab)
+    # real data: ~97-99% of target argmaxes fall inside a 32k draft vocab (random logits would give 65%)
+    boost = torch.rand(b, t) < args.coverage
+    target_logits[boost] += drafter.t2d.float() * 8.0
+    mask = torch.zeros(b, t, dtype=torch.long)
+    mask[:, int(t * (1 - args.supervised_fraction)) :] = 1  # prompt first, then the supervised answer
+    return drafter, embed, ids, aux, target_logits, mask
+
+
+def run_step(impl, drafter, embed, batch, steps, weights):
+    ids, aux, target_logits, mask = batch
+    drafter.zero_grad(set_to_none=True)
+    if impl == "eagle3-zoo":
+        loss = ttt_loss(drafter, embed, ids, aux, target_logits, mask, steps=steps, step_weights=weights).loss
+    else:
+        loss = official_step_loss(drafter, embed, ids, aux, target_logits, mask, steps, weights)
+    loss.backward()
+    return float(loss.detach())
+
+
+def peak_memory_mb(impl: str, argv: list[str]) -> float:
+    """Peak RSS growth (MiB, Linux VmHWM) of one step in a fresh interpreter that first builds the same batch."""
+    if torch.cuda.is_available():
+        raise SystemExit("on CUDA, use torch.cuda.max_memory_allocated in-process (not implemented here)")
+    out = subprocess.run([sys.executable, __file__, *argv, "--measure-memory", impl], check=True,
+                         capture_output=True, text=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
+def _status_kib(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _measure_memory_child(impl: str, args) -> None:
+    drafter, embed, *batch = build(args)
+    weights = [0.8**k for k in range(args.steps)]
+    # ru_maxrss survives fork+exec (it would report the parent's peak); VmHWM is per address space and can be reset
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    start = _status_kib("VmRSS")
+    run_step(impl, drafter, embed, batch, args.steps, weights)
+    print((_status_kib("VmHWM") - start) / 1024)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--hidden", type=int, default=576)
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--intermediate", type=int, default=1536)
+    p.add_argument("--draft-vocab", type=int, default=32000)
+    p.add_argument("--vocab", type=int, default=49152)
+    p.add_argument("--supervised-fraction", type=float, default=0.66,
+                   help="fraction of positions with loss_mask 1; 0.66 = measured on the embedded ShareGPT with the "
+                        "SmolLM2 chat template at max_length 2048 (300 conversations); 1.0 = worst case for us")
+    p.add_argument("--coverage", type=float, default=0.98, help="fraction of target argmaxes inside the draft vocab")
+    p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--measure-memory", choices=["official-eager", "eagle3-zoo"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.measure_memory:
+        return _measure_memory_child(args.measure_memory, args)
+    argv = [a for a in sys.argv[1:]]
+    drafter, embed, *batch = build(args)
+    weights = [0.8**k for k in range(args.steps)]
+    tokens = args.batch * args.seq_len
+    print(f"setup: torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"threads={torch.get_num_threads()}, fp32, K={args.steps}, B={args.batch}, T={args.seq_len}, "
+          f"H={args.hidden}, heads={args.heads}/{args.kv_heads}, I={args.intermediate}, Vd={args.draft_vocab}, "
+          f"V={args.vocab}, supervised={args.supervised_fraction:.2f}, draft-vocab coverage={args.coverage:.2f}")
+    impls = ["official-eager", "eagle3-zoo"]
+    losses = {i: run_step(i, drafter, embed, batch, args.steps, weights) for i in impls}  # warm-up
+    print(f"loss: official-eager {losses['official-eager']:.5f}  eagle3-zoo {losses['eagle3-zoo']:.5f}")
+    times = {i: [] for i in impls}
+    for _ in range(args.iters):
+        for i in impls:  # alternate so machine noise hits both
+            t0 = time.perf_counter()
+            run_step(i, drafter, embed, batch, args.steps, weights)
+            times[i].append(time.perf_counter() - t0)
+    del batch, drafter, embed
+    mem = {i: peak_memory_mb(i, argv) for i in impls}
+    tps = {i: tokens / min(times[i]) for i in impls}
+    for i in impls:
+        print(f"{i:>15}: {tps[i]:8.1f} tokens/s  (best of {args.iters}: {min(times[i]):.2f} s/step)  "
+              f"peak memory {mem[i]:8.1f} MiB")
+    print(f"ratio eagle3-zoo / official-eager: tokens/s x{tps['eagle3-zoo'] / tps['official-eager']:.2f}, "
+          f"peak memory x{mem['eagle3-zoo'] / mem['official-eager']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
