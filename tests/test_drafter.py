@@ -100,6 +100,7 @@ def test_save_load_round_trip(tmp_path):
     assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 1
     assert cfg["draft_vocab_size"] == 64 and cfg["vocab_size"] == 96 and cfg["target_hidden_size"] == 24
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]  # internal (2, 3, 5) minus one
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 3, 5]  # vLLM's top-level field: HF hidden-state indices
     assert cfg["rope_theta"] == 10000.0 and cfg["rope_parameters"]["rope_theta"] == 10000.0
     for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps",
               "torch_dtype", "hidden_size"):
@@ -154,4 +155,14 @@ def test_load_errors_name_the_file(tmp_path):
     drafter.save_pretrained(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config.json.*line 1"):
+        Eagle3Drafter.from_pretrained(tmp_path)
+
+
+def test_inconsistent_aux_id_fields_are_refused(tmp_path):
+    drafter, _ = tiny_drafter()
+    drafter.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["eagle_aux_hidden_state_layer_ids"] = [1, 2, 4]  # SGLang's numbers written into vLLM's field
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="differ by exactly one"):
         Eagle3Drafter.from_pretrained(tmp_path)

@@ -168,6 +168,8 @@ class Eagle3Config:
             "torch_dtype": self.torch_dtype,
         }
         if self.aux_layer_ids is not None:
+            # upstream vLLM reads only this top-level field, in HF hidden-state indices (= our internal ids)
+            d["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
             d["eagle_config"] = {
                 "eagle_aux_hidden_state_layer_ids": to_sglang_layer_ids(self.aux_layer_ids),
                 "use_aux_hidden_state": True,
@@ -199,8 +201,18 @@ class Eagle3Config:
         if scaling and "rope_type" not in scaling and "type" in scaling:  # pre-4.45 HF spelling
             kwargs["rope_scaling"] = {**scaling, "rope_type": scaling["type"]}
         eagle = d.pop("eagle_config", None) or {}
+        vllm_ids = d.pop("eagle_aux_hidden_state_layer_ids", None)
         if eagle.get("eagle_aux_hidden_state_layer_ids") is not None:
             kwargs["aux_layer_ids"] = from_sglang_layer_ids(eagle["eagle_aux_hidden_state_layer_ids"])
+            if vllm_ids is not None and tuple(vllm_ids) != kwargs["aux_layer_ids"]:
+                raise ValueError(
+                    f"{source}: eagle_config.eagle_aux_hidden_state_layer_ids "
+                    f"{eagle['eagle_aux_hidden_state_layer_ids']} (SGLang: HF index - 1) disagrees with top-level "
+                    f"eagle_aux_hidden_state_layer_ids {vllm_ids} "
+                    "(vLLM: HF index); they must differ by exactly one"
+                )
+        elif vllm_ids is not None:
+            kwargs["aux_layer_ids"] = tuple(int(i) for i in vllm_ids)
         zoo = d.pop("eagle3_zoo", None) or {}
         kwargs.setdefault("target_model_type", zoo.get("target_model_type"))
         kwargs.setdefault("target_name_or_path", zoo.get("target_name_or_path"))
