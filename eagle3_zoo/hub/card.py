@@ -1,0 +1,230 @@
+"""Model cards: `huggingface_hub.ModelCard` rendered from the packaged Jinja template and the files training and
+evaluation leave next to the weights (config.json, recipe.yaml, provenance.json, eval_results.json, plots).
+
+Every input is optional and every template variable has a default, so a bare checkpoint still gets a valid card.
+`ModelCard.validate()` is never called: it needs the network.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from huggingface_hub import ModelCard, ModelCardData
+
+import eagle3_zoo
+from eagle3_zoo.hub.convert import extra_files
+from eagle3_zoo.hub.formats import load_drafter_config
+from eagle3_zoo.hub.weights import FLOAT_DTYPES, read_infos
+
+log = logging.getLogger(__name__)
+
+TEMPLATE = "model_card.md.j2"
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_DATA_SUFFIXES = (".json", ".jsonl", ".gz", ".parquet")
+BASE_TAGS = ("eagle3", "speculative-decoding", "draft-model", "eagle3-zoo")
+_FORMAT_NOTES = {
+    "sglang": ("SGLang / canonical EAGLE-3 layout (`model.safetensors`, `midlayer.*` keys)",
+               "vLLM loads this layout too, but reads custom aux layer ids only from the speculators format "
+               "(`eagle3-zoo export DIR --format speculators`)."),
+    "speculators": ("vLLM speculators format (`speculators_model_type: eagle3`)",
+                    "This is vLLM's speculators format: `vllm serve REPO` also works on its own. For SGLang, convert "
+                    "it first: `eagle3-zoo pull REPO --convert-to sglang`."),
+}
+
+
+def template_text() -> str:
+    """The packaged card template."""
+    return resources.files("eagle3_zoo").joinpath("resources", TEMPLATE).read_text(encoding="utf-8")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError as e:
+        log.warning("%s: not valid JSON (%s); the card leaves it out", path, e)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _cell(value: Any) -> str:
+    if value is None or value == "":
+        return "–"
+    text = json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _num(value: Any, fmt: str = "{:.2f}", suffix: str = "") -> str:
+    return fmt.format(value) + suffix if isinstance(value, (int, float)) and not isinstance(value, bool) else "–"
+
+
+def _first(mapping: dict[str, Any], *keys: str) -> Any:
+    return next((mapping[k] for k in keys if mapping.get(k) is not None), None)
+
+
+def _benchmarks(results: dict[str, Any]) -> list[dict[str, str]]:
+    benches = dict(results.get("benchmarks") or {})
+    if isinstance(benches, list):  # tolerate [{"name": ..., ...}]
+        benches = {str(b.get("name", i)): b for i, b in enumerate(benches) if isinstance(b, dict)}
+    if isinstance(results.get("overall"), dict) and len(benches) > 1:
+        benches["all (pooled)"] = results["overall"]
+    rows = []
+    for name, b in benches.items():
+        b = b if isinstance(b, dict) else {"tau": b}
+        depth = b.get("acceptance_per_depth")
+        lossless = b.get("lossless")
+        rows.append({
+            "name": _cell(name), "requests": _cell(b.get("requests")), "tau": _num(b.get("tau")),
+            "tau_per_request_mean": _num(b.get("tau_per_request_mean")), "speedup": _num(b.get("speedup"), suffix="x"),
+            "tokens_per_s": _num(_first(b, "spec_tokens_per_s", "tokens_per_s"), "{:.1f}"),
+            "acceptance_per_depth": ", ".join(_num(x) for x in depth) if isinstance(depth, list) else "–",
+            "lossless": "–" if lossless is None else ("yes" if lossless else "NO"),
+        })
+    return rows
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, dict):
+        return "; ".join(f"{k}: {_cell(v)}" for k, v in value.items())
+    return _cell(value) if value else ""
+
+
+def _training_rows(recipe: dict[str, Any], prov: dict[str, Any]) -> list[tuple[str, str]]:
+    get = lambda section, key: (recipe.get(section) or {}).get(key)  # noqa: E731
+    data = recipe.get("data") or {}
+    sources = ", ".join(str(s.get("path")) for s in data.get("sources") or [] if isinstance(s, dict))
+    rows = [
+        ("Data", sources and f"{sources} (max {_cell(data.get('max_samples'))} conversations, max length "
+                             f"{_cell(data.get('max_length'))} tokens, regenerated: "
+                             f"{_cell((data.get('regenerate') or {}).get('enabled'))})"),
+        ("Training-time test", get("ttt", "steps") and f"{get('ttt', 'steps')} steps ({get('ttt', 'schedule')})"),
+        ("Optimizer", get("optim", "lr") and f"AdamW, lr {get('optim', 'lr')}, warmup {get('optim', 'warmup_steps')}, "
+                                             f"{get('optim', 'decay')} decay"),
+        ("Steps", _first(prov, "global_step", "steps", "max_steps") or get("trainer", "max_steps")),
+        ("Batch", get("trainer", "batch_size") and f"{get('trainer', 'batch_size')} per device x "
+                                                  f"{get('trainer', 'devices')} devices x "
+                                                  f"{get('trainer', 'accumulate_grad_batches') or 1} accumulation"),
+        ("Precision / strategy", get("trainer", "precision") and
+         f"{get('trainer', 'precision')} / {get('trainer', 'strategy') or 'auto'}"),
+        ("Hardware", _first(prov, "hardware", "device", "accelerator", "devices")),
+        ("Training time", _first(prov, "train_time", "wall_time", "duration")
+         or _num(_first(prov, "train_time_s", "wall_time_s", "duration_s"), "{:.0f}", " s")),
+    ]
+    return [(k, _cell(v)) for k, v in rows if v and v != "–"]
+
+
+def _provenance_rows(prov: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = []
+    for key, value in prov.items():
+        if isinstance(value, dict):
+            rows += [(f"{key}.{k}", _cell(v)) for k, v in value.items()]
+        else:
+            rows.append((key, _cell(value)))
+    return rows
+
+
+def _serve_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    depth = _first(settings, "depth", "num_steps", "max_depth", "draft_depth")
+    chain = settings.get("mode") == "chain" or settings.get("tree") is False
+    topk = 1 if chain else _first(settings, "top_k", "topk", "eagle_topk")
+    total = depth + 1 if chain and depth else _first(settings, "total_tokens", "num_draft_tokens", "tree_size")
+    out = {"sglang_num_steps": depth, "sglang_topk": topk, "sglang_num_draft_tokens": total,
+           "vllm_num_speculative_tokens": depth}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str | None = None) -> dict[str, Any]:
+    """The template variables for a drafter folder (everything the card shows, as plain strings and rows)."""
+    from eagle3_zoo.hub.zoo import target_hub_id
+
+    folder = Path(drafter_dir)
+    cfg, detected = load_drafter_config(folder)
+    fmt = fmt or detected
+    infos, _, _ = read_infos(folder)
+    recipe_path = folder / "recipe.yaml"
+    recipe_text = recipe_path.read_text(encoding="utf-8").strip() if recipe_path.is_file() else ""
+    recipe = (yaml.safe_load(recipe_text) if recipe_text else None) or {}
+    prov, results = _read_json(folder / "provenance.json"), _read_json(folder / "eval_results.json")
+    target = cfg.target_name_or_path or (recipe.get("target") or {}).get("name_or_path")
+    hub_target = target_hub_id(target)
+    settings = results.get("settings") if isinstance(results.get("settings"), dict) else {}
+    temperature = settings.get("temperature")
+    aux = cfg.aux_layer_ids
+    variables = {
+        "model_name": (repo_id or folder.name).split("/")[-1], "repo_id": repo_id or "ORG/NAME",
+        "target": target, "target_serve": hub_target or target, "target_family": cfg.target_model_type,
+        "target_url": f"https://huggingface.co/{hub_target}" if hub_target else "",
+        "eagle3_zoo_version": eagle3_zoo.__version__, "hidden_size": cfg.hidden_size, "torch_dtype": cfg.torch_dtype,
+        "num_parameters": _count(sum(_numel(i.shape) for i in infos.values() if i.dtype in FLOAT_DTYPES)),
+        "draft_vocab_size": cfg.draft_vocab_size, "vocab_size": cfg.vocab_size,
+        "aux_layers": f"HF hidden-state indices {list(aux)} (SGLang eagle_config: {[i - 1 for i in aux]})"
+        if aux else None,
+        "format_description": _FORMAT_NOTES.get(fmt, _FORMAT_NOTES["sglang"])[0],
+        "usage_note": _FORMAT_NOTES.get(fmt, _FORMAT_NOTES["sglang"])[1],
+        "benchmarks": _benchmarks(results), "protocol": _describe(results.get("protocol")),
+        "settings": _describe({k: v for k, v in settings.items() if k not in ("eos_token_ids",)}),
+        "machine": _describe(results.get("machine")),
+        "decoding": "greedy, T=0" if temperature in (None, 0, 0.0) else f"lossless sampling, T={temperature}",
+        "plots": [p.name for p in extra_files(folder) if p.suffix == ".png"],
+        "training": _training_rows(recipe, prov), "provenance": _provenance_rows(prov), "recipe_yaml": recipe_text,
+        **_serve_settings(settings),
+    }
+    return {k: v for k, v in variables.items() if v is not None}
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _datasets(recipe_text: str) -> list[str]:
+    recipe = (yaml.safe_load(recipe_text) if recipe_text else None) or {}
+    paths = [str(s.get("path")) for s in (recipe.get("data") or {}).get("sources") or [] if isinstance(s, dict)]
+    return [p for p in paths if _HUB_ID.fullmatch(p) and not p.endswith(_DATA_SUFFIXES) and not Path(p).exists()]
+
+
+def render_card(
+    drafter_dir: str | Path,
+    repo_id: str | None = None,
+    fmt: str | None = None,
+    license: str = "apache-2.0",
+    tags: tuple[str, ...] = (),
+    **overrides: Any,
+) -> ModelCard:
+    """Render the model card of a drafter folder.
+
+    Args:
+        drafter_dir: drafter folder (any format), with optional recipe.yaml / provenance.json / eval_results.json.
+        repo_id: the Hub repo the card describes (used in the usage snippets).
+        fmt: the published format ("sglang" or "speculators"; default: detected).
+        license: license of the drafter weights (YAML metadata).
+        tags: extra tags besides eagle3 / speculative-decoding / draft-model / eagle3-zoo / the target family.
+        overrides: template variables to override (e.g. `license_note`, `sglang_topk`).
+
+    Returns:
+        A `huggingface_hub.ModelCard`; `card.save(path)` writes README.md, `ModelCard.load(path)` parses it back.
+    """
+    variables = {**card_variables(drafter_dir, repo_id, fmt), **overrides}
+    family = variables.get("target_family")
+    from eagle3_zoo.hub.zoo import target_hub_id
+
+    data = ModelCardData(
+        base_model=target_hub_id(variables.get("target")),
+        library_name="eagle3-zoo",
+        tags=list(dict.fromkeys([*BASE_TAGS, *([family] if family else []), *tags])),
+        datasets=_datasets(variables.get("recipe_yaml", "")) or None,
+        license=license,
+        pipeline_tag="text-generation",
+    )
+    return ModelCard.from_template(data, template_str=template_text(), **variables)

@@ -1,0 +1,315 @@
+"""Static compatibility checker: will this drafter load in SGLang / vLLM and feed them what it was trained on?
+
+The failure users hit most is silent: a drafter that loads and then accepts almost nothing (tau close to 1). Its
+causes are visible in the files: SGLang skips checkpoint keys it does not know (the layer keeps random weights), both
+loaders treat a missing d2t as the identity map, vLLM defaults `norm_before_residual` to true for speculators
+configs, aux layer ids stored in the other engine's convention feed the drafter the wrong layers. Every problem is
+reported once with the fix; nothing is loaded beyond the config, the safetensors header and d2t/t2d.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from eagle3_zoo.hub.formats import (
+    CANONICAL_KEYS,
+    SPECULATORS_ARCHITECTURE,
+    NonCanonicalDrafterError,
+    canonical_name,
+    detect_format,
+    drafter_config,
+    expected_shapes,
+    read_config,
+)
+from eagle3_zoo.hub.weights import (
+    FLOAT_DTYPES,
+    CheckpointError,
+    TensorInfo,
+    UnsafeCheckpointError,
+    find_weight_files,
+    load_weights,
+    read_infos,
+    st_dtype,
+)
+from eagle3_zoo.modeling import Eagle3Config
+from eagle3_zoo.modeling.config import ARCHITECTURE
+
+# architectures some loaders accept besides the canonical one (official releases; vLLM's own class name)
+_TOLERATED_ARCHITECTURES = {
+    "LlamaForCausalLM": "the official releases' name; serving engines map it to their EAGLE-3 class only when told "
+                        "the method (some SGLang versions need LlamaForCausalLMEagle3)",
+    "Eagle3LlamaForCausalLM": "vLLM's class name; SGLang registers LlamaForCausalLMEagle3",
+}
+
+
+@dataclass
+class Problem:
+    """One finding: a stable `code`, what is wrong (`message`) and how to fix it (`fix`)."""
+
+    code: str
+    message: str
+    fix: str
+    severity: Literal["error", "warning"] = "error"
+
+    def __str__(self) -> str:
+        return f"[{self.severity}] {self.code}: {self.message}\n    fix: {self.fix}"
+
+
+@dataclass
+class CheckReport:
+    """All problems found in one drafter folder (and against one target config, when given)."""
+
+    path: str
+    format: str | None = None
+    problems: list[Problem] = field(default_factory=list)
+    config: Eagle3Config | None = None
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "warning"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    @property
+    def codes(self) -> list[str]:
+        return [p.code for p in self.problems]
+
+    def add(self, code: str, message: str, fix: str, severity: Literal["error", "warning"] = "error") -> None:
+        self.problems.append(Problem(code, message, fix, severity))
+
+    def __str__(self) -> str:
+        head = f"{self.path} ({self.format or 'unknown format'}): {len(self.errors)} error(s), " \
+               f"{len(self.warnings)} warning(s)"
+        return "\n".join([head, *(str(p) for p in self.problems)])
+
+    def raise_for_errors(self) -> None:
+        """Raise `DrafterCheckError` (listing every error) when the report has errors."""
+        if self.errors:
+            raise DrafterCheckError(self)
+
+
+class DrafterCheckError(ValueError):
+    """Raised by `CheckReport.raise_for_errors`; carries the report."""
+
+    def __init__(self, report: CheckReport):
+        self.report = report
+        super().__init__(str(report))
+
+
+def vocab_mapping_problems(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab_size: int,
+                           check_dtypes: bool = True) -> list[Problem]:
+    """Problems of a (d2t, t2d) pair: dtypes, every `i + d2t[i]` inside the target vocab and marked in t2d."""
+    out: list[Problem] = []
+    resave = "re-save it with `eagle3-zoo export DIR --format sglang --out NEW` (converts whole-number values)"
+    if check_dtypes and d2t.dtype != torch.int64:
+        out.append(Problem("D2T_DTYPE", f"d2t has dtype {d2t.dtype}, expected torch.int64: SGLang adds it to an "
+                           "int64 arange and vLLM copies it into a LongTensor parameter (float offsets turn into float "
+                           "ids or fail to load)", resave))
+    if check_dtypes and t2d.dtype != torch.bool:
+        out.append(Problem("T2D_DTYPE", f"t2d has dtype {t2d.dtype}, expected torch.bool", resave, "warning"))
+    if d2t.shape != (draft_vocab_size,) or t2d.shape != (vocab_size,):
+        return out + [Problem("VOCAB_MAP_SHAPE", f"d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not match "
+                              f"draft_vocab_size={draft_vocab_size} / vocab_size={vocab_size}",
+                              "rebuild the mapping for this config (eagle3_zoo.modeling.build_draft_vocab)")]
+    if d2t.is_floating_point() and not torch.equal(d2t, d2t.round()):
+        return out + [Problem("D2T_NOT_INTEGER", "d2t holds non-integer offsets (rounded by a low-precision save?)",
+                              "rebuild d2t from the draft vocabulary; the ids cannot be recovered")]
+    if not (t2d == t2d.to(torch.bool)).all():
+        out.append(Problem("T2D_NOT_BOOLEAN", "t2d holds values other than 0/1", "rebuild t2d from d2t"))
+    targets = torch.arange(draft_vocab_size) + d2t.to(torch.int64)
+    bad = ((targets < 0) | (targets >= vocab_size)).nonzero().flatten()
+    if len(bad):
+        ex = ", ".join(f"d2t[{i}]={int(d2t[i])} -> {int(targets[i])}" for i in bad[:3].tolist())
+        out.append(Problem("D2T_OUT_OF_RANGE", f"{len(bad)} draft ids map outside the target vocab 0..{vocab_size - 1}"
+                           f" ({ex}): engines index out of bounds or propose wrong tokens",
+                           "rebuild d2t for this target's vocabulary (it may belong to another target)"))
+        return out
+    marked = t2d.to(torch.bool)
+    if int(marked.sum()) != draft_vocab_size:
+        out.append(Problem("T2D_COUNT", f"t2d marks {int(marked.sum())} target ids, expected draft_vocab_size="
+                           f"{draft_vocab_size}", "rebuild t2d from d2t (t2d[i + d2t[i]] = True)"))
+    if not marked[targets].all():
+        out.append(Problem("D2T_T2D_MISMATCH", f"{int((~marked[targets]).sum())} ids i + d2t[i] are not marked in "
+                           "t2d: the two halves of the mapping disagree", "rebuild t2d from d2t"))
+    if targets.unique().numel() != draft_vocab_size:
+        out.append(Problem("D2T_DUPLICATE", "several draft ids map to the same target id (wasted draft slots)",
+                           "rebuild the draft vocabulary (build_draft_vocab keeps distinct ids)", "warning"))
+    return out
+
+
+def check_drafter(path_or_dir: str | Path, target_config: Any = None) -> CheckReport:
+    """Check a drafter folder (any supported format) for problems SGLang, vLLM or eagle3-zoo would hit.
+
+    Args:
+        path_or_dir: the drafter folder, or a file inside it.
+        target_config: optional target config (a transformers `PretrainedConfig`, a dict, a local folder or a Hub id;
+            see `resolve_target_config`) to check hidden/vocab sizes, aux layers and RoPE against.
+
+    Returns:
+        A `CheckReport`; `report.ok` is False when any error was found. Never raises for a broken checkpoint.
+    """
+    folder = Path(path_or_dir)
+    folder = folder.parent if folder.is_file() else folder
+    report = CheckReport(str(folder))
+    try:
+        raw = read_config(folder)
+        report.format = fmt = detect_format(folder)
+    except FileNotFoundError as e:
+        report.add("CONFIG_MISSING", str(e), "point at the folder holding config.json and the weights")
+        return report
+    except CheckpointError as e:
+        report.add("WEIGHTS_MISSING", str(e), "download the weights too (model.safetensors or pytorch_model.bin)")
+        return report
+    except ValueError as e:
+        report.add("CONFIG_INVALID", str(e), "fix config.json (compare with an `eagle3-zoo export` output)")
+        return report
+    _architecture_problems(raw, fmt, report)
+    try:
+        report.config = cfg = drafter_config(raw, fmt, source=str(folder / "config.json"))
+    except NonCanonicalDrafterError as e:
+        report.add("NON_CANONICAL_VARIANT", str(e), "serve it with vLLM as is, or train a canonical EAGLE-3 drafter")
+        return report
+    except ValueError as e:
+        report.add("CONFIG_INVALID", str(e), "fix config.json (compare with an `eagle3-zoo export` output)")
+        return report
+    _config_problems(raw, fmt, report)
+    _weight_problems(folder, fmt, cfg, report)
+    if target_config is not None:  # config-level: reported even when the weights are unreadable
+        from eagle3_zoo.hub.check_target import resolve_target_config, target_problems
+
+        target_problems(raw, fmt, cfg, resolve_target_config(target_config), report)
+    return report
+
+
+def _weight_problems(folder: Path, fmt: str, cfg: Eagle3Config, report: CheckReport) -> None:
+    try:
+        infos, state = _tensor_infos(folder)
+    except UnsafeCheckpointError as e:
+        report.add("UNSAFE_PICKLE", str(e), "use a safetensors copy from a trusted source; never unpickle it")
+        return
+    except CheckpointError as e:
+        report.add("CORRUPT_WEIGHTS", str(e), "download the file again (compare its size with the Hub's)")
+        return
+    canon = _key_problems(infos, fmt, cfg, report)
+    _vocab_problems(folder, canon, cfg, report, state)
+
+
+def _tensor_infos(folder: Path) -> tuple[dict[str, TensorInfo], dict[str, torch.Tensor] | None]:
+    """Names/dtypes/shapes; a pickle has no header, so it is loaded (safely) once and its tensors returned too."""
+    if find_weight_files(folder)[0] != "pickle":
+        return read_infos(folder)[0], None
+    state = load_weights(folder)
+    return {k: TensorInfo(st_dtype(v.dtype), tuple(v.shape)) for k, v in state.items()}, state
+
+
+def _architecture_problems(raw: dict[str, Any], fmt: str, report: CheckReport) -> None:
+    arch = raw.get("architectures")
+    if fmt == "speculators":
+        if arch != [SPECULATORS_ARCHITECTURE]:
+            report.add("ARCHITECTURE", f"architectures={arch}, expected ['{SPECULATORS_ARCHITECTURE}'] for a "
+                       "speculators checkpoint", f"set architectures to ['{SPECULATORS_ARCHITECTURE}']", "warning")
+        return
+    if arch == [ARCHITECTURE]:
+        return
+    name = arch[0] if isinstance(arch, list) and len(arch) == 1 else None
+    if name in _TOLERATED_ARCHITECTURES:
+        report.add("ARCHITECTURE_NONCANONICAL", f"architectures=['{name}']: {_TOLERATED_ARCHITECTURES[name]}",
+                   f"export with `eagle3-zoo export DIR --format sglang` (writes ['{ARCHITECTURE}'])", "warning")
+    else:
+        report.add("ARCHITECTURE", f"architectures={arch}: not an EAGLE-3 drafter class; SGLang and vLLM would build "
+                   "a different model (or refuse) from this config", f"set architectures to ['{ARCHITECTURE}'] if "
+                   "this really is an EAGLE-3 drafter; otherwise this is the wrong checkpoint")
+
+
+def _config_problems(raw: dict[str, Any], fmt: str, report: CheckReport) -> None:
+    if fmt != "speculators":
+        if raw.get("tie_word_embeddings"):
+            report.add("TIED_EMBEDDINGS", "tie_word_embeddings=true: SGLang then uses the embedding as lm_head and "
+                       "ignores the drafter's own lm_head.weight", "set tie_word_embeddings to false")
+        if "draft_vocab_size" not in raw:
+            report.add("DRAFT_VOCAB_MISSING", "config has no draft_vocab_size: SGLang and vLLM then assume the full "
+                       "target vocab (SGLang even loads lm_head from the target)",
+                       "add draft_vocab_size = rows of lm_head.weight", "warning")
+        return
+    spec = raw.get("speculators_config") or {}
+    methods = spec.get("proposal_methods") if isinstance(spec, dict) else None
+    missing = [name for name, ok in (
+        ("speculators_config.proposal_methods[0].speculative_tokens",
+         isinstance(methods, list) and methods and isinstance(methods[0], dict) and "speculative_tokens" in methods[0]),
+        ("speculators_config.verifier.name_or_path", bool((spec.get("verifier") or {}).get("name_or_path"))),
+    ) if not ok]
+    if missing:
+        report.add("SPECULATORS_CONFIG", f"vLLM's speculators loader requires {', '.join(missing)}",
+                   "export with `eagle3-zoo export DIR --format speculators`")
+    if "norm_before_residual" not in raw:
+        report.add("NORM_BEFORE_RESIDUAL_MISSING", "norm_before_residual is absent: vLLM then defaults it to true, a "
+                   "different forward pass than canonical EAGLE-3 (tau close to 1)",
+                   "write norm_before_residual: false")
+
+
+def _key_problems(infos: dict[str, TensorInfo], fmt: str, cfg: Eagle3Config, report: CheckReport) -> dict[str, str]:
+    """Check names, shapes and dtypes; return {canonical name: name in the file}."""
+    canon: dict[str, str] = {}
+    for name in infos:
+        c = canonical_name(name, fmt)
+        if c is None:
+            if name.endswith("embed_tokens.weight"):
+                report.add("EMBED_TOKENS_PRESENT", f"{name} {list(infos[name].shape)} is a copy of the target's frozen "
+                           "embedding: eagle3-zoo drops it; vLLM uses it instead of the target's",
+                           "export to drop it (the target's embedding is shared at serve time)", "warning")
+            continue
+        canon[c] = name
+    prefixed = sorted(n for n in canon.values() if n.startswith("model."))
+    if prefixed:
+        report.add("PREFIXED_KEYS", f"{len(prefixed)} keys carry a 'model.' prefix (e.g. {prefixed[0]}): SGLang strips "
+                   "it, vLLM adds its own and fails on 'model.model.*'", "export with --format sglang to drop it",
+                   "warning")
+    unknown = sorted(canon[c] for c in canon if c not in CANONICAL_KEYS)
+    if unknown:
+        report.add("UNKNOWN_KEYS", f"keys the loaders do not map: {unknown[:6]}{' ...' if len(unknown) > 6 else ''}: "
+                   "SGLang silently skips them (the layer keeps random weights, tau close to 1), vLLM refuses to load",
+                   "rename them to the canonical keys (`eagle3-zoo export` does for known formats) or drop them")
+    missing = [k for k in CANONICAL_KEYS if k not in canon and k not in ("d2t", "t2d")]
+    if missing:
+        report.add("MISSING_KEYS", f"missing {missing}: the loaders keep random weights there (tau close to 1)",
+                   "this checkpoint is incomplete; get the full one")
+    shapes = expected_shapes(cfg)
+    wrong = [f"{canon[k]}: {list(infos[canon[k]].shape)} (config implies {list(shapes[k])})"
+             for k in shapes if k in canon and infos[canon[k]].shape != shapes[k]]
+    if wrong:
+        report.add("SHAPE_MISMATCH", "tensor shapes disagree with config.json: " + "; ".join(wrong[:4]),
+                   "make config.json describe these weights (hidden/intermediate sizes, heads, vocab sizes)")
+    not_float = [canon[k] for k in CANONICAL_KEYS if k in canon and k not in ("d2t", "t2d")
+                 and infos[canon[k]].dtype not in FLOAT_DTYPES]
+    if not_float:
+        report.add("WEIGHT_DTYPE", f"weights with non-float dtypes: {not_float}", "save the weights in float")
+    return canon
+
+
+def _vocab_problems(folder: Path, canon: dict[str, str], cfg: Eagle3Config, report: CheckReport,
+                    state: dict[str, torch.Tensor] | None) -> None:
+    if "d2t" not in canon:
+        full = cfg.draft_vocab_size == cfg.vocab_size
+        report.add("D2T_MISSING", "no d2t: SGLang and vLLM then take draft ids as target ids" + (
+            "" if full else f", but the draft vocab ({cfg.draft_vocab_size}) is a subset of the target's "
+            f"({cfg.vocab_size}): nearly every proposal is a wrong token (tau close to 1)"),
+            "add the d2t saved at training time (int64 offsets, target_id = i + d2t[i])",
+            "warning" if full else "error")
+    if "t2d" not in canon:
+        report.add("T2D_MISSING", "no t2d (bool mask of draft tokens over the target vocab): engines do not need "
+                   "it, but eagle3-zoo import/training and this check do", "add t2d (t2d[i + d2t[i]] = True)",
+                   "warning")
+    if "d2t" in canon and "t2d" in canon:
+        tensors = state if state is not None else load_weights(folder, keys=[canon["d2t"], canon["t2d"]])
+        report.problems += vocab_mapping_problems(tensors[canon["d2t"]], tensors[canon["t2d"]], cfg.vocab_size,
+                                                  cfg.draft_vocab_size)

@@ -1,0 +1,165 @@
+"""`eagle3-zoo export | check | publish | pull | zoo`: argparse registration and handlers returning exit codes.
+
+The lead's `eagle3_zoo/cli.py` calls `add_subparsers(subparsers)` and dispatches with `args.func(args)`. Handlers
+turn library exceptions into a one-line message on stderr and exit code 1; they never print the Hub token, and no
+command takes one on the command line (shell history, process lists): use `HF_TOKEN` or `hf auth login`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+
+log = logging.getLogger(__name__)
+# = sorted(eagle3_zoo.hub.formats.EXPORT_FORMATS), spelled out so that registering the commands imports no torch
+_FORMATS = ["canonical", "sglang", "speculators"]
+
+
+def _guard(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        from huggingface_hub.errors import HfHubHTTPError
+
+        try:
+            return handler(args)
+        except (ValueError, KeyError, OSError, RuntimeError, HfHubHTTPError) as e:
+            message = e.args[0] if isinstance(e, KeyError) and e.args else e
+            print(f"error: {message}", file=sys.stderr)
+            return 1
+
+    run.__name__ = handler.__name__
+    return run
+
+
+@_guard
+def cmd_export(args: argparse.Namespace) -> int:
+    from eagle3_zoo.hub.convert import export_drafter
+    from eagle3_zoo.hub.formats import EXPORT_FORMATS
+
+    out = export_drafter(args.drafter_dir, args.format, args.out, num_speculative_tokens=args.num_speculative_tokens)
+    print(f"exported {args.drafter_dir} -> {out} ({EXPORT_FORMATS[args.format]} format)")
+    return 0
+
+
+@_guard
+def cmd_check(args: argparse.Namespace) -> int:
+    from eagle3_zoo.hub.check import check_drafter
+
+    report = check_drafter(args.path, target_config=args.target)
+    if args.json:
+        print(json.dumps({"path": report.path, "format": report.format, "ok": report.ok,
+                          "problems": [asdict(p) for p in report.problems]}, indent=2))
+    else:
+        print(report if report.problems else f"{report.path} ({report.format}): no problems found")
+    failed = report.errors or (args.strict and report.warnings)
+    return 1 if failed else 0
+
+
+@_guard
+def cmd_publish(args: argparse.Namespace) -> int:
+    from eagle3_zoo.hub.upload import publish
+
+    result = publish(args.drafter_dir, args.repo_id, private=args.private, create_pr=args.create_pr,
+                     dry_run=args.dry_run, endpoint=args.endpoint, stage_dir=args.stage_dir, fmt=args.format,
+                     license=args.license)
+    if result.dry_run:
+        print(f"dry run: staged {len(result.files)} files in {result.stage_dir} (no request made):")
+        print("\n".join(f"  {f}" for f in result.files))
+    else:
+        print(f"published {result.repo_id}: {result.pr_url or result.commit_url}")
+    return 0
+
+
+@_guard
+def cmd_pull(args: argparse.Namespace) -> int:
+    from eagle3_zoo.hub.download import pull
+
+    result = pull(args.repo, revision=args.revision, target=args.target, convert_to=args.convert_to,
+                  out_dir=args.out, endpoint=args.endpoint)
+    print(f"pulled {result.repo_id} ({result.format} format) into {result.path}")
+    if result.converted_path:
+        print(f"converted copy: {result.converted_path}")
+    print(result.report if result.report.problems else "check: no problems found")
+    return 0 if result.report.ok else 1
+
+
+@_guard
+def cmd_zoo(args: argparse.Namespace) -> int:
+    from eagle3_zoo.hub.zoo import list_zoo, show_zoo
+
+    if args.action == "show":
+        if not args.name:
+            raise ValueError("zoo show needs a NAME (see `eagle3-zoo zoo list`)")
+        entry = show_zoo(args.name)
+        print(json.dumps(asdict(entry), indent=2) if args.json else
+              "\n".join(f"{k:>9}: {v}" for k, v in asdict(entry).items()))
+        return 0
+    entries = list_zoo()
+    if args.json:
+        print(json.dumps([asdict(e) for e in entries], indent=2))
+        return 0
+    rows = [(e.name, e.repo_id or "-", e.target, e.format, e.status, e.recipe or "-") for e in entries]
+    widths = [max(len(r[i]) for r in rows + [("name", "repo", "target", "format", "status", "recipe")])
+              for i in range(6)]
+    for row in [("name", "repo", "target", "format", "status", "recipe"), *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def add_subparsers(subparsers: argparse._SubParsersAction) -> None:
+    """Register export, check, publish, pull and zoo on the `eagle3-zoo` subparsers; each sets `func=handler`."""
+    p = subparsers.add_parser("export", help="write a drafter in the SGLang (canonical) or speculators layout")
+    p.add_argument("drafter_dir", help="drafter folder (any supported format)")
+    p.add_argument("--format", choices=_FORMATS, default="sglang")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="speculators: vLLM's default draft length")
+    p.set_defaults(func=cmd_export)
+
+    p = subparsers.add_parser("check", help="check a drafter folder for loader/target incompatibilities")
+    p.add_argument("path", help="drafter folder")
+    p.add_argument("--target", help="target Hub id or local folder to check against (config.json only)")
+    p.add_argument("--strict", action="store_true", help="warnings fail too")
+    p.add_argument("--json", action="store_true", help="machine-readable report")
+    p.set_defaults(func=cmd_check)
+
+    p = subparsers.add_parser("publish", help="check, stage and upload a drafter with its model card")
+    p.add_argument("drafter_dir")
+    p.add_argument("--repo-id", required=True, help="ORG/NAME on the Hub")
+    p.add_argument("--format", choices=_FORMATS, default="sglang")
+    p.add_argument("--private", action="store_true")
+    p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing to main")
+    p.add_argument("--dry-run", action="store_true", help="stage the folder only; no network request")
+    p.add_argument("--stage-dir", help="where to stage (default: a temporary folder)")
+    p.add_argument("--license", default="apache-2.0", help="license of the drafter weights (card metadata)")
+    p.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or huggingface.co)")
+    p.set_defaults(func=cmd_publish)
+
+    p = subparsers.add_parser("pull", help="download a drafter (Hub id or zoo name), check it, optionally convert")
+    p.add_argument("repo", help="Hub repo id or zoo name")
+    p.add_argument("--revision")
+    p.add_argument("--target", help="target Hub id or local folder to check against")
+    p.add_argument("--convert-to", choices=_FORMATS)
+    p.add_argument("--out", help="download folder (default: the Hugging Face cache)")
+    p.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or huggingface.co)")
+    p.set_defaults(func=cmd_pull)
+
+    p = subparsers.add_parser("zoo", help="known drafters and recipes")
+    p.add_argument("action", choices=["list", "show"], nargs="?", default="list")
+    p.add_argument("name", nargs="?", help="zoo name or repo id (for show)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_zoo)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one of these subcommands without the rest of the CLI (tests, `python -m eagle3_zoo.hub.cli_commands`)."""
+    parser = argparse.ArgumentParser(prog="eagle3-zoo")
+    add_subparsers(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

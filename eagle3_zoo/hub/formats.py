@@ -1,0 +1,232 @@
+"""Checkpoint formats of EAGLE-3 drafters: detection, key maps and config translation.
+
+Three layouts hold the same weights:
+
+- ``sglang`` (canonical): ``config.json`` with ``architectures: [LlamaForCausalLMEagle3]`` and ``model.safetensors``
+  with ``midlayer.*`` keys, as `eagle3_zoo.modeling` writes it. SGLang loads it; vLLM too (it renames
+  ``midlayer.`` -> ``layers.0.``). SpecForge checkpoints are this layout, sometimes with a ``model.`` prefix and the
+  frozen ``embed_tokens.weight``.
+- ``official``: the yuhuili/EAGLE3-* releases: ``pytorch_model.bin``, ``architectures: [LlamaForCausalLM]``, no
+  rope setting (Llama's base 10000), maybe ``embed_tokens.weight``.
+- ``speculators``: vLLM's format: ``speculators_model_type: eagle3``, a nested ``transformer_layer_config``, aux
+  layer ids in the top-level ``eagle_aux_hidden_state_layer_ids`` (HF hidden-state indices = our internal ids),
+  ``layers.0.*`` keys.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from eagle3_zoo.hub.weights import CheckpointError, find_weight_files
+from eagle3_zoo.modeling import Eagle3Config
+from eagle3_zoo.modeling.config import ARCHITECTURE
+
+FORMATS = ("sglang", "official", "speculators")
+EXPORT_FORMATS = {"sglang": "sglang", "canonical": "sglang", "speculators": "speculators"}
+SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+
+_LAYER_KEYS = (
+    "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+)
+CANONICAL_KEYS = ("fc.weight", *(f"midlayer.{k}" for k in _LAYER_KEYS), "norm.weight", "lm_head.weight", "d2t", "t2d")
+
+# canonical prefix -> the format's prefix (inverted on import); formats not listed use canonical names
+KEY_PREFIXES: dict[str, dict[str, str]] = {"speculators": {"midlayer.": "layers.0."}}
+# wrappers some trainers save under (SpecForge / HF PreTrainedModel); both loaders also accept the bare names
+STRIPPED_PREFIXES = ("model.",)
+# tensors a checkpoint may carry that are never part of the drafter: the frozen target embedding, speculators'
+# frozen verifier copies used only for its training loss
+DROPPED_KEYS = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
+# speculators training variants that change the forward pass; a canonical EAGLE-3 drafter has none of them
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+NON_CANONICAL_FLAGS = (*NORM_FLAGS, "attention_bias", "mlp_bias")
+
+_LAYER_CONFIG_KEYS = (
+    "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
+    "rms_norm_eps", "max_position_embeddings", "hidden_act", "rope_theta", "rope_scaling", "rope_parameters",
+)
+
+
+class NonCanonicalDrafterError(ValueError):
+    """A speculators checkpoint using a training variant that changes the EAGLE-3 forward pass."""
+
+
+def read_config(folder: str | Path) -> dict[str, Any]:
+    """The raw config.json dict of a drafter folder.
+
+    Raises:
+        FileNotFoundError: no config.json.
+        ValueError: not valid JSON / not an object.
+    """
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{Path(folder)}: no config.json; not a drafter checkpoint folder")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return raw
+
+
+def detect_format(path: str | Path) -> str:
+    """Which layout a drafter folder uses: "sglang", "official" or "speculators".
+
+    speculators is recognised by its config (`speculators_model_type`); otherwise the weight file decides:
+    safetensors -> sglang (SGLang/SpecForge/eagle3-zoo), pytorch_model.bin -> official.
+
+    Raises:
+        FileNotFoundError / ValueError / CheckpointError: no config.json, unreadable config, no weights, or a
+            speculators model type other than eagle3.
+    """
+    raw = read_config(path)
+    if "speculators_model_type" in raw:
+        if raw["speculators_model_type"] != "eagle3":
+            raise ValueError(f"{Path(path) / 'config.json'}: speculators_model_type={raw['speculators_model_type']!r};"
+                             " only 'eagle3' checkpoints are EAGLE-3 drafters")
+        return "speculators"
+    kind, _ = find_weight_files(path)
+    return "sglang" if kind == "safetensors" else "official"
+
+
+def canonical_name(name: str, fmt: str) -> str | None:
+    """Checkpoint key of format `fmt` -> canonical key, or None for tensors that are not part of the drafter."""
+    for prefix in STRIPPED_PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    if name in DROPPED_KEYS:
+        return None
+    for canon, theirs in KEY_PREFIXES.get(fmt, {}).items():
+        if name.startswith(theirs):
+            return canon + name[len(theirs):]
+    return name
+
+
+def format_name(name: str, fmt: str) -> str:
+    """Canonical key -> the key format `fmt` stores it under."""
+    for canon, theirs in KEY_PREFIXES.get(fmt, {}).items():
+        if name.startswith(canon):
+            return theirs + name[len(canon):]
+    return name
+
+
+def expected_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
+    """Shape of every canonical tensor for a drafter config (what SGLang and vLLM allocate)."""
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    layer = {
+        "input_layernorm.weight": (h,), "hidden_norm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, 2 * h), "self_attn.k_proj.weight": (kv, 2 * h),
+        "self_attn.v_proj.weight": (kv, 2 * h), "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter),
+    }
+    return {
+        "fc.weight": (h, cfg.num_aux_layers * cfg.target_hidden_size),
+        **{f"midlayer.{k}": v for k, v in layer.items()},
+        "norm.weight": (h,), "lm_head.weight": (cfg.draft_vocab_size, h),
+        "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,),
+    }
+
+
+def drafter_config(raw: dict[str, Any], fmt: str, source: str = "config.json") -> Eagle3Config:
+    """Translate a raw config.json of format `fmt` into an `Eagle3Config`.
+
+    Raises:
+        ValueError: missing fields, or a speculators checkpoint using a non-canonical training variant.
+    """
+    if fmt != "speculators":
+        return Eagle3Config.from_json_dict(raw, source=source)
+    on = [k for k in NON_CANONICAL_FLAGS if raw.get(k) or (raw.get("transformer_layer_config") or {}).get(k)]
+    if on:
+        flags = ", ".join(f"{k}=true" for k in on)
+        raise NonCanonicalDrafterError(f"{source}: speculators variant with {flags}: not the canonical EAGLE-3 forward "
+                                       "pass; eagle3-zoo cannot represent it (vLLM can still serve it as is)")
+    layer = raw.get("transformer_layer_config") or raw.get("transformer_config")
+    if not isinstance(layer, dict):
+        raise ValueError(f"{source}: speculators config without a transformer_layer_config object")
+    flat: dict[str, Any] = {k: layer[k] for k in _LAYER_CONFIG_KEYS if k in layer}
+    flat["torch_dtype"] = raw.get("torch_dtype") or layer.get("torch_dtype") or layer.get("dtype")
+    flat["draft_vocab_size"] = raw.get("draft_vocab_size", 32000)  # speculators' schema default
+    flat["target_hidden_size"] = raw.get("target_hidden_size")
+    verifier = (raw.get("speculators_config") or {}).get("verifier") or {}
+    zoo = dict(raw.get("eagle3_zoo") or {})
+    zoo.setdefault("target_name_or_path", verifier.get("name_or_path"))
+    flat["eagle3_zoo"] = zoo
+    cfg = Eagle3Config.from_json_dict(flat, source=source)
+    ids = raw.get("eagle_aux_hidden_state_layer_ids")
+    cfg.aux_layer_ids = tuple(int(i) for i in ids) if ids else None  # speculators ids = internal convention
+    return cfg
+
+
+def load_drafter_config(folder: str | Path) -> tuple[Eagle3Config, str]:
+    """(`Eagle3Config`, format) of a drafter folder in any supported format."""
+    fmt = detect_format(folder)
+    return drafter_config(read_config(folder), fmt, source=str(Path(folder) / "config.json")), fmt
+
+
+def target_architectures(model_type: str | None) -> list[str]:
+    """HF causal-LM class of a target `model_type` (transformers' own auto mapping; empty if unknown)."""
+    if not model_type:
+        return []
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    return [name] if name else []
+
+
+def speculators_config(
+    cfg: Eagle3Config, num_speculative_tokens: int = 3, verifier_architectures: list[str] | None = None
+) -> dict[str, Any]:
+    """config.json of the speculators export (the schema vLLM's speculators loader validates).
+
+    Raises:
+        ValueError: the drafter does not record its target (`speculators_config.verifier.name_or_path` is required).
+    """
+    if not cfg.target_name_or_path:
+        raise ValueError("the speculators format names the target (speculators_config.verifier.name_or_path), but "
+                         "this drafter's config has no target_name_or_path; set it in config.json's eagle3_zoo block")
+    canon = cfg.to_json_dict()
+    layer = {k: canon[k] for k in (*_LAYER_CONFIG_KEYS, "attention_bias", "tie_word_embeddings", "torch_dtype")}
+    layer.update(model_type="llama", num_hidden_layers=1, mlp_bias=False)
+    out: dict[str, Any] = {
+        "architectures": [SPECULATORS_ARCHITECTURE],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        # vLLM's speculators loader defaults norm_before_residual to True when absent: always write it
+        **{flag: False for flag in NORM_FLAGS},
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens)}],
+            "default_proposal_method": "greedy",
+            "verifier": {
+                "name_or_path": cfg.target_name_or_path,
+                "architectures": verifier_architectures or target_architectures(cfg.target_model_type),
+            },
+        },
+        "torch_dtype": cfg.torch_dtype,
+        "eagle3_zoo": {**canon["eagle3_zoo"], "aux_layer_ids_convention":
+                       "eagle_aux_hidden_state_layer_ids = HF hidden_states index (vLLM / speculators convention)"},
+    }
+    if cfg.aux_layer_ids is not None:  # speculators/vLLM count HF hidden-state indices, as we do internally
+        out["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
+    return out
+
+
+def is_canonical(folder: str | Path) -> bool:
+    """Whether a folder is exactly what `Eagle3Drafter.save_pretrained` writes (safe to copy byte for byte)."""
+    try:
+        if detect_format(folder) != "sglang" or read_config(folder).get("architectures") != [ARCHITECTURE]:
+            return False
+        from eagle3_zoo.hub.weights import read_infos
+
+        infos, _, files = read_infos(folder)
+    except (OSError, ValueError, CheckpointError):
+        return False
+    return len(files) == 1 and set(infos) == set(CANONICAL_KEYS)

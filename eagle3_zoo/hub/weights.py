@@ -1,0 +1,192 @@
+"""Reading drafter weight files safely: safetensors headers are validated before any tensor is touched, and pickle
+files (official `pytorch_model.bin` releases) are opened with `torch.load(weights_only=True)` only.
+
+A pickle can run arbitrary code when it is unpickled. `weights_only=True` swaps in an unpickler that only rebuilds
+tensors and plain containers and refuses every other global, so a file carrying anything else is rejected before
+any of its code runs. A file that passes must still be a flat `{name: tensor}` dict.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SAFETENSORS_NAME = "model.safetensors"
+PICKLE_NAME = "pytorch_model.bin"
+_INDEX_SUFFIX = ".index.json"
+
+# safetensors dtype code -> bytes per element (the codes the format defines that drafters can hold)
+_ST_ITEMSIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}
+_TORCH_TO_ST = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+
+
+class CheckpointError(ValueError):
+    """A weight file that cannot be read: missing, truncated, corrupt, or not a flat tensor dict."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A pickle file holding objects other than tensors; it was refused without running any of its code."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str  # safetensors code: "F32", "I64", "BOOL", ...
+    shape: tuple[int, ...]
+
+
+def st_dtype(dtype: torch.dtype) -> str:
+    return _TORCH_TO_ST.get(dtype, str(dtype))
+
+
+def find_weight_files(folder: str | Path) -> tuple[str, list[Path]]:
+    """The weight files of a checkpoint folder: ("safetensors" | "pickle", paths), sharded indexes included.
+
+    Raises:
+        CheckpointError: when the folder has neither model.safetensors nor pytorch_model.bin (or their indexes).
+    """
+    folder = Path(folder)
+    for kind, name in (("safetensors", SAFETENSORS_NAME), ("pickle", PICKLE_NAME)):
+        if (folder / name).is_file():
+            return kind, [folder / name]
+        index = folder / (name + _INDEX_SUFFIX)
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a valid shard index ({e})") from e
+            return kind, [folder / f for f in sorted(set(weight_map.values()))]
+    raise CheckpointError(
+        f"{folder}: no weights found; expected {SAFETENSORS_NAME} (SGLang/speculators) or {PICKLE_NAME} "
+        f"(official EAGLE-3 release), or a sharded *{_INDEX_SUFFIX}"
+    )
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
+    """Parse and validate a safetensors header without loading tensor data.
+
+    Checks the 8-byte header length against the file size, the header JSON, every dtype, and that each tensor's
+    byte range matches its shape and lies inside the file, so a truncated download is reported as such instead
+    of failing later inside a loader.
+
+    Raises:
+        CheckpointError: naming the file and what is wrong with it.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated ({size} bytes); a safetensors file starts with an 8-byte "
+                                  "header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise CheckpointError(f"{path}: truncated or corrupt: the header claims {n} bytes but the file has "
+                                  f"only {size - 8} after the length field")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header (not JSON: {e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (a JSON object is expected)")
+    data_size = size - 8 - n
+    infos: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        infos[name] = _tensor_info(path, name, entry, data_size)
+    return infos
+
+
+def _tensor_info(path: Path, name: str, entry: object, data_size: int) -> TensorInfo:
+    try:
+        dtype, shape, (begin, end) = entry["dtype"], tuple(int(s) for s in entry["shape"]), entry["data_offsets"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: corrupt header entry for {name!r} ({e!r})") from e
+    if dtype not in _ST_ITEMSIZE:
+        raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+    if not 0 <= begin <= end or end - begin != math.prod(shape) * _ST_ITEMSIZE[dtype]:
+        raise CheckpointError(f"{path}: corrupt header: tensor {name!r} ({dtype}, shape {list(shape)}) has byte "
+                              f"range [{begin}, {end})")
+    if end > data_size:
+        raise CheckpointError(f"{path}: truncated: tensor {name!r} ends at data byte {end} but the file holds only "
+                              f"{data_size} data bytes (incomplete download?)")
+    return TensorInfo(dtype, shape)
+
+
+def load_safetensors(path: str | Path, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Load tensors (all, or only `keys`) from a header-validated safetensors file."""
+    from safetensors import safe_open
+
+    infos = read_safetensors_header(path)
+    wanted = list(infos) if keys is None else [k for k in keys if k in infos]
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        return {k: f.get_tensor(k) for k in wanted}
+
+
+def load_pickle_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Load a `pytorch_model.bin` with the restricted unpickler; anything but a flat tensor dict is refused.
+
+    Raises:
+        UnsafeCheckpointError: the file holds non-tensor objects (never executed).
+        CheckpointError: the file is truncated or not a PyTorch checkpoint.
+    """
+    path = Path(path)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # keep torch's diagnosis (which global was refused), drop its advice to retry with weights_only=False
+        why = next((ln.split("error:", 1)[-1].split(". ")[0].strip() for ln in str(e).splitlines()
+                    if "Unpickler error" in ln), "an object the restricted unpickler does not allow")
+        raise UnsafeCheckpointError(
+            f"{path}: refused: the pickle holds objects other than tensors ({why}). Nothing in it was executed."
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read PyTorch checkpoint (truncated or corrupt?): {e}") from e
+    if not isinstance(obj, dict):
+        raise UnsafeCheckpointError(f"{path}: refused: expected a {{name: tensor}} dict, got {type(obj).__name__}")
+    bad = sorted(str(k) for k, v in obj.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor))
+    if bad:
+        raise UnsafeCheckpointError(f"{path}: refused: entries {bad[:5]} are not tensors; a drafter checkpoint is "
+                                    "a flat {name: tensor} dict")
+    return obj
+
+
+def read_infos(folder: str | Path) -> tuple[dict[str, TensorInfo], str, list[Path]]:
+    """Names, dtypes and shapes of every tensor in a checkpoint folder (safetensors: header only)."""
+    kind, files = find_weight_files(folder)
+    infos: dict[str, TensorInfo] = {}
+    for path in files:
+        if kind == "safetensors":
+            infos.update(read_safetensors_header(path))
+        else:
+            state = load_pickle_weights(path)
+            infos.update({k: TensorInfo(st_dtype(v.dtype), tuple(v.shape)) for k, v in state.items()})
+    return infos, kind, files
+
+
+def load_weights(folder: str | Path, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """All tensors (or only `keys`) of a checkpoint folder, read with the safe readers above."""
+    kind, files = find_weight_files(folder)
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        if kind == "safetensors":
+            state.update(load_safetensors(path, keys))
+        else:
+            part = load_pickle_weights(path)
+            state.update(part if keys is None else {k: v for k, v in part.items() if k in keys})
+    return state

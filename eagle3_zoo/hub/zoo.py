@@ -1,0 +1,94 @@
+"""The model zoo: known EAGLE-3 drafters and recipes, read from the packaged registry `resources/zoo.yaml`.
+
+The zoo is data (as litgpt's config hub): a new drafter is one YAML entry with its source link, no code.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, fields
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+import yaml
+
+STATUSES = ("published", "not-yet-published", "recipe-only")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """One known drafter (or a recipe that trains one)."""
+
+    name: str
+    repo_id: str | None  # None: not on the Hub
+    target: str
+    family: str
+    format: str  # sglang | official | speculators
+    recipe: str | None  # path from the repository root
+    status: str
+    verified: bool  # the repo name was confirmed in the cited source
+    source: str
+    notes: str = ""
+
+
+@lru_cache(maxsize=1)
+def _registry() -> dict[str, Any]:
+    text = resources.files("eagle3_zoo").joinpath("resources", "zoo.yaml").read_text(encoding="utf-8")
+    data = yaml.safe_load(text)
+    known = {f.name for f in fields(ZooEntry)}
+    for i, entry in enumerate(data["drafters"]):
+        unknown, missing = set(entry) - known, known - set(entry) - {"notes"}
+        if unknown or missing or entry["status"] not in STATUSES:
+            raise ValueError(f"zoo.yaml drafters[{i}] ({entry.get('name')}): unknown fields {sorted(unknown)}, missing "
+                             f"{sorted(missing)}, status {entry.get('status')!r} (valid: {', '.join(STATUSES)})")
+    return data
+
+
+def list_zoo() -> list[ZooEntry]:
+    """Every zoo entry, in registry order."""
+    return [ZooEntry(**{**e, "notes": e.get("notes") or ""}) for e in _registry()["drafters"]]
+
+
+def show_zoo(name: str) -> ZooEntry:
+    """The entry whose zoo name or Hub repo id is `name` (case-insensitive).
+
+    Raises:
+        KeyError: unknown name, with the closest names.
+    """
+    entries = list_zoo()
+    for entry in entries:
+        if name.lower() in (entry.name.lower(), (entry.repo_id or "").lower()):
+            return entry
+    names = [e.name for e in entries]
+    close = difflib.get_close_matches(name.lower(), names, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(names)}"
+    raise KeyError(f"no zoo entry named {name!r}{hint}")
+
+
+def target_hub_id(target: str | None) -> str | None:
+    """Hub id of a target name: the registry's `targets` map for local names, else the name if it looks like one."""
+    if not target:
+        return None
+    mapped = (_registry().get("targets") or {}).get(target)
+    if mapped:
+        return mapped
+    return target if _HUB_ID.fullmatch(target) else None
+
+
+def resolve_repo_id(name: str) -> str:
+    """A Hub repo id for `name`: a zoo entry's repo, or `name` itself when it is not a zoo name.
+
+    Raises:
+        ValueError: the zoo entry is not published (nothing to download).
+    """
+    try:
+        entry = show_zoo(name)
+    except KeyError:
+        return name
+    if not entry.repo_id:
+        raise ValueError(f"zoo entry {entry.name!r} is {entry.status}: nothing to download. "
+                         + (f"Train it with `eagle3-zoo fit {entry.recipe}`." if entry.recipe else ""))
+    return entry.repo_id

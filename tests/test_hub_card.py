@@ -1,0 +1,104 @@
+"""Model cards rendered from the packaged template: metadata, tau table, plot, training details; parse back."""
+
+from __future__ import annotations
+
+import json
+
+import jinja2
+from huggingface_hub import ModelCard
+
+from eagle3_zoo.hub import render_card
+from eagle3_zoo.hub.card import template_text
+from tests.hub_fixtures import canonical_dir
+
+# TEST DATA: shaped like eagle3_zoo.speculative.evaluate's output; the numbers are made up for this test.
+EVAL_RESULTS = {
+    "_note": "test data written by tests/test_hub_card.py, not a measurement",
+    "protocol": "tau = tokens per verification cycle (accepted draft tokens + 1 bonus token), pooled",
+    "settings": {"mode": "tree", "depth": 6, "top_k": 8, "total_tokens": 48, "temperature": 0.0,
+                 "max_new_tokens": 128, "benches": ["mtbench", "humaneval"], "eos_token_ids": [2]},
+    "benchmarks": {
+        "mtbench": {"requests": 160, "tau": 3.2146, "tau_per_request_mean": 3.1, "speedup": 1.874,
+                    "spec_tokens_per_s": 51.27, "acceptance_per_depth": [0.81, 0.66, 0.52, None], "lossless": True},
+        "humaneval": {"requests": 164, "tau": 3.9, "tau_per_request_mean": 3.8, "speedup": None,
+                      "acceptance_per_depth": [0.88, 0.74]},
+    },
+    "overall": {"requests": 324, "tau": 3.55, "lossless": True},
+    "machine": {"platform": "Linux-x86_64", "device": "cpu", "cpu_count": 2},
+}
+RECIPE = """\
+target:
+  name_or_path: tiny-org/tiny-llama
+  family: llama
+drafter:
+  draft_vocab_size: 64
+data:
+  sources:
+  - path: tiny-org/tiny-chats
+  - path: local/chats.jsonl
+  max_samples: 2000
+  max_length: 512
+  regenerate:
+    enabled: false
+ttt:
+  steps: 7
+  schedule: ramp
+optim:
+  lr: 0.0003
+  warmup_steps: 20
+  decay: cosine
+trainer:
+  max_steps: 400
+  batch_size: 4
+  devices: 1
+  precision: 32-true
+"""
+PROVENANCE = {"git_sha": "0123abc", "target": "tiny-org/tiny-llama", "hardware": "2 CPU cores",
+              "train_time_s": 512.4, "global_step": 400, "versions": {"torch": "2.13", "transformers": "5.24"}}
+
+
+def test_card_has_metadata_tau_table_plot_and_training(tmp_path):
+    src, _ = canonical_dir(tmp_path)
+    (src / "eval_results.json").write_text(json.dumps(EVAL_RESULTS))
+    (src / "eval_results.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    (src / "recipe.yaml").write_text(RECIPE)
+    (src / "provenance.json").write_text(json.dumps(PROVENANCE))
+
+    card = render_card(src, repo_id="me/tiny-eagle3", tags=("tiny",))
+    card.save(tmp_path / "README.md")
+    loaded = ModelCard.load(tmp_path / "README.md")  # parses back (YAML header + body)
+    data = loaded.data.to_dict()
+    assert data["base_model"] == "tiny-org/tiny-llama"
+    assert data["library_name"] == "eagle3-zoo" and data["pipeline_tag"] == "text-generation"
+    assert {"eagle3", "speculative-decoding", "llama", "tiny"} <= set(data["tags"])
+    assert data["datasets"] == ["tiny-org/tiny-chats"] and data["license"] == "apache-2.0"
+
+    text = loaded.text
+    assert "| mtbench | 160 | 3.21 | 3.10 | 1.87x | 51.3 | 0.81, 0.66, 0.52, – | yes |" in text
+    assert "| humaneval | 164 | 3.90 | 3.80 | – | – | 0.88, 0.74 | – |" in text
+    assert "| all (pooled) | 324 | 3.55 |" in text
+    assert "![Acceptance per draft depth](eval_results.png)" in text
+    assert "tau = tokens per verification cycle" in text and "depth: 6" in text
+    assert "--speculative-num-steps 6 --speculative-eagle-topk 8 --speculative-num-draft-tokens 48" in text
+    assert '"model": "me/tiny-eagle3", "num_speculative_tokens": 6' in text
+    assert "--model-path tiny-org/tiny-llama" in text
+    assert "| Training-time test | 7 steps (ramp) |" in text and "| Hardware | 2 CPU cores |" in text
+    assert "| Training time | 512 s |" in text and "| Steps | 400 |" in text
+    assert "| versions.torch | 2.13 |" in text and "```yaml\ntarget:" in text
+    assert "HF hidden-state indices [2, 4, 5] (SGLang eagle_config: [1, 3, 4])" in text
+
+
+def test_bare_checkpoint_gets_a_valid_card(tmp_path):
+    src, _ = canonical_dir(tmp_path, target_name_or_path="smollm2-135m-instruct")
+    card = render_card(src)
+    card.save(tmp_path / "README.md")
+    loaded = ModelCard.load(tmp_path / "README.md")
+    assert loaded.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded target's Hub id (zoo)
+    assert "No evaluation results were recorded" in loaded.text
+    assert "SGLang auto-tunes" in loaded.text and "speculative-num-steps" not in loaded.text
+    assert "--model-path HuggingFaceTB/SmolLM2-135M-Instruct" in loaded.text
+
+
+def test_every_template_variable_has_a_default():
+    text = jinja2.Template(template_text(), undefined=jinja2.StrictUndefined).render()  # no variable at all
+    assert "ORG/NAME" in text and "EAGLE-3 drafter" in text

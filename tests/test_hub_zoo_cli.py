@@ -1,0 +1,105 @@
+"""The zoo registry (data) and the export / check / zoo subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from eagle3_zoo.hub import FORMATS, detect_format, list_zoo, show_zoo
+from eagle3_zoo.hub.cli_commands import add_subparsers
+from eagle3_zoo.hub.cli_commands import main as cli
+from eagle3_zoo.hub.zoo import STATUSES, target_hub_id
+from tests.hub_fixtures import canonical_dir, edit_weights
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_zoo_lists_the_known_drafters():
+    entries = {e.repo_id: e for e in list_zoo() if e.repo_id}
+    for repo in ("yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B",
+                 "yuhuili/EAGLE3-Vicuna1.3-13B", "yuhuili/EAGLE3-DeepSeek-R1-Distill-LLaMA-8B",
+                 "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B", "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3",
+                 "RedHatAI/Qwen3-8B-speculator.eagle3"):
+        assert entries[repo].status == "published", repo
+    assert entries["yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"].format == "official"
+    assert entries["RedHatAI/Qwen3-8B-speculator.eagle3"].format == "speculators"
+    ours = show_zoo("smollm2-135m-instruct-eagle3")
+    assert ours.repo_id is None and ours.status == "not-yet-published" and ours.recipe == "recipes/smollm2_135m.yaml"
+
+
+def test_zoo_entries_are_consistent():
+    entries = list_zoo()
+    assert len({e.name for e in entries}) == len(entries)
+    assert len({e.repo_id for e in entries if e.repo_id}) == len([e for e in entries if e.repo_id])
+    for e in entries:
+        assert e.format in FORMATS and e.status in STATUSES and e.source and e.family, e
+        assert (e.repo_id is None) == (e.status != "published"), e
+        if e.recipe:
+            assert (REPO_ROOT / e.recipe).is_file(), e.recipe
+    # every entry carries its source link as a comment right above it ("the zoo is data")
+    text = resources.files("eagle3_zoo").joinpath("resources", "zoo.yaml").read_text()
+    pieces = re.split(r"\n  - name: ", text)
+    assert len(pieces) - 1 == len(entries)
+    for before, entry in zip(pieces[:-1], entries):
+        lines = before.splitlines()
+        comments = []
+        while lines and lines[-1].lstrip().startswith("#"):  # the comment block right above the entry
+            comments.append(lines.pop())
+        assert any("source:" in c for c in comments), entry.name
+
+
+def test_show_zoo_by_repo_and_unknown_names():
+    assert show_zoo("YUHUILI/eagle3-llama3.1-instruct-8b").name == "eagle3-llama3.1-instruct-8b"
+    with pytest.raises(KeyError, match="did you mean"):
+        show_zoo("eagle3-llama3.1-instruct")
+    assert target_hub_id("smollm2-135m-instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert target_hub_id("/local/path") is None and target_hub_id("org/model") == "org/model"
+
+
+def test_add_subparsers_registers_five_commands():
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    add_subparsers(sub)
+    assert set(sub.choices) == {"export", "check", "publish", "pull", "zoo"}
+    from eagle3_zoo.hub import EXPORT_FORMATS
+    from eagle3_zoo.hub.cli_commands import _FORMATS
+
+    assert _FORMATS == sorted(EXPORT_FORMATS)
+    args = parser.parse_args(["pull", "org/x", "--convert-to", "speculators"])
+    assert callable(args.func) and args.convert_to == "speculators"
+
+
+def test_cli_zoo_export_check(tmp_path, capsys):
+    assert cli(["zoo", "list"]) == 0
+    listing = capsys.readouterr().out
+    assert "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B" in listing and "not-yet-published" in listing
+    assert cli(["zoo", "show", "qwen3-8b-speculator.eagle3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["target"] == "Qwen/Qwen3-8B"
+    assert cli(["zoo", "show", "nope"]) == 1
+    assert "no zoo entry named 'nope'" in capsys.readouterr().err
+
+    src, _ = canonical_dir(tmp_path)
+    assert cli(["export", str(src), "--format", "speculators", "--out", str(tmp_path / "spec")]) == 0
+    assert detect_format(tmp_path / "spec") == "speculators" and "exported" in capsys.readouterr().out
+    assert cli(["check", str(tmp_path / "spec"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    edit_weights(src, lambda s: s.pop("d2t"))
+    assert cli(["check", str(src)]) == 1
+    assert "D2T_MISSING" in capsys.readouterr().out
+    assert cli(["check", str(tmp_path / "missing")]) == 1
+    assert cli(["export", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 1
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_registering_the_commands_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, eagle3_zoo.hub.cli_commands, eagle3_zoo.hub; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT)
+    assert out.stdout.strip() == "False"
