@@ -21,73 +21,89 @@ _flash_fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 _flash_bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
+def _use_flash(q: torch.Tensor) -> bool:
+    return _flash_fwd is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16,
+                                                                              torch.float16)
+
+
+def _causal_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    t, groups = q.shape[-2], q.shape[1] // k.shape[1]
+    s = (q.float() @ _expand_kv(k, groups).float().transpose(-1, -2)) * scale
+    return s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+
+
 def _causal_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    if _flash_fwd is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+    """Causal attention and its log-sum-exp; k/v may have fewer (GQA) heads."""
+    if _use_flash(q):  # the CPU flash kernel handles GQA natively and returns the log-sum-exp
         out, lse = _flash_fwd(q, k, v, 0.0, True, scale=scale)
         return out, lse.float()
-    # portable path (e.g. CUDA without the CPU op): explicit scores, still exact
-    t = q.shape[-2]
-    s = (q.float() @ k.float().transpose(-1, -2)) * scale
-    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    # portable path (e.g. CUDA, where SDPA does not expose the log-sum-exp): explicit scores, still exact
+    s = _causal_scores(q, k, scale)
     lse = torch.logsumexp(s, -1)
-    out = (torch.softmax(s, -1) @ v.float()).to(q.dtype)
+    out = (torch.softmax(s, -1) @ _expand_kv(v, q.shape[1] // v.shape[1]).float()).to(q.dtype)
     return out, lse
 
 
 def _causal_backward(d_out, q, k, v, out, lse, scale):
-    if _flash_bwd is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+    if _use_flash(q):
         return _flash_bwd(d_out.contiguous(), q, k, v, out, lse, 0.0, True, scale=scale)
-    t = q.shape[-2]
-    s = (q.float() @ k.float().transpose(-1, -2)) * scale
-    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    p = torch.exp(s - lse[..., None])  # probabilities w.r.t. the merged normaliser
-    dp = d_out.float() @ v.float().transpose(-1, -2)
+    groups = q.shape[1] // k.shape[1]
+    p = torch.exp(_causal_scores(q, k, scale) - lse[..., None])  # probabilities w.r.t. the merged normaliser
+    dp = d_out.float() @ _expand_kv(v, groups).float().transpose(-1, -2)
     delta = (d_out.float() * out.float()).sum(-1, keepdim=True)
     ds = p * (dp - delta)
-    dq = (ds @ k.float()) * scale
+    dq = (ds @ _expand_kv(k, groups).float()) * scale
     dk = (ds.transpose(-1, -2) @ q.float()) * scale
     dv = p.transpose(-1, -2) @ d_out.float()
+    b, h, t, d = dk.shape
+    if groups > 1:  # sum the expanded heads' gradients back onto their shared KV head
+        dk = dk.view(b, h // groups, groups, t, d).sum(2)
+        dv = dv.view(b, h // groups, groups, t, d).sum(2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _TTTAttention(torch.autograd.Function):
-    """softmax over {causal step-0 keys} U {diagonal keys of steps 1..k}; inputs [B, heads, T, d] (GQA expanded)."""
+    """softmax over {causal step-0 keys} U {diagonal keys of steps 1..k}.
+
+    q `[B, h, T, d]`; k0/v0 `[B, hk, T, d]`; kd/vd `[B, hk, T, n, d]` (the n diagonal steps stacked), with GQA
+    groups of g = h // hk query heads per KV head (head i uses KV head i // g, as `repeat_interleave`).
+    """
 
     @staticmethod
-    def forward(ctx, scale: float, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, *diag: torch.Tensor):
-        n = len(diag) // 2
-        ks, vs = diag[:n], diag[n:]
+    def forward(ctx, scale: float, q, k0, v0, kd, vd):
+        b, h, t, d = q.shape
+        hk = k0.shape[1]
+        g = h // hk
         out_c, lse_c = _causal_with_lse(q, k0, v0, scale)
-        s = torch.stack([(q.float() * kj.float()).sum(-1) * scale for kj in ks], -1)  # [B,h,T,n]
+        qg = q.float().reshape(b, hk, g, t, d)
+        kdf, vdf = kd.float(), vd.float()
+        s = torch.einsum("bkgtd,bktnd->bkgtn", qg, kdf) * scale
+        lse_c = lse_c.view(b, hk, g, t)
         lse = torch.logaddexp(lse_c, torch.logsumexp(s, -1))
         a = torch.exp(lse_c - lse)[..., None]
-        b = torch.exp(s - lse[..., None])
-        out = a * out_c.float()
-        for j in range(n):
-            out = out + b[..., j, None] * vs[j].float()
-        out = out.to(q.dtype)
+        bw = torch.exp(s - lse[..., None])
+        out = a * out_c.float().reshape(b, hk, g, t, d) + torch.einsum("bkgtn,bktnd->bkgtd", bw, vdf)
+        out = out.reshape(b, h, t, d).to(q.dtype)
         ctx.scale = scale
-        ctx.n = n
-        ctx.save_for_backward(q, k0, v0, out, lse, b, *ks, *vs)
+        ctx.save_for_backward(q, k0, v0, kd, vd, out, lse.reshape(b, h, t), bw)
         return out
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor):
-        q, k0, v0, out, lse, b, *kv = ctx.saved_tensors
-        n, scale = ctx.n, ctx.scale
-        ks, vs = kv[:n], kv[n:]
+        q, k0, v0, kd, vd, out, lse, bw = ctx.saved_tensors
+        scale = ctx.scale
+        b, h, t, d = q.shape
+        hk = k0.shape[1]
+        g = h // hk
         dq, dk0, dv0 = _causal_backward(d_out, q, k0, v0, out, lse, scale)
-        dq = dq.float()
-        d_out_f = d_out.float()
-        delta = (d_out_f * out.float()).sum(-1)  # [B,h,T]
-        dks, dvs = [], []
-        for j in range(n):
-            bj = b[..., j]
-            dvs.append((bj[..., None] * d_out_f).to(vs[j].dtype))
-            ds = bj * ((d_out_f * vs[j].float()).sum(-1) - delta) * scale
-            dq = dq + ds[..., None] * ks[j].float()
-            dks.append((ds[..., None] * q.float()).to(ks[j].dtype))
-        return (None, dq.to(q.dtype), dk0, dv0, *dks, *dvs)
+        do = d_out.float().reshape(b, hk, g, t, d)
+        delta = (do * out.float().reshape(b, hk, g, t, d)).sum(-1)
+        kdf, vdf = kd.float(), vd.float()
+        dvd = torch.einsum("bkgtn,bkgtd->bktnd", bw, do)
+        ds = bw * (torch.einsum("bkgtd,bktnd->bkgtn", do, vdf) - delta[..., None]) * scale
+        dq = dq.float() + torch.einsum("bkgtn,bktnd->bkgtd", ds, kdf).reshape(b, h, t, d)
+        dkd = torch.einsum("bkgtn,bkgtd->bktnd", ds, q.float().reshape(b, hk, g, t, d))
+        return None, dq.to(q.dtype), dk0, dv0, dkd.to(kd.dtype), dvd.to(vd.dtype)
 
 
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -105,12 +121,11 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
         `[B, heads, T, d]`.
     """
     groups = q.shape[1] // keys[0].shape[1]
-    scale = 1.0 / math.sqrt(q.shape[-1])
     if len(keys) == 1:
         return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, enable_gqa=groups > 1)
-    ks = [_expand_kv(k, groups) for k in keys]
-    vs = [_expand_kv(v, groups) for v in values]
-    return _TTTAttention.apply(scale, q, ks[0], vs[0], *ks[1:], *vs[1:])
+    kd = torch.stack(keys[1:], dim=3)  # [B, hk, T, n, d]
+    vd = torch.stack(values[1:], dim=3)
+    return _TTTAttention.apply(1.0 / math.sqrt(q.shape[-1]), q, keys[0], values[0], kd, vd)
 
 
 def ttt_attention_reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:

@@ -55,26 +55,36 @@ def target_distribution(
 
 
 class _FusedSoftCE(torch.autograd.Function):
-    """sum_rows -(p * log_softmax(h @ W.T)).sum(-1) with grads computed chunk-wise in forward."""
+    """sum_rows -(p * log_softmax(h @ W.T)).sum(-1) with grads computed chunk-wise in forward.
+
+    Per chunk: one pass for the row max and argmax, a batched row-dot for p . logits, in-place exp / normalise to
+    the softmax and in-place `softmax - p` (the logits gradient, since p rows sum to 1): no log-softmax tensor.
+    """
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, p: torch.Tensor, rows: torch.Tensor | None, chunk: int):
+    def forward(ctx, h, weight, p, rows, target_ids, chunk: int):
         w = weight.float()
         grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device)
-        grad_w = torch.zeros_like(w) if weight.requires_grad else None
+        grad_w = None
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.zeros((), dtype=torch.int64, device=h.device)
         for i in range(0, h.shape[0], chunk):
             hc = h[i : i + chunk].float()
-            pc = p[i : i + chunk] if rows is None else p.index_select(0, rows[i : i + chunk])  # gather per chunk
+            idx = None if rows is None else rows[i : i + chunk]
+            pc = p[i : i + chunk] if idx is None else p.index_select(0, idx)  # gathered per chunk, never [N, Vd]
+            tc = pc.argmax(-1) if target_ids is None else (target_ids[i : i + chunk] if idx is None
+                                                            else target_ids.index_select(0, idx))
             logits = hc @ w.t()
-            logp = torch.log_softmax(logits, dim=-1)
-            loss -= (pc * logp).sum()
-            correct += (logits.argmax(-1) == pc.argmax(-1)).sum()
-            g = logp.exp_().sub_(pc)  # d loss / d logits, p rows sum to 1
+            row_max, arg = logits.max(-1)
+            dot = torch.bmm(pc.unsqueeze(1), logits.unsqueeze(2)).view(-1)  # sum_v p * logits, per row
+            probs = logits.sub_(row_max[:, None]).exp_()
+            denom = probs.sum(-1)
+            loss += (row_max + denom.log() - dot).sum()  # -sum p*log_softmax = logsumexp - p.logits
+            correct += (arg == tc).sum()
+            g = probs.div_(denom[:, None]).sub_(pc)  # d loss / d logits
             grad_h[i : i + chunk] = g @ w
-            if grad_w is not None:
-                grad_w.addmm_(g.t(), hc)
+            if weight.requires_grad:
+                grad_w = g.t() @ hc if grad_w is None else grad_w.addmm_(g.t(), hc)
         ctx.save_for_backward(grad_h, grad_w if grad_w is not None else torch.empty(0))
         ctx.dtypes = (h.dtype, weight.dtype)
         ctx.mark_non_differentiable(correct)
@@ -84,9 +94,9 @@ class _FusedSoftCE(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor, _grad_correct=None):
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
-        gh = (grad_h * grad_loss).to(h_dtype)
-        gw = (grad_w * grad_loss).to(w_dtype) if grad_w.numel() else None
-        return gh, gw, None, None, None
+        gh = grad_h.mul_(grad_loss).to(h_dtype)  # saved grads are used once: scale in place
+        gw = grad_w.mul_(grad_loss).to(w_dtype) if grad_w.numel() else None
+        return gh, gw, None, None, None, None
 
 
 def fused_soft_cross_entropy(
@@ -95,13 +105,15 @@ def fused_soft_cross_entropy(
     probs: torch.Tensor,
     chunk: int = 1024,
     rows: torch.Tensor | None = None,
+    target_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed soft cross-entropy of `hidden [N,H] @ weight.T` against target probabilities.
 
     `probs` is `[N, Vd]`, or `[M, Vd]` with `rows [N]` selecting the row of each hidden state (gathered chunk by
-    chunk, so no `[N, Vd]` copy is made). Returns `(loss_sum, n_correct)`.
+    chunk, so no `[N, Vd]` copy is made). `target_ids` (same indexing as `probs`) are the argmax ids used for the
+    accuracy count; default: computed from `probs`. Returns `(loss_sum, n_correct)`.
     """
-    return _FusedSoftCE.apply(hidden, weight, probs, rows, chunk)
+    return _FusedSoftCE.apply(hidden, weight, probs, rows, target_ids, chunk)
 
 
 def ttt_loss(
@@ -136,6 +148,7 @@ def ttt_loss(
     b, t = input_ids.shape
     probs, valid = target_distribution(target_logits, drafter.t2d, target_valid)
     flat_probs = probs.reshape(b * t, -1)
+    flat_target_ids = flat_probs.argmax(-1)  # once for all steps: step k reads row t+1+k
     # token fed at step k, position t is x_{t+1+k}; positions past the end read a pad id and are never supervised
     next_ids = torch.cat([input_ids[:, 1:], input_ids.new_zeros(b, steps)], dim=1)
     with torch.no_grad():
@@ -154,7 +167,7 @@ def ttt_loss(
         if n:
             h_rows = drafter.norm(hidden[rows_b, rows_t])
             loss_sum, correct = fused_soft_cross_entropy(h_rows, drafter.lm_head.weight, flat_probs, chunk,
-                                                         rows=rows_b * t + rows_t + 1 + k)
+                                                         rows=rows_b * t + rows_t + 1 + k, target_ids=flat_target_ids)
             loss_k = loss_sum / n
             acc_k = correct.float() / n
         else:
