@@ -1,0 +1,84 @@
+"""Lossless speculative decoding with EAGLE-3 drafters (chain and EAGLE-2 dynamic trees) and acceptance benchmarks.
+
+Batch size 1. Data flow of one request: `TargetRunner.prefill` -> loop { `build_tree` (drafter) ->
+`TargetRunner.verify` (one target forward) -> `accept` -> prune caches } -> stop like `generate`.
+
+Names are loaded on first use (PEP 562; no submodule shares a name with an export), so `eagle3-zoo --help` and
+the eval argument parser import no torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "Acceptance": "acceptance", "SamplingParams": "acceptance", "accept": "acceptance", "next_token": "acceptance",
+    "BenchPrompt": "benchmarks", "Benchmark": "benchmarks", "load_benchmark": "benchmarks",
+    "TauEvalCallback": "callback",
+    "DraftModel": "draft", "Eagle3DraftModel": "draft",
+    "add_eval_arguments": "eval_cli", "eval_main": "eval_cli", "run_eval_cli": "eval_cli",
+    "evaluate": "evaluation", "format_table": "evaluation", "plot_acceptance": "evaluation",
+    "write_results": "evaluation",
+    "MODES": "generate", "GenerationOutput": "generate", "SpeculativeGenerator": "generate",
+    "plain_generate": "generate", "tree_spec": "generate",
+    "PROTOCOL": "metrics", "BenchStats": "metrics",
+    "NodeLogits": "target", "TargetRunner": "target",
+    "DraftTree": "tree", "TreeSpec": "tree", "build_tree": "tree",
+}
+
+if TYPE_CHECKING:
+    from eagle3_zoo.speculative.acceptance import Acceptance, SamplingParams, accept, next_token
+    from eagle3_zoo.speculative.benchmarks import Benchmark, BenchPrompt, load_benchmark
+    from eagle3_zoo.speculative.callback import TauEvalCallback
+    from eagle3_zoo.speculative.draft import DraftModel, Eagle3DraftModel
+    from eagle3_zoo.speculative.eval_cli import add_eval_arguments, eval_main, run_eval_cli
+    from eagle3_zoo.speculative.evaluation import evaluate, format_table, plot_acceptance, write_results
+    from eagle3_zoo.speculative.generate import MODES, GenerationOutput, SpeculativeGenerator, plain_generate, tree_spec
+    from eagle3_zoo.speculative.metrics import PROTOCOL, BenchStats
+    from eagle3_zoo.speculative.target import NodeLogits, TargetRunner
+    from eagle3_zoo.speculative.tree import DraftTree, TreeSpec, build_tree
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+__all__ = [
+    "MODES",
+    "PROTOCOL",
+    "Acceptance",
+    "BenchPrompt",
+    "BenchStats",
+    "Benchmark",
+    "DraftModel",
+    "DraftTree",
+    "Eagle3DraftModel",
+    "GenerationOutput",
+    "NodeLogits",
+    "SamplingParams",
+    "SpeculativeGenerator",
+    "TargetRunner",
+    "TauEvalCallback",
+    "TreeSpec",
+    "accept",
+    "add_eval_arguments",
+    "build_tree",
+    "eval_main",
+    "evaluate",
+    "format_table",
+    "load_benchmark",
+    "next_token",
+    "plain_generate",
+    "plot_acceptance",
+    "run_eval_cli",
+    "tree_spec",
+    "write_results",
+]

@@ -1,0 +1,109 @@
+"""`TauEvalCallback`: real speculative decoding on held-out prompts during training, logged as `val/tau`.
+
+The TTT accuracies estimate acceptance; this measures it, with the same generator and metric protocol as
+`eagle3-zoo eval`, so checkpoints can be selected by measured tau
+(``ModelCheckpoint(monitor="val/tau", mode="max")``).
+
+It reads from the LightningModule: ``.drafter`` (an `Eagle3Drafter`), ``.target`` (the frozen target, so online
+mode or any module that keeps the target), optionally ``.adapter`` and ``.tokenizer`` (needed for text prompts
+unless a tokenizer is given to the callback). It runs greedily on every rank (the same prompts give the same
+result on each rank, and every rank then holds the logged metric); an FSDP-sharded drafter is skipped with a
+warning, because its parameters are only gathered inside the training forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from typing_extensions import override
+
+from eagle3_zoo.speculative.benchmarks import chat_input_ids, completion_input_ids
+from eagle3_zoo.speculative.generate import SpeculativeGenerator, tree_spec
+from eagle3_zoo.speculative.metrics import BenchStats
+
+log = logging.getLogger(__name__)
+
+
+class TauEvalCallback(L.Callback):
+    """Every `every_n_steps` optimizer steps, decode `prompts` speculatively and log `val/tau` (and acceptance@1).
+
+    Args:
+        prompts: Text (one user turn through the chat template; raw text without a template) or token ids.
+        every_n_steps: Evaluation period in optimizer steps.
+        max_new_tokens: Per prompt.
+        mode: ``"tree"`` or ``"chain"``; `depth`, `top_k`, `total_tokens` shape the draft as in `evaluate`.
+        tokenizer: For text prompts; default ``pl_module.tokenizer``.
+    """
+
+    def __init__(self, prompts: Sequence[str | Sequence[int] | torch.Tensor], every_n_steps: int = 500,
+                 max_new_tokens: int = 64, mode: str = "tree", depth: int = 8, top_k: int = 10,
+                 total_tokens: int = 60, tokenizer: Any = None):
+        if not prompts:
+            raise ValueError("TauEvalCallback needs at least one prompt")
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.prompts = list(prompts)
+        self.every_n_steps, self.max_new_tokens = every_n_steps, max_new_tokens
+        self.tree = tree_spec(mode, depth, top_k, total_tokens)
+        self.tokenizer = tokenizer
+        self.last: dict[str, Any] | None = None  # summary of the latest evaluation
+        self._last_step = -1
+
+    def _input_ids(self, pl_module: L.LightningModule) -> list[torch.Tensor]:
+        tokenizer = self.tokenizer or getattr(pl_module, "tokenizer", None)
+        ids = []
+        for prompt in self.prompts:
+            if not isinstance(prompt, str):
+                ids.append(torch.as_tensor(prompt, dtype=torch.long).reshape(-1))
+            elif tokenizer is None:
+                raise ValueError("TauEvalCallback got text prompts but neither it nor the module has a tokenizer")
+            elif getattr(tokenizer, "chat_template", None):
+                ids.append(chat_input_ids(tokenizer, [{"role": "user", "content": prompt}]))
+            else:
+                ids.append(completion_input_ids(tokenizer, prompt))
+        return ids
+
+    @torch.no_grad()
+    def measure(self, pl_module: L.LightningModule) -> dict[str, Any] | None:
+        """Decode the prompts with the module's drafter and target; the `BenchStats` summary (None if skipped)."""
+        drafter, target = pl_module.drafter, getattr(pl_module, "target", None)
+        if target is None:
+            raise ValueError("TauEvalCallback needs the target model on the module (.target); offline-feature "
+                             "training without a target cannot decode")
+        if any(type(p).__name__ == "DTensor" for p in drafter.parameters()):
+            log.warning("TauEvalCallback: the drafter is FSDP-sharded; skipping speculative evaluation")
+            return None
+        was_training = drafter.training
+        drafter.eval()
+        try:
+            generator = SpeculativeGenerator(target, drafter, self.tree, getattr(pl_module, "adapter", None))
+            stats = BenchStats()
+            for i, ids in enumerate(self._input_ids(pl_module)):
+                stats.add(generator.generate(ids, self.max_new_tokens), request_id=str(i))
+        finally:
+            drafter.train(was_training)
+        return stats.summary()
+
+    def _run(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last_step = trainer.global_step
+        summary = self.measure(pl_module)
+        if summary is None or summary["tau"] is None:
+            return
+        self.last = summary
+        acc = summary["acceptance_per_depth"]
+        pl_module.log("val/tau", float(summary["tau"]), on_step=True, on_epoch=False, batch_size=1)
+        if acc and acc[0] is not None:
+            pl_module.log("val/accept_1", float(acc[0]), on_step=True, on_epoch=False, batch_size=1)
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        # with gradient accumulation several micro-batches end on the same optimizer step: evaluate once
+        if step > 0 and step % self.every_n_steps == 0 and step != self._last_step:
+            self._run(trainer, pl_module)
+

@@ -1,0 +1,99 @@
+"""`eagle3-zoo eval DRAFTER --target T --bench mtbench,humaneval ...`: argparse wiring over `evaluate`.
+
+The lead's `eagle3_zoo/cli.py` adds a subcommand with `add_eval_arguments(subparser)` and calls `run_eval_cli(args)`;
+`eval_main(argv)` is the same as a standalone entry point (returns an exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# kept free of torch/transformers imports: `eagle3-zoo --help` builds this parser
+MODES = ("tree", "chain")  # = eagle3_zoo.speculative.generate.MODES
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `eval` options to `parser` (a top-level parser or a subcommand's)."""
+    parser.add_argument("drafter", help="drafter folder (canonical layout: config.json + model.safetensors)")
+    parser.add_argument("--target", default=None,
+                        help="target hub id / folder / 'smollm2-135m-instruct' (default: the drafter's "
+                             "target_name_or_path)")
+    parser.add_argument("--bench", default="mtbench",
+                        help="comma-separated: mtbench, humaneval, or JSONL files (default: mtbench)")
+    parser.add_argument("--mode", choices=MODES, default="tree", help="draft shape (default: tree)")
+    parser.add_argument("--depth", type=int, default=8, help="tree depth / chain length K (default: 8)")
+    parser.add_argument("--top-k", type=int, default=10, help="tree branching per node (default: 10)")
+    parser.add_argument("--total-tokens", type=int, default=60, help="draft nodes per tree (default: 60)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy + lossless check (default: 0)")
+    parser.add_argument("--sample-top-k", type=int, default=0, help="sampling top-k, 0 = off (default: 0)")
+    parser.add_argument("--sample-top-p", type=float, default=1.0, help="sampling top-p, 1 = off (default: 1)")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="per request (default: 256)")
+    parser.add_argument("--limit", type=int, default=None, help="first N prompts of each benchmark")
+    parser.add_argument("--out", default="eval_results.json", help="results JSON (default: eval_results.json)")
+    parser.add_argument("--plot", default=None, help="acceptance PNG (default: the --out path with .png)")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip plain decoding (no speedup, no lossless check)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up requests (default: 1)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    parser.add_argument("--dtype", choices=_DTYPES, default="float32", help="target and drafter dtype")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda if available, else cpu)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--strict", action="store_true", help="exit code 1 if the lossless check fails")
+    return parser
+
+
+def run_eval_cli(args: argparse.Namespace) -> dict[str, Any]:
+    """Load the drafter and target named by `args`, evaluate, print the table, write JSON + PNG.
+
+    Raises:
+        ValueError / OSError: bad paths, names or incompatible drafter and target.
+    """
+    import torch
+
+    from eagle3_zoo.adapters import load_target
+    from eagle3_zoo.modeling import Eagle3Drafter
+    from eagle3_zoo.speculative.evaluation import evaluate, format_table
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    drafter = Eagle3Drafter.from_pretrained(args.drafter, dtype=dtype, device=device).eval()
+    target_name = args.target or drafter.config.target_name_or_path
+    if not target_name:
+        raise ValueError(f"{args.drafter}: the drafter config names no target (eagle3_zoo.target_name_or_path); "
+                         f"pass --target")
+    target, tokenizer, adapter = load_target(target_name, dtype=dtype, device=device)
+    results = evaluate(
+        drafter, target, tokenizer, args.bench, mode=args.mode, temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens, limit=args.limit, depth=args.depth, top_k=args.top_k,
+        total_tokens=args.total_tokens, sample_top_k=args.sample_top_k, sample_top_p=args.sample_top_p,
+        baseline=not args.no_baseline, warmup=args.warmup, seed=args.seed, adapter=adapter, out=args.out,
+        plot=args.plot, progress=not args.no_progress,
+        extra_settings={"drafter": str(Path(args.drafter).resolve()), "target": str(target_name)},
+    )
+    print(format_table(results))
+    print(f"wrote {args.out} and {args.plot or Path(args.out).with_suffix('.png')}")
+    return results
+
+
+def eval_main(argv: Sequence[str] | None = None) -> int:
+    """Standalone entry point: parse `argv`, run; exit code 2 on errors, 1 on a failed lossless check with --strict."""
+    parser = add_eval_arguments(argparse.ArgumentParser(prog="eagle3-zoo eval", description=__doc__))
+    args = parser.parse_args(argv)
+    try:
+        results = run_eval_cli(args)
+    except (ValueError, OSError) as e:  # bad names/paths, incompatible models, unreadable files
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if results["lossless"] is False:
+        print("warning: speculative greedy output differs from plain decoding (see lossless_mismatches)",
+              file=sys.stderr)
+        return 1 if args.strict else 0
+    return 0

@@ -1,0 +1,247 @@
+"""Acceptance benchmarks: speculative vs plain decoding on the same prompts, with tau, per-depth acceptance,
+speedup and the lossless check (see `metrics.PROTOCOL`). Reports: a dict, a JSON file, a text table, a PNG plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from eagle3_zoo.adapters import TargetAdapter
+from eagle3_zoo.modeling import Eagle3Drafter
+from eagle3_zoo.modeling.io import atomic_write_text
+from eagle3_zoo.speculative.acceptance import SamplingParams
+from eagle3_zoo.speculative.benchmarks import BenchPrompt, chat_input_ids, completion_input_ids, load_benchmark
+from eagle3_zoo.speculative.draft import DraftModel
+from eagle3_zoo.speculative.generate import SpeculativeGenerator, eos_ids, plain_generate, tree_spec
+from eagle3_zoo.speculative.metrics import PROTOCOL, BenchStats
+
+
+def _turn_ids(prompt: BenchPrompt, turn: int, history: list[dict[str, str]], tokenizer: Any) -> torch.Tensor:
+    """Input ids of `prompt`'s turn `turn`; chat turns are appended to `history` (the model's answers go there)."""
+    if not prompt.is_chat:
+        return completion_input_ids(tokenizer, prompt.text)
+    if turn == 0 and prompt.system:
+        history.append({"role": "system", "content": prompt.system})
+    history.append({"role": "user", "content": prompt.turns[turn]})
+    return chat_input_ids(tokenizer, history)
+
+
+def evaluate(
+    drafter: Eagle3Drafter | DraftModel,
+    target: nn.Module,
+    tokenizer: Any,
+    benches: str | Sequence[str] = ("mtbench",),
+    mode: str = "tree",
+    temperature: float = 0.0,
+    max_new_tokens: int = 256,
+    limit: int | None = None,
+    *,
+    depth: int = 8,
+    top_k: int = 10,
+    total_tokens: int = 60,
+    sample_top_k: int = 0,
+    sample_top_p: float = 1.0,
+    baseline: bool = True,
+    warmup: int = 1,
+    seed: int = 0,
+    eos_token_id: int | Iterable[int] | None = None,
+    adapter: TargetAdapter | None = None,
+    out: str | os.PathLike | None = None,
+    plot: str | os.PathLike | None = None,
+    progress: bool = True,
+    extra_settings: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Run speculative decoding (and the plain baseline) over benchmarks and measure acceptance and speed.
+
+    Args:
+        drafter: The drafter (or any `DraftModel`).
+        target: The target ``*ForCausalLM``.
+        tokenizer: The target's tokenizer (chat template for chat benchmarks).
+        benches: `mtbench`, `humaneval`, JSONL paths; a comma-separated string or a sequence.
+        mode: `tree` (EAGLE-2 dynamic tree) or `chain` (`depth` draft tokens).
+        temperature: 0 = greedy (lossless check on); > 0 = lossless rejection sampling.
+        max_new_tokens: Per request.
+        limit: First `limit` prompts of each benchmark (all turns of each).
+        depth, top_k, total_tokens: Draft tree shape (chain uses `depth` only).
+        sample_top_k, sample_top_p: Sampling warpers, identical for speculative and plain decoding.
+        baseline: Also run plain KV-cache decoding on every request (speedup, lossless check).
+        warmup: Untimed warm-up requests (first prompt, both decoders) before measuring.
+        seed: Request i samples with seed + i (speculative and baseline alike).
+        eos_token_id: Stop ids; default the target's generation_config, else the tokenizer's EOS.
+        adapter: The target's adapter (default: from its config).
+        out: Write the results JSON here (and the plot next to it unless `plot` is given).
+        plot: Write the per-depth acceptance PNG here.
+        progress: Show a progress bar over prompts.
+        extra_settings: Merged into ``results["settings"]`` (e.g. the drafter path).
+
+    Returns:
+        The results dict (``protocol, settings, machine, versions, benchmarks, overall, lossless, requests``).
+    """
+    bench_names = [b.strip() for b in benches.split(",")] if isinstance(benches, str) else list(benches)
+    loaded = [load_benchmark(name, limit) for name in bench_names]  # fail on bad names before any decoding
+    names = [b.name for b in loaded]
+    if len(set(names)) != len(names):
+        raise ValueError(f"benchmarks {bench_names} give duplicate report names {names}; rename the JSONL files")
+    sampling = SamplingParams(temperature=temperature, top_k=sample_top_k, top_p=sample_top_p)
+    spec = tree_spec(mode, depth, top_k, total_tokens)
+    generator = SpeculativeGenerator(target, drafter, spec, adapter)
+    stop = eos_ids(target, eos_token_id)
+    if eos_token_id is None and not stop:  # no generation_config EOS: the tokenizer's
+        stop = eos_ids(target, getattr(tokenizer, "eos_token_id", None))
+    device = generator.runner.device
+
+    def run(ids: torch.Tensor, index: int, n_new: int = max_new_tokens):
+        rng = None if sampling.greedy else torch.Generator(device=device).manual_seed(seed + index)
+        spec_out = generator.generate(ids, n_new, sampling, stop, rng)
+        rng = None if sampling.greedy else torch.Generator(device=device).manual_seed(seed + index)
+        base_out = plain_generate(target, ids, n_new, sampling, stop, rng) if baseline else None
+        return spec_out, base_out
+
+    first = next((p for b in loaded for p in b.prompts), None)
+    for _ in range(warmup if first is not None else 0):
+        run(_turn_ids(first, 0, [], tokenizer), 0, min(max_new_tokens, 32))
+
+    results: dict[str, Any] = {"protocol": PROTOCOL, "benchmarks": {}, "requests": {}}
+    overall, index = BenchStats(), 0
+    for bench in loaded:
+        stats, rows = BenchStats(), []
+        for prompt in tqdm(bench.prompts, desc=bench.name, disable=not progress, unit="prompt"):
+            history: list[dict[str, str]] = []
+            n_turns = len(prompt.turns) if prompt.is_chat else 1
+            for turn in range(n_turns):
+                ids = _turn_ids(prompt, turn, history, tokenizer)
+                rid = prompt.id if n_turns == 1 else f"{prompt.id}/turn{turn + 1}"
+                spec_out, base_out = run(ids, index)
+                index += 1
+                stats.add(spec_out, base_out, rid, check_lossless=sampling.greedy)
+                rows.append(_request_row(rid, ids, spec_out, base_out))
+                # the next turn is conditioned on the model's own answer (MT-bench protocol)
+                history.append({"role": "assistant",
+                                "content": tokenizer.decode(spec_out.tokens, skip_special_tokens=True)})
+        results["benchmarks"][bench.name] = {"source": bench.source, "prompts": len(bench.prompts),
+                                             **stats.summary()}
+        results["requests"][bench.name] = rows
+        overall.merge(stats)
+    results["overall"] = overall.summary()
+    results["lossless"] = results["overall"]["lossless"]
+    results["settings"] = {
+        "mode": mode, "depth": spec.depth, "top_k": spec.top_k, "total_tokens": spec.total_tokens,
+        "temperature": temperature, "sample_top_k": sample_top_k, "sample_top_p": sample_top_p,
+        "max_new_tokens": max_new_tokens, "limit": limit, "benches": bench_names, "seed": seed, "warmup": warmup,
+        "baseline": baseline, "batch_size": 1, "eos_token_ids": sorted(stop), "humaneval_format": "chat",
+        "target": getattr(target.config, "_name_or_path", None) or None,
+        "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."), "device": str(device),
+        **(extra_settings or {}),
+    }
+    results["machine"] = machine_info(device)
+    results["versions"] = versions()
+    if out is not None:
+        write_results(results, out)
+        plot = plot if plot is not None else Path(out).with_suffix(".png")
+    if plot is not None:
+        plot_acceptance(results, plot)
+    return results
+
+
+def _request_row(rid: str, ids: torch.Tensor, spec_out, base_out) -> dict[str, Any]:
+    row = {"id": rid, "prompt_tokens": int(ids.numel()), "new_tokens": len(spec_out.tokens), "cycles": spec_out.cycles,
+           "tau": spec_out.tau, "seconds": spec_out.seconds, "stop": spec_out.stop_reason}
+    if base_out is not None:
+        row.update(baseline_seconds=base_out.seconds, matches_baseline=spec_out.tokens == base_out.tokens)
+    return row
+
+
+def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
+    device = torch.device(device)
+    info = {"platform": platform.platform(), "processor": _cpu_name(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": str(device)}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _cpu_name() -> str:
+    try:  # Linux names the CPU model here; platform.processor() is often empty or just the architecture
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    import eagle3_zoo
+
+    return {"eagle3_zoo": eagle3_zoo.__version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": sys.version.split()[0]}
+
+
+def write_results(results: dict[str, Any], path: str | os.PathLike) -> Path:
+    """Write the results JSON atomically."""
+    path = Path(path)
+    atomic_write_text(path, json.dumps(results, indent=2) + "\n")
+    return path
+
+
+def plot_acceptance(results: dict[str, Any], path: str | os.PathLike) -> Path:
+    """PNG of acceptance@d per benchmark (matplotlib, Agg backend, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, bench in results["benchmarks"].items():
+        rates = bench["acceptance_per_depth"]
+        points = [(d + 1, r) for d, r in enumerate(rates) if r is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=f"{name} (tau {bench['tau']:.2f})")
+    s = results["settings"]
+    ax.set(xlabel="draft depth d", ylabel="acceptance@d (given d-1 accepted)", ylim=(0, 1.05),
+           xlim=(0.5, s["depth"] + 0.5), xticks=range(1, s["depth"] + 1),
+           title=f"{s['mode']} depth {s['depth']} top-k {s['top_k']} T={s['temperature']}")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def format_table(results: dict[str, Any], max_depth: int = 6) -> str:
+    """A plain-text table of the results (one row per benchmark plus the pooled row) and the metric protocol."""
+
+    def fmt(x: Any, spec: str = ".2f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    header = ["bench", "requests", "tau", "tau/req", *[f"acc@{d}" for d in range(1, max_depth + 1)],
+              "spec tok/s", "base tok/s", "speedup", "lossless"]
+    rows = [header]
+    for name, b in [*results["benchmarks"].items(), ("overall", results["overall"])]:
+        acc = (b["acceptance_per_depth"] + [None] * max_depth)[:max_depth]
+        lossless = {None: "-", True: "yes"}.get(b["lossless"], f"NO ({len(b['lossless_mismatches'])} differ)")
+        rows.append([name, str(b["requests"]), fmt(b["tau"]), fmt(b["tau_per_request_mean"]), *map(fmt, acc),
+                     fmt(b["spec_tokens_per_s"], ".1f"), fmt(b["baseline_tokens_per_s"], ".1f"),
+                     fmt(b["speedup"]), lossless])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    s = results["settings"]
+    setting = (f"mode={s['mode']} depth={s['depth']} top_k={s['top_k']} total_tokens={s['total_tokens']} "
+               f"T={s['temperature']} max_new_tokens={s['max_new_tokens']} device={s['device']}")
+    return "\n".join([setting, *lines, "", "protocol: " + results["protocol"]])

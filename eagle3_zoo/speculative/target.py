@@ -1,0 +1,125 @@
+"""The target side of speculative decoding: prefill, one-forward tree verification, and KV-cache pruning.
+
+A whole draft tree is verified in ONE target forward: the nodes are flattened (parents first), each attends to the
+whole accepted prefix plus its own ancestors through a 4D float mask `[1, 1, q, past + q]` (0 visible, dtype-min
+hidden), and sits at RoPE position `past + depth`. With sdpa/eager attention in transformers 5.x a 4D mask is used
+as given, so node i's logits equal a plain forward of its path. The same forward captures the aux hidden states
+(the adapter's hooks), which feed the drafter's next cycle, so no extra target pass is needed. Afterwards the
+target's `DynamicCache` keeps the prefix plus the accepted path only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from eagle3_zoo.adapters import TargetAdapter, adapter_for
+from eagle3_zoo.speculative.tree import DraftTree
+
+# attention kernels that take an arbitrary additive 4D mask
+_MASKABLE_ATTENTION = ("sdpa", "eager")
+
+
+class NodeLogits:
+    """Target logits of tree nodes, computed on first access: acceptance only visits the accepted path and its last
+    node, so the lm_head (up to a fifth of a small model's FLOPs per token) runs on a few rows, not all q."""
+
+    def __init__(self, final_hidden: torch.Tensor, lm_head: nn.Module):
+        self.final_hidden = final_hidden  # [q, H] post-norm
+        self.lm_head = lm_head
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self.final_hidden.shape[0]
+
+    def __getitem__(self, node: int) -> torch.Tensor:
+        """`[V]` float32 logits of the token after node `node`'s path."""
+        if node not in self._rows:
+            self._rows[node] = self.lm_head(self.final_hidden[node]).float()
+        return self._rows[node]
+
+
+class TargetRunner:
+    """Drives a Hugging Face causal LM for one request at a time (batch size 1).
+
+    Args:
+        model: The target ``*ForCausalLM`` (frozen, eval mode).
+        adapter: Its adapter; default ``adapter_for(model)``.
+        layer_ids: Aux layers the drafter was trained on (internal convention); default the adapter's.
+    """
+
+    def __init__(self, model: nn.Module, adapter: TargetAdapter | None = None, layer_ids: Sequence[int] | None = None):
+        impl = getattr(model.config, "_attn_implementation", "sdpa")
+        if impl not in _MASKABLE_ATTENTION:
+            raise ValueError(f"target attention implementation '{impl}' cannot take a tree mask; load the target with "
+                             f"attn_implementation in {_MASKABLE_ATTENTION}")
+        self.model = model
+        self.adapter = adapter or adapter_for(model)
+        self.layer_ids = None if layer_ids is None else tuple(layer_ids)
+        self.lm_head = self.adapter.lm_head(model)
+        self.cache: DynamicCache | None = None
+        self.length = 0  # tokens held in the cache
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def _forward(self, input_ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        aux, final, _ = self.adapter.forward_features(
+            self.model, input_ids, layer_ids=self.layer_ids, cache=self.cache, use_cache=True, **kwargs
+        )
+        return aux, final
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start a request: run the prompt `[n]` through a fresh cache.
+
+        Returns:
+            The logits `[V]` (float32) at the last prompt position and the aux hidden `[1, n, F]` of the prompt.
+        """
+        self.cache = DynamicCache(config=self.model.config)
+        for i, layer in enumerate(self.cache.layers):
+            if type(layer) is not DynamicLayer:  # e.g. sliding-window layers drop entries a tree would need
+                raise ValueError(f"target cache layer {i} is a {type(layer).__name__}; tree verification supports "
+                                 f"full-attention DynamicLayer caches only (no sliding windows)")
+        ids = input_ids.to(self.device).view(1, -1)
+        aux, final = self._forward(ids)
+        self.length = ids.shape[1]
+        return self.lm_head(final[:, -1]).float()[0], aux
+
+    @torch.no_grad()
+    def verify(self, tree: DraftTree) -> tuple[NodeLogits, torch.Tensor]:
+        """Run all tree nodes (root included) in one forward appended to the cache.
+
+        Returns:
+            The nodes' logits (``logits[i]``: `[V]` float32, the target's distribution of the token after node i's
+            path, computed on access) and the aux hidden `[1, n+1, F]` of the nodes.
+        """
+        past, q = self.length, len(tree)
+        dtype = self.lm_head.weight.dtype
+        mask = torch.zeros(1, 1, q, past + q, dtype=dtype, device=self.device)
+        hidden = ~tree.ancestor_mask().to(self.device)
+        mask[0, 0, :, past:].masked_fill_(hidden, torch.finfo(dtype).min)
+        positions = (past + tree.depths.to(self.device)).unsqueeze(0)
+        aux, final = self._forward(tree.tokens.to(self.device).unsqueeze(0), attention_mask=mask,
+                                   position_ids=positions)
+        return NodeLogits(final[0], self.lm_head), aux
+
+    def keep_path(self, nodes: Sequence[int]) -> None:
+        """After `verify`, keep the prefix plus the tree nodes `nodes` (root first, in path order) in the cache."""
+        past = self.length
+        idx = torch.tensor(list(nodes), dtype=torch.long, device=self.device) + past
+        keep = past + len(nodes)
+        for layer in self.cache.layers:
+            if not layer.is_initialized:
+                continue
+            # the accepted entries move to slots past..keep-1; the slice is a view, later updates concatenate anyway
+            keys, values = layer.keys.index_select(-2, idx), layer.values.index_select(-2, idx)
+            layer.keys, layer.values = layer.keys[..., :keep, :], layer.values[..., :keep, :]
+            layer.keys[..., past:, :] = keys
+            layer.values[..., past:, :] = values
+        self.length = keep

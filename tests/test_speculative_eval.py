@@ -1,0 +1,168 @@
+"""Benchmarks, the evaluate() report (JSON + PNG + table), the eval CLI function and the training callback."""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+import torch
+
+from eagle3_zoo.adapters import get_adapter
+from eagle3_zoo.speculative import PROTOCOL, TauEvalCallback, eval_main, evaluate, format_table, load_benchmark
+from tests.test_speculative_support import OracleDraftModel, random_drafter, tiny_target
+
+
+def test_builtin_benchmarks():
+    mt = load_benchmark("mtbench")
+    assert len(mt.prompts) == 80 and all(len(p.turns) == 2 and p.is_chat for p in mt.prompts)
+    he = load_benchmark("humaneval", limit=5)
+    assert len(he.prompts) == 5 and len(load_benchmark("humaneval").prompts) == 164
+    assert he.prompts[0].id == "HumanEval/0"
+    assert he.prompts[0].turns[0].startswith("Complete the following Python function:\n```python\n")
+    assert he.prompts[0].turns[0].endswith("```")
+
+
+def test_jsonl_benchmarks(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    records = [{"turns": ["a", "b"]}, {"prompt": "def f(x):"},
+               {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"},
+                             {"role": "assistant", "content": "x"}, {"role": "user", "content": "u2"}]},
+               {"id": "sg", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
+    bench = load_benchmark(str(path))
+    assert bench.name == "mine"
+    p0, p1, p2, p3 = bench.prompts
+    assert p0.turns == ("a", "b") and not p1.is_chat and p1.text == "def f(x):"
+    assert p2.turns == ("u1", "u2") and p2.system == "S" and p3.id == "sg" and p3.turns == ("hi",)
+    path.write_text('{"turns": ["ok"]}\n{"nothing": 1}\n')
+    with pytest.raises(ValueError, match=r"mine.jsonl:2: record has no usable prompt"):
+        load_benchmark(str(path))
+    with pytest.raises(ValueError, match="built-in: mtbench, humaneval"):
+        load_benchmark("mtbenchh")
+
+
+def _tiny_chat_target():
+    adapter = get_adapter("qwen2")
+    tokenizer = adapter.tiny_tokenizer()
+    target = tiny_target("qwen2")
+    assert len(tokenizer) <= target.config.vocab_size
+    return target, tokenizer, adapter
+
+
+def test_evaluate_writes_json_and_plot(tmp_path):
+    target, tokenizer, adapter = _tiny_chat_target()
+    jsonl = tmp_path / "extra.jsonl"
+    jsonl.write_text(json.dumps({"prompt": "The quick brown fox"}) + "\n")
+    out = tmp_path / "res" / "results.json"
+    results = evaluate(OracleDraftModel(target, "noisy"), target, tokenizer, f"mtbench,humaneval,{jsonl}",
+                       mode="tree", max_new_tokens=12, limit=2, depth=3, top_k=2, total_tokens=6, adapter=adapter,
+                       out=out, progress=False, extra_settings={"drafter": "oracle"})
+    saved = json.loads(out.read_text())
+    assert saved == json.loads(json.dumps(results))
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(saved) >= {"protocol", "settings", "machine", "versions", "benchmarks", "overall", "lossless"}
+    assert saved["protocol"] == PROTOCOL and saved["lossless"] is True
+    assert saved["settings"]["drafter"] == "oracle" and saved["settings"]["depth"] == 3
+    assert saved["machine"]["torch_threads"] >= 1 and saved["versions"]["transformers"]
+    mt, he, extra = (saved["benchmarks"][k] for k in ("mtbench", "humaneval", "extra"))
+    assert (mt["requests"], he["requests"], extra["requests"]) == (4, 2, 1)  # 2 questions x 2 turns
+    assert [r["id"] for r in saved["requests"]["mtbench"]][:2] == ["81/turn1", "81/turn2"]
+    # the second turn is conditioned on the first answer, so its prompt is longer
+    assert saved["requests"]["mtbench"][1]["prompt_tokens"] > saved["requests"]["mtbench"][0]["prompt_tokens"]
+    for bench in (mt, he, extra, saved["overall"]):
+        assert bench["tau"] >= 1 and bench["speedup"] > 0 and bench["lossless"] is True
+        assert all(0 <= r <= 1 for r in bench["acceptance_per_depth"] if r is not None)
+    overall = saved["overall"]
+    assert overall["requests"] == 7 and overall["cycles"] == mt["cycles"] + he["cycles"] + extra["cycles"]
+    table = format_table(results)
+    assert "overall" in table and "protocol:" in table and "acc@1" in table
+
+
+def test_evaluate_sampling_reports_no_lossless_check(tmp_path):
+    target, tokenizer, adapter = _tiny_chat_target()
+    results = evaluate(random_drafter(target), target, tokenizer, ["humaneval"], mode="chain", temperature=0.8,
+                       max_new_tokens=6, limit=1, depth=2, warmup=0, baseline=False, adapter=adapter,
+                       plot=tmp_path / "p.png", progress=False)
+    assert results["lossless"] is None and results["overall"]["speedup"] is None
+    assert results["settings"]["top_k"] == 1 and (tmp_path / "p.png").is_file()
+
+
+def test_eval_cli_end_to_end(tmp_path, capsys):
+    target, tokenizer, _ = _tiny_chat_target()
+    target_dir, drafter_dir = tmp_path / "target", tmp_path / "drafter"
+    target.save_pretrained(target_dir)
+    tokenizer.save_pretrained(target_dir)
+    drafter = random_drafter(target, draft_vocab_size=128)
+    drafter.config.target_name_or_path = str(target_dir)
+    drafter.save_pretrained(drafter_dir)
+    out = tmp_path / "cli.json"
+    code = eval_main([str(drafter_dir), "--bench", "mtbench", "--limit", "1", "--max-new-tokens", "8",
+                      "--mode", "tree", "--depth", "3", "--top-k", "2", "--total-tokens", "5", "--out", str(out),
+                      "--no-progress", "--strict"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "mtbench" in printed and "lossless" in printed
+    saved = json.loads(out.read_text())
+    assert saved["lossless"] is True and saved["benchmarks"]["mtbench"]["requests"] == 2
+    assert saved["settings"]["target"] == str(target_dir) and out.with_suffix(".png").is_file()
+    assert eval_main([str(drafter_dir), "--bench", "nope", "--out", str(out)]) == 2
+    assert "unknown benchmark 'nope'" in capsys.readouterr().err
+
+
+class _Module(L.LightningModule):
+    def __init__(self, target, drafter, tokenizer):
+        super().__init__()
+        self.drafter = drafter.requires_grad_(True).train()
+        self._frozen = (target,)  # like Eagle3Module: the frozen target is not a submodule
+        self.tokenizer = tokenizer
+
+    @property
+    def target(self):
+        return self._frozen[0]
+
+    def training_step(self, batch, batch_idx):
+        return sum(p.square().sum() for p in self.drafter.parameters()) * 1e-6
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.drafter.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.zeros(8, 1), batch_size=1)
+
+
+def test_tau_eval_callback_logs_val_tau():
+    target, tokenizer, _ = _tiny_chat_target()
+    module = _Module(target, random_drafter(target), tokenizer)
+    callback = TauEvalCallback(["Hello, how are you?", [5, 6, 7, 8]], every_n_steps=2, max_new_tokens=6,
+                               mode="chain", depth=3)
+    trainer = L.Trainer(max_steps=4, callbacks=[callback], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    trainer.fit(module)
+    assert callback.last["requests"] == 2 and callback.last["tau"] >= 1
+    assert float(trainer.callback_metrics["val/tau"]) == pytest.approx(callback.last["tau"])
+    assert module.drafter.training  # restored after the evaluation
+    with pytest.raises(ValueError, match="at least one prompt"):
+        TauEvalCallback([])
+
+
+def test_eval_parser_imports_no_torch():
+    """`eagle3-zoo --help` builds the eval parser: it must stay instant."""
+    import subprocess
+    import sys
+
+    from eagle3_zoo.speculative.eval_cli import MODES
+    from eagle3_zoo.speculative.generate import MODES as GENERATOR_MODES
+
+    assert MODES == GENERATOR_MODES
+    code = ("import argparse, sys; from eagle3_zoo.speculative.eval_cli import add_eval_arguments; "
+            "add_eval_arguments(argparse.ArgumentParser()); print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_lazy_exports_resolve_to_objects_not_submodules():
+    import eagle3_zoo.speculative as spec
+    import eagle3_zoo.speculative.generate  # noqa: F401  (submodules imported first must not shadow exports)
+
+    assert all(not isinstance(getattr(spec, name), type(spec)) for name in spec.__all__)
