@@ -1,0 +1,177 @@
+"""The data stage of a recipe: read -> (regenerate) -> split -> tokenise -> supervised-token counts.
+
+`prepare_data` is shared by `fit` and the offline feature job, so both see exactly the same examples in the same
+order. The counts that define the draft vocabulary are cached (`eagle3_zoo.data.vocab_cache`) under a key of the
+data (files, sizes, mtimes and every setting that changes the token stream), the tokenizer and the draft size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
+
+from eagle3_zoo.data.features import atomic_write_bytes
+from eagle3_zoo.data.readers import ReadStats, read_sources, split_train_val
+from eagle3_zoo.data.tokenize import TokenStats, supervised_token_counts, tokenize_conversations
+from eagle3_zoo.data.vocab_cache import (
+    fingerprint_sources,
+    load_token_counts,
+    save_token_counts,
+    tokenizer_fingerprint,
+    vocab_cache_key,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedData:
+    """Examples of both splits, what was read/kept/skipped, and the train split's supervised-token counts."""
+
+    train: list[dict[str, Any]]
+    val: list[dict[str, Any]]
+    read_stats: ReadStats
+    token_stats: TokenStats
+    counts: torch.Tensor
+    fingerprint: str  # data + tokenizer + every token-stream setting
+    regenerate: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """Data summary for provenance.json."""
+        return {
+            "conversations_read": self.read_stats.read,
+            "conversations_kept_by_reader": self.read_stats.kept,
+            "skipped_by_reader": dict(sorted(self.read_stats.skipped.items())),
+            "truncated_files": list(self.read_stats.truncated_files),
+            "tokenization": self.token_stats.to_dict(),
+            "train_examples": len(self.train),
+            "val_examples": len(self.val),
+            "train_tokens": sum(int(e["input_ids"].numel()) for e in self.train),
+            "train_supervised_tokens": int(self.counts.sum()),
+            "regeneration": self.regenerate,
+            "fingerprint": self.fingerprint,
+        }
+
+
+def _sha(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _examples_path(cache_dir: str | Path, fingerprint: str) -> Path:
+    return Path(cache_dir) / "tokens" / f"{fingerprint}.safetensors"
+
+
+def save_examples(cache_dir: str | Path, fingerprint: str, train: list[dict[str, Any]], val: list[dict[str, Any]],
+                  stats: TokenStats) -> Path:
+    """Cache tokenised examples (tokenising ShareGPT-sized data takes tens of seconds; every DDP rank and every
+    resumed run would repeat it). One safetensors file: concatenated ids/masks, lengths, split; ids in metadata."""
+    examples = train + val
+    tensors = {"input_ids": torch.cat([e["input_ids"] for e in examples]).to(torch.int32),
+               "loss_mask": torch.cat([e["loss_mask"] for e in examples]).to(torch.uint8),
+               "lengths": torch.tensor([e["input_ids"].numel() for e in examples], dtype=torch.int64)}
+    meta = {"ids": json.dumps([str(e["id"]) for e in examples]), "num_train": str(len(train)),
+            "stats": json.dumps(stats.to_dict()), "fingerprint": fingerprint}
+    path = _examples_path(cache_dir, fingerprint)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, save(tensors, metadata=meta))
+    return path
+
+
+def load_examples(cache_dir: str | Path, fingerprint: str) -> tuple[list, list, TokenStats] | None:
+    """Examples cached by `save_examples` under `fingerprint`, or None (missing or unreadable: recomputed)."""
+    path = _examples_path(cache_dir, fingerprint)
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            ids, masks, lengths = (f.get_tensor(k) for k in ("input_ids", "loss_mask", "lengths"))
+        names, num_train, raw = json.loads(meta["ids"]), int(meta["num_train"]), json.loads(meta["stats"])
+    except (SafetensorError, OSError, KeyError, ValueError) as e:
+        logger.warning("ignoring unreadable token cache %s (%s)", path, e)
+        return None
+    examples = [{"id": name, "input_ids": i.long(), "loss_mask": m.long()}
+                for name, i, m in zip(names, ids.split(lengths.tolist()), masks.split(lengths.tolist()))]
+    stats = TokenStats(**{**raw, "skipped": Counter(raw["skipped"])})
+    return examples[:num_train], examples[num_train:], stats
+
+
+def data_fingerprint(recipe: Any, tokenizer: Any, target_id: str) -> str:
+    """Key of the token stream a recipe produces: sources (content stamps) + settings + tokenizer (+ target if
+    regenerating, since the answers come from it)."""
+    d = recipe.data
+    extra = {"max_length": d.max_length, "overflow": d.overflow, "max_samples": d.max_samples,
+             "on_error": d.on_error, "val_fraction": d.val_fraction, "seed": d.seed,
+             "regenerate": {**vars(d.regenerate), "target": target_id} if d.regenerate.enabled else None}
+    return _sha({"sources": fingerprint_sources(d.sources, extra), "tokenizer": tokenizer_fingerprint(tokenizer)})
+
+
+def regenerated_path(recipe: Any, fingerprint: str) -> Path:
+    out = recipe.data.regenerate.output
+    return Path(out) if out else Path(recipe.data.cache_dir) / "regenerated" / f"{fingerprint[:16]}.jsonl"
+
+
+def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, target_id: str = "",
+                 vocab_size: int | None = None) -> PreparedData:
+    """Run the data stage of `recipe` (see the module docstring).
+
+    Args:
+        recipe: a loaded `Recipe`.
+        tokenizer, adapter: the target's.
+        target: the target model (needed only when `data.regenerate.enabled`).
+        target_id: the target's name or path (part of the regeneration key).
+        vocab_size: the target vocabulary size (default `len(tokenizer)`).
+
+    Raises:
+        DataError: bad records with `data.on_error=raise`, or no usable example left.
+    """
+    d = recipe.data
+    conversations, read_stats = read_sources(d.sources, on_error=d.on_error, max_samples=d.max_samples)
+    fingerprint = data_fingerprint(recipe, tokenizer, target_id)
+    regen: dict[str, Any] = {}
+    if d.regenerate.enabled:
+        from eagle3_zoo.data.regenerate import regenerate_conversations
+
+        if target is None:
+            raise ValueError("data.regenerate.enabled needs the target model")
+        path = regenerated_path(recipe, fingerprint)
+        conversations, rstats = regenerate_conversations(
+            conversations, target, tokenizer, adapter, path, max_new_tokens=d.regenerate.max_new_tokens,
+            temperature=d.regenerate.temperature, batch_size=d.regenerate.batch_size, max_length=d.max_length,
+            seed=d.seed)
+        regen = {"path": str(path), **rstats.to_dict()}
+    cached = load_examples(d.cache_dir, fingerprint)
+    if cached is not None:
+        train, val, token_stats = cached
+        logger.info("tokenised examples from the cache (key %s...): %s", fingerprint[:12], token_stats.summary())
+    else:
+        train_c, val_c = split_train_val(conversations, d.val_fraction, d.seed)
+        token_stats = TokenStats()
+        kw = dict(max_length=d.max_length, overflow=d.overflow, on_error=d.on_error, stats=token_stats)
+        train, _ = tokenize_conversations(train_c, tokenizer, adapter, **kw)
+        val, _ = tokenize_conversations(val_c, tokenizer, adapter, **kw)
+        if train:
+            save_examples(d.cache_dir, fingerprint, train, val, token_stats)
+    if not train:
+        from eagle3_zoo.data.readers import DataError
+
+        raise DataError(f"no usable training example: {read_stats.summary()}; {token_stats.summary()}")
+    vocab_size = vocab_size or len(tokenizer)
+    key = vocab_cache_key(fingerprint, tokenizer_fingerprint(tokenizer), recipe.drafter.draft_vocab_size)
+    counts = load_token_counts(d.cache_dir, key)
+    if counts is None or counts.numel() != vocab_size:
+        counts = supervised_token_counts(train, vocab_size)
+        save_token_counts(d.cache_dir, key, counts, meta={"examples": len(train)})
+    else:
+        logger.info("draft-vocab token counts from the cache (key %s...)", key[:12])
+    return PreparedData(train=train, val=val, read_stats=read_stats, token_stats=token_stats, counts=counts,
+                        fingerprint=fingerprint, regenerate=regen)

@@ -1,0 +1,169 @@
+"""Recipe -> the pieces of a training run: target, aux layers, drafter (fresh or `drafter.init_from`), data,
+LightningModule and DataModule (`build_run`)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab
+
+logger = logging.getLogger(__name__)
+
+_DRAFTER_OVERRIDES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+def load_recipe_target(recipe: Any, source: str = "recipe") -> tuple[Any, Any, Any]:
+    """Load the recipe's frozen target and check the recipe against its config.
+
+    Returns:
+        `(model, tokenizer, adapter)` on the CPU (the Trainer moves it).
+
+    Raises:
+        ValueError: `target.family` names another family than the target's `model_type`.
+        RecipeError: draft vocab larger than the target vocab, aux layer ids out of range, wrong drafter width.
+    """
+    from eagle3_zoo.adapters import load_target
+    from eagle3_zoo.recipe import validate_against_target
+
+    t = recipe.target
+    model, tokenizer, adapter = load_target(t.name_or_path, dtype=t.dtype, lora_path=t.lora_path,
+                                            trust_remote_code=t.trust_remote_code)
+    if t.family not in ("auto", adapter.model_type):
+        raise ValueError(f"{source}: target.family = {t.family!r} but {t.name_or_path} is a {adapter.model_type!r} "
+                         f"model (config.json model_type); set target.family to {adapter.model_type!r} or 'auto'")
+    cfg = model.config
+    validate_against_target(recipe, cfg.num_hidden_layers, cfg.vocab_size, cfg.hidden_size, source=source)
+    return model, tokenizer, adapter
+
+
+def aux_layer_ids_for(recipe: Any, target: Any, adapter: Any) -> tuple[int, ...]:
+    """`drafter.aux_layer_ids`, or the adapter's default for the target's depth."""
+    if recipe.drafter.aux_layer_ids is not None:
+        return tuple(int(i) for i in recipe.drafter.aux_layer_ids)
+    return tuple(adapter.aux_layer_ids(target.config.num_hidden_layers))
+
+
+def drafter_dtype_name(precision: str) -> str:
+    """The dtype the drafter checkpoint is saved in: the training precision's half type, else float32."""
+    if precision.startswith("bf16"):
+        return "bfloat16"
+    if precision.startswith("16"):
+        return "float16"
+    return "float32"
+
+
+def build_drafter(recipe: Any, target_config: Any, counts: torch.Tensor,
+                  aux_layer_ids: tuple[int, ...]) -> Eagle3Drafter:
+    """A fresh drafter sized like the target (recipe overrides applied) with the draft vocab from `counts`,
+    or the `drafter.init_from` drafter, checked against the target.
+
+    Raises:
+        ValueError: an `init_from` drafter that does not fit the target (vocab, hidden size, aux layers).
+    """
+    if recipe.drafter.init_from:
+        return _load_init(recipe.drafter.init_from, target_config, aux_layer_ids)
+    overrides = {k: getattr(recipe.drafter, k) for k in _DRAFTER_OVERRIDES if getattr(recipe.drafter, k) is not None}
+    config = Eagle3Config.from_target_config(
+        target_config, draft_vocab_size=recipe.drafter.draft_vocab_size, aux_layer_ids=aux_layer_ids,
+        target_name_or_path=recipe.target.name_or_path, torch_dtype=drafter_dtype_name(recipe.trainer.precision),
+        **overrides)
+    drafter = Eagle3Drafter(config)
+    drafter.set_vocab(*build_draft_vocab(counts, config.draft_vocab_size))
+    return drafter
+
+
+def _load_init(path: str, target_config: Any, aux_layer_ids: tuple[int, ...]) -> Eagle3Drafter:
+    try:
+        from eagle3_zoo.hub import load_any_drafter
+    except ImportError:  # the hub package is optional for training
+        load_any_drafter = Eagle3Drafter.from_pretrained
+    drafter = load_any_drafter(path)
+    drafter = drafter.float()  # trained in fp32 master weights; saved back in its config dtype
+    cfg = drafter.config
+    problems = []
+    if cfg.vocab_size != target_config.vocab_size:
+        problems.append(f"vocab_size {cfg.vocab_size} != target vocab {target_config.vocab_size}")
+    if cfg.target_hidden_size != target_config.hidden_size:
+        problems.append(f"target_hidden_size {cfg.target_hidden_size} != target hidden {target_config.hidden_size}")
+    if cfg.hidden_size != target_config.hidden_size:
+        problems.append(f"hidden_size {cfg.hidden_size} != target hidden {target_config.hidden_size} (the target "
+                        "embedding feeds the drafter)")
+    if cfg.aux_layer_ids is not None and tuple(cfg.aux_layer_ids) != tuple(aux_layer_ids):
+        problems.append(f"aux_layer_ids {list(cfg.aux_layer_ids)} != the run's {list(aux_layer_ids)} (set "
+                        "drafter.aux_layer_ids to the drafter's)")
+    if problems:
+        raise ValueError(f"drafter.init_from = {path!r} does not fit the target: " + "; ".join(problems))
+    logger.info("initialised the drafter from %s (its draft vocabulary of %d tokens is kept)", path,
+                cfg.draft_vocab_size)
+    return drafter
+
+
+@dataclass
+class TrainingRun:
+    """Everything `fit` hands to the Trainer, built from a recipe."""
+
+    recipe: Any
+    target: Any
+    tokenizer: Any
+    adapter: Any
+    data: Any  # eagle3_zoo.data.prepare.PreparedData
+    module: Any  # Eagle3Module
+    datamodule: Any  # Eagle3DataModule
+    features: dict[str, Any] = field(default_factory=dict)  # offline: store directory, bytes per token, dtype
+
+
+def build_run(recipe: Any, source: str = "recipe") -> TrainingRun:
+    """Seed, load the target, prepare the data, build the drafter, (offline) extract features, build the module and
+    the DataModule."""
+    import lightning as L
+
+    from eagle3_zoo.data.datamodule import Eagle3DataModule
+    from eagle3_zoo.data.prepare import prepare_data
+    from eagle3_zoo.training.module import Eagle3Module
+    from eagle3_zoo.training.strategies import enable_activation_checkpointing
+
+    L.seed_everything(recipe.trainer.seed, workers=True, verbose=False)
+    target, tokenizer, adapter = load_recipe_target(recipe, source)
+    data = prepare_data(recipe, tokenizer, adapter, target=target, target_id=recipe.target.name_or_path,
+                        vocab_size=target.config.vocab_size)
+    aux_ids = aux_layer_ids_for(recipe, target, adapter)
+    L.seed_everything(recipe.trainer.seed, workers=True, verbose=False)  # init independent of data-stage randomness
+    drafter = build_drafter(recipe, target.config, data.counts, aux_ids)
+    if recipe.trainer.activation_checkpointing:
+        enable_activation_checkpointing(drafter)
+    train_set, val_set, features = _datasets(recipe, data, target, tokenizer, adapter, aux_ids)
+    # offline mode keeps the full target only when tau is measured during training (speculative decoding needs it)
+    keep_target = recipe.data.mode == "online" or bool(recipe.trainer.tau_eval.every_n_steps)
+    t, o = recipe.ttt, recipe.optim
+    module = Eagle3Module(
+        drafter, adapter, target if keep_target else None, embed_tokens=adapter.embed_tokens(target),
+        lm_head=adapter.lm_head(target), mode=recipe.data.mode, ttt_steps=t.steps,
+        step_weights=t.step_weights or [t.step_weight_decay**k for k in range(t.steps)], lr=o.lr,
+        betas=tuple(o.betas), weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, decay=o.decay,
+        min_lr_ratio=o.min_lr_ratio)
+    datamodule = Eagle3DataModule(train_set, val_set, batch_size=recipe.trainer.batch_size, seed=recipe.data.seed,
+                                  num_workers=recipe.data.num_workers, pad_id=tokenizer.pad_token_id or 0)
+    return TrainingRun(recipe, target, tokenizer, adapter, data, module, datamodule, features)
+
+
+def _datasets(recipe: Any, data: Any, target: Any, tokenizer: Any, adapter: Any,
+              aux_ids: tuple[int, ...]) -> tuple[Any, Any, dict[str, Any]]:
+    from eagle3_zoo.data.datamodule import ExampleDataset, FeatureDataset
+
+    if recipe.data.mode == "online":
+        return ExampleDataset(data.train), ExampleDataset(data.val), {}
+    from eagle3_zoo.data.extract import extract_features
+    from eagle3_zoo.data.features import FeatureReader
+
+    store = extract_features(recipe, target=target, tokenizer=tokenizer, adapter=adapter, data=data)
+    reader = FeatureReader(store)
+    if tuple(reader.aux_layer_ids or ()) != tuple(aux_ids):
+        raise ValueError(f"feature store {store} holds aux layers {reader.aux_layer_ids}, the drafter needs "
+                         f"{list(aux_ids)}: point data.features_dir elsewhere or match drafter.aux_layer_ids")
+    info = {"features_dir": str(store), "bytes_per_token": reader.bytes_per_token, "dtype": reader.dtype}
+    return (FeatureDataset(reader, [e["id"] for e in data.train]), FeatureDataset(reader, [e["id"] for e in data.val]),
+            info)

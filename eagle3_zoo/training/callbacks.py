@@ -1,0 +1,107 @@
+"""Training callbacks: side effects only (the loss stays a pure function in the module).
+
+`TTTScheduleCallback` sets how many TTT steps the module unrolls on each batch: all K from the start
+("constant"), or a linear ramp from 1 to K over the first `ramp_fraction` of training ("ramp"), which lets the
+drafter learn step 0 first and keeps the early steps cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import lightning as L
+from typing_extensions import override
+
+logger = logging.getLogger(__name__)
+
+SCHEDULES = ("constant", "ramp")
+
+
+def ttt_steps_at(step: int, total_steps: int, steps: int, schedule: str = "constant",
+                 ramp_fraction: float = 0.3) -> int:
+    """Active TTT steps at optimizer step `step` (0-based) of `total_steps`.
+
+    The ramp moves from 1 to `steps` in equal stages over the first `ramp_fraction * total_steps` steps, then
+    stays at `steps`.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown TTT schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
+    if steps < 1:
+        raise ValueError(f"TTT steps must be >= 1, got {steps}")
+    ramp_steps = ramp_fraction * total_steps
+    if schedule == "constant" or steps == 1 or ramp_steps <= 0:
+        return steps
+    return min(steps, 1 + math.floor(step * steps / ramp_steps))
+
+
+class TTTScheduleCallback(L.Callback):
+    """Set `pl_module.active_ttt_steps` before every training batch and log it as `train/ttt_steps`.
+
+    Args:
+        steps: the full unroll length K.
+        schedule: "constant" (K throughout) or "ramp" (1 -> K over `ramp_fraction` of the run).
+        ramp_fraction: fraction of `trainer.estimated_stepping_batches` (i.e. of max_steps) used by the ramp.
+    """
+
+    def __init__(self, steps: int, schedule: str = "constant", ramp_fraction: float = 0.3):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown TTT schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
+        if not 0 <= ramp_fraction <= 1:
+            raise ValueError(f"ramp_fraction must be in [0, 1], got {ramp_fraction}")
+        self.steps, self.schedule, self.ramp_fraction = steps, schedule, ramp_fraction
+
+    def _total_steps(self, trainer: L.Trainer) -> int:
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        return int(total) if math.isfinite(total) else 0
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        # a function of the global step only, so a resumed run continues the ramp where it stopped
+        active = ttt_steps_at(trainer.global_step, self._total_steps(trainer), self.steps, self.schedule,
+                              self.ramp_fraction)
+        pl_module.active_ttt_steps = active
+        pl_module.log("train/ttt_steps", float(active), on_step=True, on_epoch=False, batch_size=1)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "schedule": self.schedule, "ramp_fraction": self.ramp_fraction}
+
+
+class ProgressLogCallback(L.Callback):
+    """Log a one-line summary of the training metrics every `every_n_steps` steps and after each validation
+    (for log files and non-interactive jobs, where a progress bar shows nothing useful)."""
+
+    def __init__(self, every_n_steps: int = 10):
+        self.every_n_steps = max(1, every_n_steps)
+        self._start = time.monotonic()
+        self._last_step = -1
+
+    @staticmethod
+    def _line(metrics: dict[str, Any], prefix: str) -> str:
+        keys = sorted((k for k in metrics if k.startswith(prefix + "/")), key=_metric_order)
+        return " ".join(f"{k.split('/', 1)[1]}={float(metrics[k]):.4g}" for k in keys)
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        # with gradient accumulation several batches end on the same optimizer step: one line per step
+        if trainer.is_global_zero and step % self.every_n_steps == 0 and step > 0 and step != self._last_step:
+            self._last_step = step
+            elapsed = time.monotonic() - self._start
+            logger.info("step %d (%.1f s): %s", step, elapsed, self._line(trainer.callback_metrics, "train"))
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero and not trainer.sanity_checking:
+            logger.info("validation at step %d: %s", trainer.global_step, self._line(trainer.callback_metrics, "val"))
+
+
+def _metric_order(key: str) -> tuple[int, str, int]:
+    name = key.split("/", 1)[1]
+    base, _, k = name.rpartition("_")
+    return (0 if name == "loss" else 1, base if k.isdigit() else name, int(k) if k.isdigit() else -1)

@@ -1,0 +1,194 @@
+"""`fit`: recipe -> trained drafter folder. Also the CLI entry `python -m eagle3_zoo.training.fit RECIPE k=v ...`.
+
+    fit_main("recipes/smollm2_135m.yaml", ["trainer.max_steps=30"])  # -> Path("runs/smollm2_135m/drafter")
+
+Steps: seed -> load the target -> prepare data (read, regenerate, split, tokenise, draft-vocab counts) -> build the
+drafter -> (offline: extract features) -> Lightning Trainer (strategy, loggers, checkpoints every N steps with a
+`last.ckpt`) -> resume from `output_dir/checkpoints/last.ckpt` if it exists -> write `output_dir/drafter/`.
+
+Multi-process strategies (ddp, fsdp) relaunch the *command line* for the other ranks (Lightning's subprocess
+launcher), so run them through this module's CLI (or `eagle3-zoo fit`), not from an interactive session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from typing_extensions import override
+
+from eagle3_zoo.data.tokenize import draft_vocab_coverage
+from eagle3_zoo.modeling.io import atomic_write
+from eagle3_zoo.recipe import recipe_to_dict
+from eagle3_zoo.training.build import build_run
+from eagle3_zoo.training.callbacks import ProgressLogCallback, TTTScheduleCallback
+from eagle3_zoo.training.outputs import build_provenance, full_drafter, write_drafter_folder
+from eagle3_zoo.training.strategies import build_strategy
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+LAST_CHECKPOINT = "last.ckpt"
+DRAFTER_DIR = "drafter"
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """`last.ckpt` every N steps *and* at the end of training (ModelCheckpoint alone skips the final step when
+    an earlier step was already saved in this run)."""
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.save_last and self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Checkpoints written to a temp file in their own directory, fsynced, then renamed over the old one.
+
+    Lightning's default goes through an fsspec transaction whose temp file lives in the *system* temp dir and is
+    moved into place on commit: a copy, not an atomic rename, when the output dir is on another filesystem, so a
+    crash mid-save could leave a truncated `last.ckpt`.
+    """
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("AtomicCheckpointIO does not take storage_options")
+        atomic_write(Path(path), lambda tmp: torch.save(checkpoint, tmp))
+
+
+def _loggers(recipe: Any, output_dir: Path) -> list[Any]:
+    # A fresh version directory per (re)start: Lightning's CSV writer cannot append to a file whose header lists
+    # metrics this process has not logged yet.
+    root = output_dir / "logs"
+    version = f"version_{len(list(root.glob('version_*'))) if root.is_dir() else 0}"
+    out = []
+    for name in recipe.trainer.logger:
+        if name == "csv":
+            out.append(CSVLogger(output_dir, name="logs", version=version,
+                                 flush_logs_every_n_steps=recipe.trainer.log_every_n_steps))
+        elif name == "tensorboard":
+            out.append(TensorBoardLogger(output_dir, name="logs", version=version, sub_dir="tensorboard",
+                                         default_hp_metric=False))
+    return out
+
+
+def _tau_eval_callbacks(recipe: Any, tokenizer: Any) -> list[L.Callback]:
+    """Measured tau during training (`eagle3_zoo.speculative.TauEvalCallback`) on MT-bench first turns."""
+    cfg = recipe.trainer.tau_eval
+    if not cfg.every_n_steps:
+        return []
+    from eagle3_zoo.speculative import TauEvalCallback, load_benchmark
+
+    try:
+        prompts = [p.turns[0] for p in load_benchmark("mtbench", limit=cfg.num_prompts).prompts]
+    except FileNotFoundError as e:
+        logger.warning("trainer.tau_eval is set but the MT-bench prompts are not installed (%s): tau is not "
+                       "measured during training", e)
+        return []
+    return [TauEvalCallback(prompts, every_n_steps=cfg.every_n_steps, max_new_tokens=cfg.max_new_tokens,
+                            tokenizer=tokenizer)]
+
+
+def build_trainer(recipe: Any, adapter: Any, callbacks: Sequence[L.Callback] = (), has_val: bool = True,
+                  **overrides: Any) -> L.Trainer:
+    """The Lightning Trainer of a recipe (strategy, precision, loggers, checkpoints, TTT schedule)."""
+    t, output_dir = recipe.trainer, Path(recipe.output_dir)
+    checkpoint = LastCheckpoint(dirpath=output_dir / CHECKPOINT_DIR, every_n_train_steps=t.checkpoint_every_n_steps,
+                                save_last=True, save_top_k=0, enable_version_counter=False)
+    schedule = TTTScheduleCallback(recipe.ttt.steps, recipe.ttt.schedule, recipe.ttt.ramp_fraction)
+    progress = ProgressLogCallback(t.log_every_n_steps)
+    kwargs: dict[str, Any] = dict(
+        accelerator="auto", devices=t.devices, num_nodes=t.num_nodes,
+        strategy=build_strategy(t.strategy, adapter, devices=t.devices, num_nodes=t.num_nodes),
+        precision=t.precision, max_steps=t.max_steps if t.max_steps is not None else -1, max_epochs=t.max_epochs,
+        accumulate_grad_batches=t.accumulate_grad_batches, gradient_clip_val=recipe.optim.grad_clip,
+        gradient_clip_algorithm="norm", val_check_interval=t.val_check_interval,
+        check_val_every_n_epoch=None if t.val_check_interval else 1, log_every_n_steps=t.log_every_n_steps,
+        logger=_loggers(recipe, output_dir) or False, callbacks=[schedule, checkpoint, progress, *callbacks],
+        default_root_dir=output_dir, use_distributed_sampler=False,  # the batch sampler shards by rank itself
+        num_sanity_val_steps=0, enable_progress_bar=True, plugins=[AtomicCheckpointIO()],
+    )
+    if not has_val:  # no validation split (data.val_fraction = 0 and no val source)
+        kwargs.update(limit_val_batches=0, val_check_interval=None, check_val_every_n_epoch=1)
+    return L.Trainer(**{**kwargs, **overrides})
+
+
+def fit(recipe: Any, source: str = "recipe") -> Path:
+    """Train a drafter as `recipe` says; resumes from `output_dir/checkpoints/last.ckpt` when it exists.
+
+    Args:
+        recipe: a loaded `eagle3_zoo.recipe.Recipe`.
+        source: where the recipe came from (used in error messages).
+
+    Returns:
+        The canonical drafter folder `output_dir/drafter`.
+    """
+    start = time.time()
+    output_dir = Path(recipe.output_dir)
+    run = build_run(recipe, source)
+    data, target, adapter = run.data, run.target, run.adapter
+    trainer = build_trainer(recipe, adapter, _tau_eval_callbacks(recipe, run.tokenizer), has_val=bool(data.val))
+    for lg in trainer.loggers:  # the resolved recipe as the run's hyperparameters (hparams.yaml, TensorBoard)
+        lg.log_hyperparams(recipe_to_dict(recipe))
+    last = output_dir / CHECKPOINT_DIR / LAST_CHECKPOINT
+    if last.exists():
+        logger.info("resuming from %s", last)
+    trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=str(last) if last.exists() else None)
+    trained = full_drafter(run.module)  # collective under FSDP: every rank takes part
+    out = output_dir / DRAFTER_DIR
+    if trainer.is_global_zero:
+        data_summary = {**data.summary(), "draft_vocab_coverage": draft_vocab_coverage(data.counts, trained.t2d),
+                        "mode": recipe.data.mode, "features": run.features}
+        training = {"global_step": trainer.global_step, "epochs": trainer.current_epoch,
+                    "strategy": recipe.trainer.strategy, "world_size": trainer.world_size,
+                    "precision": recipe.trainer.precision, "wall_time_s": round(time.time() - start, 1),
+                    "final_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+        cfg = target.config
+        target_info = {"name_or_path": recipe.target.name_or_path, "model_type": adapter.model_type,
+                       "dtype": recipe.target.dtype, "lora_path": recipe.target.lora_path,
+                       "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+                       "vocab_size": cfg.vocab_size}
+        provenance = build_provenance(recipe_dict=recipe_to_dict(recipe), target=target_info, data=data_summary,
+                                      training=training, drafter=trained)
+        write_drafter_folder(trained, out, recipe, provenance)
+        logger.info("drafter written to %s (step %d, %.0f s)", out, trainer.global_step, time.time() - start)
+    trainer.strategy.barrier("drafter-written")
+    return out
+
+
+def fit_main(recipe_path: str | Path, overrides: Sequence[str] = ()) -> Path:
+    """Load a recipe with dotlist overrides and `fit` it; returns the drafter folder."""
+    from eagle3_zoo.recipe import load_recipe
+
+    return fit(load_recipe(recipe_path, list(overrides)), source=str(recipe_path))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: `python -m eagle3_zoo.training.fit RECIPE [key=value ...]`; exit 0 on success, 2 on a user error."""
+    parser = argparse.ArgumentParser(prog="python -m eagle3_zoo.training.fit", description=__doc__.splitlines()[0])
+    parser.add_argument("recipe", help="recipe YAML file")
+    parser.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides, e.g. trainer.max_steps=30")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        out = fit_main(args.recipe, args.overrides)
+    except (ValueError, FileNotFoundError, ImportError, PermissionError, NotADirectoryError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

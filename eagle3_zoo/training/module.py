@@ -1,0 +1,260 @@
+"""The LightningModule: target features in, TTT loss out, logging, optimizer and LR schedule.
+
+Online mode runs the frozen target inside the training step (`adapter.forward_features`); offline mode reads the
+stored `aux_hidden`/`final_hidden` from the batch. Either way only the draft-vocabulary columns of the target
+logits are kept ([B, T, Vd], computed from the frozen lm_head on the positions that are ever used as a target),
+plus the "full-vocab argmax is in the draft vocab" mask, so no [B, T, V] tensor is formed for the batch.
+
+The frozen target is deliberately *not* a registered submodule: it is never trained, never in `state_dict()`,
+hence never in a Lightning checkpoint (which stays drafter + optimizer sized), never flipped to train mode by
+the Trainer, and never wrapped by DDP. FSDP shards its decoder layers explicitly in `configure_model`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from typing_extensions import override
+
+from eagle3_zoo.modeling import Eagle3Drafter
+from eagle3_zoo.training.loss import TTTLossOutput, default_step_weights, ttt_loss
+from eagle3_zoo.training.metrics import StepMetrics, acceptance_length_estimate
+
+DECAYS = ("cosine", "linear", "constant")
+
+
+class DrafterObjective(nn.Module):
+    """The drafter and its TTT loss behind one `forward`, so FSDP2 gathers the drafter's parameters around it.
+
+    (`ttt_loss` reads `drafter.lm_head.weight` directly and unrolls through a generator: outside a forward, an
+    FSDP2-sharded drafter would expose shards.) Returns plain tensors so FSDP2 can hook backward on the loss.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter):
+        super().__init__()
+        self.drafter = drafter
+
+    @override
+    def forward(self, embed_tokens: nn.Module, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
+                target_logits: torch.Tensor, loss_mask: torch.Tensor, target_valid: torch.Tensor, steps: int,
+                step_weights: list[float]) -> tuple[torch.Tensor, ...]:
+        out = ttt_loss(self.drafter, embed_tokens, input_ids, aux_hidden, target_logits, loss_mask, steps=steps,
+                       step_weights=step_weights, target_valid=target_valid)
+        return out.loss, out.step_losses, out.step_acc, out.num_supervised
+
+
+@torch.no_grad()
+def draft_target_logits(lm_head: nn.Module, final_hidden: torch.Tensor, t2d: torch.Tensor, loss_mask: torch.Tensor,
+                        chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target logits restricted to the draft vocabulary, and where the full-vocab argmax lies in it.
+
+    Only positions j whose next token j+1 is supervised are ever a TTT target (see `ttt_loss`); the full-vocab
+    product is formed for those rows only, `chunk_size` rows at a time ([chunk, V] at most).
+
+    Args:
+        lm_head: the frozen target lm_head.
+        final_hidden: `[B, T, H]` post-norm final hidden states.
+        t2d: `[V]` bool draft-vocab membership.
+        loss_mask: `[B, T]` supervision mask.
+
+    Returns:
+        `[B, T, Vd]` logits (0 on unused rows) and `[B, T]` bool valid mask (False on unused rows).
+    """
+    b, t, _ = final_hidden.shape
+    needed = torch.zeros(b, t, dtype=torch.bool, device=final_hidden.device)
+    needed[:, 1:-1] = loss_mask[:, 2:].bool()  # j >= 1: position 0 is never a target (it would predict x_1)
+    rows_b, rows_t = needed.nonzero(as_tuple=True)
+    draft_ids = t2d.nonzero().squeeze(-1).to(final_hidden.device)
+    t2d = t2d.to(final_hidden.device)
+    logits = final_hidden.new_zeros(b, t, draft_ids.numel())
+    valid = torch.zeros(b, t, dtype=torch.bool, device=final_hidden.device)
+    for i in range(0, rows_b.numel(), chunk_size):
+        rb, rt = rows_b[i : i + chunk_size], rows_t[i : i + chunk_size]
+        full = lm_head(final_hidden[rb, rt].to(lm_head.weight.dtype))  # stored features may be bf16
+        valid[rb, rt] = t2d[full.argmax(-1)]
+        logits[rb, rt] = full.index_select(-1, draft_ids).to(logits.dtype)
+    return logits, valid
+
+
+def supervised_positions(loss_mask: torch.Tensor, valid: torch.Tensor, steps: int) -> torch.Tensor:
+    """`[steps]` number of positions each TTT step is trained on (the same masks as `ttt_loss`)."""
+    t = loss_mask.shape[1]
+    counts = [(loss_mask[:, 2 + k :].bool() & valid[:, 1 + k : t - 1]).sum() if t - 2 - k > 0
+              else loss_mask.new_zeros(()) for k in range(steps)]
+    return torch.stack(counts).long()
+
+
+def rank_step_weights(weights: list[float], local: torch.Tensor, total: torch.Tensor, world_size: int) -> list[float]:
+    """Per-rank step weights `w_k * world * n_k / N_k` that make the rank-averaged gradient equal the gradient of
+    the loss normalised over the global batch (`n_k` this rank's, `N_k` all ranks' supervised positions)."""
+    return [w * float(n) * world_size / max(float(m), 1.0) for w, n, m in zip(weights, local.tolist(), total.tolist())]
+
+
+def lr_lambda(step: int, warmup_steps: int, total_steps: int, decay: str = "cosine",
+              min_lr_ratio: float = 0.0) -> float:
+    """Learning-rate multiplier: linear warmup to 1 over `warmup_steps`, then cosine/linear decay to `min_lr_ratio`."""
+    if decay not in DECAYS:
+        raise ValueError(f"unknown LR decay {decay!r}; valid: {', '.join(DECAYS)}")
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if decay == "constant" or total_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    if decay == "cosine":
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0 - (1 - min_lr_ratio) * progress
+
+
+class Eagle3Module(L.LightningModule):
+    """Trains an EAGLE-3 drafter with the TTT loss against a frozen target (online) or stored features (offline).
+
+    Args:
+        drafter: the drafter (vocabulary mapping already set).
+        adapter: the target's adapter.
+        target: the frozen target model; in offline mode it may be None when `embed_tokens` and `lm_head` are given.
+        embed_tokens: the target's input embedding (default: from `target`).
+        lm_head: the target's lm_head (default: from `target`).
+        mode: "online" (run the target in the step) or "offline" (features in the batch).
+        ttt_steps: full unroll length K (validation always uses K; training uses `active_ttt_steps`).
+        step_weights: per-step weights w_k (default 0.8**k).
+        lr, betas, weight_decay: AdamW settings; norms and other 1-D parameters get no weight decay.
+        warmup_steps, decay, min_lr_ratio: the LR schedule (stepped every optimizer step).
+        logits_chunk_size: rows per chunk of the frozen lm_head product.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter, adapter: Any, target: nn.Module | None = None, *,
+                 embed_tokens: nn.Module | None = None, lm_head: nn.Module | None = None, mode: str = "online",
+                 ttt_steps: int = 7, step_weights: list[float] | None = None, lr: float = 1e-4,
+                 betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0, warmup_steps: int = 0,
+                 decay: str = "cosine", min_lr_ratio: float = 0.0, logits_chunk_size: int = 1024):
+        super().__init__()
+        if mode not in ("online", "offline"):
+            raise ValueError(f"unknown data mode {mode!r}; valid: online, offline")
+        if mode == "online" and target is None:
+            raise ValueError("online mode needs the target model")
+        if target is None and (embed_tokens is None or lm_head is None):
+            raise ValueError("without a target model, pass its embed_tokens and lm_head")
+        self.objective = DrafterObjective(drafter)
+        self.adapter, self.mode = adapter, mode
+        # a tuple keeps the frozen modules out of the module tree (see the module docstring)
+        self._frozen = (target, adapter.embed_tokens(target) if embed_tokens is None else embed_tokens,
+                        adapter.lm_head(target) if lm_head is None else lm_head)
+        self.ttt_steps = ttt_steps
+        self.step_weights = list(step_weights) if step_weights is not None else default_step_weights(ttt_steps)
+        self.active_ttt_steps = ttt_steps
+        self.optim_args = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+        self.schedule_args = dict(warmup_steps=warmup_steps, decay=decay, min_lr_ratio=min_lr_ratio)
+        self.logits_chunk_size = logits_chunk_size
+        self.val_metrics = StepMetrics(ttt_steps)
+        self._sharded = False
+
+    @property
+    def drafter(self) -> Eagle3Drafter:
+        return self.objective.drafter
+
+    @property
+    def target(self) -> nn.Module | None:
+        return self._frozen[0]
+
+    # ------------------------------------------------------------------------------------------ setup
+    @override
+    def configure_model(self) -> None:
+        if self.device_mesh is None or self._sharded:
+            return
+        from eagle3_zoo.training.strategies import shard_fsdp2
+
+        shard_fsdp2(self.target if self.mode == "online" else None, self.adapter, self.objective,
+                    self.device_mesh["data_parallel"])
+        self._sharded = True
+
+    @override
+    def on_fit_start(self) -> None:
+        self._place_frozen()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._place_frozen()
+
+    def _place_frozen(self) -> None:
+        for module in self._frozen:
+            if module is not None:
+                module.to(self.device)
+
+    # ------------------------------------------------------------------------------------------- step
+    def _features(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mode == "offline":
+            return batch["aux_hidden"], batch["final_hidden"]
+        with torch.no_grad():
+            aux_hidden, final_hidden, _ = self.adapter.forward_features(
+                self.target, batch["input_ids"], attention_mask=batch["attention_mask"],
+                layer_ids=self.drafter.config.aux_layer_ids, use_cache=False)
+        return aux_hidden, final_hidden
+
+    def loss(self, batch: dict[str, torch.Tensor], steps: int, global_norm: bool = False) -> TTTLossOutput:
+        """TTT loss of one right-padded batch with `steps` unrolled steps.
+
+        With `global_norm` (training under a data-parallel strategy), step k's weight on this rank is scaled by
+        `world * n_k(rank) / N_k(all ranks)`: the gradient averaged over ranks is then exactly the gradient of the
+        loss normalised by the supervised positions of the *global* batch (what one process with the whole batch
+        computes), and the rank-mean of the returned loss is that global loss.
+        """
+        aux_hidden, final_hidden = self._features(batch)
+        logits, valid = draft_target_logits(self._frozen[2], final_hidden, self.drafter.t2d, batch["loss_mask"],
+                                            self.logits_chunk_size)
+        weights = self.step_weights[:steps]
+        if global_norm and self._trainer is not None and self.trainer.world_size > 1:
+            local = supervised_positions(batch["loss_mask"], valid, steps)
+            total = self.trainer.strategy.reduce(local.clone(), reduce_op="sum")
+            weights = rank_step_weights(weights, local, total, self.trainer.world_size)
+        loss, step_losses, step_acc, counts = self.objective(
+            self._frozen[1], batch["input_ids"], aux_hidden, logits, batch["loss_mask"], valid, steps, weights)
+        return TTTLossOutput(loss=loss, step_losses=step_losses, step_acc=step_acc, num_supervised=counts)
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        out = self.loss(batch, self.active_ttt_steps, global_norm=True)
+        b = batch["input_ids"].shape[0]
+        self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=b, sync_dist=True)
+        metrics = {f"train/loss_{k}": v for k, v in enumerate(out.step_losses)}
+        metrics.update({f"train/acc_{k}": v.float() for k, v in enumerate(out.step_acc) if k > 0})
+        metrics["train/tau_est"] = torch.tensor(acceptance_length_estimate(out.step_acc.detach().cpu()))
+        metrics["train/supervised_tokens"] = out.num_supervised[0].float()
+        self.log_dict(metrics, batch_size=b)
+        self.log("train/acc_0", out.step_acc[0].float(), prog_bar=True, batch_size=b)
+        if self._trainer is not None and self.trainer.lr_scheduler_configs:
+            self.log("train/lr", self.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0], batch_size=b)
+        return out.loss
+
+    @override
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        out = self.loss(batch, self.ttt_steps)  # always the full unroll, whatever the training schedule
+        self.val_metrics.update(out.step_losses, out.step_acc, out.num_supervised)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        metrics = self.val_metrics.compute("val")
+        losses = [metrics[f"val/loss_{k}"] for k in range(self.ttt_steps) if f"val/loss_{k}" in metrics]
+        if losses:
+            self.log_dict(metrics, prog_bar=False)
+            self.log("val/loss", sum(w * v for w, v in zip(self.step_weights, losses)), prog_bar=True)
+        self.val_metrics.reset()
+
+    # ------------------------------------------------------------------------------------------ optim
+    @override
+    def configure_optimizers(self) -> dict[str, Any]:
+        decay, no_decay = [], []
+        for param in self.objective.parameters():
+            if param.requires_grad:
+                (decay if param.dim() >= 2 else no_decay).append(param)  # norms (1-D) are not decayed
+        groups = [{"params": decay, "weight_decay": self.optim_args["weight_decay"]},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=self.optim_args["lr"], betas=self.optim_args["betas"])
+        total = self.trainer.estimated_stepping_batches
+        total = int(total) if math.isfinite(total) else self.schedule_args["warmup_steps"]
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_lambda(step, total_steps=total, **self.schedule_args))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,116 @@
+"""What a finished run leaves behind: the canonical drafter folder with its resolved recipe and provenance.
+
+    output_dir/drafter/config.json          # canonical SGLang/official layout (Eagle3Drafter.save_pretrained)
+    output_dir/drafter/model.safetensors
+    output_dir/drafter/recipe.yaml          # the resolved recipe (overrides applied)
+    output_dir/drafter/provenance.json      # git SHA, package versions, target, data summary, training summary
+
+The folder is staged in a temp directory and renamed into place, so a crash never leaves a half-written drafter.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_zoo.modeling import Eagle3Drafter
+
+PACKAGES = ("eagle3-zoo", "torch", "lightning", "transformers", "torchmetrics", "safetensors", "omegaconf", "peft")
+
+
+def git_info(path: str | Path | None = None) -> dict[str, Any] | None:
+    """`{"sha", "dirty"}` of the git checkout holding `path` (default: this package), or None outside git."""
+    where = Path(path) if path is not None else Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        status = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"sha": sha, "dirty": bool(status.strip())}
+
+
+def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def build_provenance(*, recipe_dict: dict[str, Any], target: dict[str, Any], data: dict[str, Any],
+                     training: dict[str, Any], drafter: Eagle3Drafter) -> dict[str, Any]:
+    cfg = drafter.config
+    return {
+        "created_unix": int(time.time()),
+        "git": git_info(),
+        "packages": package_versions(),
+        "python": platform.python_version(),
+        "target": target,
+        "drafter": {"aux_layer_ids": list(cfg.aux_layer_ids or ()), "draft_vocab_size": cfg.draft_vocab_size,
+                    "hidden_size": cfg.hidden_size, "num_parameters": sum(p.numel() for p in drafter.parameters())},
+        "data": data,
+        "training": training,
+        "recipe": recipe_dict,
+    }
+
+
+def _finish_tree(directory: Path) -> None:
+    """fsync every file and give the folder ordinary permissions (temp files and dirs are created private)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in directory.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+        f.chmod(0o666 & ~umask)
+    directory.chmod(0o777 & ~umask)
+
+
+def write_drafter_folder(drafter: Eagle3Drafter, out_dir: str | Path, recipe: Any,
+                         provenance: dict[str, Any]) -> Path:
+    """Stage `drafter` + recipe.yaml + provenance.json in a temp dir, then rename it to `out_dir` (replacing it)."""
+    from eagle3_zoo.recipe import save_resolved_recipe
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        drafter.save_pretrained(tmp)
+        save_resolved_recipe(recipe, tmp / "recipe.yaml")
+        (tmp / "provenance.json").write_text(json.dumps(provenance, indent=2, default=str) + "\n")
+        _finish_tree(tmp)
+        old = None
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def full_drafter(module: Any) -> Eagle3Drafter:
+    """A plain (unsharded, CPU, fp32) copy of the trained drafter. Collective under FSDP: call on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    src = module.drafter
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in src.state_dict().items()}
+    drafter = Eagle3Drafter(src.config)
+    drafter.load_state_dict(state)
+    return drafter.to(torch.float32)

@@ -1,0 +1,99 @@
+"""End to end through the real CLI entry on a tiny random Llama target: online fit, exact outputs, resume with a
+larger max_steps (the step count continues), offline fit (same drafter as online), and a user error."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from training_fixtures import run_fit_cli, save_tiny_target, tiny_recipe, write_chat_jsonl, write_recipe
+
+from eagle3_zoo.modeling import Eagle3Drafter
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fit")
+    target = save_tiny_target(tmp / "target")
+    data = write_chat_jsonl(tmp / "chat.jsonl", n=24)
+    recipe = write_recipe(tmp / "tiny.yaml", tiny_recipe(tmp, target, data))
+    return tmp, recipe
+
+
+def _files(root):
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+
+def _csv_steps(path):
+    rows = path.read_text().splitlines()
+    header = rows[0].split(",")
+    col, loss = header.index("step"), header.index("train/loss")
+    return [int(r.split(",")[col]) for r in rows[1:] if r.split(",")[loss]]
+
+
+def test_online_fit_outputs_and_resume(setup):
+    tmp, recipe = setup
+    run = tmp / "run"
+    r = run_fit_cli(recipe)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.strip().endswith(str(run / "drafter"))
+    assert _files(run) == {"drafter/config.json", "drafter/model.safetensors", "drafter/recipe.yaml",
+                           "drafter/provenance.json", "checkpoints/last.ckpt", "logs/version_0/metrics.csv",
+                           "logs/version_0/hparams.yaml"}
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((run / "drafter").stat().st_mode) == 0o777 & ~umask  # not the temp dir's private mode
+    assert stat.S_IMODE((run / "drafter" / "model.safetensors").stat().st_mode) == 0o666 & ~umask
+    shutil.copy(run / "drafter" / "model.safetensors", tmp / "online_step4.safetensors")
+    drafter = Eagle3Drafter.from_pretrained(run / "drafter")
+    assert drafter.config.aux_layer_ids == (1, 2, 3) and drafter.config.draft_vocab_size == 128
+    prov = json.loads((run / "drafter" / "provenance.json").read_text())
+    assert prov["training"]["global_step"] == 4 and prov["target"]["model_type"] == "llama"
+    data = prov["data"]
+    assert data["conversations_read"] == 24 and data["train_examples"] + data["val_examples"] == 24
+    assert data["train_supervised_tokens"] > 0 and data["draft_vocab_coverage"] == 1.0  # < 128 distinct tokens
+    assert prov["packages"]["lightning"] and "sha" in (prov["git"] or {"sha": None})
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 4
+    assert all(k.startswith("objective.drafter.") for k in ckpt["state_dict"])  # the target is not saved
+    assert _csv_steps(run / "logs/version_0/metrics.csv") == [0, 1, 2, 3]
+
+    r = run_fit_cli(recipe, "trainer.max_steps=6", use_cli=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "resuming from" in r.stderr
+    assert _csv_steps(run / "logs/version_1/metrics.csv") == [4, 5]  # continues, not from 0
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
+    assert json.loads((run / "drafter" / "provenance.json").read_text())["training"]["global_step"] == 6
+
+
+def test_offline_fit_matches_online(setup):
+    tmp, recipe = setup
+    if not (tmp / "online_step4.safetensors").exists():
+        pytest.skip("needs test_online_fit_outputs_and_resume")
+    run = tmp / "run_offline"
+    r = run_fit_cli(recipe, "data.mode=offline", f"output_dir={run}")
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert {"drafter/model.safetensors", "checkpoints/last.ckpt", "drafter/provenance.json"} <= _files(run)
+    prov = json.loads((run / "drafter" / "provenance.json").read_text())
+    store = Path(prov["data"]["features"]["features_dir"])
+    assert json.loads((store / "manifest.json").read_text())["complete"]
+    online = load_file(tmp / "online_step4.safetensors")
+    offline = load_file(run / "drafter" / "model.safetensors")
+    for k in online:  # fp32 features: the same computation as online, read back from disk
+        torch.testing.assert_close(offline[k], online[k], atol=1e-5, rtol=0)
+
+
+def test_cli_reports_user_errors_without_traceback(setup, capsys):
+    from eagle3_zoo.training.fit import main
+
+    tmp, recipe = setup
+    assert main([str(recipe), "trainer.max_stpes=3", "drafter.draft_vocab_size=0"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer.max_stpes" in err and "did you mean 'trainer.max_steps'" in err
+    assert "drafter.draft_vocab_size" in err and "Traceback" not in err

@@ -1,0 +1,219 @@
+"""Data glue of training: batching/resume, collation, tokenisation stats, regeneration, the offline feature job."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eagle3_zoo.data.datamodule import (
+    ExampleDataset,
+    LengthBucketBatchSampler,
+    ResumableDataLoader,
+    collate_right_padded,
+)
+from eagle3_zoo.data.readers import Conversation, DataError, read_conversations
+from eagle3_zoo.data.tokenize import supervised_token_counts, tokenize_conversations
+
+LENGTHS = [int(x) for x in torch.randint(5, 60, (41,), generator=torch.Generator().manual_seed(3))]
+
+
+def test_sampler_is_deterministic_complete_and_shuffled_per_epoch():
+    s = LengthBucketBatchSampler(LENGTHS, 4, seed=7, bucket_batches=3)
+    e0 = list(s)
+    assert e0 == list(LengthBucketBatchSampler(LENGTHS, 4, seed=7, bucket_batches=3))
+    assert len(e0) == len(s) == 10 and all(len(b) == 4 for b in e0)
+    assert len({i for b in e0 for i in b}) == 40  # no duplicates; one example dropped (drop_last)
+    s.set_epoch(1)
+    assert list(s) != e0
+    assert list(LengthBucketBatchSampler(LENGTHS, 4, seed=8, bucket_batches=3)) != e0
+
+
+def test_sampler_buckets_by_length():
+    def padding(batches):
+        return sum(max(LENGTHS[i] for i in b) * len(b) - sum(LENGTHS[i] for i in b) for b in batches)
+
+    bucketed = list(LengthBucketBatchSampler(LENGTHS, 4, seed=0, bucket_batches=10))
+    unsorted = list(LengthBucketBatchSampler(LENGTHS, 4, seed=0, bucket_batches=1))
+    assert padding(bucketed) < padding(unsorted) / 2
+
+
+def test_ranks_split_the_same_global_batches_as_one_process():
+    one = list(LengthBucketBatchSampler(LENGTHS, 4, seed=1, num_replicas=1))
+    ranks = [list(LengthBucketBatchSampler(LENGTHS, 2, seed=1, num_replicas=2, rank=r)) for r in (0, 1)]
+    assert [a + b for a, b in zip(*ranks)] == one
+    val = [list(LengthBucketBatchSampler(LENGTHS, 4, shuffle=False, drop_last=False, num_replicas=2, rank=r))
+           for r in (0, 1)]
+    assert len(val[0]) == len(val[1]) == 6 and {i for v in val for b in v for i in b} == set(range(41))
+
+
+def test_loader_resumes_mid_epoch_exactly():
+    examples = [{"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.long)} for n in LENGTHS]
+    ds = ExampleDataset(examples)
+
+    def loader():
+        return ResumableDataLoader(ds, LengthBucketBatchSampler(ds.lengths, 3, seed=5), collate_fn=collate_right_padded)
+
+    first = loader()
+    it = iter(first)
+    seen = [next(it)["input_ids"] for _ in range(4)]
+    state = first.state_dict()
+    assert state == {"epoch": 0, "consumed": 4, "seed": 5}
+    rest = [b["input_ids"] for b in it]
+    resumed = loader()
+    resumed.load_state_dict(state)
+    again = [b["input_ids"] for b in resumed]
+    assert len(seen) + len(again) == len(first) and all(torch.equal(a, b) for a, b in zip(rest, again))
+    assert resumed.state_dict()["epoch"] == 0
+    twice = loader()  # resume, take two more batches, checkpoint again, resume again
+    twice.load_state_dict(state)
+    it = iter(twice)
+    more = [next(it)["input_ids"] for _ in range(2)]
+    assert twice.state_dict()["consumed"] == 6
+    third = loader()
+    third.load_state_dict(twice.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(more + [b["input_ids"] for b in third], again))
+    with pytest.raises(ValueError, match="same data.seed"):
+        loader().load_state_dict({**state, "seed": 6})
+
+
+def test_collate_pads_right_and_masks_pads():
+    batch = collate_right_padded([
+        {"input_ids": torch.tensor([5, 6, 7]), "loss_mask": torch.tensor([0, 1, 1]), "aux_hidden": torch.ones(3, 2)},
+        {"input_ids": torch.tensor([8]), "loss_mask": torch.tensor([1]), "aux_hidden": torch.ones(1, 2)},
+    ], pad_id=9)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 9, 9]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert batch["aux_hidden"][1, 1:].abs().sum() == 0
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import LlamaForCausalLM
+
+    from eagle3_zoo.adapters import get_adapter
+
+    adapter = get_adapter("llama")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(adapter.tiny_config()).eval().requires_grad_(False)
+    return model, adapter.tiny_tokenizer(), adapter
+
+
+def _conv(i, messages, source="data.jsonl"):
+    return Conversation(id=f"c{i}", source=source, index=i, messages=messages)
+
+
+def _chat(q, a):
+    return [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+
+
+def test_tokenize_counts_every_skip_reason(tiny):
+    _, tok, adapter = tiny
+    convs = [_conv(0, _chat("Hello, how are you today?", "The capital of France is Paris.")),
+             _conv(1, _chat("Thanks!", "   ")),  # empty reply: nothing supervised
+             _conv(2, _chat("Say goodbye in French. " * 40, "Au revoir!"))]
+    n0 = tokenize_conversations(convs[:1], tok, adapter, max_length=1000)[0][0]["input_ids"].numel()
+    limit = n0 + 5
+    examples, stats = tokenize_conversations(convs, tok, adapter, max_length=limit, overflow="drop", on_error="skip")
+    assert [e["id"] for e in examples] == [convs[0].uid]
+    assert dict(stats.skipped) == {"no_supervised_tokens": 1, "too_long": 1} and stats.kept == 1
+    _, stats = tokenize_conversations(convs[:1], tok, adapter, max_length=2)
+    assert dict(stats.skipped) == {"too_short": 1}
+    examples, stats = tokenize_conversations(convs[2:], tok, adapter, max_length=limit)
+    assert stats.truncated == 1 and examples == [] and dict(stats.skipped) == {"no_supervised_tokens": 1}
+    bad = [_conv(7, [{"role": "assistant", "content": "Hi"}, {"role": "user", "content": "?"}])]
+    with pytest.raises(DataError, match=r"data.jsonl: record 7: cannot build"):
+        tokenize_conversations(bad, tok, adapter, max_length=limit)
+    kept = tokenize_conversations(convs[:1], tok, adapter, max_length=limit)[0]
+    counts = supervised_token_counts(kept, 512)
+    assert counts.sum() == kept[0]["loss_mask"].sum() > 0
+    assert counts[kept[0]["input_ids"][kept[0]["loss_mask"].bool()]].min() > 0
+
+
+def test_regeneration_batched_equals_single_and_resumes(tiny, tmp_path):
+    from eagle3_zoo.data.regenerate import regenerate_conversations
+
+    model, tok, adapter = tiny
+    convs = [_conv(i, [{"role": "user", "content": q}, {"role": "assistant", "content": "old"},
+                       {"role": "user", "content": "And of Italy?"}, {"role": "assistant", "content": "old"}])
+             for i, q in enumerate(["Hello", "What is the capital of France? Explain in one sentence.", "Thanks!"])]
+    kw = dict(max_new_tokens=6, temperature=0.0)
+    single, _ = regenerate_conversations(convs, model, tok, adapter, tmp_path / "one.jsonl", batch_size=1, **kw)
+    batched, stats = regenerate_conversations(convs, model, tok, adapter, tmp_path / "b.jsonl", batch_size=3, **kw)
+    assert [c.messages for c in single] == [c.messages for c in batched]
+    assert stats.generated == 3 and stats.turns == 6
+    assert all(m["content"] != "old" for c in batched for m in c.messages if m["role"] == "assistant")
+    # a killed run: two complete lines and a torn third one
+    lines = (tmp_path / "b.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "r.jsonl").write_text(lines[0] + lines[1] + lines[2][:17])
+    resumed, stats = regenerate_conversations(convs, model, tok, adapter, tmp_path / "r.jsonl", batch_size=3, **kw)
+    assert stats.reused == 2 and stats.generated == 1
+    assert [c.messages for c in resumed] == [c.messages for c in batched]
+    assert (tmp_path / "r.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
+    reread, rstats = read_conversations(tmp_path / "r.jsonl")
+    assert [c.messages for c in reread] == [c.messages for c in batched] and rstats.kept == 3
+
+
+def test_feature_job_resumes_to_the_same_store(tiny, tmp_path):
+    from eagle3_zoo.data.extract import write_features
+    from eagle3_zoo.data.features import FeatureReader
+
+    model, tok, adapter = tiny
+    g = torch.Generator().manual_seed(0)
+    examples = [{"id": f"s{i}", "input_ids": torch.randint(512, (int(n),), generator=g),
+                 "loss_mask": torch.ones(int(n), dtype=torch.long)} for i, n in enumerate(torch.randint(4, 30, (11,)))]
+    kw = dict(aux_layer_ids=(1, 2, 3), batch_size=2, shard_size=3, dtype="float32", meta={"k": 1})
+    whole = write_features(examples, model, adapter, tmp_path / "whole", **kw)
+
+    calls = {"n": 0}
+    real = adapter.forward_features
+
+    def crashing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt  # like a kill between two batches
+        return real(*args, **kwargs)
+
+    adapter.forward_features = crashing
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            write_features(examples, model, adapter, tmp_path / "resumed", **kw)
+    finally:
+        del adapter.forward_features
+    partial = json.loads((tmp_path / "resumed" / "manifest.json").read_text())
+    assert not partial["complete"] and len(partial["shards"]) == 2
+    write_features(examples, model, adapter, tmp_path / "resumed", **kw)
+    a = json.loads((whole / "manifest.json").read_text())
+    b = json.loads((tmp_path / "resumed" / "manifest.json").read_text())
+    assert a == b
+    reader = FeatureReader(tmp_path / "resumed", verify="hash")
+    assert sorted(reader.sample_ids) == sorted(e["id"] for e in examples)
+    sample = reader[reader.index_of("s3")]
+    assert torch.equal(sample["input_ids"], examples[3]["input_ids"])
+    assert sample["aux_hidden"].shape == (examples[3]["input_ids"].numel(), 3 * 64)
+
+
+def test_prepare_data_regenerates_caches_and_counts(tiny, tmp_path):
+    from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
+
+    from eagle3_zoo.data.prepare import prepare_data
+    from eagle3_zoo.recipe import load_recipe
+
+    model, tok, adapter = tiny
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", n=6)
+    path = write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path, tmp_path, data))  # target dir unused here
+    recipe = load_recipe(path, ["data.regenerate.enabled=true", "data.regenerate.max_new_tokens=5",
+                                "data.regenerate.batch_size=4", "data.val_fraction=0.34"])
+    first = prepare_data(recipe, tok, adapter, target=model, target_id="tiny", vocab_size=512)
+    assert first.regenerate["generated"] == 6 and first.regenerate["turns"] == 6
+    assert (len(first.train), len(first.val)) == (4, 2)
+    assert int(first.counts.sum()) == sum(int(e["loss_mask"].sum()) for e in first.train)
+    again = prepare_data(recipe, tok, adapter, target=model, target_id="tiny", vocab_size=512)
+    assert again.regenerate["reused"] == 6 and again.regenerate["generated"] == 0
+    assert [e["id"] for e in again.train] == [e["id"] for e in first.train]
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(again.train, first.train))
+    assert (tmp_path / "cache" / "tokens").is_dir() and (tmp_path / "cache" / "token_counts").is_dir()
+    plain = prepare_data(load_recipe(path), tok, adapter, target_id="tiny", vocab_size=512)
+    assert plain.fingerprint != first.fingerprint  # regeneration settings are part of the data key

@@ -1,0 +1,104 @@
+"""Tiny offline fixtures for the training tests: a random 4-layer Llama target saved with a tiny byte-level BPE
+tokenizer (Llama-3 chat template), a JSONL chat dataset, and recipe files. No downloads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+_SENTENCES = [
+    "What is the capital of France?", "The capital of France is Paris.", "And of Italy?", "Rome, of course.",
+    "Say goodbye in French.", "Au revoir!", "Hello, how are you today?", "The quick brown fox jumps over the lazy dog.",
+    "Explain speculative decoding in one sentence.",
+    "A small draft model proposes tokens that the target verifies.", "Thanks!", "0123456789",
+]
+
+
+def save_tiny_target(directory: Path, seed: int = 0, num_layers: int = 4) -> Path:
+    """A random Llama target (hidden 64, 4 layers, vocab 512) + tokenizer in `directory`."""
+    from transformers import LlamaForCausalLM
+
+    from eagle3_zoo.adapters import get_adapter
+
+    adapter = get_adapter("llama")
+    config = adapter.tiny_config()
+    config.num_hidden_layers = num_layers
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(directory)
+    adapter.tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def write_chat_jsonl(path: Path, n: int = 24, seed: int = 0, turns: int = 1) -> Path:
+    """`n` ShareGPT-style conversations of `turns` user/assistant exchanges built from fixed sentences."""
+    rng = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            conv = []
+            for _ in range(turns):
+                a, b, c = (int(x) for x in torch.randint(len(_SENTENCES), (3,), generator=rng))
+                conv.append({"from": "human", "value": _SENTENCES[a]})
+                conv.append({"from": "gpt", "value": f"{_SENTENCES[b]} {_SENTENCES[c]}"})
+            f.write(json.dumps({"id": f"c{i}", "conversations": conv}) + "\n")
+    return path
+
+
+def tiny_recipe(tmp: Path, target_dir: Path, data_file: Path, **sections: Any) -> dict[str, Any]:
+    """A recipe dict for the tiny target; `sections` deep-update it (e.g. trainer={"max_steps": 6})."""
+    recipe = {
+        "target": {"name_or_path": str(target_dir), "family": "llama", "dtype": "float32"},
+        "drafter": {"draft_vocab_size": 128, "aux_layer_ids": [1, 2, 3]},
+        "data": {"sources": [{"path": str(data_file)}], "max_length": 128, "on_error": "skip", "num_workers": 0,
+                 "val_fraction": 0.2, "cache_dir": str(tmp / "cache"), "features_dtype": "float32",
+                 "features_shard_size": 4},
+        "ttt": {"steps": 3, "schedule": "constant"},
+        "optim": {"lr": 1e-3, "warmup_steps": 1},
+        "trainer": {"max_steps": 4, "max_epochs": None, "precision": "32-true", "devices": 1, "batch_size": 2,
+                    "checkpoint_every_n_steps": 2, "val_check_interval": 3, "log_every_n_steps": 1,
+                    "logger": ["csv"]},
+        "output_dir": str(tmp / "run"),
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            recipe.setdefault(section, {}).update(values)
+        else:
+            recipe[section] = values
+    return recipe
+
+
+def write_recipe(path: Path, recipe: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def cli_entry(use_cli: bool = False) -> list[str]:
+    """`-m eagle3_zoo.cli fit` once the package CLI has a fit subcommand (and `use_cli`), else the training module."""
+    cli = REPO / "eagle3_zoo" / "cli.py"
+    if use_cli and cli.is_file() and "fit_main" in cli.read_text():
+        return ["-m", "eagle3_zoo.cli", "fit"]
+    return ["-m", "eagle3_zoo.training.fit"]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    # MKL_CBWR=AUTO,STRICT: MKL gemm results independent of memory alignment, so two processes (an uninterrupted
+    # run and a resumed one) compute bit-identical steps; without it, rare last-bit differences get amplified by
+    # Adam on near-zero gradients.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_CBWR": "AUTO,STRICT", "CUDA_VISIBLE_DEVICES": "",
+            "PYTHONWARNINGS": "ignore", **extra}
+
+
+def run_fit_cli(recipe: Path, *overrides: str, timeout: float = 300, use_cli: bool = False,
+                cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m eagle3_zoo.training.fit RECIPE overrides...` in a subprocess (1 thread, no GPU)."""
+    return subprocess.run([sys.executable, *cli_entry(use_cli), str(recipe), *overrides], capture_output=True,
+                          text=True, timeout=timeout, env=subprocess_env(), cwd=cwd or REPO)
