@@ -1,0 +1,76 @@
+"""`eagle3-zoo` command line: a thin layer that turns subcommands into API calls and exceptions into exit codes.
+
+Heavy imports (torch, transformers, Lightning) happen inside the handlers, so `eagle3-zoo --help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+# errors a user can fix (bad recipe/data/paths/arguments): printed as one message, exit code 2
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ImportError, KeyError)
+
+
+def _cmd_fit(args: argparse.Namespace) -> int:
+    from eagle3_zoo.training.fit import fit_main
+
+    print(fit_main(args.recipe, args.overrides))
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from eagle3_zoo.speculative.eval_cli import run_eval_cli
+
+    results = run_eval_cli(args)
+    if results.get("lossless") is False:
+        print("warning: speculative greedy output differs from plain decoding (see lossless_mismatches)",
+              file=sys.stderr)
+        return 1 if args.strict else 0
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from eagle3_zoo import __version__
+
+    parser = argparse.ArgumentParser(prog="eagle3-zoo", description="Train, evaluate and publish EAGLE-3 drafters.")
+    parser.add_argument("--version", action="version", version=f"eagle3-zoo {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("fit", help="train a drafter from a recipe", description="Train a drafter from a recipe.")
+    p.add_argument("recipe", help="recipe YAML (see recipes/)")
+    p.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides, e.g. trainer.max_steps=2000")
+    p.set_defaults(func=_cmd_fit)
+
+    from eagle3_zoo.speculative.eval_cli import add_eval_arguments
+
+    p = sub.add_parser("eval", help="real speculative decoding: tau, per-depth acceptance, speedup, lossless check")
+    add_eval_arguments(p)
+    p.set_defaults(func=_cmd_eval)
+
+    from eagle3_zoo.hub.cli_commands import add_subparsers
+
+    add_subparsers(sub)  # export, check, publish, pull, zoo
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

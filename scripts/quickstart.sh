@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The main job on the embedded default: set up, train an EAGLE-3 drafter for SmolLM2-135M-Instruct on the embedded
+# ShareGPT, measure it with real speculative decoding on MT-bench and HumanEval, render its model card (publish
+# dry run) and print tau, per-depth acceptance and speedup.
+#
+#   bash scripts/quickstart.sh            # smoke configuration (short training; see README for its wall time)
+#   FULL=1 bash scripts/quickstart.sh     # the recipe's full run
+#   EXTRA="trainer.max_steps=100" bash scripts/quickstart.sh   # any recipe overrides
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export PATH="$PWD/.venv/bin:$PATH"
+RECIPE=recipes/smollm2_135m.yaml
+if [ "${FULL:-0}" = "1" ]; then
+  RUN=runs/smollm2_135m
+  OVERRIDES=()
+  LIMIT=${LIMIT:-80}
+  MAX_NEW=${MAX_NEW:-256}
+else
+  RUN=runs/smollm2_135m_smoke
+  OVERRIDES=(trainer.max_steps=60 data.max_samples=400 trainer.val_check_interval=60
+             trainer.checkpoint_every_n_steps=60 trainer.tau_eval.every_n_steps=0 output_dir=$RUN)
+  LIMIT=${LIMIT:-8}
+  MAX_NEW=${MAX_NEW:-64}
+fi
+# shellcheck disable=SC2206
+OVERRIDES+=(${EXTRA:-})
+start=$(date +%s)
+eagle3-zoo fit "$RECIPE" "${OVERRIDES[@]}"
+trained=$(date +%s)
+DRAFTER=$RUN/drafter
+eagle3-zoo eval "$DRAFTER" --target smollm2-135m-instruct --bench mtbench,humaneval --mode tree \
+  --depth 8 --top-k 10 --total-tokens 60 --temperature 0 --max-new-tokens "$MAX_NEW" --limit "$LIMIT" \
+  --out "$DRAFTER/eval_results.json"
+eagle3-zoo eval "$DRAFTER" --target smollm2-135m-instruct --bench mtbench --mode chain --depth 7 \
+  --temperature 0 --max-new-tokens "$MAX_NEW" --limit "$LIMIT" --out "$RUN/eval_chain.json"
+eagle3-zoo publish "$DRAFTER" --repo-id eagle3-zoo/smollm2-135m-instruct-eagle3 --dry-run --stage-dir "$RUN/card"
+end=$(date +%s)
+echo
+echo "trained in $((trained - start)) s; evaluated and carded in $((end - trained)) s"
+echo "drafter: $DRAFTER    results: $DRAFTER/eval_results.json    card: $RUN/card/README.md"
