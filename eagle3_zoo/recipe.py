@@ -183,7 +183,7 @@ class TrainerConfig:
     val_check_interval: int | None = None
     """Validate every N training batches; null = once per epoch."""
     log_every_n_steps: int = 10
-    logger: list[Literal["csv", "tensorboard"]] = field(default_factory=lambda: ["csv"])
+    logger: list[Literal["csv", "tensorboard"]] = field(default_factory=lambda: ["csv", "tensorboard"])
     seed: int = 42
     """Seed of the drafter initialisation and data order."""
     activation_checkpointing: bool = False
