@@ -18,10 +18,10 @@ if [ "${FULL:-0}" = "1" ]; then
   MAX_NEW=${MAX_NEW:-256}
 else
   RUN=runs/smollm2_135m_smoke
-  OVERRIDES=(trainer.max_steps=60 data.max_samples=400 trainer.val_check_interval=60
-             trainer.checkpoint_every_n_steps=60 trainer.tau_eval.every_n_steps=0 output_dir=$RUN)
-  LIMIT=${LIMIT:-8}
-  MAX_NEW=${MAX_NEW:-64}
+  OVERRIDES=(trainer.max_steps=40 data.max_samples=300 data.max_length=384 trainer.val_check_interval=40
+             trainer.checkpoint_every_n_steps=40 trainer.tau_eval.every_n_steps=null output_dir=$RUN)
+  LIMIT=${LIMIT:-2}
+  MAX_NEW=${MAX_NEW:-32}
 fi
 # shellcheck disable=SC2206
 OVERRIDES+=(${EXTRA:-})
