@@ -14,8 +14,8 @@ RECIPE=recipes/smollm2_135m.yaml
 if [ "${FULL:-0}" = "1" ]; then
   RUN=runs/smollm2_135m
   OVERRIDES=()
-  LIMIT=${LIMIT:-80}
-  MAX_NEW=${MAX_NEW:-256}
+  LIMIT=${LIMIT:-10}   # all 80: LIMIT=80 (hours on 2 cores with a weak drafter)
+  MAX_NEW=${MAX_NEW:-64}
 else
   RUN=runs/smollm2_135m_smoke
   OVERRIDES=(trainer.max_steps=40 data.max_samples=300 data.max_length=384 trainer.val_check_interval=40
