@@ -169,3 +169,14 @@ def test_inconsistent_aux_id_fields_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="differ by exactly one"):
         Eagle3Drafter.from_pretrained(tmp_path)
+
+
+def test_target_mismatches_name_each_size():
+    from types import SimpleNamespace
+
+    cfg = tiny_config()  # hidden 32, target_hidden 24, vocab 96
+    assert cfg.target_mismatches(SimpleNamespace(vocab_size=96, hidden_size=24)) == [
+        "hidden_size 32 != target hidden 24 (the target embedding feeds the drafter)"]
+    fits = tiny_config(target_hidden_size=32)
+    assert fits.target_mismatches(SimpleNamespace(vocab_size=96, hidden_size=32)) == []
+    assert len(fits.target_mismatches(SimpleNamespace(vocab_size=100, hidden_size=64))) == 3

@@ -122,6 +122,19 @@ class Eagle3Config:
         kwargs.update(overrides)
         return cls(**kwargs)
 
+    def target_mismatches(self, target_config: Any) -> list[str]:
+        """Why this drafter cannot run on a target with `target_config` (empty when it fits)."""
+        problems = []
+        if self.vocab_size != target_config.vocab_size:
+            problems.append(f"vocab_size {self.vocab_size} != target vocab {target_config.vocab_size}")
+        if self.target_hidden_size != target_config.hidden_size:
+            problems.append(f"target_hidden_size {self.target_hidden_size} != target hidden "
+                            f"{target_config.hidden_size}")
+        if self.hidden_size != target_config.hidden_size:
+            problems.append(f"hidden_size {self.hidden_size} != target hidden {target_config.hidden_size} (the target "
+                            "embedding feeds the drafter)")
+        return problems
+
     def to_llama_config(self) -> Any:
         """A transformers LlamaConfig with this drafter's attention/RoPE settings (for the rotary embedding)."""
         from transformers import LlamaConfig

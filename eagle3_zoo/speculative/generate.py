@@ -182,14 +182,7 @@ def _elapsed(start: float, device: torch.device) -> float:
 
 
 def _check_compatible(drafter: Eagle3Drafter, target: nn.Module) -> None:
-    cfg, tcfg = drafter.config, target.config
-    problems = []
-    if cfg.vocab_size != tcfg.vocab_size:
-        problems.append(f"drafter vocab_size={cfg.vocab_size} != target vocab_size={tcfg.vocab_size}")
-    if cfg.target_hidden_size != tcfg.hidden_size:
-        problems.append(f"drafter target_hidden_size={cfg.target_hidden_size} != target hidden_size={tcfg.hidden_size}")
-    if cfg.hidden_size != tcfg.hidden_size:
-        problems.append(f"drafter hidden_size={cfg.hidden_size} != target embedding width {tcfg.hidden_size}")
+    problems = drafter.config.target_mismatches(target.config)
     if problems:
         raise ValueError("drafter does not fit the target: " + "; ".join(problems))
 

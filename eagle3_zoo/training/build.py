@@ -84,14 +84,7 @@ def _load_init(path: str, target_config: Any, aux_layer_ids: tuple[int, ...]) ->
     drafter = load_any_drafter(path)
     drafter = drafter.float()  # trained in fp32 master weights; saved back in its config dtype
     cfg = drafter.config
-    problems = []
-    if cfg.vocab_size != target_config.vocab_size:
-        problems.append(f"vocab_size {cfg.vocab_size} != target vocab {target_config.vocab_size}")
-    if cfg.target_hidden_size != target_config.hidden_size:
-        problems.append(f"target_hidden_size {cfg.target_hidden_size} != target hidden {target_config.hidden_size}")
-    if cfg.hidden_size != target_config.hidden_size:
-        problems.append(f"hidden_size {cfg.hidden_size} != target hidden {target_config.hidden_size} (the target "
-                        "embedding feeds the drafter)")
+    problems = cfg.target_mismatches(target_config)
     if cfg.aux_layer_ids is not None and tuple(cfg.aux_layer_ids) != tuple(aux_layer_ids):
         problems.append(f"aux_layer_ids {list(cfg.aux_layer_ids)} != the run's {list(aux_layer_ids)} (set "
                         "drafter.aux_layer_ids to the drafter's)")
