@@ -90,6 +90,8 @@ class RegenerateConfig:
     temperature: float = 0.0
     """0 = greedy, matching T=0 evaluation."""
     batch_size: int = 8
+    max_turns: int | None = None
+    """Answer at most this many assistant turns per conversation (later turns are dropped); null = all."""
     output: str | None = None
     """Where regenerated conversations go; null = inside `data.cache_dir`."""
 
@@ -374,6 +376,7 @@ _RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
         "drafter.hidden_size", "drafter.intermediate_size", "drafter.num_attention_heads",
         "drafter.num_key_value_heads", "drafter.head_dim", "drafter.draft_vocab_size", "data.max_samples",
         "data.features_shard_size", "data.regenerate.max_new_tokens", "data.regenerate.batch_size",
+        "data.regenerate.max_turns",
         "ttt.step_weight_decay", "optim.lr", "optim.grad_clip", "trainer.max_steps", "trainer.max_epochs",
         "trainer.num_nodes", "trainer.accumulate_grad_batches", "trainer.batch_size",
         "trainer.checkpoint_every_n_steps", "trainer.val_check_interval", "trainer.log_every_n_steps",

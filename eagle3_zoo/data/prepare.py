@@ -147,7 +147,7 @@ def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, 
         conversations, rstats = regenerate_conversations(
             conversations, target, tokenizer, adapter, path, max_new_tokens=d.regenerate.max_new_tokens,
             temperature=d.regenerate.temperature, batch_size=d.regenerate.batch_size, max_length=d.max_length,
-            seed=d.seed)
+            max_turns=d.regenerate.max_turns, seed=d.seed)
         regen = {"path": str(path), **rstats.to_dict()}
     cached = load_examples(d.cache_dir, fingerprint)
     if cached is not None:

@@ -1,8 +1,10 @@
 """Regenerate assistant turns with the target itself (EAGLE-3 trains on the target's own answers).
 
 Each assistant turn is replaced, in order, by the target's reply to the conversation so far (user turns kept,
-earlier assistant turns already regenerated). Conversations are processed `batch_size` at a time; prompts are
-left-padded so one `generate` call serves the whole batch. Greedy when `temperature == 0`, sampling otherwise.
+earlier assistant turns already regenerated); with `max_turns`, the conversation ends after that many answers (the
+cost of regeneration grows with every turn). Conversations are processed `batch_size` at a time, batched by the
+length of their first prompt (less padding, rows finishing together); prompts are left-padded so one `generate`
+call serves the whole batch. Greedy when `temperature == 0`, sampling otherwise.
 
 Resumable: every finished conversation is appended to a JSONL file (`{"id", "source", "index", "messages"}`) with
 one `write()` per line on an `O_APPEND` descriptor, fsynced per batch. A rerun reads the ids already there and
@@ -121,6 +123,7 @@ def regenerate_conversations(
     temperature: float = 0.0,
     batch_size: int = 8,
     max_length: int | None = None,
+    max_turns: int | None = None,
     seed: int = 0,
 ) -> tuple[list[Conversation], RegenerateStats]:
     """Replace every assistant turn by the target's own reply; resumable (see the module docstring).
@@ -135,6 +138,7 @@ def regenerate_conversations(
         batch_size: conversations per `generate` call.
         max_length: a turn whose prompt already has this many tokens is dropped with the rest of the conversation
             (training would truncate it anyway).
+        max_turns: answer at most this many assistant turns per conversation and drop what follows; None = all.
         seed: sampling seed (per batch, so a rerun samples the remaining batches reproducibly).
 
     Returns:
@@ -147,6 +151,8 @@ def regenerate_conversations(
     with _locked(out_path):
         done = _load_done(out_path)
         todo = [c for c in conversations if c.uid not in done]
+        # similar prompt lengths share a batch; a stable sort keeps the order (and so resumption) deterministic
+        todo.sort(key=lambda c: len(next((m["content"] for m in c.messages if m["role"] != "assistant"), "")))
         stats.reused = len(conversations) - len(todo)
         if todo:
             logger.info("regenerating %d conversations with the target (%d already in %s)", len(todo), stats.reused,
@@ -158,7 +164,7 @@ def regenerate_conversations(
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(seed + start)
                     results = _regenerate_batch(batch, model, tokenizer, adapter, max_new_tokens, temperature,
-                                                max_length, pad_id, end_ids, stats)
+                                                max_length, max_turns, pad_id, end_ids, stats)
                 for conv, messages in zip(batch, results):
                     record = {"id": conv.uid, "source": conv.source, "index": conv.index, "messages": messages}
                     os.write(fd, (json.dumps(record, ensure_ascii=False) + "\n").encode())
@@ -180,13 +186,14 @@ def regenerate_conversations(
 
 
 def _regenerate_batch(batch: Sequence[Conversation], model: Any, tokenizer: Any, adapter: Any, max_new_tokens: int,
-                      temperature: float, max_length: int | None, pad_id: int, end_ids: list[int],
-                      stats: RegenerateStats) -> list[list[dict[str, str]]]:
+                      temperature: float, max_length: int | None, max_turns: int | None, pad_id: int,
+                      end_ids: list[int], stats: RegenerateStats) -> list[list[dict[str, str]]]:
     """Turn by turn over the batch: round j answers the j-th assistant turn of every conversation that has one."""
     new: list[list[dict[str, str]]] = [[] for _ in batch]
     pending = [list(c.messages) for c in batch]  # messages not yet copied/answered
     open_ = set(range(len(batch)))
-    while open_:
+    answered = 0
+    while open_ and (max_turns is None or answered < max_turns):
         prompts, who = [], []
         for i in sorted(open_):
             while pending[i] and pending[i][0]["role"] != "assistant":
@@ -211,4 +218,5 @@ def _regenerate_batch(batch: Sequence[Conversation], model: Any, tokenizer: Any,
             pending[i].pop(0)  # the original assistant turn
             new[i].append({"role": "assistant", "content": tokenizer.decode(reply, skip_special_tokens=True).strip()})
             stats.turns += 1
+        answered += 1
     return new
