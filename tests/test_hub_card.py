@@ -9,6 +9,7 @@ from huggingface_hub import ModelCard
 
 from eagle3_zoo.hub import render_card
 from eagle3_zoo.hub.card import template_text
+from eagle3_zoo.hub.convert import extra_files
 from tests.hub_fixtures import canonical_dir
 
 # TEST DATA: shaped like eagle3_zoo.speculative.evaluate's output; the numbers are made up for this test.
@@ -86,6 +87,19 @@ def test_card_has_metadata_tau_table_plot_and_training(tmp_path):
     assert "| Training time | 512 s |" in text and "| Steps | 400 |" in text
     assert "| versions.torch | 2.13 |" in text and "```yaml\ntarget:" in text
     assert "HF hidden-state indices [2, 4, 5] (SGLang eagle_config: [1, 3, 4])" in text
+
+
+def test_card_shows_every_eval_run_labelled_by_draft_shape(tmp_path):
+    src, _ = canonical_dir(tmp_path)
+    (src / "eval_results.json").write_text(json.dumps(EVAL_RESULTS))
+    chain = {**EVAL_RESULTS, "settings": {**EVAL_RESULTS["settings"], "mode": "chain", "depth": 7},
+             "benchmarks": {"mtbench": {"requests": 40, "tau": 3.05, "speedup": 2.11, "lossless": True}}}
+    (src / "eval_results_chain.json").write_text(json.dumps(chain))
+    text = render_card(src, repo_id="me/tiny-eagle3").text
+    assert "| mtbench (tree 6/8/48) | 160 | 3.21 |" in text
+    assert "| humaneval (tree 6/8/48) | 164 | 3.90 |" in text
+    assert "| mtbench (chain 7) | 40 | 3.05 | – | 2.11x |" in text
+    assert "eval_results_chain.json" in [p.name for p in extra_files(src)]  # uploaded with the card
 
 
 def test_bare_checkpoint_gets_a_valid_card(tmp_path):

@@ -67,7 +67,17 @@ def _first(mapping: dict[str, Any], *keys: str) -> Any:
     return next((mapping[k] for k in keys if mapping.get(k) is not None), None)
 
 
-def _benchmarks(results: dict[str, Any]) -> list[dict[str, str]]:
+def _draft_shape(results: dict[str, Any]) -> str | None:
+    """"tree 8/10/60" or "chain 7" from an eval results' settings (None if they do not say)."""
+    settings = results.get("settings") if isinstance(results.get("settings"), dict) else {}
+    if settings.get("mode") == "chain":
+        return f"chain {settings.get('depth')}"
+    if settings.get("mode") == "tree":
+        return f"tree {settings.get('depth')}/{settings.get('top_k')}/{settings.get('total_tokens')}"
+    return None
+
+
+def _benchmarks(results: dict[str, Any], label: str | None = None) -> list[dict[str, str]]:
     benches = dict(results.get("benchmarks") or {})
     if isinstance(benches, list):  # tolerate [{"name": ..., ...}]
         benches = {str(b.get("name", i)): b for i, b in enumerate(benches) if isinstance(b, dict)}
@@ -79,7 +89,7 @@ def _benchmarks(results: dict[str, Any]) -> list[dict[str, str]]:
         depth = b.get("acceptance_per_depth")
         lossless = b.get("lossless")
         rows.append({
-            "name": _cell(name), "requests": _cell(b.get("requests")), "tau": _num(b.get("tau")),
+            "name": _cell(f"{name} ({label})" if label else name), "requests": _cell(b.get("requests")), "tau": _num(b.get("tau")),
             "tau_per_request_mean": _num(b.get("tau_per_request_mean")), "speedup": _num(b.get("speedup"), suffix="x"),
             "tokens_per_s": _num(_first(b, "spec_tokens_per_s", "tokens_per_s"), "{:.1f}"),
             "acceptance_per_depth": ", ".join(_num(x) for x in depth) if isinstance(depth, list) else "–",
@@ -150,6 +160,11 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
     recipe_text = recipe_path.read_text(encoding="utf-8").strip() if recipe_path.is_file() else ""
     recipe = (yaml.safe_load(recipe_text) if recipe_text else None) or {}
     prov, results = _read_json(folder / "provenance.json"), _read_json(folder / "eval_results.json")
+    # more runs of `eagle3-zoo eval` (other draft shapes) saved as eval_results_<name>.json: rows labelled by shape
+    more = [_read_json(p) for p in sorted(folder.glob("eval_results_*.json")) if p.is_file()]
+    benchmarks = _benchmarks(results, _draft_shape(results) if more else None)
+    for extra in more:
+        benchmarks += _benchmarks(extra, _draft_shape(extra) or "more")
     target = cfg.target_name_or_path or (recipe.get("target") or {}).get("name_or_path")
     hub_target = target_hub_id(target)
     settings = results.get("settings") if isinstance(results.get("settings"), dict) else {}
@@ -166,7 +181,7 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
         if aux else None,
         "format_description": _FORMAT_NOTES.get(fmt, _FORMAT_NOTES["sglang"])[0],
         "usage_note": _FORMAT_NOTES.get(fmt, _FORMAT_NOTES["sglang"])[1],
-        "benchmarks": _benchmarks(results), "protocol": _describe(results.get("protocol")),
+        "benchmarks": benchmarks, "protocol": _describe(results.get("protocol")),
         "settings": _describe({k: v for k, v in settings.items() if k not in ("eos_token_ids",)}),
         "machine": _describe(results.get("machine")),
         "decoding": "greedy, T=0" if temperature in (None, 0, 0.0) else f"lossless sampling, T={temperature}",

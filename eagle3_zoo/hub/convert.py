@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 # files next to the weights that travel with every export: the resolved recipe, provenance, eval results
 EXTRA_FILES = ("recipe.yaml", "provenance.json", "eval_results.json")
-EXTRA_GLOBS = ("*.png",)  # plots written by evaluation (per-depth acceptance)
+EXTRA_GLOBS = ("eval_results_*.json", "*.png")  # more eval runs (other draft shapes), per-depth plots
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
