@@ -14,12 +14,13 @@ RECIPE=recipes/smollm2_135m.yaml
 if [ "${FULL:-0}" = "1" ]; then
   RUN=runs/smollm2_135m
   OVERRIDES=()
-  LIMIT=${LIMIT:-10}   # all 80: LIMIT=80 (hours on 2 cores with a weak drafter)
-  MAX_NEW=${MAX_NEW:-64}
+  LIMIT=${LIMIT:-20}      # MT-bench questions (both turns) and HumanEval problems; all: LIMIT=80 / 164
+  MAX_NEW=${MAX_NEW:-128}
 else
+  # smoke: the same pipeline (regeneration, feature job, TTT training, evaluation, card) on a small slice
   RUN=runs/smollm2_135m_smoke
-  OVERRIDES=(trainer.max_steps=40 data.max_samples=300 data.max_length=384 trainer.val_check_interval=40
-             trainer.checkpoint_every_n_steps=40 trainer.tau_eval.every_n_steps=null output_dir=$RUN)
+  OVERRIDES=(data.max_samples=128 data.max_length=384 data.regenerate.max_new_tokens=128 trainer.max_steps=60
+             trainer.val_check_interval=60 trainer.checkpoint_every_n_steps=60 output_dir=$RUN)
   LIMIT=${LIMIT:-2}
   MAX_NEW=${MAX_NEW:-32}
 fi
@@ -33,7 +34,7 @@ eagle3-zoo eval "$DRAFTER" --target smollm2-135m-instruct --bench mtbench,humane
   --depth 8 --top-k 10 --total-tokens 60 --temperature 0 --max-new-tokens "$MAX_NEW" --limit "$LIMIT" \
   --out "$DRAFTER/eval_results.json"
 eagle3-zoo eval "$DRAFTER" --target smollm2-135m-instruct --bench mtbench --mode chain --depth 7 \
-  --temperature 0 --max-new-tokens "$MAX_NEW" --limit "$LIMIT" --out "$RUN/eval_chain.json"
+  --temperature 0 --max-new-tokens "$MAX_NEW" --limit "$LIMIT" --out "$DRAFTER/eval_results_chain.json"
 eagle3-zoo publish "$DRAFTER" --repo-id eagle3-zoo/smollm2-135m-instruct-eagle3 --dry-run --stage-dir "$RUN/card"
 end=$(date +%s)
 echo

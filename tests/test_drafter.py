@@ -180,3 +180,21 @@ def test_target_mismatches_name_each_size():
     fits = tiny_config(target_hidden_size=32)
     assert fits.target_mismatches(SimpleNamespace(vocab_size=96, hidden_size=32)) == []
     assert len(fits.target_mismatches(SimpleNamespace(vocab_size=100, hidden_size=64))) == 3
+
+
+def test_head_initialised_from_the_target_reads_hidden_states_like_the_target():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    drafter, _ = tiny_drafter()
+    cfg = drafter.config
+    torch.manual_seed(1)
+    target_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    target_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+    target_norm.weight.data.uniform_(0.5, 1.5)
+    drafter.init_head_from_target(target_head.weight, target_norm.weight)
+    h = torch.randn(3, cfg.hidden_size)
+    rows = drafter.draft_to_target(torch.arange(cfg.draft_vocab_size))
+    with torch.no_grad():
+        assert torch.allclose(drafter.logits(h), target_head(target_norm(h))[:, rows], atol=1e-6)
+    with pytest.raises(ValueError, match=r"lm_head weight has shape \(96, 16\), expected \(96, 32\)"):
+        drafter.init_head_from_target(torch.zeros(96, 16))

@@ -34,6 +34,7 @@ class TargetAdapter:
         layers_attr: Attribute of the base model holding the decoder layers.
         embed_attr: Attribute of the base model holding the token embedding.
         lm_head_attr: Attribute of the ``*ForCausalLM`` holding the output projection.
+        final_norm_attr: Attribute of the base model holding the norm before the output projection.
         keys_to_ignore_on_load: Regexes of checkpoint keys that are expected to be unused (e.g. MTP layers).
         chat_formats: The family's chat formats; the one matching the tokenizer is used (`chat_format`).
         tiny_tokenizer_spec: Special tokens of the family's tokenizer, for `tiny_tokenizer()`.
@@ -45,6 +46,7 @@ class TargetAdapter:
     layers_attr: ClassVar[str] = "layers"
     embed_attr: ClassVar[str] = "embed_tokens"
     lm_head_attr: ClassVar[str] = "lm_head"
+    final_norm_attr: ClassVar[str] = "norm"
     keys_to_ignore_on_load: ClassVar[tuple[str, ...]] = ()
     chat_formats: ClassVar[tuple[ChatFormat, ...]] = ()
     tiny_tokenizer_spec: ClassVar[TinyTokenizerSpec | None] = None
@@ -117,6 +119,10 @@ class TargetAdapter:
     def lm_head(self, model: nn.Module) -> nn.Linear:
         """The (frozen) output projection that turns final hidden states into target logits."""
         return getattr(model, self.lm_head_attr)
+
+    def final_norm(self, model: nn.Module) -> nn.Module:
+        """The norm applied to the last decoder layer's output before `lm_head`."""
+        return getattr(self.base_model(model), self.final_norm_attr)
 
     def ignored_on_load(self, key: str) -> bool:
         """Whether checkpoint key `key` is expected to be unused when loading this family."""

@@ -144,6 +144,24 @@ class Eagle3Drafter(nn.Module):
         self.d2t.copy_(d2t.to(torch.int64))
         self.t2d.copy_(t2d.to(torch.bool))
 
+    @torch.no_grad()
+    def init_head_from_target(self, lm_head_weight: torch.Tensor, norm_weight: torch.Tensor | None = None) -> None:
+        """Start the output side from the target's: `lm_head` = the target's lm_head rows of the draft vocabulary
+        (call after `set_vocab`), `norm` = the target's final norm weight. A fresh head then already reads a hidden
+        state the way the target does, instead of learning the readout from random (vLLM speculators starts from
+        the verifier's lm_head the same way)."""
+        expected = (self.config.vocab_size, self.config.hidden_size)
+        if tuple(lm_head_weight.shape) != expected:
+            raise ValueError(f"target lm_head weight has shape {tuple(lm_head_weight.shape)}, expected {expected} "
+                             f"(vocab_size, drafter hidden_size)")
+        rows = self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
+        self.lm_head.weight.copy_(lm_head_weight.to(self.lm_head.weight)[rows.to(lm_head_weight.device)])
+        if norm_weight is not None:
+            if tuple(norm_weight.shape) != (self.config.hidden_size,):
+                raise ValueError(f"target norm weight has shape {tuple(norm_weight.shape)}, expected "
+                                 f"({self.config.hidden_size},)")
+            self.norm.weight.copy_(norm_weight.to(self.norm.weight))
+
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 

@@ -56,10 +56,13 @@ def drafter_dtype_name(precision: str) -> str:
     return "float32"
 
 
-def build_drafter(recipe: Any, target_config: Any, counts: torch.Tensor,
-                  aux_layer_ids: tuple[int, ...]) -> Eagle3Drafter:
+def build_drafter(recipe: Any, target_config: Any, counts: torch.Tensor, aux_layer_ids: tuple[int, ...],
+                  target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> Eagle3Drafter:
     """A fresh drafter sized like the target (recipe overrides applied) with the draft vocab from `counts`,
     or the `drafter.init_from` drafter, checked against the target.
+
+    `target_head` = the target's (lm_head weight, final norm weight): with `drafter.init_head = "target"` a fresh
+    drafter's lm_head and norm start from them (`Eagle3Drafter.init_head_from_target`).
 
     Raises:
         ValueError: an `init_from` drafter that does not fit the target (vocab, hidden size, aux layers).
@@ -73,6 +76,10 @@ def build_drafter(recipe: Any, target_config: Any, counts: torch.Tensor,
         **overrides)
     drafter = Eagle3Drafter(config)
     drafter.set_vocab(*build_draft_vocab(counts, config.draft_vocab_size))
+    if recipe.drafter.init_head == "target":
+        if target_head is None:
+            raise ValueError("drafter.init_head = 'target' needs the target's lm_head (and final norm) weights")
+        drafter.init_head_from_target(*target_head)
     return drafter
 
 
@@ -125,7 +132,9 @@ def build_run(recipe: Any, source: str = "recipe") -> TrainingRun:
                         vocab_size=target.config.vocab_size)
     aux_ids = aux_layer_ids_for(recipe, target, adapter)
     L.seed_everything(recipe.trainer.seed, workers=True, verbose=False)  # init independent of data-stage randomness
-    drafter = build_drafter(recipe, target.config, data.counts, aux_ids)
+    norm = adapter.final_norm(target)
+    drafter = build_drafter(recipe, target.config, data.counts, aux_ids,
+                            target_head=(adapter.lm_head(target).weight, getattr(norm, "weight", None)))
     if recipe.trainer.activation_checkpointing:
         enable_activation_checkpointing(drafter)
     train_set, val_set, features = _datasets(recipe, data, target, tokenizer, adapter, aux_ids)
