@@ -158,6 +158,10 @@ class OptimConfig:
     """Final learning rate as a fraction of `lr`."""
     grad_clip: float | None = 0.5  # official EAGLE-3 gradient clipping
     """Gradient norm clip; null = off."""
+    precondition_fc: bool = False
+    """Train the fc layer on features scaled to unit RMS per dimension (measured on the first training samples) and
+    fold the scale into fc.weight when the drafter is written: same exported format, but a few "massive
+    activation" dims of the target no longer dominate the fused state (recipes/README.md has the measurement)."""
 
 
 @dataclass

@@ -198,3 +198,19 @@ def test_head_initialised_from_the_target_reads_hidden_states_like_the_target():
         assert torch.allclose(drafter.logits(h), target_head(target_norm(h))[:, rows], atol=1e-6)
     with pytest.raises(ValueError, match=r"lm_head weight has shape \(96, 16\), expected \(96, 32\)"):
         drafter.init_head_from_target(torch.zeros(96, 16))
+
+
+def test_fc_input_scale_folds_into_fc_weight_without_changing_outputs():
+    drafter, embed = tiny_drafter()
+    aux = torch.randn(2, 5, drafter.fc.in_features) * torch.linspace(0.1, 300.0, drafter.fc.in_features)
+    scale = torch.rand(drafter.fc.in_features) + 0.01
+    drafter.set_fc_input_scale(scale)
+    with torch.no_grad():
+        scaled = drafter.fuse(aux)
+        torch.testing.assert_close(scaled, aux @ (drafter.fc.weight * scale).T, rtol=1e-5, atol=1e-4)
+        drafter.fold_fc_input_scale()
+        torch.testing.assert_close(drafter.fuse(aux), scaled, rtol=1e-5, atol=1e-4)
+    assert torch.equal(drafter.fc_input_scale, torch.ones_like(scale))
+    assert "fc_input_scale" not in drafter.state_dict()  # never part of a checkpoint
+    with pytest.raises(ValueError, match="finite and > 0"):
+        drafter.set_fc_input_scale(torch.zeros_like(scale))

@@ -89,6 +89,23 @@ def test_offline_fit_matches_online(setup):
         torch.testing.assert_close(offline[k], online[k], atol=1e-5, rtol=0)
 
 
+def test_preconditioned_fc_online_equals_offline_and_is_folded(setup):
+    tmp, recipe = setup
+    if not (tmp / "online_step4.safetensors").exists():
+        pytest.skip("needs test_online_fit_outputs_and_resume")
+    written = {}
+    for mode in ("online", "offline"):
+        run = tmp / f"run_precond_{mode}"
+        r = run_fit_cli(recipe, f"data.mode={mode}", "optim.precondition_fc=true", f"output_dir={run}")
+        assert r.returncode == 0, r.stderr[-4000:]
+        written[mode] = load_file(run / "drafter" / "model.safetensors")
+        assert set(written[mode]) == set(load_file(tmp / "online_step4.safetensors"))  # same format, no extra key
+    for k in written["online"]:  # the scale measured by a target forward == the one from the stored features
+        torch.testing.assert_close(written["offline"][k], written["online"][k], atol=1e-5, rtol=0)
+    plain = load_file(tmp / "online_step4.safetensors")
+    assert not torch.allclose(written["online"]["fc.weight"], plain["fc.weight"], atol=1e-4)
+
+
 def test_cli_reports_user_errors_without_traceback(setup, capsys):
     from eagle3_zoo.training.fit import main
 

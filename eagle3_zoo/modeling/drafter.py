@@ -125,6 +125,10 @@ class Eagle3Drafter(nn.Module):
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
         t2d[: config.draft_vocab_size] = True  # identity-prefix mapping until set_vocab
         self.register_buffer("t2d", t2d)
+        # per-input-dim multiplier of the fc input during training (`set_fc_input_scale`); not part of the checkpoint
+        # format: `fold_fc_input_scale` moves it into fc.weight before a drafter is written
+        self.register_buffer("fc_input_scale", torch.ones(self.fc.in_features), persistent=False)
+        self._fc_scaled = False
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -162,13 +166,38 @@ class Eagle3Drafter(nn.Module):
                                  f"({self.config.hidden_size},)")
             self.norm.weight.copy_(norm_weight.to(self.norm.weight))
 
+    @torch.no_grad()
+    def set_fc_input_scale(self, scale: torch.Tensor) -> None:
+        """Precondition the fc input: `fuse(x) = fc(x * scale)` until `fold_fc_input_scale`.
+
+        Target residual streams carry a few "massive activation" dimensions (on SmolLM2, mean |x| of 100-330 in
+        three dims at layers 15 and 27 against ~5 elsewhere). With `scale` = 1 / (per-dim RMS), every input dim
+        moves the fused hidden state at the same rate under Adam, instead of the outlier dims dominating it. The
+        function the drafter computes is unchanged by folding: fc.weight * scale is the exported weight.
+        """
+        if scale.shape != self.fc_input_scale.shape:
+            raise ValueError(f"fc input scale has shape {tuple(scale.shape)}, expected {tuple(self.fc_input_scale.shape)}")
+        if not torch.isfinite(scale).all() or (scale <= 0).any():
+            raise ValueError("fc input scale must be finite and > 0 in every dimension")
+        self.fc_input_scale.copy_(scale.to(self.fc_input_scale))
+        self._fc_scaled = True
+
+    @torch.no_grad()
+    def fold_fc_input_scale(self) -> None:
+        """Move the fc input scale into fc.weight (the canonical format has none); the scale becomes 1."""
+        if self._fc_scaled:
+            self.fc.weight.mul_(self.fc_input_scale.to(self.fc.weight).unsqueeze(0))
+            self.fc_input_scale.fill_(1.0)
+            self._fc_scaled = False
+
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
     # ---- shared pieces ----
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """Target features `[B, T, n_aux*Ht]` -> step-0 hidden `[B, T, H]`."""
-        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+        x = aux_hidden.to(self.fc.weight.dtype)
+        return self.fc(x * self.fc_input_scale.to(x.dtype) if self._fc_scaled else x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))

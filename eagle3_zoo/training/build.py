@@ -138,6 +138,8 @@ def build_run(recipe: Any, source: str = "recipe") -> TrainingRun:
     if recipe.trainer.activation_checkpointing:
         enable_activation_checkpointing(drafter)
     train_set, val_set, features = _datasets(recipe, data, target, tokenizer, adapter, aux_ids)
+    if recipe.optim.precondition_fc and not recipe.drafter.init_from:
+        drafter.set_fc_input_scale(fc_input_scale(train_set, target, adapter, aux_ids))
     # offline mode keeps the full target only when tau is measured during training (speculative decoding needs it)
     keep_target = recipe.data.mode == "online" or bool(recipe.trainer.tau_eval.every_n_steps)
     t, o = recipe.ttt, recipe.optim
@@ -150,6 +152,29 @@ def build_run(recipe: Any, source: str = "recipe") -> TrainingRun:
     datamodule = Eagle3DataModule(train_set, val_set, batch_size=recipe.trainer.batch_size, seed=recipe.data.seed,
                                   num_workers=recipe.data.num_workers, pad_id=tokenizer.pad_token_id or 0)
     return TrainingRun(recipe, target, tokenizer, adapter, data, module, datamodule, features)
+
+
+@torch.no_grad()
+def fc_input_scale(train_set: Any, target: Any, adapter: Any, aux_ids: tuple[int, ...],
+                   num_samples: int = 64) -> torch.Tensor:
+    """1 / per-dimension RMS of the target features over the first `num_samples` training samples (stored features
+    offline, a target forward online), position 0 excluded: the first token is the target's attention sink, with
+    activations hundreds of times larger than any other position's."""
+    sums, rows = None, 0
+    for i in range(min(num_samples, len(train_set))):
+        sample = train_set[i]
+        if "aux_hidden" in sample:
+            aux = sample["aux_hidden"].float()
+        else:
+            ids = sample["input_ids"].unsqueeze(0).to(adapter.embed_tokens(target).weight.device)
+            aux = adapter.forward_features(target, ids, layer_ids=aux_ids)[0][0].float().cpu()
+        aux = aux[1:]
+        sq = aux.pow(2).sum(0)
+        sums = sq if sums is None else sums + sq
+        rows += aux.shape[0]
+    if not rows:
+        raise ValueError("optim.precondition_fc: the first training samples hold no position after the first token")
+    return (sums / rows).sqrt().clamp_min(1e-6).reciprocal()
 
 
 def _datasets(recipe: Any, data: Any, target: Any, tokenizer: Any, adapter: Any,

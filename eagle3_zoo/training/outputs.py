@@ -113,4 +113,8 @@ def full_drafter(module: Any) -> Eagle3Drafter:
     state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in src.state_dict().items()}
     drafter = Eagle3Drafter(src.config)
     drafter.load_state_dict(state)
-    return drafter.to(torch.float32)
+    drafter = drafter.to(torch.float32)
+    if src._fc_scaled:  # training-time preconditioning: the written drafter carries it inside fc.weight
+        drafter.set_fc_input_scale(src.fc_input_scale.detach().cpu().float())
+        drafter.fold_fc_input_scale()
+    return drafter
