@@ -95,8 +95,8 @@ def main() -> None:
 
             def expand(w=w, out=out) -> None:
                 draft.cache.crop(draft.ctx_len)
-                draft.expand(torch.randint(100, 40000, (w,)), out.hidden.expand(1, w, -1), torch.ones(w, dtype=torch.long),
-                             torch.eye(w, dtype=torch.bool))
+                draft.expand(torch.randint(100, 40000, (w,)), out.hidden.expand(1, w, -1),
+                             torch.ones(w, dtype=torch.long), torch.eye(w, dtype=torch.bool))
 
             expand()
             draft_rows.append((w, _median(expand, args.reps)))

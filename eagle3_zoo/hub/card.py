@@ -89,7 +89,8 @@ def _benchmarks(results: dict[str, Any], label: str | None = None) -> list[dict[
         depth = b.get("acceptance_per_depth")
         lossless = b.get("lossless")
         rows.append({
-            "name": _cell(f"{name} ({label})" if label else name), "requests": _cell(b.get("requests")), "tau": _num(b.get("tau")),
+            "name": _cell(f"{name} ({label})" if label else name), "requests": _cell(b.get("requests")),
+            "tau": _num(b.get("tau")),
             "tau_per_request_mean": _num(b.get("tau_per_request_mean")), "speedup": _num(b.get("speedup"), suffix="x"),
             "tokens_per_s": _num(_first(b, "spec_tokens_per_s", "tokens_per_s"), "{:.1f}"),
             "acceptance_per_depth": ", ".join(_num(x) for x in depth) if isinstance(depth, list) else "–",

@@ -176,7 +176,8 @@ class Eagle3Drafter(nn.Module):
         function the drafter computes is unchanged by folding: fc.weight * scale is the exported weight.
         """
         if scale.shape != self.fc_input_scale.shape:
-            raise ValueError(f"fc input scale has shape {tuple(scale.shape)}, expected {tuple(self.fc_input_scale.shape)}")
+            raise ValueError(f"fc input scale has shape {tuple(scale.shape)}, "
+                             f"expected {tuple(self.fc_input_scale.shape)}")
         if not torch.isfinite(scale).all() or (scale <= 0).any():
             raise ValueError("fc input scale must be finite and > 0 in every dimension")
         self.fc_input_scale.copy_(scale.to(self.fc_input_scale))
