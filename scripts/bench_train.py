@@ -98,7 +98,9 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="bench_train_"))
     recipe = load_recipe(args.recipe, [
+        # original ShareGPT answers: full 512-token batches, and no regeneration inside a throughput benchmark
         f"data.max_samples={args.samples}", "data.val_fraction=0", "optim.warmup_steps=0",
+        "data.regenerate.enabled=false",
         f"trainer.max_steps={args.warmup + args.steps}", "trainer.max_epochs=null",
         "trainer.tau_eval.every_n_steps=null",
         f"output_dir={work / 'run'}", f"data.cache_dir={work / 'cache'}", *args.overrides])
