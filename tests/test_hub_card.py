@@ -102,6 +102,24 @@ def test_card_shows_every_eval_run_labelled_by_draft_shape(tmp_path):
     assert "eval_results_chain.json" in [p.name for p in extra_files(src)]  # uploaded with the card
 
 
+def test_card_settings_leave_out_the_local_drafter_path(tmp_path):
+    src, _ = canonical_dir(tmp_path)
+    results = {**EVAL_RESULTS, "settings": {**EVAL_RESULTS["settings"], "drafter": "/home/me/runs/x/drafter"}}
+    (src / "eval_results.json").write_text(json.dumps(results))
+    text = render_card(src, repo_id="me/tiny-eagle3").text
+    assert "max_new_tokens: 128" in text and "/home/me" not in text
+
+
+def test_card_reads_the_training_section_fit_writes(tmp_path):
+    src, _ = canonical_dir(tmp_path)
+    (src / "recipe.yaml").write_text(RECIPE)
+    (src / "provenance.json").write_text(json.dumps({"training": {
+        "global_step": 1000, "wall_time_s": 4991.1, "hardware": "Intel(R) Xeon(R) Processor, 2 cores, 2 threads"}}))
+    text = render_card(src, repo_id="me/tiny-eagle3").text
+    assert "| Steps | 1000 |" in text and "| Training time | 4991 s |" in text
+    assert "| Hardware | Intel(R) Xeon(R) Processor, 2 cores, 2 threads |" in text
+
+
 def test_bare_checkpoint_gets_a_valid_card(tmp_path):
     src, _ = canonical_dir(tmp_path, target_name_or_path="smollm2-135m-instruct")
     card = render_card(src)

@@ -107,6 +107,8 @@ def _describe(value: Any) -> str:
 
 def _training_rows(recipe: dict[str, Any], prov: dict[str, Any]) -> list[tuple[str, str]]:
     get = lambda section, key: (recipe.get(section) or {}).get(key)  # noqa: E731
+    if isinstance(prov.get("training"), dict):  # `fit` nests the run's facts under "training"
+        prov = {**prov, **prov["training"]}
     data = recipe.get("data") or {}
     sources = ", ".join(str(s.get("path")) for s in data.get("sources") or [] if isinstance(s, dict))
     rows = [
@@ -183,7 +185,7 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
         "format_description": _FORMAT_NOTES.get(fmt, _FORMAT_NOTES["sglang"])[0],
         "usage_note": _FORMAT_NOTES.get(fmt, _FORMAT_NOTES["sglang"])[1],
         "benchmarks": benchmarks, "protocol": _describe(results.get("protocol")),
-        "settings": _describe({k: v for k, v in settings.items() if k not in ("eos_token_ids",)}),
+        "settings": _describe({k: v for k, v in settings.items() if k not in ("eos_token_ids", "drafter")}),
         "machine": _describe(results.get("machine")),
         "decoding": "greedy, T=0" if temperature in (None, 0, 0.0) else f"lossless sampling, T={temperature}",
         "plots": [p.name for p in extra_files(folder) if p.suffix == ".png"],

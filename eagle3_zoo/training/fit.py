@@ -153,6 +153,7 @@ def fit(recipe: Any, source: str = "recipe") -> Path:
         training = {"global_step": trainer.global_step, "epochs": trainer.current_epoch,
                     "strategy": recipe.trainer.strategy, "world_size": trainer.world_size,
                     "precision": recipe.trainer.precision, "wall_time_s": round(time.time() - start, 1),
+                    "hardware": _hardware(trainer),
                     "final_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
         cfg = target.config
         target_info = {"name_or_path": recipe.target.name_or_path, "model_type": adapter.model_type,
@@ -165,6 +166,17 @@ def fit(recipe: Any, source: str = "recipe") -> Path:
         logger.info("drafter written to %s (step %d, %.0f s)", out, trainer.global_step, time.time() - start)
     trainer.strategy.barrier("drafter-written")
     return out
+
+
+def _hardware(trainer: L.Trainer) -> str:
+    """"2 x NVIDIA H100 80GB HBM3" or "Intel(R) Xeon(R) Processor, 2 cores, 2 threads" (for provenance/cards)."""
+    from eagle3_zoo.speculative.evaluation import machine_info
+
+    root = trainer.strategy.root_device
+    info = machine_info(root)
+    if "gpu" in info:
+        return f"{trainer.world_size} x {info['gpu']}"
+    return f"{info['processor']}, {info['cpu_count']} cores, {info['torch_threads']} threads"
 
 
 def fit_main(recipe_path: str | Path, overrides: Sequence[str] = ()) -> Path:
