@@ -32,7 +32,8 @@ overrides_for() {
     eagle3) echo "" ;;
     ttt1) echo "ttt.steps=1" ;;
     last_layer) echo "drafter.aux_layer_ids=[29]" ;;  # the highest layer the pre-hook capture reaches (HF index 29)
-    no_regen) echo "data.regenerate.enabled=false" ;;
+    # online: STEPS x batch conversations are read once, a feature job over all of them would cost more
+    no_regen) echo "data.regenerate.enabled=false data.mode=online" ;;
     *) echo "unknown variant $1 (valid: eagle3 ttt1 last_layer no_regen)" >&2; return 1 ;;
   esac
 }
