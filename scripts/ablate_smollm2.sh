@@ -30,7 +30,7 @@ COMMON=(trainer.max_steps="$STEPS" trainer.val_check_interval="$STEPS" trainer.c
 overrides_for() {
   case "$1" in
     eagle3) echo "" ;;
-    ttt1) echo "ttt.steps=1" ;;
+    ttt1) echo "ttt.steps=1 ttt.schedule=constant" ;;  # a ramp needs more than one step
     last_layer) echo "drafter.aux_layer_ids=[29]" ;;  # the highest layer the pre-hook capture reaches (HF index 29)
     # online: STEPS x batch conversations are read once, a feature job over all of them would cost more
     no_regen) echo "data.regenerate.enabled=false data.mode=online" ;;
