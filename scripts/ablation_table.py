@@ -53,8 +53,8 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     root = Path(argv[0])
-    print("| Variant | Steps | Fit wall time (s) | val acc_0 | tau tree 8/10/60 | tau chain 7 "
-          "| chain accept d1/d2/d3 |")
+    print("| Variant | Steps | `fit` wall time, data preparation included (s) | val acc_0 | tau tree 8/10/60 "
+          "| tau chain 7 | chain accept d1/d2/d3 |")
     print("|---|---|---|---|---|---|---|")
     for variant in argv[1:]:
         print(row(root, variant))
