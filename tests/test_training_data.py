@@ -220,6 +220,12 @@ def test_prepare_data_regenerates_caches_and_counts(tiny, tmp_path):
     again = prepare_data(recipe, tok, adapter, target=model, target_id="tiny", vocab_size=512)
     assert again.regenerate["reused"] == 6 and again.regenerate["generated"] == 0
     assert [e["id"] for e in again.train] == [e["id"] for e in first.train]
+    # the held-out conversations behind the val examples, with the target's answers, fresh and from the cache
+    for prepared in (first, again):
+        assert [c.uid for c in prepared.val_conversations] == [e["id"] for e in first.val]
+    originals = {c["conversations"][1]["value"] for c in (json.loads(line) for line in open(data))}
+    assert all(c.messages[-1]["role"] == "assistant" and c.messages[-1]["content"] not in originals
+               for c in again.val_conversations)
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(again.train, first.train))
     assert (tmp_path / "cache" / "tokens").is_dir() and (tmp_path / "cache" / "token_counts").is_dir()
     plain = prepare_data(load_recipe(path), tok, adapter, target_id="tiny", vocab_size=512)

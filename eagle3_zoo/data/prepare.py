@@ -44,6 +44,7 @@ class PreparedData:
     counts: torch.Tensor
     fingerprint: str  # data + tokenizer + every token-stream setting
     regenerate: dict[str, Any] = field(default_factory=dict)
+    val_conversations: list[Any] = field(default_factory=list)  # the held-out conversations (regenerated if so)
 
     def summary(self) -> dict[str, Any]:
         """Data summary for provenance.json."""
@@ -149,12 +150,12 @@ def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, 
             temperature=d.regenerate.temperature, batch_size=d.regenerate.batch_size, max_length=d.max_length,
             max_turns=d.regenerate.max_turns, seed=d.seed)
         regen = {"path": str(path), **rstats.to_dict()}
+    train_c, val_c = split_train_val(conversations, d.val_fraction, d.seed)
     cached = load_examples(d.cache_dir, fingerprint)
     if cached is not None:
         train, val, token_stats = cached
         logger.info("tokenised examples from the cache (key %s...): %s", fingerprint[:12], token_stats.summary())
     else:
-        train_c, val_c = split_train_val(conversations, d.val_fraction, d.seed)
         token_stats = TokenStats()
         kw = dict(max_length=d.max_length, overflow=d.overflow, on_error=d.on_error, stats=token_stats)
         train, _ = tokenize_conversations(train_c, tokenizer, adapter, **kw)
@@ -174,4 +175,4 @@ def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, 
     else:
         logger.info("draft-vocab token counts from the cache (key %s...)", key[:12])
     return PreparedData(train=train, val=val, read_stats=read_stats, token_stats=token_stats, counts=counts,
-                        fingerprint=fingerprint, regenerate=regen)
+                        fingerprint=fingerprint, regenerate=regen, val_conversations=val_c)
