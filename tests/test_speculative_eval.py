@@ -23,6 +23,26 @@ def test_builtin_benchmarks():
     assert he.prompts[0].turns[0].endswith("```")
 
 
+def test_spread_subset_covers_every_mtbench_category():
+    import collections
+    import json
+
+    from eagle3_zoo.speculative.benchmarks import mtbench_path
+
+    category = {str(r["question_id"]): r["category"] for r in map(json.loads, open(mtbench_path()))}
+    assert len(set(category.values())) == 8
+    first = [category[p.id] for p in load_benchmark("mtbench", limit=16).prompts]
+    assert set(first) == {"writing", "roleplay"}  # the first 16 are two categories only
+    spread = load_benchmark("mtbench", limit=16, spread=True).prompts
+    assert collections.Counter(category[p.id] for p in spread) == {c: 2 for c in set(category.values())}
+    assert len({p.id for p in spread}) == 16
+    he = load_benchmark("humaneval", limit=4, spread=True).prompts
+    assert [p.id for p in he] == ["HumanEval/0", "HumanEval/41", "HumanEval/82", "HumanEval/123"]
+    assert len({p.id for p in load_benchmark("humaneval", limit=500, spread=True).prompts}) == 164  # all, once
+    with pytest.raises(ValueError, match="limit"):
+        load_benchmark("humaneval", limit=0)
+
+
 def test_jsonl_benchmarks(tmp_path):
     path = tmp_path / "mine.jsonl"
     records = [{"turns": ["a", "b"]}, {"prompt": "def f(x):"},

@@ -102,12 +102,16 @@ def _record_prompt(record: dict[str, Any], where: str, index: int) -> BenchPromp
                      f"'conversations' with a user turn, or 'prompt' (str); keys: {sorted(record)}")
 
 
-def load_benchmark(name_or_path: str, limit: int | None = None) -> Benchmark:
+def load_benchmark(name_or_path: str, limit: int | None = None, spread: bool = False) -> Benchmark:
     """Load `mtbench`, `humaneval` or a JSONL(.gz) file of prompts (name = the file's stem).
 
     Args:
         name_or_path: A built-in name or a path.
-        limit: Keep the first `limit` prompts.
+        limit: Keep `limit` prompts: the first ones, or with `spread` evenly spaced ones.
+        spread: Take the `limit` prompts at evenly spaced positions (prompt `floor(i * n / limit)`) instead of the
+            first ones. MT-bench is ordered by category (10 questions each: writing, roleplay, reasoning, math,
+            coding, extraction, stem, humanities), so its first 10 are all writing; `limit=16, spread=True` takes
+            two of every category.
 
     Raises:
         ValueError: unknown name / malformed record (file and line named). FileNotFoundError: missing data.
@@ -125,7 +129,10 @@ def load_benchmark(name_or_path: str, limit: int | None = None) -> Benchmark:
             raise ValueError(f"unknown benchmark {name_or_path!r}: not a file; built-in: {', '.join(BUILTIN)}")
         prompts = [_record_prompt(r, f"{path}:{lineno}", i) for i, (lineno, r) in enumerate(_read_jsonl(path))]
     if limit is not None:
-        prompts = prompts[:limit]
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        n = len(prompts)
+        prompts = [prompts[i * n // limit] for i in range(limit)] if spread and limit < n else prompts[:limit]
     name = name_or_path if name_or_path in BUILTIN else path.name.split(".")[0]
     return Benchmark(name=name, source=str(path), prompts=tuple(prompts))
 

@@ -34,6 +34,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--sample-top-p", type=float, default=1.0, help="sampling top-p, 1 = off (default: 1)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="per request (default: 256)")
     parser.add_argument("--limit", type=int, default=None, help="first N prompts of each benchmark")
+    parser.add_argument("--spread", action="store_true",
+                        help="with --limit N: N prompts evenly spaced over each benchmark instead of the first N "
+                             "(MT-bench is sorted by category: --limit 16 --spread = 2 per category)")
     parser.add_argument("--out", default="eval_results.json", help="results JSON (default: eval_results.json)")
     parser.add_argument("--plot", default=None, help="acceptance PNG (default: the --out path with .png)")
     parser.add_argument("--no-baseline", action="store_true",
@@ -72,7 +75,7 @@ def run_eval_cli(args: argparse.Namespace) -> dict[str, Any]:
     target, tokenizer, adapter = load_target(target_name, dtype=dtype, device=device)
     results = evaluate(
         drafter, target, tokenizer, args.bench, mode=args.mode, temperature=args.temperature,
-        max_new_tokens=args.max_new_tokens, limit=args.limit, depth=args.depth, top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens, limit=args.limit, spread=args.spread, depth=args.depth, top_k=args.top_k,
         total_tokens=args.total_tokens, sample_top_k=args.sample_top_k, sample_top_p=args.sample_top_p,
         baseline=not args.no_baseline, warmup=args.warmup, seed=args.seed, adapter=adapter, out=args.out,
         plot=args.plot, progress=not args.no_progress,

@@ -45,6 +45,7 @@ def evaluate(
     max_new_tokens: int = 256,
     limit: int | None = None,
     *,
+    spread: bool = False,
     depth: int = 8,
     top_k: int = 10,
     total_tokens: int = 60,
@@ -71,6 +72,7 @@ def evaluate(
         temperature: 0 = greedy (lossless check on); > 0 = lossless rejection sampling.
         max_new_tokens: Per request.
         limit: First `limit` prompts of each benchmark (all turns of each).
+        spread: Take the `limit` prompts evenly spaced over each benchmark instead (see `load_benchmark`).
         depth, top_k, total_tokens: Draft tree shape (chain uses `depth` only).
         sample_top_k, sample_top_p: Sampling warpers, identical for speculative and plain decoding.
         baseline: Also run plain KV-cache decoding on every request (speedup, lossless check).
@@ -87,7 +89,7 @@ def evaluate(
         The results dict (``protocol, settings, machine, versions, benchmarks, overall, lossless, requests``).
     """
     bench_names = [b.strip() for b in benches.split(",")] if isinstance(benches, str) else list(benches)
-    loaded = [load_benchmark(name, limit) for name in bench_names]  # fail on bad names before any decoding
+    loaded = [load_benchmark(name, limit, spread) for name in bench_names]  # fail on bad names before any decoding
     names = [b.name for b in loaded]
     if len(set(names)) != len(names):
         raise ValueError(f"benchmarks {bench_names} give duplicate report names {names}; rename the JSONL files")
@@ -136,7 +138,7 @@ def evaluate(
     results["settings"] = {
         "mode": mode, "depth": spec.depth, "top_k": spec.top_k, "total_tokens": spec.total_tokens,
         "temperature": temperature, "sample_top_k": sample_top_k, "sample_top_p": sample_top_p,
-        "max_new_tokens": max_new_tokens, "limit": limit, "benches": bench_names, "seed": seed, "warmup": warmup,
+        "max_new_tokens": max_new_tokens, "limit": limit, "spread": spread, "benches": bench_names, "seed": seed, "warmup": warmup,
         "baseline": baseline, "batch_size": 1, "eos_token_ids": sorted(stop), "humaneval_format": "chat",
         "target": getattr(target.config, "_name_or_path", None) or None,
         "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."), "device": str(device),
