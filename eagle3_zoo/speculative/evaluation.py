@@ -138,7 +138,8 @@ def evaluate(
     results["settings"] = {
         "mode": mode, "depth": spec.depth, "top_k": spec.top_k, "total_tokens": spec.total_tokens,
         "temperature": temperature, "sample_top_k": sample_top_k, "sample_top_p": sample_top_p,
-        "max_new_tokens": max_new_tokens, "limit": limit, "spread": spread, "benches": bench_names, "seed": seed, "warmup": warmup,
+        "max_new_tokens": max_new_tokens, "limit": limit, "spread": spread, "benches": bench_names, "seed": seed,
+        "warmup": warmup,
         "baseline": baseline, "batch_size": 1, "eos_token_ids": sorted(stop), "humaneval_format": "chat",
         "target": getattr(target.config, "_name_or_path", None) or None,
         "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."), "device": str(device),
