@@ -213,9 +213,42 @@ def test_fingerprint_sources(tmp_path):
     f.write_text('{"messages": [1]}\n')  # size changes
     assert base != fingerprint_sources([{"path": str(f)}])
     again = fingerprint_sources([{"path": str(f)}])
-    os.utime(f, ns=(1, 1))  # same size, different mtime
-    assert again != fingerprint_sources([{"path": str(f)}])
+    f.write_text('{"messages": [2]}\n')  # same size, other content
+    os.utime(f, ns=(1, 1))
+    edited = fingerprint_sources([{"path": str(f)}])
+    assert edited != again
+    os.utime(f, ns=(2, 2))  # touched (or reinstalled): same content, same fingerprint
+    assert fingerprint_sources([{"path": str(f)}]) == edited
     assert len(fingerprint_sources([{"path": "sharegpt-embedded"}])) == 64
+
+
+def test_fingerprint_and_ids_survive_moving_the_data(tmp_path, monkeypatch):
+    """The same data under another root (a moved checkout, a reinstalled package) keeps every cache key."""
+    from eagle3_zoo.data import readers
+    from eagle3_zoo.data.readers import read_sources
+
+    for root in ("a", "b"):
+        (tmp_path / root / "data" / "sub").mkdir(parents=True)
+        (tmp_path / root / "data" / "sub" / "x.jsonl").write_text(
+            '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n' * 2)
+    keys = []
+    for root in ("a", "b"):
+        monkeypatch.chdir(tmp_path / root)
+        convs, _ = read_sources([{"path": "data"}])
+        keys.append((fingerprint_sources([{"path": "data"}]), [c.uid for c in convs]))
+    assert keys[0] == keys[1] and keys[0][1] == ["data/sub/x.jsonl#0", "data/sub/x.jsonl#1"]
+    # the embedded file, reinstalled elsewhere (new path, new mtime)
+    copy = tmp_path / "b" / "share.json"
+    copy.write_text('[{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}]')
+    monkeypatch.setattr(readers, "sharegpt_path", lambda: copy)
+    first = (fingerprint_sources([{"path": "sharegpt-embedded"}]), [c.uid for c in read_sources(
+        [{"path": "sharegpt-embedded"}])[0]])
+    moved = tmp_path / "a" / "elsewhere.json"
+    moved.write_bytes(copy.read_bytes())
+    monkeypatch.setattr(readers, "sharegpt_path", lambda: moved)
+    assert first == (fingerprint_sources([{"path": "sharegpt-embedded"}]), [c.uid for c in read_sources(
+        [{"path": "sharegpt-embedded"}])[0]])
+    assert first[1] == ["sharegpt-embedded#0"]
 
 
 class _FakeTokenizer:

@@ -2,7 +2,8 @@
 
 `prepare_data` is shared by `fit` and the offline feature job, so both see exactly the same examples in the same
 order. The counts that define the draft vocabulary are cached (`eagle3_zoo.data.vocab_cache`) under a key of the
-data (files, sizes, mtimes and every setting that changes the token stream), the tokenizer and the draft size.
+data (file contents under location-independent keys, and every setting that changes the token stream), the
+tokenizer and the draft size.
 """
 
 from __future__ import annotations

@@ -53,11 +53,14 @@ class Conversation:
     messages: list[dict[str, str]]
     split: str | None = None
     """"train"/"val" when its source is pinned to one split; None = split by fraction."""
+    source_key: str | None = None
+    """The file as the recipe names it (see `source_files`), independent of where it lies; None = `source`."""
 
     @property
     def uid(self) -> str:
-        """Unique key over all sources (file + record index)."""
-        return f"{self.source}#{self.index}"
+        """Unique key over all sources (file + record index). Built from `source_key` when set, so the caches keyed
+        by it (regeneration, features) survive moving the data or reinstalling the package that ships it."""
+        return f"{self.source_key or self.source}#{self.index}"
 
 
 @dataclass
@@ -101,18 +104,20 @@ def sharegpt_path() -> Path:
     return path
 
 
-def resolve_source_files(path: str | Path) -> list[Path]:
-    """Files behind a data-source path: "sharegpt-embedded", a file, or a directory of JSON/JSONL files."""
+def source_files(path: str | Path) -> list[tuple[Path, str]]:
+    """Files behind a data-source path ("sharegpt-embedded", a file, or a directory of JSON/JSONL files), each with
+    its location-independent key: the source path as written in the recipe, plus the file's path relative to it
+    for a directory ("sharegpt-embedded" for the embedded file)."""
     if str(path) == EMBEDDED_SHAREGPT:
-        return [sharegpt_path()]
+        return [(sharegpt_path(), EMBEDDED_SHAREGPT)]
     p = Path(path).expanduser()
     if p.is_file():
-        return [p]
+        return [(p, str(path))]
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith((".json", ".jsonl", ".gz")))
         if not files:
             raise DataError(f"{p}: directory has no .json/.jsonl(.gz) files")
-        return files
+        return [(f, f"{str(path).rstrip('/')}/{f.relative_to(p).as_posix()}") for f in files]
     hint = ""
     if len(str(path).split("/")) == 2 and not str(path).startswith((".", "/")):
         hint = (f"; Hub datasets are not downloaded by the reader: `huggingface-cli download --repo-type dataset "
@@ -249,7 +254,8 @@ def _drop_leading_non_user(messages: list[dict[str, str]]) -> list[dict[str, str
 
 def iter_conversations(path: str | Path, *, format: str = "auto", on_error: str = "raise",
                        max_samples: int | None = None, stats: ReadStats | None = None,
-                       allow_truncated: bool | None = None, split: str | None = None) -> Iterator[Conversation]:
+                       allow_truncated: bool | None = None, split: str | None = None,
+                       source_key: str | None = None) -> Iterator[Conversation]:
     """Stream normalised conversations from one file.
 
     Args:
@@ -262,6 +268,7 @@ def iter_conversations(path: str | Path, *, format: str = "auto", on_error: str 
         allow_truncated: accept a JSON list cut mid-record (with a warning); default: only the embedded
             ShareGPT file, which ships truncated, or when `on_error="skip"`.
         split: stored on each conversation ("train"/"val" pins it to one split).
+        source_key: stored on each conversation (the key of its `uid`; default: the path).
 
     Raises:
         DataError: missing or empty file, a bad record with `on_error="raise"`, or invalid JSON inside a list.
@@ -299,7 +306,8 @@ def iter_conversations(path: str | Path, *, format: str = "auto", on_error: str 
         rid = str(rid) if isinstance(rid, (str, int)) and not isinstance(rid, bool) else f"{path.name}:{index}"
         stats.kept += 1
         kept_here += 1
-        yield Conversation(id=rid, source=str(path), index=index, messages=messages, split=split)
+        yield Conversation(id=rid, source=str(path), index=index, messages=messages, split=split,
+                           source_key=source_key)
         if max_samples is not None and kept_here >= max_samples:
             return  # stop reading: the rest of a large file is never decoded
 
@@ -336,7 +344,7 @@ def read_sources(sources: Iterable[Any], *, on_error: str = "raise",
     for src in sources:
         get = src.get if isinstance(src, dict) else lambda k, d=None, s=src: getattr(s, k, d)
         from_source = 0
-        for file in resolve_source_files(get("path")):
+        for file, key in source_files(get("path")):
             limits = [n for n in (None if max_samples is None else max_samples - len(out),
                                   None if get("max_samples") is None else get("max_samples") - from_source)
                       if n is not None]
@@ -344,7 +352,8 @@ def read_sources(sources: Iterable[Any], *, on_error: str = "raise",
                 break
             stats = ReadStats()
             batch = list(iter_conversations(file, format=get("format", "auto"), on_error=on_error, stats=stats,
-                                            max_samples=min(limits) if limits else None, split=get("split")))
+                                            max_samples=min(limits) if limits else None, split=get("split"),
+                                            source_key=key))
             logger.info("%s: %s", file, stats.summary())
             out += batch
             from_source += len(batch)

@@ -8,6 +8,7 @@ counts into the d2t/t2d mapping.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -20,8 +21,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
-from eagle3_zoo.data.features import atomic_write_bytes
-from eagle3_zoo.data.readers import resolve_source_files
+from eagle3_zoo.data.features import atomic_write_bytes, sha256_file
+from eagle3_zoo.data.readers import source_files
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,16 @@ def vocab_cache_key(data_fingerprint: str, tokenizer_fingerprint: str, draft_voc
                          "tokenizer": tokenizer_fingerprint, "draft_vocab_size": int(draft_vocab_size)})
 
 
+@functools.lru_cache(maxsize=256)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of a file's content, hashed once per process for an unchanged (path, size, mtime)."""
+    return sha256_file(path)
+
+
 def fingerprint_sources(sources: Iterable[Any], extra: dict[str, Any] | None = None) -> str:
-    """Fingerprint of data sources: resolved file paths, sizes and mtimes, plus each source's settings.
+    """Fingerprint of data sources: each file's content (sha256 and size) under its location-independent key
+    (`source_files`), plus each source's settings. Moving the data, or reinstalling the package that ships
+    it, keeps the fingerprint (and every cache keyed by it); editing a file changes it.
 
     Args:
         sources: recipe data sources (objects or dicts with `path`, `format`, `max_samples`, `split`).
@@ -53,9 +62,10 @@ def fingerprint_sources(sources: Iterable[Any], extra: dict[str, Any] | None = N
     for src in sources:
         get = src.get if isinstance(src, dict) else lambda k, d=None, s=src: getattr(s, k, d)
         files = []
-        for file in resolve_source_files(get("path")):
+        for file, key in source_files(get("path")):
             st = file.stat()
-            files.append({"path": str(file.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+            files.append({"key": key, "size": st.st_size,
+                          "sha256": _file_sha256(str(file.resolve()), st.st_size, st.st_mtime_ns)})
         entries.append({"path": str(get("path")), "files": files, "format": get("format", "auto"),
                         "max_samples": get("max_samples"), "split": get("split")})
     return _sha256_json({"sources": entries, "extra": extra or {}})
