@@ -118,3 +118,19 @@ def test_nothing_written_for_a_rejected_recipe(env, tmp_path):
     with pytest.raises(RecipeError):
         fit_main(recipe, ["drafter.draft_vocab_size=100000"])
     assert not Path(tmp_path / "run").exists()
+
+
+def test_provenance_records_the_git_state_at_the_start_of_the_run(env, tmp_path, monkeypatch):
+    """A commit made while a run trains is not the code it ran: provenance keeps the state `fit` started from."""
+    from eagle3_zoo.training import fit as fit_module
+
+    # the checkout as `fit` finds it, and as it is when the drafter is written (a commit landed meanwhile)
+    monkeypatch.setattr(fit_module, "git_info", lambda *a: {"sha": "a" * 40, "dirty": True}, raising=False)
+    monkeypatch.setattr("eagle3_zoo.training.outputs.git_info", lambda *a: {"sha": "b" * 40, "dirty": False})
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(line + "\n" for line in GOOD))
+    recipe = tiny_recipe(tmp_path, env[1], data, trainer={"max_steps": 1, "checkpoint_every_n_steps": None,
+                                                           "val_check_interval": None, "logger": []},
+                         optim={"warmup_steps": 0}, data={"val_fraction": 0.0})
+    out = fit_main(write_recipe(tmp_path / "recipe.yaml", recipe))
+    assert json.loads((out / "provenance.json").read_text())["git"] == {"sha": "a" * 40, "dirty": True}

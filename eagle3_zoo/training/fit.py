@@ -32,7 +32,7 @@ from eagle3_zoo.modeling.io import atomic_write
 from eagle3_zoo.recipe import recipe_to_dict
 from eagle3_zoo.training.build import build_run
 from eagle3_zoo.training.callbacks import ProgressLogCallback, TTTScheduleCallback
-from eagle3_zoo.training.outputs import build_provenance, full_drafter, write_drafter_folder
+from eagle3_zoo.training.outputs import build_provenance, full_drafter, git_info, write_drafter_folder
 from eagle3_zoo.training.strategies import build_strategy
 
 logger = logging.getLogger(__name__)
@@ -135,6 +135,7 @@ def fit(recipe: Any, source: str = "recipe") -> Path:
         The canonical drafter folder `output_dir/drafter`.
     """
     start = time.time()
+    git = git_info()  # the code this process runs: commits made while it trains must not be credited to it
     output_dir = Path(recipe.output_dir)
     run = build_run(recipe, source)
     data, target, adapter = run.data, run.target, run.adapter
@@ -161,7 +162,7 @@ def fit(recipe: Any, source: str = "recipe") -> Path:
                        "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
                        "vocab_size": cfg.vocab_size}
         provenance = build_provenance(recipe_dict=recipe_to_dict(recipe), target=target_info, data=data_summary,
-                                      training=training, drafter=trained)
+                                      training=training, drafter=trained, git=git)
         write_drafter_folder(trained, out, recipe, provenance)
         logger.info("drafter written to %s (step %d, %.0f s)", out, trainer.global_step, time.time() - start)
     trainer.strategy.barrier("drafter-written")

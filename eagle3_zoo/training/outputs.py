@@ -52,11 +52,14 @@ def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]
 
 
 def build_provenance(*, recipe_dict: dict[str, Any], target: dict[str, Any], data: dict[str, Any],
-                     training: dict[str, Any], drafter: Eagle3Drafter) -> dict[str, Any]:
+                     training: dict[str, Any], drafter: Eagle3Drafter,
+                     git: dict[str, Any] | None = None) -> dict[str, Any]:
+    """provenance.json. `git`: the checkout state when the run *started* (default: now); a long run must pass it,
+    since commits made while it trains are not the code it ran."""
     cfg = drafter.config
     return {
         "created_unix": int(time.time()),
-        "git": git_info(),
+        "git": git if git is not None else git_info(),
         "packages": package_versions(),
         "python": platform.python_version(),
         "target": target,
