@@ -14,8 +14,9 @@ RECIPE=recipes/smollm2_135m.yaml
 if [ "${FULL:-0}" = "1" ]; then
   RUN=runs/smollm2_135m
   OVERRIDES=()
-  LIMIT=${LIMIT:-10}      # MT-bench questions (both turns) and HumanEval problems; all: LIMIT=80 / 164
+  LIMIT=${LIMIT:-16}      # MT-bench questions (both turns) and HumanEval problems; all: LIMIT=80 / 164
   MAX_NEW=${MAX_NEW:-128}
+  SUBSET=(--spread)       # evenly spaced: MT-bench is sorted by category, so 16 = 2 of each of its 8 categories
 else
   # smoke: the same pipeline (regeneration, feature job, TTT training, evaluation, card) on a small slice
   RUN=runs/smollm2_135m_smoke
@@ -23,6 +24,7 @@ else
              trainer.val_check_interval=60 trainer.checkpoint_every_n_steps=60 output_dir=$RUN)
   LIMIT=${LIMIT:-2}
   MAX_NEW=${MAX_NEW:-32}
+  SUBSET=()
 fi
 # shellcheck disable=SC2206
 OVERRIDES+=(${EXTRA:-})
@@ -32,9 +34,9 @@ trained=$(date +%s)
 DRAFTER=$RUN/drafter
 eagle3-zoo eval "$DRAFTER" --target smollm2-135m-instruct --bench mtbench,humaneval --mode tree \
   --depth 8 --top-k 10 --total-tokens 60 --temperature 0 --max-new-tokens "$MAX_NEW" --limit "$LIMIT" \
-  --out "$DRAFTER/eval_results.json"
+  "${SUBSET[@]}" --out "$DRAFTER/eval_results.json"
 eagle3-zoo eval "$DRAFTER" --target smollm2-135m-instruct --bench mtbench --mode chain --depth 7 \
-  --temperature 0 --max-new-tokens "$MAX_NEW" --limit "$LIMIT" --out "$DRAFTER/eval_results_chain.json"
+  --temperature 0 --max-new-tokens "$MAX_NEW" --limit "$LIMIT" "${SUBSET[@]}" --out "$DRAFTER/eval_results_chain.json"
 if [ "${FULL:-0}" = "1" ]; then
   # the same chain on the run's own held-out conversations: acceptance@1 here ~ val/acc_0 means the gap to MT-bench
   # is a data shift, not a train/inference mismatch (kept out of the drafter folder, so not on the card)

@@ -1,0 +1,83 @@
+#!/usr/bin/env python
+"""Teacher-forced step-0 agreement of a drafter on the target's own greedy answers, at every position and right
+after a miss (where chain-decoding cycles start), with fp32 and with bf16-rounded target features.
+
+Explains the gap between a run's `val/acc_0` and the acceptance@1 that `eagle3-zoo eval --mode chain` measures on
+the same prompts: a cycle's first draft token comes right after the bonus token, i.e. (for cycles that stopped at
+depth 1) right after a position the drafter missed. If the agreement after a miss here matches the evaluation's
+acceptance@1, training and inference agree and the gap is position selection, not a mismatch. The bf16 row tells
+whether training on bf16-stored features (the offline feature store) costs anything at fp32 inference.
+
+For each prompt of a benchmark JSONL (`turns` or `messages`, first user turn; e.g. from `scripts/val_bench.py`), the
+target answers greedily (`max_new_tokens`); the drafter's step-0 prediction at position t (target features at t,
+embedding of token t+1) is compared with token t+2 over the answer.
+
+    python scripts/teacher_forced_gap.py runs/smollm2_135m/drafter runs/smollm2_135m/val_bench.jsonl --max-new 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("drafter")
+    ap.add_argument("bench", help="JSONL of prompts (`turns` or `messages`)")
+    ap.add_argument("--target", default=None, help="default: the drafter's target_name_or_path")
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+
+    from eagle3_zoo.adapters import load_target
+    from eagle3_zoo.modeling import Eagle3Drafter
+    from eagle3_zoo.speculative.benchmarks import chat_input_ids
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    drafter = Eagle3Drafter.from_pretrained(args.drafter).eval()
+    target_name = args.target or drafter.config.target_name_or_path
+    target, tokenizer, adapter = load_target(target_name, dtype=torch.float32)
+    embed = adapter.embed_tokens(target)
+    hits = {"fp32": [0, 0], "bf16": [0, 0]}
+    after = {"miss": [0, 0], "hit": [0, 0]}
+    prompts = 0
+    with open(args.bench) as f, torch.no_grad():
+        for line in f:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            messages = record.get("messages") or [{"role": "user", "content": record["turns"][0]}]
+            system = [m for m in messages if m["role"] == "system"][:1]
+            first_user = next(m for m in messages if m["role"] == "user")
+            ids = chat_input_ids(tokenizer, system + [first_user]).view(1, -1)
+            seq = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new,
+                                  do_sample=False)
+            aux, _, _ = adapter.forward_features(target, seq, layer_ids=drafter.config.aux_layer_ids, use_cache=False)
+            nxt = torch.cat([seq[:, 1:], seq.new_zeros(1, 1)], dim=1)
+            positions = torch.arange(ids.shape[1] - 1, seq.shape[1] - 2)  # predicts answer tokens 2..end
+            for name, features in (("fp32", aux), ("bf16", aux.to(torch.bfloat16).float())):
+                hidden = next(iter(drafter.ttt_rollout(embed(nxt), features, 1)))
+                pred = drafter.draft_to_target(drafter.logits(hidden).argmax(-1))
+                ok = pred[0, positions] == seq[0, positions + 2]
+                hits[name][0] += int(ok.sum())
+                hits[name][1] += ok.numel()
+                if name == "fp32":
+                    prev, cur = ok[:-1], ok[1:]
+                    after["miss"][0] += int(cur[~prev].sum())
+                    after["miss"][1] += int((~prev).sum())
+                    after["hit"][0] += int(cur[prev].sum())
+                    after["hit"][1] += int(prev.sum())
+            prompts += 1
+    print(f"{args.drafter} on {prompts} prompts of {args.bench}, target {target_name}, {args.max_new} greedy tokens")
+    for name, (c, n) in hits.items():
+        print(f"step-0 agreement, {name} features: {c / max(n, 1):.3f} over {n} positions")
+    for name, (c, n) in after.items():
+        print(f"step-0 agreement right after a {name}: {c / max(n, 1):.3f} over {n} positions (fp32)")
+
+
+if __name__ == "__main__":
+    main()
