@@ -202,7 +202,7 @@ def test_feature_job_resumes_to_the_same_store(tiny, tmp_path):
     assert sample["aux_hidden"].shape == (examples[3]["input_ids"].numel(), 3 * 64)
 
 
-def test_prepare_data_regenerates_caches_and_counts(tiny, tmp_path):
+def test_prepare_data_regenerates_caches_and_counts(tiny, tmp_path, monkeypatch):
     from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
 
     from eagle3_zoo.data.prepare import prepare_data
@@ -230,3 +230,7 @@ def test_prepare_data_regenerates_caches_and_counts(tiny, tmp_path):
     assert (tmp_path / "cache" / "tokens").is_dir() and (tmp_path / "cache" / "token_counts").is_dir()
     plain = prepare_data(load_recipe(path), tok, adapter, target_id="tiny", vocab_size=512)
     assert plain.fingerprint != first.fingerprint  # regeneration settings are part of the data key
+    from eagle3_zoo.data import prepare
+
+    monkeypatch.setattr(prepare, "DATA_KEY_VERSION", prepare.DATA_KEY_VERSION + 1)  # new reading/tokenising rules
+    assert prepare.data_fingerprint(recipe, tok, "tiny") != first.fingerprint

@@ -33,6 +33,11 @@ from eagle3_zoo.data.vocab_cache import (
 
 logger = logging.getLogger(__name__)
 
+# Part of every data key (regenerated answers, token cache, counts, features): bump it when a change to reading,
+# regeneration or tokenisation rules changes the examples a recipe produces, so caches built by older code stop
+# matching instead of being reused silently. 2: location-independent source keys and conversation uids.
+DATA_KEY_VERSION = 2
+
 
 @dataclass
 class PreparedData:
@@ -114,7 +119,8 @@ def data_fingerprint(recipe: Any, tokenizer: Any, target_id: str) -> str:
     extra = {"max_length": d.max_length, "overflow": d.overflow, "max_samples": d.max_samples,
              "on_error": d.on_error, "val_fraction": d.val_fraction, "seed": d.seed,
              "regenerate": {**vars(d.regenerate), "target": target_id} if d.regenerate.enabled else None}
-    return _sha({"sources": fingerprint_sources(d.sources, extra), "tokenizer": tokenizer_fingerprint(tokenizer)})
+    return _sha({"version": DATA_KEY_VERSION, "sources": fingerprint_sources(d.sources, extra),
+                 "tokenizer": tokenizer_fingerprint(tokenizer)})
 
 
 def regenerated_path(recipe: Any, fingerprint: str) -> Path:
