@@ -8,8 +8,8 @@ depth 1) right after a position the drafter missed. If the agreement after a mis
 acceptance@1, training and inference agree and the gap is position selection, not a mismatch. The bf16 row tells
 whether training on bf16-stored features (the offline feature store) costs anything at fp32 inference.
 
-For each prompt of a benchmark JSONL (`turns` or `messages`, first user turn; e.g. from `scripts/val_bench.py`), the
-target answers greedily (`max_new_tokens`); the drafter's step-0 prediction at position t (target features at t,
+For the first turn of each prompt of a benchmark (as `eagle3-zoo eval` renders it; e.g. a `scripts/val_bench.py` file),
+the target answers greedily (`max_new_tokens`); the drafter's step-0 prediction at position t (target features at t,
 embedding of token t+1) is compared with token t+2 over the answer.
 
     python scripts/teacher_forced_gap.py runs/smollm2_135m/drafter runs/smollm2_135m/val_bench.jsonl --max-new 128
@@ -18,7 +18,6 @@ embedding of token t+1) is compared with token t+2 over the answer.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
@@ -26,7 +25,7 @@ import torch
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("drafter")
-    ap.add_argument("bench", help="JSONL of prompts (`turns` or `messages`)")
+    ap.add_argument("bench", help="mtbench, humaneval, or a JSONL of prompts (any `eagle3-zoo eval --bench` file)")
     ap.add_argument("--target", default=None, help="default: the drafter's target_name_or_path")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
@@ -34,7 +33,8 @@ def main() -> None:
 
     from eagle3_zoo.adapters import load_target
     from eagle3_zoo.modeling import Eagle3Drafter
-    from eagle3_zoo.speculative.benchmarks import chat_input_ids
+    from eagle3_zoo.speculative.benchmarks import load_benchmark
+    from eagle3_zoo.speculative.evaluation import turn_input_ids
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -44,16 +44,10 @@ def main() -> None:
     embed = adapter.embed_tokens(target)
     hits = {"fp32": [0, 0], "bf16": [0, 0]}
     after = {"miss": [0, 0], "hit": [0, 0]}
-    prompts = 0
-    with open(args.bench) as f, torch.no_grad():
-        for line in f:
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            messages = record.get("messages") or [{"role": "user", "content": record["turns"][0]}]
-            system = [m for m in messages if m["role"] == "system"][:1]
-            first_user = next(m for m in messages if m["role"] == "user")
-            ids = chat_input_ids(tokenizer, system + [first_user]).view(1, -1)
+    bench = load_benchmark(args.bench)
+    with torch.no_grad():
+        for prompt in bench.prompts:
+            ids = turn_input_ids(prompt, 0, [], tokenizer).view(1, -1)  # first turn, as the evaluation renders it
             seq = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new,
                                   do_sample=False)
             aux, _, _ = adapter.forward_features(target, seq, layer_ids=drafter.config.aux_layer_ids, use_cache=False)
@@ -71,8 +65,8 @@ def main() -> None:
                     after["miss"][1] += int((~prev).sum())
                     after["hit"][0] += int(cur[prev].sum())
                     after["hit"][1] += int(prev.sum())
-            prompts += 1
-    print(f"{args.drafter} on {prompts} prompts of {args.bench}, target {target_name}, {args.max_new} greedy tokens")
+    print(f"{args.drafter} on {len(bench.prompts)} prompts of {args.bench}, target {target_name}, "
+          f"{args.max_new} greedy tokens")
     for name, (c, n) in hits.items():
         print(f"step-0 agreement, {name} features: {c / max(n, 1):.3f} over {n} positions")
     for name, (c, n) in after.items():

@@ -25,7 +25,7 @@ from eagle3_zoo.speculative.generate import SpeculativeGenerator, eos_ids, plain
 from eagle3_zoo.speculative.metrics import PROTOCOL, BenchStats
 
 
-def _turn_ids(prompt: BenchPrompt, turn: int, history: list[dict[str, str]], tokenizer: Any) -> torch.Tensor:
+def turn_input_ids(prompt: BenchPrompt, turn: int, history: list[dict[str, str]], tokenizer: Any) -> torch.Tensor:
     """Input ids of `prompt`'s turn `turn`; chat turns are appended to `history` (the model's answers go there)."""
     if not prompt.is_chat:
         return completion_input_ids(tokenizer, prompt.text)
@@ -110,7 +110,7 @@ def evaluate(
 
     first = next((p for b in loaded for p in b.prompts), None)
     for _ in range(warmup if first is not None else 0):
-        run(_turn_ids(first, 0, [], tokenizer), 0, min(max_new_tokens, 32))
+        run(turn_input_ids(first, 0, [], tokenizer), 0, min(max_new_tokens, 32))
 
     results: dict[str, Any] = {"protocol": PROTOCOL, "benchmarks": {}, "requests": {}}
     overall, index = BenchStats(), 0
@@ -120,7 +120,7 @@ def evaluate(
             history: list[dict[str, str]] = []
             n_turns = len(prompt.turns) if prompt.is_chat else 1
             for turn in range(n_turns):
-                ids = _turn_ids(prompt, turn, history, tokenizer)
+                ids = turn_input_ids(prompt, turn, history, tokenizer)
                 rid = prompt.id if n_turns == 1 else f"{prompt.id}/turn{turn + 1}"
                 spec_out, base_out = run(ids, index)
                 index += 1
