@@ -21,6 +21,17 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    import json
+
+    from eagle3_zoo.data.extract import prepare_recipe
+    from eagle3_zoo.recipe import load_recipe
+
+    summary = prepare_recipe(load_recipe(args.recipe, args.overrides), rank=args.rank, world_size=args.world_size)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from eagle3_zoo.speculative.eval_cli import run_eval_cli
 
@@ -44,6 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", help="recipe YAML (see recipes/)")
     p.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides, e.g. trainer.max_steps=2000")
     p.set_defaults(func=_cmd_fit)
+
+    p = sub.add_parser("prepare", help="run a recipe's data stage once (regeneration, tokens, features), no training",
+                       description="Run the data stage of a recipe as `fit` would (read, regenerate with the target, "
+                       "tokenise, draft-vocab counts; offline recipes: the feature job) and cache it, so that `fit` "
+                       "starts training at once. Resumable: rerun after an interruption.")
+    p.add_argument("recipe", help="recipe YAML (see recipes/)")
+    p.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides (the same ones `fit` will get)")
+    p.add_argument("--rank", type=int, default=0, help="this process's share of a distributed feature job")
+    p.add_argument("--world-size", type=int, default=1, help="processes of a distributed feature job")
+    p.set_defaults(func=_cmd_prepare)
 
     from eagle3_zoo.speculative.eval_cli import add_eval_arguments
 

@@ -89,6 +89,26 @@ def test_offline_fit_matches_online(setup):
         torch.testing.assert_close(offline[k], online[k], atol=1e-5, rtol=0)
 
 
+def test_prepare_caches_the_data_stage_for_fit(setup, capsys):
+    """`eagle3-zoo prepare` runs regeneration and the feature job once; `fit` then reuses both."""
+    from eagle3_zoo.cli import main
+
+    tmp, recipe = setup
+    overrides = ["data.mode=offline", "data.regenerate.enabled=true", "data.regenerate.max_new_tokens=4",
+                 f"data.cache_dir={tmp / 'prep_cache'}", f"output_dir={tmp / 'run_prepared'}"]
+    assert main(["prepare", str(recipe), *overrides]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["regeneration"]["generated"] == 24 and summary["train_examples"] + summary["val_examples"] == 24
+    store = Path(summary["features_dir"])
+    assert json.loads((store / "manifest.json").read_text())["complete"]
+    assert not (tmp / "run_prepared").exists()  # no training
+    r = run_fit_cli(recipe, *overrides, "trainer.max_steps=1")
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "regenerating" not in r.stderr and "feature store complete" in r.stderr
+    prov = json.loads((tmp / "run_prepared" / "drafter" / "provenance.json").read_text())
+    assert prov["data"]["regeneration"]["reused"] == 24 and prov["data"]["features"]["features_dir"] == str(store)
+
+
 def test_preconditioned_fc_online_equals_offline_and_is_folded(setup):
     tmp, recipe = setup
     if not (tmp / "online_step4.safetensors").exists():

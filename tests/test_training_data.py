@@ -234,3 +234,36 @@ def test_prepare_data_regenerates_caches_and_counts(tiny, tmp_path, monkeypatch)
 
     monkeypatch.setattr(prepare, "DATA_KEY_VERSION", prepare.DATA_KEY_VERSION + 1)  # new reading/tokenising rules
     assert prepare.data_fingerprint(recipe, tok, "tiny") != first.fingerprint
+
+
+def test_regenerated_answers_are_shared_by_every_selection_of_the_records(tiny, tmp_path):
+    """Growing max_samples (or another split / batch size) reuses the answers already generated; another
+    generation setting, target or source file does not."""
+    from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
+
+    from eagle3_zoo.data.prepare import prepare_data, regenerated_path
+    from eagle3_zoo.recipe import load_recipe
+
+    model, tok, adapter = tiny
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", n=6)
+    path = write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path, tmp_path, data))
+    regen = ["data.regenerate.enabled=true", "data.regenerate.max_new_tokens=5", "data.regenerate.batch_size=4"]
+    small = load_recipe(path, [*regen, "data.max_samples=4"])
+    first = prepare_data(small, tok, adapter, target=model, target_id="tiny", vocab_size=512)
+    assert (first.regenerate["generated"], first.regenerate["reused"]) == (4, 0)
+    grown = load_recipe(path, [*regen, "data.max_samples=6", "data.val_fraction=0.5", "data.regenerate.batch_size=2"])
+    assert regenerated_path(grown, tok, "tiny") == regenerated_path(small, tok, "tiny")
+    second = prepare_data(grown, tok, adapter, target=model, target_id="tiny", vocab_size=512)
+    assert (second.regenerate["generated"], second.regenerate["reused"]) == (2, 4)
+    assert second.fingerprint != first.fingerprint  # the token stream differs, so the token caches do too
+    lines = regenerated_path(grown, tok, "tiny").read_text().splitlines()
+    assert len(lines) == 6 and len({json.loads(line)["id"] for line in lines}) == 6  # 4 kept as they were + 2 new
+    for change in ("data.regenerate.max_new_tokens=6", "data.max_length=100", "data.regenerate.max_turns=1",
+                   "data.regenerate.temperature=0.7"):
+        assert regenerated_path(load_recipe(path, [*regen, change]), tok, "tiny") != regenerated_path(
+            small, tok, "tiny"), change
+    assert regenerated_path(small, tok, "other") != regenerated_path(small, tok, "tiny")
+    before = regenerated_path(small, tok, "tiny")
+    with open(data, "a") as f:
+        f.write(open(data).readline())  # an edited source file
+    assert regenerated_path(small, tok, "tiny") != before

@@ -131,6 +131,28 @@ def extract_features(recipe: Any, *, target: Any = None, tokenizer: Any = None, 
     return out_dir
 
 
+def prepare_recipe(recipe: Any, *, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
+    """The whole data stage of a recipe as `fit` runs it, without training: read, regenerate, split, tokenise,
+    count the draft vocabulary and, for an offline recipe, the feature job. Everything lands in the caches `fit`
+    reads, so a later `fit` with the same data settings goes straight to training (a one-off preparation step).
+
+    Returns:
+        The data summary of provenance.json, plus `features_dir` for an offline recipe.
+    """
+    from eagle3_zoo.data.prepare import prepare_data
+    from eagle3_zoo.training.build import load_recipe_target
+
+    target, tokenizer, adapter = load_recipe_target(recipe)
+    data = prepare_data(recipe, tokenizer, adapter, target=target, target_id=recipe.target.name_or_path,
+                        vocab_size=target.config.vocab_size)
+    summary = data.summary()
+    if recipe.data.mode == "offline":
+        store = extract_features(recipe, target=target, tokenizer=tokenizer, adapter=adapter, data=data, rank=rank,
+                                 world_size=world_size)
+        summary["features_dir"] = str(store)
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: `python -m eagle3_zoo.data.extract RECIPE [key=value ...]`; prints the feature-store directory."""
     import argparse

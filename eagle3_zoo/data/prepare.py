@@ -123,9 +123,24 @@ def data_fingerprint(recipe: Any, tokenizer: Any, target_id: str) -> str:
                  "tokenizer": tokenizer_fingerprint(tokenizer)})
 
 
-def regenerated_path(recipe: Any, fingerprint: str) -> Path:
+def regeneration_key(recipe: Any, tokenizer: Any, target_id: str) -> str:
+    """Key of the regenerated-answers file: what an answer depends on (the source files and their format, the
+    prompt-length limit, the generation settings, the target and its tokenizer), not which records a recipe selects
+    (`max_samples`, `split`, `val_fraction`, `on_error`) nor `batch_size`. The file is a per-conversation cache
+    (`eagle3_zoo.data.regenerate`), so growing `max_samples` generates only the conversations not answered yet."""
+    d, r = recipe.data, recipe.data.regenerate
+    settings = {"max_length": d.max_length, "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
+                "max_turns": r.max_turns, "seed": d.seed if r.temperature > 0 else None, "target": target_id}
+    return _sha({"version": DATA_KEY_VERSION, "sources": fingerprint_sources(d.sources, settings, selection=False),
+                 "tokenizer": tokenizer_fingerprint(tokenizer)})
+
+
+def regenerated_path(recipe: Any, tokenizer: Any, target_id: str) -> Path:
+    """`data.regenerate.output`, or `<cache_dir>/regenerated/<regeneration_key>.jsonl`."""
     out = recipe.data.regenerate.output
-    return Path(out) if out else Path(recipe.data.cache_dir) / "regenerated" / f"{fingerprint[:16]}.jsonl"
+    if out:
+        return Path(out)
+    return Path(recipe.data.cache_dir) / "regenerated" / f"{regeneration_key(recipe, tokenizer, target_id)[:16]}.jsonl"
 
 
 def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, target_id: str = "",
@@ -151,7 +166,7 @@ def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, 
 
         if target is None:
             raise ValueError("data.regenerate.enabled needs the target model")
-        path = regenerated_path(recipe, fingerprint)
+        path = regenerated_path(recipe, tokenizer, target_id)
         conversations, rstats = regenerate_conversations(
             conversations, target, tokenizer, adapter, path, max_new_tokens=d.regenerate.max_new_tokens,
             temperature=d.regenerate.temperature, batch_size=d.regenerate.batch_size, max_length=d.max_length,

@@ -45,7 +45,8 @@ def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
     return sha256_file(path)
 
 
-def fingerprint_sources(sources: Iterable[Any], extra: dict[str, Any] | None = None) -> str:
+def fingerprint_sources(sources: Iterable[Any], extra: dict[str, Any] | None = None, *,
+                        selection: bool = True) -> str:
     """Fingerprint of data sources: each file's content (sha256 and size) under its location-independent key
     (`source_files`), plus each source's settings. Moving the data, or reinstalling the package that ships
     it, keeps the fingerprint (and every cache keyed by it); editing a file changes it.
@@ -54,6 +55,8 @@ def fingerprint_sources(sources: Iterable[Any], extra: dict[str, Any] | None = N
         sources: recipe data sources (objects or dicts with `path`, `format`, `max_samples`, `split`).
         extra: other settings that change the token stream (e.g. `max_length`, `overflow`, global
             `max_samples`, regeneration settings); JSON-serialisable.
+        selection: include the per-source settings that only choose records (`max_samples`, `split`); False for
+            caches of per-record results (regenerated answers), which any selection of the records can share.
 
     Raises:
         DataError: a source path that does not resolve to local files.
@@ -66,8 +69,10 @@ def fingerprint_sources(sources: Iterable[Any], extra: dict[str, Any] | None = N
             st = file.stat()
             files.append({"key": key, "size": st.st_size,
                           "sha256": _file_sha256(str(file.resolve()), st.st_size, st.st_mtime_ns)})
-        entries.append({"path": str(get("path")), "files": files, "format": get("format", "auto"),
-                        "max_samples": get("max_samples"), "split": get("split")})
+        entry = {"path": str(get("path")), "files": files, "format": get("format", "auto")}
+        if selection:
+            entry.update(max_samples=get("max_samples"), split=get("split"))
+        entries.append(entry)
     return _sha256_json({"sources": entries, "extra": extra or {}})
 
 
