@@ -89,6 +89,9 @@ BAD = [
     ("empty_conversation", {"conversations": []}),
     ("no_assistant_turn", {"conversations": [{"from": "human", "value": "a"}]}),
     ("no_user_turn", {"conversations": [{"from": "gpt", "value": "a"}]}),
+    ("empty_user_turn", {"conversations": [{"from": "human", "value": " \n"}, {"from": "gpt", "value": "a"}]}),
+    ("empty_user_turn", {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": ""},
+                                      {"role": "assistant", "content": "a"}]}),
     ("not_an_object", ["a list"]),
 ]
 

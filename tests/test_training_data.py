@@ -267,3 +267,24 @@ def test_regenerated_answers_are_shared_by_every_selection_of_the_records(tiny, 
     with open(data, "a") as f:
         f.write(open(data).readline())  # an edited source file
     assert regenerated_path(small, tok, "tiny") != before
+
+
+def test_reading_rules_version_keys_the_token_stream_not_the_regenerated_answers(tiny, tmp_path, monkeypatch):
+    """A change to which conversations are read (DATA_KEY_VERSION) must not throw away the answers already
+    generated (hours of target time), which are keyed per conversation; a change to how an answer is produced
+    (REGENERATION_KEY_VERSION) must."""
+    from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
+
+    from eagle3_zoo.data import prepare
+    from eagle3_zoo.recipe import load_recipe
+
+    _, tok, _ = tiny
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", n=4)
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path, tmp_path, data)),
+                         ["data.regenerate.enabled=true"])
+    tokens, answers = prepare.data_fingerprint(recipe, tok, "tiny"), prepare.regeneration_key(recipe, tok, "tiny")
+    monkeypatch.setattr(prepare, "DATA_KEY_VERSION", prepare.DATA_KEY_VERSION + 1)
+    assert prepare.data_fingerprint(recipe, tok, "tiny") != tokens
+    assert prepare.regeneration_key(recipe, tok, "tiny") == answers
+    monkeypatch.setattr(prepare, "REGENERATION_KEY_VERSION", prepare.REGENERATION_KEY_VERSION + 1)
+    assert prepare.regeneration_key(recipe, tok, "tiny") != answers

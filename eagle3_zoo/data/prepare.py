@@ -33,10 +33,14 @@ from eagle3_zoo.data.vocab_cache import (
 
 logger = logging.getLogger(__name__)
 
-# Part of every data key (regenerated answers, token cache, counts, features): bump it when a change to reading,
-# regeneration or tokenisation rules changes the examples a recipe produces, so caches built by older code stop
-# matching instead of being reused silently. 2: location-independent source keys and conversation uids.
-DATA_KEY_VERSION = 2
+# Part of every key of the token stream (token cache, draft-vocab counts, features): bump it when a change to
+# reading or tokenisation rules changes the examples a recipe produces, so caches built by older code stop matching
+# instead of being reused silently. 2: location-independent source keys and conversation uids. 3: conversations
+# whose first user turn is blank are skipped (`empty_user_turn`).
+DATA_KEY_VERSION = 3
+# Part of the key of the regenerated answers (a per-conversation cache, see `regeneration_key`): bump it only when
+# a change alters the answer the target gives to one conversation, not which conversations are read.
+REGENERATION_KEY_VERSION = 2
 
 
 @dataclass
@@ -131,7 +135,8 @@ def regeneration_key(recipe: Any, tokenizer: Any, target_id: str) -> str:
     d, r = recipe.data, recipe.data.regenerate
     settings = {"max_length": d.max_length, "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
                 "max_turns": r.max_turns, "seed": d.seed if r.temperature > 0 else None, "target": target_id}
-    return _sha({"version": DATA_KEY_VERSION, "sources": fingerprint_sources(d.sources, settings, selection=False),
+    return _sha({"version": REGENERATION_KEY_VERSION,
+                 "sources": fingerprint_sources(d.sources, settings, selection=False),
                  "tokenizer": tokenizer_fingerprint(tokenizer)})
 
 

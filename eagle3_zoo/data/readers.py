@@ -245,6 +245,9 @@ def _drop_leading_non_user(messages: list[dict[str, str]]) -> list[dict[str, str
     first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
     if first_user is None:
         raise _BadRecord("no_user_turn", "the conversation has no user turn")
+    if not messages[first_user]["content"].strip():
+        # answering nothing teaches nothing about the prompts a drafter will see (the embedded ShareGPT has some)
+        raise _BadRecord("empty_user_turn", "the first user turn is empty")
     system = [m for m in messages[:first_user] if m["role"] == "system"][:1]
     messages = system + messages[first_user:]
     if not any(m["role"] == "assistant" for m in messages):
