@@ -5,11 +5,16 @@
 Per variant it reads `<dir>/<variant>/drafter/provenance.json` (training steps, validation accuracy),
 `<dir>/<variant>.fit_seconds` (wall time of `eagle3-zoo fit`, data preparation included) and
 `<dir>/<variant>/eval_{tree,chain}.json` (`eagle3-zoo eval` results). A missing file is shown as "-".
+
+Every variant after the first is also compared with the first (the reference) request by request: the difference
+of tau with a 95% paired-bootstrap interval over the requests both evaluated (tau = new tokens / cycles of the
+resampled requests). An interval that contains 0 means this evaluation does not separate the two.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -29,7 +34,39 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def row(root: Path, variant: str) -> str:
+def _requests(result: dict | None) -> dict[str, tuple[int, int]]:
+    """request id -> (new tokens, cycles), over every benchmark of an `eagle3-zoo eval` result."""
+    out = {}
+    for bench, rows in ((result or {}).get("requests") or {}).items():
+        for r in rows:
+            out[f"{bench}/{r['id']}"] = (int(r["new_tokens"]), int(r["cycles"]))
+    return out
+
+
+def paired_tau_difference(reference: dict | None, other: dict | None, *, resamples: int = 2000,
+                          seed: int = 0) -> tuple[float, float, float] | None:
+    """tau(other) - tau(reference) over the requests both evaluated, with a 95% paired-bootstrap interval;
+    None when they share no request."""
+    ref, oth = _requests(reference), _requests(other)
+    ids = sorted(set(ref) & set(oth))
+    if not ids:
+        return None
+
+    def diff(sample: list[str]) -> float:
+        def tau(d: dict[str, tuple[int, int]]) -> float:
+            return sum(d[i][0] for i in sample) / max(1, sum(d[i][1] for i in sample))
+        return tau(oth) - tau(ref)
+
+    rng = random.Random(seed)
+    boot = sorted(diff([rng.choice(ids) for _ in ids]) for _ in range(resamples))
+    return diff(ids), boot[int(0.025 * resamples)], boot[min(resamples - 1, int(0.975 * resamples))]
+
+
+def _fmt_diff(d: tuple[float, float, float] | None) -> str:
+    return "-" if d is None else f"{d[0]:+.2f} [{d[1]:+.2f}, {d[2]:+.2f}]"
+
+
+def row(root: Path, variant: str, reference: str | None = None) -> str:
     run = root / variant
     prov = _load(run / "drafter" / "provenance.json") or {}
     training = prov.get("training", {})
@@ -45,6 +82,12 @@ def row(root: Path, variant: str) -> str:
         if mode == "chain":
             acc = overall.get("acceptance_per_depth") or []
             cells.append(" / ".join(_fmt(a) for a in acc[:3]) if acc else "-")
+    for mode in ("tree", "chain"):
+        if reference is None or reference == variant:
+            cells.append("-")
+        else:
+            cells.append(_fmt_diff(paired_tau_difference(_load(root / reference / f"eval_{mode}.json"),
+                                                         _load(run / f"eval_{mode}.json"))))
     return "| " + " | ".join(cells) + " |"
 
 
@@ -53,11 +96,13 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     root = Path(argv[0])
+    reference = argv[1]
     print("| Variant | Steps | `fit` wall time, data preparation included (s) | val acc_0 | tau tree 8/10/60 "
-          "| tau chain 7 | chain accept d1/d2/d3 |")
-    print("|---|---|---|---|---|---|---|")
+          f"| tau chain 7 | chain accept d1/d2/d3 | tree tau vs {reference} [95% CI] "
+          f"| chain tau vs {reference} [95% CI] |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for variant in argv[1:]:
-        print(row(root, variant))
+        print(row(root, variant, reference))
     return 0
 
 
