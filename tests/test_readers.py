@@ -152,7 +152,7 @@ def test_syntax_error_inside_json_list_names_the_line(tmp_path):
 
 
 def test_streaming_across_small_chunks(tmp_path, monkeypatch):
-    records = [{"id": str(i), "conversations": [{"from": "human", "value": "q" * (i * 37 % 300)},
+    records = [{"id": str(i), "conversations": [{"from": "human", "value": "q" * (i * 37 % 300 + 1)},
                                                 {"from": "gpt", "value": "é\n\"x\"" * (i % 50 + 1)}]}
                for i in range(60)]
     path = _write_json(tmp_path / "d.json", records)
