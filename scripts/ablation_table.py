@@ -66,7 +66,15 @@ def _fmt_diff(d: tuple[float, float, float] | None) -> str:
     return "-" if d is None else f"{d[0]:+.2f} [{d[1]:+.2f}, {d[2]:+.2f}]"
 
 
-def row(root: Path, variant: str, reference: str | None = None) -> str:
+MODES = ("tree", "chain")
+
+
+def _evals(root: Path, variant: str) -> dict[str, dict | None]:
+    return {mode: _load(root / variant / f"eval_{mode}.json") for mode in MODES}
+
+
+def row(root: Path, variant: str, reference: dict[str, dict | None] | None = None) -> str:
+    """One table row; `reference` = the evals (`_evals`) of the variant to compare with, None for the reference."""
     run = root / variant
     prov = _load(run / "drafter" / "provenance.json") or {}
     training = prov.get("training", {})
@@ -75,19 +83,15 @@ def row(root: Path, variant: str, reference: str | None = None) -> str:
         else None
     cells = [LABELS.get(variant, variant), str(training.get("global_step", "-")), seconds or "-",
              _fmt(metrics.get("val/acc_0"), ".3f")]
-    for mode in ("tree", "chain"):
-        res = _load(run / f"eval_{mode}.json")
-        overall = (res or {}).get("overall", {})
+    evals = _evals(root, variant)
+    for mode in MODES:
+        overall = (evals[mode] or {}).get("overall", {})
         cells.append(_fmt(overall.get("tau")))
         if mode == "chain":
             acc = overall.get("acceptance_per_depth") or []
             cells.append(" / ".join(_fmt(a) for a in acc[:3]) if acc else "-")
-    for mode in ("tree", "chain"):
-        if reference is None or reference == variant:
-            cells.append("-")
-        else:
-            cells.append(_fmt_diff(paired_tau_difference(_load(root / reference / f"eval_{mode}.json"),
-                                                         _load(run / f"eval_{mode}.json"))))
+    for mode in MODES:
+        cells.append("-" if reference is None else _fmt_diff(paired_tau_difference(reference[mode], evals[mode])))
     return "| " + " | ".join(cells) + " |"
 
 
@@ -101,8 +105,10 @@ def main(argv: list[str]) -> int:
           f"| tau chain 7 | chain accept d1/d2/d3 | tree tau vs {reference} [95% CI] "
           f"| chain tau vs {reference} [95% CI] |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for variant in argv[1:]:
-        print(row(root, variant, reference))
+    print(row(root, reference))
+    evals = _evals(root, reference)
+    for variant in argv[2:]:
+        print(row(root, variant, evals))
     return 0
 
 
