@@ -233,7 +233,36 @@ def test_prepare_data_regenerates_caches_and_counts(tiny, tmp_path, monkeypatch)
     from eagle3_zoo.data import prepare
 
     monkeypatch.setattr(prepare, "DATA_KEY_VERSION", prepare.DATA_KEY_VERSION + 1)  # new reading/tokenising rules
-    assert prepare.data_fingerprint(recipe, tok, "tiny") != first.fingerprint
+    assert prepare.data_fingerprint(recipe, tok, "tiny", "answers") != first.fingerprint
+
+
+def test_token_stream_key_follows_the_regenerated_answers_not_their_file(tiny, tmp_path):
+    """Regenerated answers moved to another file (or produced with another batch size) keep the token/feature
+    caches; an answer that changed in the file does not reuse the stale cache."""
+    import shutil
+
+    from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
+
+    from eagle3_zoo.data.prepare import prepare_data, regenerated_path
+    from eagle3_zoo.recipe import load_recipe
+
+    model, tok, adapter = tiny
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", n=4)
+    path = write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path, tmp_path, data))
+    regen = ["data.regenerate.enabled=true", "data.regenerate.max_new_tokens=5", "data.regenerate.batch_size=4"]
+    first = prepare_data(load_recipe(path, regen), tok, adapter, target=model, target_id="tiny", vocab_size=512)
+    moved = tmp_path / "elsewhere.jsonl"
+    shutil.copy(regenerated_path(load_recipe(path, regen), tok, "tiny"), moved)
+    elsewhere = load_recipe(path, [*regen, f"data.regenerate.output={moved}", "data.regenerate.batch_size=2"])
+    again = prepare_data(elsewhere, tok, adapter, target=model, target_id="tiny", vocab_size=512)
+    assert again.regenerate["reused"] == 4 and again.fingerprint == first.fingerprint
+    records = [json.loads(line) for line in moved.read_text().splitlines()]
+    assert "edited answer" not in json.dumps(records)
+    records[0]["messages"][-1]["content"] = "edited answer"
+    moved.write_text("".join(json.dumps(r) + "\n" for r in records))
+    edited = prepare_data(elsewhere, tok, adapter, target=model, target_id="tiny", vocab_size=512)
+    assert edited.regenerate["reused"] == 4 and edited.fingerprint != first.fingerprint
+    assert any("edited answer" in tok.decode(e["input_ids"]) for e in edited.train + edited.val)
 
 
 def test_regenerated_answers_are_shared_by_every_selection_of_the_records(tiny, tmp_path):
@@ -282,9 +311,10 @@ def test_reading_rules_version_keys_the_token_stream_not_the_regenerated_answers
     data = write_chat_jsonl(tmp_path / "chat.jsonl", n=4)
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path, tmp_path, data)),
                          ["data.regenerate.enabled=true"])
-    tokens, answers = prepare.data_fingerprint(recipe, tok, "tiny"), prepare.regeneration_key(recipe, tok, "tiny")
+    tokens = prepare.data_fingerprint(recipe, tok, "tiny", "digest")
+    answers = prepare.regeneration_key(recipe, tok, "tiny")
     monkeypatch.setattr(prepare, "DATA_KEY_VERSION", prepare.DATA_KEY_VERSION + 1)
-    assert prepare.data_fingerprint(recipe, tok, "tiny") != tokens
+    assert prepare.data_fingerprint(recipe, tok, "tiny", "digest") != tokens
     assert prepare.regeneration_key(recipe, tok, "tiny") == answers
     monkeypatch.setattr(prepare, "REGENERATION_KEY_VERSION", prepare.REGENERATION_KEY_VERSION + 1)
     assert prepare.regeneration_key(recipe, tok, "tiny") != answers

@@ -36,8 +36,9 @@ logger = logging.getLogger(__name__)
 # Part of every key of the token stream (token cache, draft-vocab counts, features): bump it when a change to
 # reading or tokenisation rules changes the examples a recipe produces, so caches built by older code stop matching
 # instead of being reused silently. 2: location-independent source keys and conversation uids. 3: conversations
-# whose first user turn is blank are skipped (`empty_user_turn`).
-DATA_KEY_VERSION = 3
+# whose first user turn is blank are skipped (`empty_user_turn`). 4: regenerated data keyed by the answers' content
+# (`answers_digest`), not by the regeneration settings and the file's path.
+DATA_KEY_VERSION = 4
 # Part of the key of the regenerated answers (a per-conversation cache, see `regeneration_key`): bump it only when
 # a change alters the answer the target gives to one conversation, not which conversations are read.
 REGENERATION_KEY_VERSION = 2
@@ -116,15 +117,24 @@ def load_examples(cache_dir: str | Path, fingerprint: str) -> tuple[list, list, 
     return examples[:num_train], examples[num_train:], stats
 
 
-def data_fingerprint(recipe: Any, tokenizer: Any, target_id: str) -> str:
-    """Key of the token stream a recipe produces: sources (content stamps) + settings + tokenizer (+ target if
-    regenerating, since the answers come from it)."""
+def data_fingerprint(recipe: Any, tokenizer: Any, target_id: str, answers: str | None = None) -> str:
+    """Key of the token stream a recipe produces: sources (content stamps) + settings + tokenizer, and with
+    regeneration the digest of the regenerated conversations (`answers_digest`): the answers are what the token
+    stream depends on, so moving their file or changing a setting that leaves them unchanged (`batch_size`) keeps
+    the caches, and an answer edited or generated again with other results does not reuse a stale one."""
     d = recipe.data
+    if d.regenerate.enabled and answers is None:
+        raise ValueError("data.regenerate.enabled: the token-stream key needs the regenerated answers' digest")
     extra = {"max_length": d.max_length, "overflow": d.overflow, "max_samples": d.max_samples,
              "on_error": d.on_error, "val_fraction": d.val_fraction, "seed": d.seed,
-             "regenerate": {**vars(d.regenerate), "target": target_id} if d.regenerate.enabled else None}
+             "regenerate": {"answers": answers, "target": target_id} if d.regenerate.enabled else None}
     return _sha({"version": DATA_KEY_VERSION, "sources": fingerprint_sources(d.sources, extra),
                  "tokenizer": tokenizer_fingerprint(tokenizer)})
+
+
+def answers_digest(conversations: list[Any]) -> str:
+    """sha256 of the conversations' content (uid, pinned split, messages), in order."""
+    return _sha([[c.uid, c.split, c.messages] for c in conversations])
 
 
 def regeneration_key(recipe: Any, tokenizer: Any, target_id: str) -> str:
@@ -164,7 +174,6 @@ def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, 
     """
     d = recipe.data
     conversations, read_stats = read_sources(d.sources, on_error=d.on_error, max_samples=d.max_samples)
-    fingerprint = data_fingerprint(recipe, tokenizer, target_id)
     regen: dict[str, Any] = {}
     if d.regenerate.enabled:
         from eagle3_zoo.data.regenerate import regenerate_conversations
@@ -177,6 +186,8 @@ def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, 
             temperature=d.regenerate.temperature, batch_size=d.regenerate.batch_size, max_length=d.max_length,
             max_turns=d.regenerate.max_turns, seed=d.seed)
         regen = {"path": str(path), **rstats.to_dict()}
+    answers = answers_digest(conversations) if d.regenerate.enabled else None
+    fingerprint = data_fingerprint(recipe, tokenizer, target_id, answers)
     train_c, val_c = split_train_val(conversations, d.val_fraction, d.seed)
     cached = load_examples(d.cache_dir, fingerprint)
     if cached is not None:
