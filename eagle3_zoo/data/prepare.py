@@ -36,9 +36,9 @@ logger = logging.getLogger(__name__)
 # Part of every key of the token stream (token cache, draft-vocab counts, features): bump it when a change to
 # reading or tokenisation rules changes the examples a recipe produces, so caches built by older code stop matching
 # instead of being reused silently. 2: location-independent source keys and conversation uids. 3: conversations
-# whose first user turn is blank are skipped (`empty_user_turn`). 4: regenerated data keyed by the answers' content
-# (`answers_digest`), not by the regeneration settings and the file's path.
-DATA_KEY_VERSION = 4
+# whose first user turn is blank are skipped (`empty_user_turn`). (Regenerated data keyed by the answers' content,
+# `answers_digest`, changed only the keys of regenerated data, by construction, so it needed no bump.)
+DATA_KEY_VERSION = 3
 # Part of the key of the regenerated answers (a per-conversation cache, see `regeneration_key`): bump it only when
 # a change alters the answer the target gives to one conversation, not which conversations are read.
 REGENERATION_KEY_VERSION = 2
