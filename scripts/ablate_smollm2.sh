@@ -2,7 +2,9 @@
 # The SmolLM2 ablation of recipes/README.md: EAGLE-3 as specified vs TTT depth 1, vs last-layer-only features, vs
 # no regeneration. Every variant is the same recipe (recipes/smollm2_135m.yaml) at the same budget (STEPS optimizer
 # steps of the same batch size and learning-rate schedule); only the ablated setting changes. Each drafter is then
-# measured with `eagle3-zoo eval` on the same MT-bench prompts (tree 8/10/60 and chain 7, temperature 0).
+# measured with `eagle3-zoo eval` on the same MT-bench prompts (tree 8/10/60 and chain 7, temperature 0), with the
+# plain-decoding baseline on every request (the lossless check and the speedup; NO_BASELINE=1 skips it, ~70 s per
+# evaluation of 32 requests x 64 tokens).
 #
 #   STEPS=1000 LIMIT=16 SPREAD=1 MAX_NEW=64 OUT=runs/ablate1k bash scripts/ablate_smollm2.sh  # recipes/README.md
 #   VARIANTS="eagle3 ttt1" bash scripts/ablate_smollm2.sh              # a subset
@@ -22,6 +24,8 @@ LIMIT=${LIMIT:-10}
 MAX_NEW=${MAX_NEW:-64}
 OUT=${OUT:-runs/ablate}
 NO_REGEN_MODE=${NO_REGEN_MODE:-offline}
+BASELINE_ARGS=()
+if [ -n "${NO_BASELINE:-}" ]; then BASELINE_ARGS=(--no-baseline); fi
 SPREAD_ARGS=()
 if [ -n "${SPREAD:-}" ]; then SPREAD_ARGS=(--spread); fi
 VARIANTS=${VARIANTS:-"eagle3 ttt1 last_layer no_regen"}
@@ -62,7 +66,7 @@ for variant in $VARIANTS; do
     if [ -f "$run/eval_$mode.json" ]; then continue; fi
     if [ "$mode" = tree ]; then shape=(--depth 8 --top-k 10 --total-tokens 60); else shape=(--depth 7); fi
     eagle3-zoo eval "$run/drafter" --target smollm2-135m-instruct --bench mtbench --mode "$mode" "${shape[@]}" \
-      --temperature 0 --max-new-tokens "$MAX_NEW" --limit "$LIMIT" "${SPREAD_ARGS[@]}" --no-baseline --no-progress \
+      --temperature 0 --max-new-tokens "$MAX_NEW" --limit "$LIMIT" "${SPREAD_ARGS[@]}" "${BASELINE_ARGS[@]}" --no-progress \
       "${THREAD_ARGS[@]}" --out "$run/eval_$mode.json"
   done
 done

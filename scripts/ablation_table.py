@@ -73,6 +73,19 @@ def _evals(root: Path, variant: str) -> dict[str, dict | None]:
     return {mode: _load(root / variant / f"eval_{mode}.json") for mode in MODES}
 
 
+def lossless_cell(evals: dict[str, dict | None]) -> str:
+    """Requests whose speculative output matched plain greedy decoding, over those checked (every mode): "32/32",
+    "not checked" (run with --no-baseline) or "-" (no eval)."""
+    overall = [(e or {}).get("overall", {}) for e in evals.values() if e]
+    checked = sum(int(o.get("lossless_checked") or 0) for o in overall)
+    if not overall:
+        return "-"
+    if not checked:
+        return "not checked"
+    bad = sum(len(o.get("lossless_mismatches") or []) for o in overall)
+    return f"{checked - bad}/{checked}"
+
+
 def row(root: Path, variant: str, reference: dict[str, dict | None] | None = None) -> str:
     """One table row; `reference` = the evals (`_evals`) of the variant to compare with, None for the reference."""
     run = root / variant
@@ -92,6 +105,7 @@ def row(root: Path, variant: str, reference: dict[str, dict | None] | None = Non
             cells.append(" / ".join(_fmt(a) for a in acc[:3]) if acc else "-")
     for mode in MODES:
         cells.append("-" if reference is None else _fmt_diff(paired_tau_difference(reference[mode], evals[mode])))
+    cells.append(lossless_cell(evals))
     return "| " + " | ".join(cells) + " |"
 
 
@@ -103,8 +117,8 @@ def main(argv: list[str]) -> int:
     reference = argv[1]
     print("| Variant | Steps | `fit` wall time, data preparation included (s) | val acc_0 | tau tree 8/10/60 "
           f"| tau chain 7 | chain accept d1/d2/d3 | tree tau vs {reference} [95% CI] "
-          f"| chain tau vs {reference} [95% CI] |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"| chain tau vs {reference} [95% CI] | identical to greedy |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     print(row(root, reference))
     evals = _evals(root, reference)
     for variant in argv[2:]:

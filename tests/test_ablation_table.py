@@ -30,3 +30,13 @@ def test_paired_difference_resolves_a_consistent_gain_and_not_noise():
     # only shared requests are paired; none shared -> no comparison
     assert ablation_table.paired_tau_difference(ref, _result([("99/turn1", 64, 10)])) is None
     assert ablation_table.paired_tau_difference(ref, None) is None
+
+
+def test_lossless_cell_counts_checked_requests_and_says_when_none_were():
+    ok = {"overall": {"lossless_checked": 32, "lossless_mismatches": []}}
+    bad = {"overall": {"lossless_checked": 32, "lossless_mismatches": [{"id": "81/turn1", "first_difference": 7}]}}
+    unchecked = {"overall": {"lossless_checked": 0, "lossless_mismatches": []}}
+    assert ablation_table.lossless_cell({"tree": ok, "chain": ok}) == "64/64"
+    assert ablation_table.lossless_cell({"tree": ok, "chain": bad}) == "63/64"
+    assert ablation_table.lossless_cell({"tree": unchecked, "chain": None}) == "not checked"
+    assert ablation_table.lossless_cell({"tree": None, "chain": None}) == "-"
