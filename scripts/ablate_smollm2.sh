@@ -6,7 +6,7 @@
 # plain-decoding baseline on every request (the lossless check and the speedup; NO_BASELINE=1 skips it, ~70 s per
 # evaluation of 32 requests x 64 tokens).
 #
-#   STEPS=1000 LIMIT=16 SPREAD=1 MAX_NEW=64 OUT=runs/ablate1k bash scripts/ablate_smollm2.sh  # recipes/README.md
+#   NO_BASELINE=1 STEPS=1000 LIMIT=16 SPREAD=1 MAX_NEW=64 OUT=runs/ablate1k bash scripts/ablate_smollm2.sh  # README
 #   VARIANTS="eagle3 ttt1" bash scripts/ablate_smollm2.sh              # a subset
 #   THREADS=1 ...                                                      # torch threads per job (default: all)
 #   NO_REGEN_MODE=online ...                                           # see no_regen below

@@ -76,8 +76,7 @@ def main() -> None:
                     recall["all"][1] += found.numel()
                     recall["after a miss"][0] += int(found[1:][~ok[:-1]].sum())
                     recall["after a miss"][1] += int((~ok[:-1]).sum())
-                    draft_ids = drafter.draft_to_target(torch.arange(logits.shape[-1]))
-                    in_vocab[0] += int(torch.isin(gold, draft_ids).sum())
+                    in_vocab[0] += int(drafter.t2d[gold].sum())
                     in_vocab[1] += gold.numel()
                     prev, cur = ok[:-1], ok[1:]
                     after["miss"][0] += int(cur[~prev].sum())
