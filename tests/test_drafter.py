@@ -90,6 +90,23 @@ def test_step_with_explicit_tree_mask_equals_separate_chains():
     assert len(base) == prefix + 1
 
 
+def test_step_last_logits_only_equals_the_last_row():
+    """Extending the context with `last_logits_only` (the lm_head on one row) changes nothing but the skipped rows."""
+    drafter, embed = tiny_drafter()
+    drafter.eval()
+    cfg = drafter.config
+    ids = torch.randint(0, cfg.vocab_size, (1, 9))
+    aux = torch.randn(1, 9, 3 * cfg.target_hidden_size)
+    with torch.no_grad():
+        full_cache, last_cache = drafter.new_cache(), drafter.new_cache()
+        full = drafter.step(embed(ids), drafter.fuse(aux), torch.arange(9)[None], full_cache)
+        last = drafter.step(embed(ids), drafter.fuse(aux), torch.arange(9)[None], last_cache, last_logits_only=True)
+    assert last.logits.shape == (1, 1, cfg.draft_vocab_size)
+    torch.testing.assert_close(last.logits, full.logits[:, -1:], atol=1e-6, rtol=0)
+    torch.testing.assert_close(last.hidden, full.hidden, atol=0, rtol=0)
+    torch.testing.assert_close(last_cache.keys, full_cache.keys, atol=0, rtol=0)
+
+
 def test_save_load_round_trip(tmp_path):
     drafter, embed = tiny_drafter()
     drafter.save_pretrained(tmp_path)

@@ -59,6 +59,26 @@ def test_tree_verify_equals_path_forwards_and_cache_keeps_the_path(family):
         torch.testing.assert_close(kept.values, ref.values, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("path", [[0, 1, 2], [0], [0, 1, 2, 3]], ids=["prefix", "root-only", "whole-chain"])
+def test_keep_path_of_a_chain_prefix_equals_a_fresh_prefill(path):
+    """A chain's accepted path (nodes 0..a) is kept in place, without moving entries; the cache equals a prefill."""
+    target = tiny_target("llama")
+    adapter = get_adapter("llama")
+    runner = TargetRunner(target, adapter, layer_ids=(1, 2, 3))
+    prompt = torch.arange(20, 37)
+    runner.prefill(prompt)
+    chain = DraftTree(tokens=torch.tensor([5, 11, 12, 13]), parents=torch.tensor([-1, 0, 1, 2]),
+                      depths=torch.arange(4), children=[[1], [2], [3], []])
+    runner.verify(chain)
+    runner.keep_path(path)
+    fresh = TargetRunner(target, adapter, layer_ids=(1, 2, 3))
+    fresh.prefill(torch.cat([prompt, chain.tokens[path]]))
+    assert runner.length == fresh.length == prompt.numel() + len(path)
+    for kept, ref in zip(runner.cache.layers, fresh.cache.layers):
+        torch.testing.assert_close(kept.keys, ref.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kept.values, ref.values, atol=1e-5, rtol=1e-5)
+
+
 class _ScoredDraft:
     """A DraftModel whose logits depend only on the depth and the node token, to check the EAGLE-2 tree shape."""
 

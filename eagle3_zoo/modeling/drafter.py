@@ -217,6 +217,7 @@ class Eagle3Drafter(nn.Module):
         position_ids: torch.Tensor,
         cache: DraftCache,
         attn_mask: torch.Tensor | None = None,
+        last_logits_only: bool = False,
     ) -> DraftStepOutput:
         """Run `q` new tokens over the cache.
 
@@ -226,6 +227,8 @@ class Eagle3Drafter(nn.Module):
             position_ids: `[B, q]` RoPE positions.
             cache: the drafter's KV cache; the new keys/values are appended.
             attn_mask: additive `[B, 1, q, len(cache)+q]` mask (0 = visible); None = causal, all past visible.
+            last_logits_only: logits `[B, 1, Vd]` of the last row only (extending the context, where only the last
+                row is drafted from: skips the lm_head on the other q - 1 rows, e.g. a whole prompt).
         """
         layer = self.midlayer
         hidden = hidden.to(self.fc.weight.dtype)
@@ -234,7 +237,7 @@ class Eagle3Drafter(nn.Module):
         q, k, v = layer.self_attn.project(x, cos, sin)
         k_all, v_all = cache.append(k, v)
         h = layer.finish(hidden, cached_attention(q, k_all, v_all, attn_mask))
-        return DraftStepOutput(logits=self.logits(h), hidden=h)
+        return DraftStepOutput(logits=self.logits(h[:, -1:] if last_logits_only else h), hidden=h)
 
     # ---- training path ----
     def ttt_rollout(

@@ -96,9 +96,10 @@ class Eagle3DraftModel:
         device = self.drafter.fc.weight.device
         positions = torch.arange(self.ctx_len, self.ctx_len + m, device=device).unsqueeze(0)
         hidden = self.drafter.fuse(aux_hidden.to(device))
-        out = self.drafter.step(self._embed(next_ids), hidden, positions, self.cache)  # causal, all past visible
+        # causal, all past visible; only the last row is drafted from
+        out = self.drafter.step(self._embed(next_ids), hidden, positions, self.cache, last_logits_only=True)
         self.ctx_len += m
-        return DraftStepOutput(logits=out.logits[:, -1:], hidden=out.hidden[:, -1:])
+        return DraftStepOutput(logits=out.logits, hidden=out.hidden[:, -1:])
 
     def expand(
         self, token_ids: torch.Tensor, hidden: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor

@@ -111,15 +111,18 @@ class TargetRunner:
 
     def keep_path(self, nodes: Sequence[int]) -> None:
         """After `verify`, keep the prefix plus the tree nodes `nodes` (root first, in path order) in the cache."""
-        past = self.length
-        idx = torch.tensor(list(nodes), dtype=torch.long, device=self.device) + past
+        past, nodes = self.length, list(nodes)
         keep = past + len(nodes)
+        in_place = nodes == list(range(len(nodes)))  # a chain's path (nodes 0..a) already sits in slots past..keep-1
+        idx = None if in_place else torch.tensor(nodes, dtype=torch.long, device=self.device) + past
         for layer in self.cache.layers:
             if not layer.is_initialized:
                 continue
             # the accepted entries move to slots past..keep-1; the slice is a view, later updates concatenate anyway
-            keys, values = layer.keys.index_select(-2, idx), layer.values.index_select(-2, idx)
+            if idx is not None:
+                keys, values = layer.keys.index_select(-2, idx), layer.values.index_select(-2, idx)
             layer.keys, layer.values = layer.keys[..., :keep, :], layer.values[..., :keep, :]
-            layer.keys[..., past:, :] = keys
-            layer.values[..., past:, :] = values
+            if idx is not None:
+                layer.keys[..., past:, :] = keys
+                layer.values[..., past:, :] = values
         self.length = keep
