@@ -3,9 +3,10 @@
 Measures, for the embedded SmolLM2-135M target (fp32) and a drafter of the same shape as the recipe's:
   * the plain KV-cache decoding step (1 token + lm_head row), the baseline's cost per token;
   * the target forward over q tree nodes (q = 1..60, 4D tree mask, `TargetRunner.verify`) after a prompt;
-  * one drafter tree-expansion call over w frontier nodes (w = 1 for a chain, top-k for a tree).
+  * one drafter tree-expansion call over w frontier nodes (w = 1 for a chain, top-k for a tree);
+  * one extension of the drafter's context by the m rows a cycle accepted (path + bonus token).
 From these, the break-even tau of a draft shape is cost(cycle) / cost(plain step): a chain of K tokens needs
-tau > (verify(K+1) + K drafter steps) / plain step to be faster than plain decoding.
+tau > (verify(K+1) + extension + (K-1) expansions) / plain step to be faster than plain decoding.
 
     .venv/bin/python scripts/bench_decode.py [--threads 2] [--context 256] [--draft-vocab 8192] [--reps 15]
 
@@ -72,7 +73,7 @@ def main() -> None:
     runner = TargetRunner(target, adapter)
     rows = []
     runner.prefill(prompt)
-    for q in (1, 2, 4, 5, 6, 8, 12, 16, 24, 32, 48, 61):
+    for q in (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 61):
         tree = _chain_tree(q)
 
         def verify(tree=tree, q=q) -> None:
@@ -100,6 +101,19 @@ def main() -> None:
 
             expand()
             draft_rows.append((w, _median(expand, args.reps)))
+        extend_rows = []
+        for m in (1, 2, 4):
+            draft.reset()
+            draft.extend(aux, prompt, prompt)
+            ctx = draft.ctx_len
+
+            def extend(m=m, ctx=ctx) -> None:  # the accepted path + bonus token, appended after each cycle
+                draft.cache.crop(ctx)
+                draft.ctx_len = ctx
+                draft.extend(aux[:, :m], prompt[:m], prompt[:m])
+
+            extend()
+            extend_rows.append((m, _median(extend, args.reps)))
 
     print("\n| target forward over q nodes | ms | x plain step |\n|---|---|---|")
     for q, ms in rows:
@@ -107,14 +121,19 @@ def main() -> None:
     print("\n| drafter expansion of w nodes | ms | x plain step |\n|---|---|---|")
     for w, ms in draft_rows:
         print(f"| w = {w} | {ms:.2f} | {ms / plain_ms:.3f} |")
+    print("\n| drafter context extension by m rows | ms | x plain step |\n|---|---|---|")
+    for m, ms in extend_rows:
+        print(f"| m = {m} | {ms:.2f} | {ms / plain_ms:.3f} |")
     verify_ms = dict(rows)
     d1, d10 = dict(draft_rows)[1], dict(draft_rows)[10]
-    print("\nbreak-even tau (cycle cost / plain step; 2x needs twice this):")
-    for k in (3, 4, 5, 7):
+    ext = dict(extend_rows)[2]  # a cycle appends its accepted path plus the bonus token: ~2 rows at tau ~1.5-2
+    print("\nbreak-even tau (cycle cost / plain step; 2x needs twice this): verify q nodes with one lm_head row,")
+    print("one extension by 2 rows, one expansion per draft depth after the first:")
+    for k in (1, 2, 3, 4, 5, 7):
         if k + 1 in verify_ms:
-            cyc = verify_ms[k + 1] + k * d1
+            cyc = verify_ms[k + 1] + ext + (k - 1) * d1
             print(f"  chain {k}: {cyc / plain_ms:.2f}")
-    cyc = verify_ms[61] + d1 + 7 * d10
+    cyc = verify_ms[61] + ext + 7 * d10
     print(f"  tree depth 8 / top-k 10 / 60 nodes: {cyc / plain_ms:.2f}")
 
 
