@@ -265,6 +265,28 @@ def test_token_stream_key_follows_the_regenerated_answers_not_their_file(tiny, t
     assert any("edited answer" in tok.decode(e["input_ids"]) for e in edited.train + edited.val)
 
 
+def test_regenerated_conversations_keep_their_location_free_key(tiny, tmp_path):
+    """The same records read from another place (another checkout or virtual environment: same `source_key`, other
+    `source` path) give the same regenerated conversations, uids and answers digest, so the token-stream and feature
+    caches keyed by that digest are reused instead of being built again."""
+    from dataclasses import replace
+
+    from eagle3_zoo.data.prepare import answers_digest
+    from eagle3_zoo.data.regenerate import regenerate_conversations
+
+    model, tok, adapter = tiny
+    here = [replace(_conv(i, [{"role": "user", "content": q}, {"role": "assistant", "content": "old"}]),
+                    source="/checkout-a/.venv/data.json", source_key="sharegpt-embedded")
+            for i, q in enumerate(["Hello", "Name a colour."])]
+    moved = [replace(c, source="/checkout-b/.venv/data.json") for c in here]
+    kw = dict(max_new_tokens=4, temperature=0.0, batch_size=2)
+    a, _ = regenerate_conversations(here, model, tok, adapter, tmp_path / "answers.jsonl", **kw)
+    b, stats = regenerate_conversations(moved, model, tok, adapter, tmp_path / "answers.jsonl", **kw)
+    assert stats.reused == 2 and stats.generated == 0
+    assert [c.uid for c in a] == [c.uid for c in b] == ["sharegpt-embedded#0", "sharegpt-embedded#1"]
+    assert answers_digest(a) == answers_digest(b)
+
+
 def test_regenerated_answers_are_shared_by_every_selection_of_the_records(tiny, tmp_path):
     """Growing max_samples (or another split / batch size) reuses the answers already generated; another
     generation setting, target or source file does not."""

@@ -21,7 +21,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -180,8 +180,7 @@ def regenerate_conversations(
         if not any(m["role"] == "assistant" for m in messages):
             stats.skipped["prompt_too_long"] += 1
             continue
-        out.append(Conversation(id=conv.id, source=conv.source, index=conv.index, messages=messages,
-                                split=conv.split))
+        out.append(replace(conv, messages=messages))  # keeps source_key: the uid stays location-free
     return out, stats
 
 
