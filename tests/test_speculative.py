@@ -59,6 +59,25 @@ def test_tree_verify_equals_path_forwards_and_cache_keeps_the_path(family):
         torch.testing.assert_close(kept.values, ref.values, atol=1e-5, rtol=1e-5)
 
 
+def test_node_logits_compute_a_node_and_its_first_child_in_one_matmul():
+    """The row of a node's first child comes with the node's (one weight read for two rows); every row equals the
+    lm_head applied to that node alone, and a node that is not a first child is computed when asked for."""
+    from eagle3_zoo.speculative.target import NodeLogits
+
+    torch.manual_seed(0)
+    lm_head = torch.nn.Linear(16, 50, bias=False)
+    calls = []
+    lm_head.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape[0]))
+    hidden = torch.randn(6, 16)
+    # root -> 1, 2 ; 1 -> 3 ; 3 -> 4 ; 2 -> 5
+    logits = NodeLogits(hidden, lm_head, first_child=[1, 3, 5, 4, -1, -1])
+    for node in (0, 1, 3, 4, 2):  # an accepted path 0 -> 1 -> 3 -> 4, then a sibling
+        ref = torch.nn.functional.linear(hidden[node], lm_head.weight).detach()  # the node alone, outside the hook
+        torch.testing.assert_close(logits[node], ref, atol=1e-6, rtol=1e-6)
+    assert calls == [2, 2, 2]  # rows [0, 1], [3, 4], [2, 5]: three matmuls for five nodes
+    assert sorted(logits._rows) == [0, 1, 2, 3, 4, 5]
+
+
 @pytest.mark.parametrize("path", [[0, 1, 2], [0], [0, 1, 2, 3]], ids=["prefix", "root-only", "whole-chain"])
 def test_keep_path_of_a_chain_prefix_equals_a_fresh_prefill(path):
     """A chain's accepted path (nodes 0..a) is kept in place, without moving entries; the cache equals a prefill."""
