@@ -80,7 +80,7 @@ def test_card_has_metadata_tau_table_plot_and_training(tmp_path):
     assert "| all (pooled) | 324 | 3.55 |" in text
     assert "![Acceptance per draft depth](eval_results.png)" in text
     assert "tau = tokens per verification cycle" in text and "depth: 6" in text
-    assert "--speculative-num-steps 6 --speculative-eagle-topk 8 --speculative-num-draft-tokens 48" in text
+    assert "--speculative-num-steps 6 --speculative-eagle-topk 8 --speculative-num-draft-tokens 49" in text  # + root
     assert '"model": "me/tiny-eagle3", "num_speculative_tokens": 6' in text
     assert "--model-path tiny-org/tiny-llama" in text
     assert "| Training-time test | 7 steps (ramp) |" in text and "| Hardware | 2 CPU cores |" in text

@@ -10,6 +10,8 @@ import torch
 
 from eagle3_zoo.adapters import get_adapter
 from eagle3_zoo.speculative import PROTOCOL, TauEvalCallback, eval_main, evaluate, format_table, load_benchmark
+from eagle3_zoo.speculative.evaluation import evaluate_shapes, format_shapes_table
+from eagle3_zoo.speculative.shapes import TreeSpec, parse_shapes
 from tests.test_speculative_support import OracleDraftModel, random_drafter, tiny_target
 
 
@@ -129,6 +131,77 @@ def test_eval_cli_end_to_end(tmp_path, capsys):
     assert saved["settings"]["target"] == str(target_dir) and out.with_suffix(".png").is_file()
     assert eval_main([str(drafter_dir), "--bench", "nope", "--out", str(out)]) == 2
     assert "unknown benchmark 'nope'" in capsys.readouterr().err
+
+
+def test_draft_shape_text_and_serving_flags():
+    assert TreeSpec.parse("chain:3") == TreeSpec.chain(3) and TreeSpec.parse(" tree:8/10/60 ") == TreeSpec()
+    assert TreeSpec.chain(3).label == "chain:3" and TreeSpec().label == "tree:8/10/60"
+    assert TreeSpec(depth=8, top_k=1, total_tokens=3).label == "chain:3"  # a top-1 tree is the chain it is
+    # SGLang counts the root among the draft tokens: a chain of K verifies K + 1, a 60-node tree 61
+    assert TreeSpec.chain(3).serving_flags() == {"sglang_num_steps": 3, "sglang_topk": 1,
+                                                 "sglang_num_draft_tokens": 4, "vllm_num_speculative_tokens": 3}
+    assert TreeSpec().serving_flags()["sglang_num_draft_tokens"] == 61 and TreeSpec().verified_tokens == 61
+    assert [s.label for s in parse_shapes("chain:1,tree:1/2/2")] == ["chain:1", "tree:1/2/2"]
+    for bad in ("chain", "chain:0", "tree:8/10", "tree:8/0/60", "line:3", "chain:x"):
+        with pytest.raises(ValueError, match=r"expected chain:K .* or tree:D/K/N"):
+            TreeSpec.parse(bad)
+    with pytest.raises(ValueError, match="duplicate draft shape"):
+        parse_shapes("chain:3,tree:3/1/3")
+
+
+def test_evaluate_shapes_shares_one_baseline_and_matches_single_shape_runs(tmp_path):
+    target, tokenizer, adapter = _tiny_chat_target()
+    draft = OracleDraftModel(target, "noisy")
+    shapes = ["chain:1", "tree:3/2/6", "chain:3"]
+    kwargs = dict(max_new_tokens=10, limit=1, adapter=adapter, progress=False, warmup=0)
+    out = tmp_path / "shapes.json"
+    results = evaluate_shapes(draft, target, tokenizer, "mtbench,humaneval", shapes=shapes, out=out, **kwargs)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [e["shape"] for e in results["shapes"]] == shapes and results["settings"]["shapes"] == shapes
+    assert results["lossless"] is True and all(e["lossless"] is True for e in results["shapes"])
+    assert [e["verified_tokens"] for e in results["shapes"]] == [2, 7, 4]
+    # one plain-decoding run per request serves every shape
+    base = [[r["baseline_seconds"] for b in e["requests"].values() for r in b] for e in results["shapes"]]
+    assert len(base[0]) == 3 and base[0] == base[1] == base[2]
+    speeds = {e["shape"]: e["overall"]["speedup"] for e in results["shapes"]}
+    assert results["fastest"] == max(speeds, key=speeds.get)
+    # each shape decodes exactly as a single-shape evaluation of it does (same cycles and acceptance)
+    for entry, (mode, depth, top_k, total) in zip(results["shapes"], [("chain", 1, 1, 1), ("tree", 3, 2, 6),
+                                                                       ("chain", 3, 1, 3)]):
+        single = evaluate(draft, target, tokenizer, "mtbench,humaneval", mode=mode, depth=depth, top_k=top_k,
+                          total_tokens=total, **kwargs)
+        for key in ("cycles", "tau", "depth_accepts", "depth_attempts", "new_tokens"):
+            assert entry["overall"][key] == single["overall"][key], (entry["shape"], key)
+    assert {e["shape"]: e["overall"]["tau"] for e in results["shapes"]}["tree:3/2/6"] > 1  # the noisy oracle hits
+    table = format_shapes_table(results)
+    assert "tree:3/2/6" in table and "overall" in table and f"fastest here: {results['fastest']}" in table
+    assert "--speculative-num-draft-tokens" in table
+    with pytest.raises(ValueError, match="distinct draft shapes"):
+        evaluate_shapes(draft, target, tokenizer, "mtbench", shapes=["chain:2", "tree:2/1/2"], **kwargs)
+
+
+def test_eval_cli_shapes(tmp_path, capsys):
+    target, tokenizer, _ = _tiny_chat_target()
+    target_dir, drafter_dir = tmp_path / "target", tmp_path / "drafter"
+    target.save_pretrained(target_dir)
+    tokenizer.save_pretrained(target_dir)
+    drafter = random_drafter(target, draft_vocab_size=128)
+    drafter.config.target_name_or_path = str(target_dir)
+    drafter.save_pretrained(drafter_dir)
+    out = tmp_path / "sweep.json"
+    args = [str(drafter_dir), "--bench", "humaneval", "--limit", "1", "--max-new-tokens", "6", "--warmup", "0",
+            "--out", str(out), "--no-progress", "--strict"]
+    assert eval_main([*args, "--shapes", "chain:2,tree:2/2/3"]) == 0
+    printed = capsys.readouterr().out
+    assert "chain:2" in printed and "tree:2/2/3" in printed and "fastest here:" in printed
+    saved = json.loads(out.read_text())
+    assert [e["shape"] for e in saved["shapes"]] == ["chain:2", "tree:2/2/3"] and saved["lossless"] is True
+    assert eval_main([*args, "--shapes", "chain:2", "--depth", "3"]) == 2
+    assert "drop --depth or --shapes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        eval_main([*args, "--shapes", "tree:2/2"])
+    assert "expected chain:K" in capsys.readouterr().err
 
 
 class _Module(L.LightningModule):

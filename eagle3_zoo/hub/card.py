@@ -142,10 +142,16 @@ def _provenance_rows(prov: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _serve_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    from eagle3_zoo.speculative.shapes import spec_from_settings
+
+    spec = spec_from_settings(settings)  # an eagle3-zoo evaluation (its tree size does not count the root)
+    if spec is not None:
+        return spec.serving_flags()
+    # other tools' settings: SGLang-style names, whose draft-token count includes the root
     depth = _first(settings, "depth", "num_steps", "max_depth", "draft_depth")
     chain = settings.get("mode") == "chain" or settings.get("tree") is False
     topk = 1 if chain else _first(settings, "top_k", "topk", "eagle_topk")
-    total = depth + 1 if chain and depth else _first(settings, "total_tokens", "num_draft_tokens", "tree_size")
+    total = depth + 1 if chain and depth else _first(settings, "num_draft_tokens", "tree_size")
     out = {"sglang_num_steps": depth, "sglang_topk": topk, "sglang_num_draft_tokens": total,
            "vllm_num_speculative_tokens": depth}
     return {k: v for k, v in out.items() if v is not None}

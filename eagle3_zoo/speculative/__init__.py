@@ -24,7 +24,8 @@ _EXPORTS = {
     "plain_generate": "generate", "tree_spec": "generate",
     "PROTOCOL": "metrics", "BenchStats": "metrics",
     "NodeLogits": "target", "TargetRunner": "target",
-    "DraftTree": "tree", "TreeSpec": "tree", "build_tree": "tree",
+    "TreeSpec": "shapes", "parse_shapes": "shapes",
+    "DraftTree": "tree", "build_tree": "tree",
 }
 
 if TYPE_CHECKING:
@@ -36,8 +37,9 @@ if TYPE_CHECKING:
     from eagle3_zoo.speculative.evaluation import evaluate, format_table, plot_acceptance, write_results
     from eagle3_zoo.speculative.generate import MODES, GenerationOutput, SpeculativeGenerator, plain_generate, tree_spec
     from eagle3_zoo.speculative.metrics import PROTOCOL, BenchStats
+    from eagle3_zoo.speculative.shapes import TreeSpec, parse_shapes
     from eagle3_zoo.speculative.target import NodeLogits, TargetRunner
-    from eagle3_zoo.speculative.tree import DraftTree, TreeSpec, build_tree
+    from eagle3_zoo.speculative.tree import DraftTree, build_tree
 
 
 def __getattr__(name: str) -> Any:
@@ -76,6 +78,7 @@ __all__ = [
     "format_table",
     "load_benchmark",
     "next_token",
+    "parse_shapes",
     "plain_generate",
     "plot_acceptance",
     "run_eval_cli",

@@ -12,9 +12,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from eagle3_zoo.speculative.shapes import SHAPE_SYNTAX, TreeSpec, parse_shapes
+
 # kept free of torch/transformers imports: `eagle3-zoo --help` builds this parser
 MODES = ("tree", "chain")  # = eagle3_zoo.speculative.generate.MODES
 _DTYPES = ("float32", "bfloat16", "float16")
+_SHAPE_DEFAULTS = {"mode": "tree", "depth": 8, "top_k": 10, "total_tokens": 60}
+
+
+def _shapes_arg(text: str) -> list[TreeSpec]:
+    try:
+        return parse_shapes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -25,10 +35,15 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                              "target_name_or_path)")
     parser.add_argument("--bench", default="mtbench",
                         help="comma-separated: mtbench, humaneval, or JSONL files (default: mtbench)")
-    parser.add_argument("--mode", choices=MODES, default="tree", help="draft shape (default: tree)")
-    parser.add_argument("--depth", type=int, default=8, help="tree depth / chain length K (default: 8)")
-    parser.add_argument("--top-k", type=int, default=10, help="tree branching per node (default: 10)")
-    parser.add_argument("--total-tokens", type=int, default=60, help="draft nodes per tree (default: 60)")
+    parser.add_argument("--mode", choices=MODES, default=None, help="draft shape (default: tree)")
+    parser.add_argument("--depth", type=int, default=None, help="tree depth / chain length K (default: 8)")
+    parser.add_argument("--top-k", type=int, default=None, help="tree branching per node (default: 10)")
+    parser.add_argument("--total-tokens", type=int, default=None,
+                        help="draft nodes per tree, the root not counted (default: 60)")
+    parser.add_argument("--shapes", type=_shapes_arg, default=None, metavar="SHAPE[,SHAPE...]",
+                        help="compare draft shapes on the same requests instead of one --mode: " + SHAPE_SYNTAX +
+                             ", e.g. chain:1,chain:3,tree:1/2/2,tree:8/10/60; prints tau and speedup per shape and "
+                             "the fastest (the plain baseline runs once per request and serves every shape)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy + lossless check (default: 0)")
     parser.add_argument("--sample-top-k", type=int, default=0, help="sampling top-k, 0 = off (default: 0)")
     parser.add_argument("--sample-top-p", type=float, default=1.0, help="sampling top-p, 1 = off (default: 1)")
@@ -61,8 +76,13 @@ def run_eval_cli(args: argparse.Namespace) -> dict[str, Any]:
 
     from eagle3_zoo.adapters import load_target
     from eagle3_zoo.modeling import Eagle3Drafter
-    from eagle3_zoo.speculative.evaluation import evaluate, format_table
+    from eagle3_zoo.speculative.evaluation import evaluate, evaluate_shapes, format_shapes_table, format_table
 
+    single = {k: getattr(args, k) for k in _SHAPE_DEFAULTS if getattr(args, k) is not None}
+    if args.shapes and single:
+        flags = ", ".join("--" + k.replace("_", "-") for k in single)
+        raise ValueError(f"--shapes compares the shapes it lists; drop {flags} or --shapes")
+    shape = {**_SHAPE_DEFAULTS, **single}
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -73,15 +93,20 @@ def run_eval_cli(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"{args.drafter}: the drafter config names no target (eagle3_zoo.target_name_or_path); "
                          f"pass --target")
     target, tokenizer, adapter = load_target(target_name, dtype=dtype, device=device)
-    results = evaluate(
-        drafter, target, tokenizer, args.bench, mode=args.mode, temperature=args.temperature,
-        max_new_tokens=args.max_new_tokens, limit=args.limit, spread=args.spread, depth=args.depth, top_k=args.top_k,
-        total_tokens=args.total_tokens, sample_top_k=args.sample_top_k, sample_top_p=args.sample_top_p,
-        baseline=not args.no_baseline, warmup=args.warmup, seed=args.seed, adapter=adapter, out=args.out,
-        plot=args.plot, progress=not args.no_progress,
+    common = dict(
+        temperature=args.temperature, max_new_tokens=args.max_new_tokens, limit=args.limit, spread=args.spread,
+        sample_top_k=args.sample_top_k, sample_top_p=args.sample_top_p, baseline=not args.no_baseline,
+        warmup=args.warmup, seed=args.seed, adapter=adapter, out=args.out, plot=args.plot,
+        progress=not args.no_progress,
         extra_settings={"drafter": str(Path(args.drafter).resolve()), "target": str(target_name)},
     )
-    print(format_table(results))
+    if args.shapes:
+        results = evaluate_shapes(drafter, target, tokenizer, args.bench, shapes=args.shapes, **common)
+        print(format_shapes_table(results))
+    else:
+        results = evaluate(drafter, target, tokenizer, args.bench, mode=shape["mode"], depth=shape["depth"],
+                           top_k=shape["top_k"], total_tokens=shape["total_tokens"], **common)
+        print(format_table(results))
     print(f"wrote {args.out} and {args.plot or Path(args.out).with_suffix('.png')}")
     return results
 

@@ -19,10 +19,17 @@ from eagle3_zoo.adapters import TargetAdapter
 from eagle3_zoo.modeling import Eagle3Drafter
 from eagle3_zoo.modeling.io import atomic_write_text
 from eagle3_zoo.speculative.acceptance import SamplingParams
-from eagle3_zoo.speculative.benchmarks import BenchPrompt, chat_input_ids, completion_input_ids, load_benchmark
+from eagle3_zoo.speculative.benchmarks import (
+    Benchmark,
+    BenchPrompt,
+    chat_input_ids,
+    completion_input_ids,
+    load_benchmark,
+)
 from eagle3_zoo.speculative.draft import DraftModel
 from eagle3_zoo.speculative.generate import SpeculativeGenerator, eos_ids, plain_generate, tree_spec
 from eagle3_zoo.speculative.metrics import PROTOCOL, BenchStats
+from eagle3_zoo.speculative.shapes import TreeSpec
 
 
 def turn_input_ids(prompt: BenchPrompt, turn: int, history: list[dict[str, str]], tokenizer: Any) -> torch.Tensor:
@@ -88,64 +95,20 @@ def evaluate(
     Returns:
         The results dict (``protocol, settings, machine, versions, benchmarks, overall, lossless, requests``).
     """
-    bench_names = [b.strip() for b in benches.split(",")] if isinstance(benches, str) else list(benches)
-    loaded = [load_benchmark(name, limit, spread) for name in bench_names]  # fail on bad names before any decoding
-    names = [b.name for b in loaded]
-    if len(set(names)) != len(names):
-        raise ValueError(f"benchmarks {bench_names} give duplicate report names {names}; rename the JSONL files")
+    bench_names, loaded = _load_benches(benches, limit, spread)
     sampling = SamplingParams(temperature=temperature, top_k=sample_top_k, top_p=sample_top_p)
     spec = tree_spec(mode, depth, top_k, total_tokens)
     generator = SpeculativeGenerator(target, drafter, spec, adapter)
-    stop = eos_ids(target, eos_token_id)
-    if eos_token_id is None and not stop:  # no generation_config EOS: the tokenizer's
-        stop = eos_ids(target, getattr(tokenizer, "eos_token_id", None))
-    device = generator.runner.device
-
-    def run(ids: torch.Tensor, index: int, n_new: int = max_new_tokens):
-        rng = None if sampling.greedy else torch.Generator(device=device).manual_seed(seed + index)
-        spec_out = generator.generate(ids, n_new, sampling, stop, rng)
-        rng = None if sampling.greedy else torch.Generator(device=device).manual_seed(seed + index)
-        base_out = plain_generate(target, ids, n_new, sampling, stop, rng) if baseline else None
-        return spec_out, base_out
-
-    first = next((p for b in loaded for p in b.prompts), None)
-    for _ in range(warmup if first is not None else 0):
-        run(turn_input_ids(first, 0, [], tokenizer), 0, min(max_new_tokens, 32))
-
-    results: dict[str, Any] = {"protocol": PROTOCOL, "benchmarks": {}, "requests": {}}
-    overall, index = BenchStats(), 0
-    for bench in loaded:
-        stats, rows = BenchStats(), []
-        for prompt in tqdm(bench.prompts, desc=bench.name, disable=not progress, unit="prompt"):
-            history: list[dict[str, str]] = []
-            n_turns = len(prompt.turns) if prompt.is_chat else 1
-            for turn in range(n_turns):
-                ids = turn_input_ids(prompt, turn, history, tokenizer)
-                rid = prompt.id if n_turns == 1 else f"{prompt.id}/turn{turn + 1}"
-                spec_out, base_out = run(ids, index)
-                index += 1
-                stats.add(spec_out, base_out, rid, check_lossless=sampling.greedy)
-                rows.append(_request_row(rid, ids, spec_out, base_out))
-                # the next turn is conditioned on the model's own answer (MT-bench protocol)
-                history.append({"role": "assistant",
-                                "content": tokenizer.decode(spec_out.tokens, skip_special_tokens=True)})
-        results["benchmarks"][bench.name] = {"source": bench.source, "prompts": len(bench.prompts),
-                                             **stats.summary()}
-        results["requests"][bench.name] = rows
-        overall.merge(stats)
-    results["overall"] = overall.summary()
-    results["lossless"] = results["overall"]["lossless"]
+    stop = _stop_ids(target, tokenizer, eos_token_id)
+    (results,) = _decode([generator], target, tokenizer, loaded, sampling, stop, max_new_tokens=max_new_tokens,
+                         baseline=baseline, warmup=warmup, seed=seed, progress=progress)
+    results = {"protocol": PROTOCOL, **results}
     results["settings"] = {
         "mode": mode, "depth": spec.depth, "top_k": spec.top_k, "total_tokens": spec.total_tokens,
-        "temperature": temperature, "sample_top_k": sample_top_k, "sample_top_p": sample_top_p,
-        "max_new_tokens": max_new_tokens, "limit": limit, "spread": spread, "benches": bench_names, "seed": seed,
-        "warmup": warmup,
-        "baseline": baseline, "batch_size": 1, "eos_token_ids": sorted(stop), "humaneval_format": "chat",
-        "target": getattr(target.config, "_name_or_path", None) or None,
-        "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."), "device": str(device),
-        **(extra_settings or {}),
+        **_common_settings(target, generator, sampling, max_new_tokens, limit, spread, bench_names, seed, warmup,
+                           baseline, stop, extra_settings),
     }
-    results["machine"] = machine_info(device)
+    results["machine"] = machine_info(generator.runner.device)
     results["versions"] = versions()
     if out is not None:
         write_results(results, out)
@@ -153,6 +116,163 @@ def evaluate(
     if plot is not None:
         plot_acceptance(results, plot)
     return results
+
+
+def evaluate_shapes(
+    drafter: Eagle3Drafter | DraftModel,
+    target: nn.Module,
+    tokenizer: Any,
+    benches: str | Sequence[str] = ("mtbench",),
+    shapes: Sequence[TreeSpec | str] = ("chain:1", "chain:3", "chain:7", "tree:8/10/60"),
+    temperature: float = 0.0,
+    max_new_tokens: int = 256,
+    limit: int | None = None,
+    *,
+    spread: bool = False,
+    sample_top_k: int = 0,
+    sample_top_p: float = 1.0,
+    baseline: bool = True,
+    warmup: int = 1,
+    seed: int = 0,
+    eos_token_id: int | Iterable[int] | None = None,
+    adapter: TargetAdapter | None = None,
+    out: str | os.PathLike | None = None,
+    plot: str | os.PathLike | None = None,
+    progress: bool = True,
+    extra_settings: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Compare draft shapes on the same requests: which shape decodes fastest with this drafter on this machine.
+
+    Every request is decoded by each shape in turn and then once by plain decoding, whose time and tokens serve
+    every shape (speedup, lossless check), so machine noise falls on all shapes alike and the baseline runs once.
+    A later chat turn is conditioned on the first shape's answer, for every decoder (at temperature 0 a lossless
+    run gives every shape the same answer). Arguments as `evaluate`, with `shapes` instead of `mode, depth, top_k,
+    total_tokens` (`TreeSpec`s or their text form, `chain:K` / `tree:D/K/N`).
+
+    Returns:
+        ``protocol, settings, machine, versions, shapes, fastest, lossless``: ``shapes`` is one entry per shape (its
+        ``shape`` label, ``depth, top_k, total_tokens, verified_tokens``, serving flags, and ``benchmarks, overall,
+        lossless, requests`` as `evaluate` reports them); ``fastest`` is the label with the highest pooled speedup
+        (None without a baseline); ``lossless`` is False if any shape differed from plain greedy decoding.
+    """
+    specs = [s if isinstance(s, TreeSpec) else TreeSpec.parse(s) for s in shapes]
+    labels = [s.label for s in specs]
+    if not specs or len(set(labels)) != len(labels):
+        raise ValueError(f"evaluate_shapes needs distinct draft shapes, got {labels}")
+    bench_names, loaded = _load_benches(benches, limit, spread)
+    sampling = SamplingParams(temperature=temperature, top_k=sample_top_k, top_p=sample_top_p)
+    generators = [SpeculativeGenerator(target, drafter, spec, adapter) for spec in specs]
+    stop = _stop_ids(target, tokenizer, eos_token_id)
+    per_shape = _decode(generators, target, tokenizer, loaded, sampling, stop, max_new_tokens=max_new_tokens,
+                        baseline=baseline, warmup=warmup, seed=seed, progress=progress)
+    entries = [{"shape": spec.label, "depth": spec.depth, "top_k": spec.top_k, "total_tokens": spec.total_tokens,
+                "verified_tokens": spec.verified_tokens, **spec.serving_flags(), **res}
+               for spec, res in zip(specs, per_shape)]
+    speeds = [(e["overall"]["speedup"], e["shape"]) for e in entries if e["overall"]["speedup"] is not None]
+    checked = [e["lossless"] for e in entries if e["lossless"] is not None]
+    results: dict[str, Any] = {
+        "protocol": PROTOCOL + " " + SHAPES_PROTOCOL,
+        "settings": {"shapes": labels,
+                     **_common_settings(target, generators[0], sampling, max_new_tokens, limit, spread, bench_names,
+                                        seed, warmup, baseline, stop, extra_settings)},
+        "machine": machine_info(generators[0].runner.device),
+        "versions": versions(),
+        "shapes": entries,
+        "fastest": max(speeds)[1] if speeds else None,
+        "lossless": all(checked) if checked else None,
+    }
+    if out is not None:
+        write_results(results, out)
+        plot = plot if plot is not None else Path(out).with_suffix(".png")
+    if plot is not None:
+        plot_shapes(results, plot)
+    return results
+
+
+SHAPES_PROTOCOL = (
+    "Shape comparison: every request is decoded by each shape in turn, then once by plain decoding, whose time and "
+    "tokens serve every shape; a later chat turn is conditioned on the first shape's answer for every decoder."
+)
+
+
+def _load_benches(benches: str | Sequence[str], limit: int | None, spread: bool) -> tuple[list[str], list[Benchmark]]:
+    bench_names = [b.strip() for b in benches.split(",")] if isinstance(benches, str) else list(benches)
+    loaded = [load_benchmark(name, limit, spread) for name in bench_names]  # fail on bad names before any decoding
+    names = [b.name for b in loaded]
+    if len(set(names)) != len(names):
+        raise ValueError(f"benchmarks {bench_names} give duplicate report names {names}; rename the JSONL files")
+    return bench_names, loaded
+
+
+def _stop_ids(target: nn.Module, tokenizer: Any, eos_token_id: int | Iterable[int] | None) -> set[int]:
+    stop = eos_ids(target, eos_token_id)
+    if eos_token_id is None and not stop:  # no generation_config EOS: the tokenizer's
+        stop = eos_ids(target, getattr(tokenizer, "eos_token_id", None))
+    return stop
+
+
+def _decode(generators: Sequence[SpeculativeGenerator], target: nn.Module, tokenizer: Any, loaded: Sequence[Benchmark],
+            sampling: SamplingParams, stop: set[int], *, max_new_tokens: int, baseline: bool, warmup: int, seed: int,
+            progress: bool) -> list[dict[str, Any]]:
+    """Decode every request with each generator, then (optionally) plain decoding; per generator its
+    ``benchmarks, overall, lossless, requests``."""
+    device = generators[0].runner.device
+
+    def rng(index: int) -> torch.Generator | None:
+        return None if sampling.greedy else torch.Generator(device=device).manual_seed(seed + index)
+
+    def run(ids: torch.Tensor, index: int, n_new: int = max_new_tokens):
+        spec_outs = [g.generate(ids, n_new, sampling, stop, rng(index)) for g in generators]
+        base_out = plain_generate(target, ids, n_new, sampling, stop, rng(index)) if baseline else None
+        return spec_outs, base_out
+
+    first = next((p for b in loaded for p in b.prompts), None)
+    for _ in range(warmup if first is not None else 0):
+        run(turn_input_ids(first, 0, [], tokenizer), 0, min(max_new_tokens, 32))
+
+    found: list[dict[str, Any]] = [{"benchmarks": {}, "requests": {}} for _ in generators]
+    overall, index = [BenchStats() for _ in generators], 0
+    for bench in loaded:
+        stats, rows = [BenchStats() for _ in generators], [[] for _ in generators]
+        for prompt in tqdm(bench.prompts, desc=bench.name, disable=not progress, unit="prompt"):
+            history: list[dict[str, str]] = []
+            n_turns = len(prompt.turns) if prompt.is_chat else 1
+            for turn in range(n_turns):
+                ids = turn_input_ids(prompt, turn, history, tokenizer)
+                rid = prompt.id if n_turns == 1 else f"{prompt.id}/turn{turn + 1}"
+                spec_outs, base_out = run(ids, index)
+                index += 1
+                for k, spec_out in enumerate(spec_outs):
+                    stats[k].add(spec_out, base_out, rid, check_lossless=sampling.greedy)
+                    rows[k].append(_request_row(rid, ids, spec_out, base_out))
+                # the next turn is conditioned on the model's own answer (MT-bench protocol)
+                history.append({"role": "assistant",
+                                "content": tokenizer.decode(spec_outs[0].tokens, skip_special_tokens=True)})
+        for k in range(len(generators)):
+            found[k]["benchmarks"][bench.name] = {"source": bench.source, "prompts": len(bench.prompts),
+                                                  **stats[k].summary()}
+            found[k]["requests"][bench.name] = rows[k]
+            overall[k].merge(stats[k])
+    for k, res in enumerate(found):
+        res["overall"] = overall[k].summary()
+        res["lossless"] = res["overall"]["lossless"]
+    return found
+
+
+def _common_settings(target: nn.Module, generator: SpeculativeGenerator, sampling: SamplingParams,
+                     max_new_tokens: int, limit: int | None, spread: bool, bench_names: list[str], seed: int,
+                     warmup: int, baseline: bool, stop: set[int],
+                     extra_settings: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "temperature": sampling.temperature, "sample_top_k": sampling.top_k, "sample_top_p": sampling.top_p,
+        "max_new_tokens": max_new_tokens, "limit": limit, "spread": spread, "benches": bench_names,
+        "seed": seed, "warmup": warmup,
+        "baseline": baseline, "batch_size": 1, "eos_token_ids": sorted(stop), "humaneval_format": "chat",
+        "target": getattr(target.config, "_name_or_path", None) or None,
+        "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+        "device": str(generator.runner.device),
+        **(extra_settings or {}),
+    }
 
 
 def _request_row(rid: str, ids: torch.Tensor, spec_out, base_out) -> dict[str, Any]:
@@ -225,6 +345,65 @@ def plot_acceptance(results: dict[str, Any], path: str | os.PathLike) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_shapes(results: dict[str, Any], path: str | os.PathLike) -> Path:
+    """PNG of a shape comparison: pooled tau and speedup per shape (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    labels = [e["shape"] for e in results["shapes"]]
+    fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_tau.bar(labels, [e["overall"]["tau"] or 0 for e in results["shapes"]], color="tab:blue")
+    ax_tau.set(ylabel="tau (tokens per verification)", title="acceptance length")
+    speeds = [e["overall"]["speedup"] for e in results["shapes"]]
+    if any(x is not None for x in speeds):
+        ax_speed.bar(labels, [x or 0 for x in speeds], color="tab:green")
+        ax_speed.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax_speed.set(ylabel="speedup over plain decoding", title=f"wall clock ({results['settings']['device']})")
+    for ax in (ax_tau, ax_speed):
+        ax.tick_params(axis="x", labelrotation=30)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def format_shapes_table(results: dict[str, Any], max_depth: int = 3) -> str:
+    """A plain-text comparison of `evaluate_shapes` results: one row per shape and benchmark (and pooled), the
+    fastest shape and its serving flags."""
+
+    def fmt(x: Any, spec: str = ".2f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    header = ["shape", "verified", "bench", "requests", "tau", *[f"acc@{d}" for d in range(1, max_depth + 1)],
+              "spec tok/s", "base tok/s", "speedup", "lossless"]
+    rows = [header]
+    for e in results["shapes"]:
+        benches = list(e["benchmarks"].items())
+        for name, b in benches + ([("overall", e["overall"])] if len(benches) > 1 else []):
+            acc = (b["acceptance_per_depth"] + [None] * max_depth)[:max_depth]
+            lossless = {None: "-", True: "yes"}.get(b["lossless"], f"NO ({len(b['lossless_mismatches'])} differ)")
+            rows.append([e["shape"], str(e["verified_tokens"]), name, str(b["requests"]), fmt(b["tau"]),
+                         *map(fmt, acc), fmt(b["spec_tokens_per_s"], ".1f"), fmt(b["baseline_tokens_per_s"], ".1f"),
+                         fmt(b["speedup"]), lossless])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    s = results["settings"]
+    lines.insert(0, f"shapes={','.join(s['shapes'])} T={s['temperature']} max_new_tokens={s['max_new_tokens']} "
+                    f"device={s['device']}")
+    fastest = next((e for e in results["shapes"] if e["shape"] == results["fastest"]), None)
+    if fastest is not None:
+        flags = (f"--speculative-num-steps {fastest['sglang_num_steps']} --speculative-eagle-topk "
+                 f"{fastest['sglang_topk']} --speculative-num-draft-tokens {fastest['sglang_num_draft_tokens']}")
+        lines += ["", f"fastest here: {fastest['shape']} ({fastest['overall']['speedup']:.2f}x); "
+                      f"the same shape in SGLang: {flags}"]
+    return "\n".join([*lines, "", "protocol: " + results["protocol"]])
 
 
 def format_table(results: dict[str, Any], max_depth: int = 6) -> str:

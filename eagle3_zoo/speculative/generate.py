@@ -24,8 +24,9 @@ from eagle3_zoo.adapters.capture import cache_kwargs
 from eagle3_zoo.modeling import Eagle3Drafter
 from eagle3_zoo.speculative.acceptance import SamplingParams, accept, next_token
 from eagle3_zoo.speculative.draft import DraftModel, Eagle3DraftModel
+from eagle3_zoo.speculative.shapes import TreeSpec
 from eagle3_zoo.speculative.target import TargetRunner
-from eagle3_zoo.speculative.tree import TreeSpec, build_tree
+from eagle3_zoo.speculative.tree import build_tree
 
 MODES = ("tree", "chain")
 

@@ -18,31 +18,7 @@ import torch
 
 from eagle3_zoo.modeling import DraftStepOutput
 from eagle3_zoo.speculative.draft import DraftModel
-
-
-@dataclass(frozen=True)
-class TreeSpec:
-    """Shape of the draft tree.
-
-    Attributes:
-        depth: Maximum number of draft tokens on a path (chain: the chain length K).
-        top_k: Children proposed per expanded node, and frontier nodes kept per depth.
-        total_tokens: Draft nodes kept after reranking (the root, i.e. the last emitted token, not counted).
-    """
-
-    depth: int = 8
-    top_k: int = 10
-    total_tokens: int = 60
-
-    def __post_init__(self) -> None:
-        for name in ("depth", "top_k", "total_tokens"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"tree {name} must be >= 1, got {getattr(self, name)}")
-
-    @classmethod
-    def chain(cls, length: int) -> TreeSpec:
-        """A chain of `length` draft tokens."""
-        return cls(depth=length, top_k=1, total_tokens=length)
+from eagle3_zoo.speculative.shapes import TreeSpec
 
 
 @dataclass
