@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -138,6 +140,52 @@ def test_build_tree_is_eagle2_shaped(depth, top_k, total):
         assert len({tree.tokens[k].item() for k in kids}) == len(kids) <= top_k
     mask = tree.ancestor_mask()
     assert all(int(mask[i].sum()) == depths[i] + 1 for i in range(n + 1))
+
+
+class _PerNodeDraft(_ScoredDraft):
+    """Each node's child logits depend on the node's own token only (not on the rest of the frontier)."""
+
+    def _logits(self, tokens: list[int]) -> torch.Tensor:
+        return torch.stack([torch.randn(self.vocab, generator=torch.Generator().manual_seed(t + 1)) * 3
+                            for t in tokens]).unsqueeze(0)
+
+
+def _path_probs(tree, root_logits, draft) -> dict[tuple[int, ...], float]:
+    """Cumulative draft probability of every draft node, keyed by its token path."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    logp, path = {0: 0.0}, {0: ()}
+    for i in range(1, len(tree)):
+        p = parents[i]
+        parent_logits = root_logits if p == 0 else draft._logits([tokens[p]])[0, 0]  # expand sees target ids
+        logp[i] = logp[p] + float(torch.log_softmax(parent_logits, -1)[tokens[i] - 100])
+        path[i] = (*path[p], tokens[i])
+    return {path[i]: math.exp(logp[i]) for i in range(1, len(tree))}
+
+
+@pytest.mark.parametrize("min_prob", [0.01, 0.05, 0.2, 0.4, 0.6])
+def test_min_prob_keeps_exactly_the_nodes_above_it(min_prob):
+    draft = _PerNodeDraft()
+    root = DraftStepOutput(logits=draft._logits([0]), hidden=torch.zeros(1, 1, 2))
+    full = build_tree(draft, 7, root, TreeSpec(depth=4, top_k=3, total_tokens=100))  # every candidate
+    full_probs = _path_probs(full, root.logits[0, 0], draft)
+    draft.calls.clear()
+    cut = build_tree(draft, 7, root, TreeSpec(depth=4, top_k=3, total_tokens=100, min_prob=min_prob))
+    cut_probs = _path_probs(cut, root.logits[0, 0], draft)
+    assert set(cut_probs) == {path for path, prob in full_probs.items() if prob >= min_prob}
+    assert len(cut_probs) < len(full_probs)
+    # the drafter runs only below frontiers that still have nodes above the floor (depth 4: at most 3 passes)
+    assert len(draft.calls) == min(max(map(len, cut_probs), default=0), 3)
+
+
+def test_min_prob_above_every_guess_drafts_nothing():
+    draft = _PerNodeDraft()
+    root = DraftStepOutput(logits=draft._logits([0]), hidden=torch.zeros(1, 1, 2))
+    top = float(torch.softmax(root.logits[0, 0], -1).max())
+    tree = build_tree(draft, 7, root, TreeSpec(depth=4, top_k=3, total_tokens=10, min_prob=min(0.99, top + 0.01)))
+    assert len(tree) == 1 and tree.tokens.tolist() == [7] and tree.children == [[]] and draft.calls == []
+    assert TreeSpec.chain(3, 0.25).label == "chain:3@0.25" and TreeSpec.parse("tree:4/3/10@0.05").min_prob == 0.05
+    with pytest.raises(ValueError, match=r"min_prob must be in \[0, 1\)"):
+        TreeSpec(min_prob=1.0)
 
 
 def test_chain_spec_and_mode_errors():

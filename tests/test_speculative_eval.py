@@ -181,6 +181,21 @@ def test_evaluate_shapes_shares_one_baseline_and_matches_single_shape_runs(tmp_p
         evaluate_shapes(draft, target, tokenizer, "mtbench", shapes=["chain:2", "tree:2/1/2"], **kwargs)
 
 
+def test_min_prob_cut_drafts_only_confident_nodes_and_stays_lossless():
+    """The noisy oracle gives its top guess p ~ 0.39, its second ~ 0.24, any depth-2 path <= 0.16: a 0.3 cut keeps
+    just the top first token (the tree decodes as chain 1 does), a 0.5 cut drafts nothing (one token per cycle)."""
+    target, tokenizer, adapter = _tiny_chat_target()
+    draft = OracleDraftModel(target, "noisy")
+    results = evaluate_shapes(draft, target, tokenizer, "mtbench", shapes=["chain:1", "tree:3/2/6@0.3", "chain:4@0.5"],
+                              max_new_tokens=10, limit=1, adapter=adapter, progress=False, warmup=0)
+    chain1, cut, nothing = (e["overall"] for e in results["shapes"])
+    assert results["lossless"] is True and results["shapes"][1]["min_prob"] == 0.3
+    for key in ("cycles", "tau", "depth_accepts", "depth_attempts"):
+        assert cut[key] == chain1[key], key
+    assert chain1["tau"] > 1 and nothing["tau"] == 1.0 and nothing["depth_attempts"] == []
+    assert nothing["cycles"] == nothing["new_tokens"] - 2  # 2 requests: each prefill gives one token, cycles one each
+
+
 def test_eval_cli_shapes(tmp_path, capsys):
     target, tokenizer, _ = _tiny_chat_target()
     target_dir, drafter_dir = tmp_path / "target", tmp_path / "drafter"

@@ -70,10 +70,12 @@ def _first(mapping: dict[str, Any], *keys: str) -> Any:
 def _draft_shape(results: dict[str, Any]) -> str | None:
     """"tree 8/10/60" or "chain 7" from an eval results' settings (None if they do not say)."""
     settings = results.get("settings") if isinstance(results.get("settings"), dict) else {}
+    min_prob = settings.get("min_prob")
+    cut = f" cut at draft probability {min_prob:g}" if isinstance(min_prob, (int, float)) and min_prob else ""
     if settings.get("mode") == "chain":
-        return f"chain {settings.get('depth')}"
+        return f"chain {settings.get('depth')}{cut}"
     if settings.get("mode") == "tree":
-        return f"tree {settings.get('depth')}/{settings.get('top_k')}/{settings.get('total_tokens')}"
+        return f"tree {settings.get('depth')}/{settings.get('top_k')}/{settings.get('total_tokens')}{cut}"
     return None
 
 

@@ -17,7 +17,7 @@ from eagle3_zoo.speculative.shapes import SHAPE_SYNTAX, TreeSpec, parse_shapes
 # kept free of torch/transformers imports: `eagle3-zoo --help` builds this parser
 MODES = ("tree", "chain")  # = eagle3_zoo.speculative.generate.MODES
 _DTYPES = ("float32", "bfloat16", "float16")
-_SHAPE_DEFAULTS = {"mode": "tree", "depth": 8, "top_k": 10, "total_tokens": 60}
+_SHAPE_DEFAULTS = {"mode": "tree", "depth": 8, "top_k": 10, "total_tokens": 60, "min_prob": 0.0}
 
 
 def _shapes_arg(text: str) -> list[TreeSpec]:
@@ -40,6 +40,10 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--top-k", type=int, default=None, help="tree branching per node (default: 10)")
     parser.add_argument("--total-tokens", type=int, default=None,
                         help="draft nodes per tree, the root not counted (default: 60)")
+    parser.add_argument("--min-prob", type=float, default=None,
+                        help="draft only nodes whose cumulative draft probability is >= this (0 = off; default: 0): "
+                             "smaller drafts where the drafter is unsure, for machines where verifying more tokens "
+                             "costs time (a CPU)")
     parser.add_argument("--shapes", type=_shapes_arg, default=None, metavar="SHAPE[,SHAPE...]",
                         help="compare draft shapes on the same requests instead of one --mode: " + SHAPE_SYNTAX +
                              ", e.g. chain:1,chain:3,tree:1/2/2,tree:8/10/60; prints tau and speedup per shape and "
@@ -105,7 +109,8 @@ def run_eval_cli(args: argparse.Namespace) -> dict[str, Any]:
         print(format_shapes_table(results))
     else:
         results = evaluate(drafter, target, tokenizer, args.bench, mode=shape["mode"], depth=shape["depth"],
-                           top_k=shape["top_k"], total_tokens=shape["total_tokens"], **common)
+                           top_k=shape["top_k"], total_tokens=shape["total_tokens"], min_prob=shape["min_prob"],
+                           **common)
         print(format_table(results))
     print(f"wrote {args.out} and {args.plot or Path(args.out).with_suffix('.png')}")
     return results

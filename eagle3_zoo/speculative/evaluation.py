@@ -56,6 +56,7 @@ def evaluate(
     depth: int = 8,
     top_k: int = 10,
     total_tokens: int = 60,
+    min_prob: float = 0.0,
     sample_top_k: int = 0,
     sample_top_p: float = 1.0,
     baseline: bool = True,
@@ -81,6 +82,7 @@ def evaluate(
         limit: First `limit` prompts of each benchmark (all turns of each).
         spread: Take the `limit` prompts evenly spaced over each benchmark instead (see `load_benchmark`).
         depth, top_k, total_tokens: Draft tree shape (chain uses `depth` only).
+        min_prob: Draft only nodes whose cumulative draft probability reaches it (`TreeSpec.min_prob`; 0 = off).
         sample_top_k, sample_top_p: Sampling warpers, identical for speculative and plain decoding.
         baseline: Also run plain KV-cache decoding on every request (speedup, lossless check).
         warmup: Untimed warm-up requests (first prompt, both decoders) before measuring.
@@ -97,7 +99,7 @@ def evaluate(
     """
     bench_names, loaded = _load_benches(benches, limit, spread)
     sampling = SamplingParams(temperature=temperature, top_k=sample_top_k, top_p=sample_top_p)
-    spec = tree_spec(mode, depth, top_k, total_tokens)
+    spec = tree_spec(mode, depth, top_k, total_tokens, min_prob)
     generator = SpeculativeGenerator(target, drafter, spec, adapter)
     stop = _stop_ids(target, tokenizer, eos_token_id)
     (results,) = _decode([generator], target, tokenizer, loaded, sampling, stop, max_new_tokens=max_new_tokens,
@@ -105,6 +107,7 @@ def evaluate(
     results = {"protocol": PROTOCOL, **results}
     results["settings"] = {
         "mode": mode, "depth": spec.depth, "top_k": spec.top_k, "total_tokens": spec.total_tokens,
+        "min_prob": spec.min_prob,
         **_common_settings(target, generator, sampling, max_new_tokens, limit, spread, bench_names, seed, warmup,
                            baseline, stop, extra_settings),
     }
@@ -166,7 +169,7 @@ def evaluate_shapes(
     per_shape = _decode(generators, target, tokenizer, loaded, sampling, stop, max_new_tokens=max_new_tokens,
                         baseline=baseline, warmup=warmup, seed=seed, progress=progress)
     entries = [{"shape": spec.label, "depth": spec.depth, "top_k": spec.top_k, "total_tokens": spec.total_tokens,
-                "verified_tokens": spec.verified_tokens, **spec.serving_flags(), **res}
+                "min_prob": spec.min_prob, "verified_tokens": spec.verified_tokens, **spec.serving_flags(), **res}
                for spec, res in zip(specs, per_shape)]
     speeds = [(e["overall"]["speedup"], e["shape"]) for e in entries if e["overall"]["speedup"] is not None]
     checked = [e["lossless"] for e in entries if e["lossless"] is not None]
@@ -425,5 +428,6 @@ def format_table(results: dict[str, Any], max_depth: int = 6) -> str:
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     s = results["settings"]
     setting = (f"mode={s['mode']} depth={s['depth']} top_k={s['top_k']} total_tokens={s['total_tokens']} "
+               f"min_prob={s.get('min_prob', 0):g} "
                f"T={s['temperature']} max_new_tokens={s['max_new_tokens']} device={s['device']}")
     return "\n".join([setting, *lines, "", "protocol: " + results["protocol"]])

@@ -31,12 +31,13 @@ from eagle3_zoo.speculative.tree import build_tree
 MODES = ("tree", "chain")
 
 
-def tree_spec(mode: str, depth: int = 8, top_k: int = 10, total_tokens: int = 60) -> TreeSpec:
-    """The draft shape of a mode: `tree` (EAGLE-2 dynamic tree) or `chain` (`depth` tokens, top-1 each)."""
+def tree_spec(mode: str, depth: int = 8, top_k: int = 10, total_tokens: int = 60, min_prob: float = 0.0) -> TreeSpec:
+    """The draft shape of a mode: `tree` (EAGLE-2 dynamic tree) or `chain` (`depth` tokens, top-1 each), cut where
+    the cumulative draft probability drops below `min_prob` (0 = never)."""
     if mode == "tree":
-        return TreeSpec(depth=depth, top_k=top_k, total_tokens=total_tokens)
+        return TreeSpec(depth=depth, top_k=top_k, total_tokens=total_tokens, min_prob=min_prob)
     if mode == "chain":
-        return TreeSpec.chain(depth)
+        return TreeSpec.chain(depth, min_prob)
     raise ValueError(f"unknown speculative mode {mode!r}; valid: {', '.join(MODES)}")
 
 

@@ -10,9 +10,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-SHAPE_SYNTAX = "chain:K (K draft tokens, top-1 each) or tree:D/K/N (depth D, top-k K, N draft nodes)"
-_CHAIN = re.compile(r"chain:(\d+)")
-_TREE = re.compile(r"tree:(\d+)/(\d+)/(\d+)")
+SHAPE_SYNTAX = ("chain:K (K draft tokens, top-1 each) or tree:D/K/N (depth D, top-k K, N draft nodes), optionally "
+                "followed by @P (draft only nodes whose cumulative draft probability is >= P, 0 <= P < 1)")
+_CHAIN = re.compile(r"chain:(\d+)(?:@([0-9.eE+-]+))?")
+_TREE = re.compile(r"tree:(\d+)/(\d+)/(\d+)(?:@([0-9.eE+-]+))?")
 
 
 @dataclass(frozen=True)
@@ -23,32 +24,41 @@ class TreeSpec:
         depth: Maximum number of draft tokens on a path (chain: the chain length K).
         top_k: Children proposed per expanded node, and frontier nodes kept per depth.
         total_tokens: Draft nodes kept after reranking (the root, i.e. the last emitted token, not counted).
+        min_prob: Draft only nodes whose cumulative draft probability (the product of the drafter's probabilities
+            along the node's path, EAGLE-2's score: its estimate of the chance the node is accepted) is at least
+            this; 0 = off. A node costs verification time whether or not it is accepted, so where verifying more
+            tokens is not free (a CPU) the tree shrinks where the drafter is unsure, down to no draft at all (the
+            cycle is then one plain decoding step). Lossless either way: the verifier checks whatever is drafted.
     """
 
     depth: int = 8
     top_k: int = 10
     total_tokens: int = 60
+    min_prob: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("depth", "top_k", "total_tokens"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"tree {name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.min_prob < 1.0:
+            raise ValueError(f"min_prob must be in [0, 1) (0 = off), got {self.min_prob}")
 
     @classmethod
-    def chain(cls, length: int) -> TreeSpec:
-        """A chain of `length` draft tokens."""
-        return cls(depth=length, top_k=1, total_tokens=length)
+    def chain(cls, length: int, min_prob: float = 0.0) -> TreeSpec:
+        """A chain of `length` draft tokens (cut where the cumulative draft probability drops below `min_prob`)."""
+        return cls(depth=length, top_k=1, total_tokens=length, min_prob=min_prob)
 
     @classmethod
     def parse(cls, text: str) -> TreeSpec:
         """`chain:K` or `tree:D/K/N` (see `SHAPE_SYNTAX`); raises ValueError naming the valid forms."""
         text = text.strip()
-        if m := _CHAIN.fullmatch(text):
-            spec = cls.chain(int(m[1])) if int(m[1]) >= 1 else None
-        elif m := _TREE.fullmatch(text):
-            depth, top_k, total = map(int, m.groups())
-            spec = cls(depth, top_k, total) if min(depth, top_k, total) >= 1 else None
-        else:
+        spec = None
+        try:
+            if m := _CHAIN.fullmatch(text):
+                spec = cls.chain(int(m[1]), float(m[2] or 0))
+            elif m := _TREE.fullmatch(text):
+                spec = cls(int(m[1]), int(m[2]), int(m[3]), float(m[4] or 0))
+        except ValueError:  # a number out of range, or a probability that is no number
             spec = None
         if spec is None:
             raise ValueError(f"bad draft shape {text!r}: expected {SHAPE_SYNTAX}, numbers >= 1, "
@@ -63,19 +73,22 @@ class TreeSpec:
     @property
     def label(self) -> str:
         """The text form `parse` reads back (a top-1 tree is written as the chain it is)."""
+        cut = f"@{self.min_prob:g}" if self.min_prob else ""
         if self.is_chain:
-            return f"chain:{min(self.depth, self.total_tokens)}"
-        return f"tree:{self.depth}/{self.top_k}/{self.total_tokens}"
+            return f"chain:{min(self.depth, self.total_tokens)}{cut}"
+        return f"tree:{self.depth}/{self.top_k}/{self.total_tokens}{cut}"
 
     @property
     def verified_tokens(self) -> int:
-        """Tokens one verification forward reads at most: the draft nodes plus the root."""
+        """Tokens one verification forward reads at most: the draft nodes plus the root (with `min_prob`, fewer
+        where the drafter is unsure)."""
         return (min(self.depth, self.total_tokens) if self.is_chain else self.total_tokens) + 1
 
     def serving_flags(self) -> dict[str, int]:
         """The same shape in SGLang's EAGLE flags (`--speculative-num-steps / -eagle-topk / -num-draft-tokens`,
         whose draft-token count includes the root, so a chain of K is K + 1) and vLLM's `num_speculative_tokens`
-        (a chain length; vLLM's EAGLE-3 drafts chains)."""
+        (a chain length; vLLM's EAGLE-3 drafts chains). Neither engine cuts drafts by `min_prob`: the flags give
+        the shape without the cut."""
         depth = min(self.depth, self.total_tokens)
         return {"sglang_num_steps": depth, "sglang_topk": self.top_k,
                 "sglang_num_draft_tokens": self.verified_tokens, "vllm_num_speculative_tokens": depth}
@@ -84,10 +97,10 @@ class TreeSpec:
 def spec_from_settings(settings: dict[str, Any]) -> TreeSpec | None:
     """The `TreeSpec` of an eagle3-zoo evaluation's settings (`mode, depth, top_k, total_tokens`), else None."""
     try:
-        depth = int(settings["depth"])
+        depth, min_prob = int(settings["depth"]), float(settings.get("min_prob") or 0)
         if settings.get("mode") == "chain":
-            return TreeSpec.chain(depth)
-        return TreeSpec(depth, int(settings["top_k"]), int(settings["total_tokens"]))
+            return TreeSpec.chain(depth, min_prob)
+        return TreeSpec(depth, int(settings["top_k"]), int(settings["total_tokens"]), min_prob)
     except (KeyError, TypeError, ValueError):
         return None
 

@@ -6,12 +6,14 @@ log-probability become the next frontier. Every proposed child is a candidate; t
 `total_tokens` best candidates. A child's cumulative log-prob never exceeds its parent's, so taking candidates
 best-first from the root returns that top set and keeps it closed under ancestors even when scores tie.
 
-A chain of K tokens is the tree with `top_k=1, depth=K, total_tokens=K`.
+A chain of K tokens is the tree with `top_k=1, depth=K, total_tokens=K`. With `TreeSpec.min_prob`, candidates whose
+cumulative draft probability is below it are neither expanded nor kept, so the tree may have no draft node at all.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 import torch
@@ -65,20 +67,24 @@ def build_tree(draft: DraftModel, root_token: int, root_out: DraftStepOutput, sp
         spec: Tree shape.
 
     Returns:
-        The reranked `DraftTree` with at most `spec.total_tokens` draft nodes.
+        The reranked `DraftTree` with at most `spec.total_tokens` draft nodes (none above the root when no
+        candidate reaches `spec.min_prob`).
     """
+    floor = math.log(spec.min_prob) if spec.min_prob > 0 else -math.inf
     logp = torch.log_softmax(root_out.logits[0, -1].float(), dim=-1)
     k = min(spec.top_k, logp.shape[-1])
     scores, ids = logp.topk(k)
     cand_ids, cand_scores = [ids], [scores]
     cand_parents = [torch.full((k,), -1, dtype=torch.long)]
     cand_depths = [1] * k
-    frontier = list(range(k))  # candidate indices of the nodes to expand next
-    frontier_hidden = root_out.hidden[:, -1:].expand(1, k, -1)
+    frontier = [c for c, score in enumerate(scores.tolist()) if score >= floor]  # candidates to expand next
+    frontier_hidden = root_out.hidden[:, -1:].expand(1, len(frontier), -1)
     slot = {}  # candidate index -> position among the drafter's cached tree entries
     parents_of_slots: list[int] = []  # parent slot of every cached entry (-1: hangs below the context)
     n_cand = k
     for depth in range(2, spec.depth + 1):
+        if not frontier:  # nothing left above min_prob: the children would score lower still
+            break
         all_ids = torch.cat(cand_ids)
         all_scores = torch.cat(cand_scores)
         all_parents = torch.cat(cand_parents).tolist()
@@ -98,17 +104,19 @@ def build_tree(draft: DraftModel, root_token: int, root_out: DraftStepOutput, sp
         cand_parents.append(front.repeat_interleave(k))
         cand_depths += [depth] * cum.numel()
         best = cum.topk(min(k, cum.numel())).indices
+        best = best[cum[best] >= floor]
         frontier = (n_cand + best).tolist()
         frontier_hidden = out.hidden[:, (best // k).to(out.hidden.device)]
         n_cand += cum.numel()
     all_ids = torch.cat(cand_ids)
-    selected = _best_first(torch.cat(cand_scores).tolist(), torch.cat(cand_parents).tolist(), spec.total_tokens)
+    selected = _best_first(torch.cat(cand_scores).tolist(), torch.cat(cand_parents).tolist(), spec.total_tokens, floor)
     return _flatten(selected, draft.to_target(all_ids).tolist(), torch.cat(cand_parents).tolist(),
                     cand_depths, root_token)
 
 
-def _best_first(scores: list[float], parents: list[int], total: int) -> list[int]:
-    """Candidates in the order a best-first walk from the root takes them, `total` at most."""
+def _best_first(scores: list[float], parents: list[int], total: int, floor: float = -math.inf) -> list[int]:
+    """Candidates in the order a best-first walk from the root takes them, `total` at most, none scoring below
+    `floor` (the walk pops the best remaining score, and no child outscores its parent)."""
     children: dict[int, list[int]] = {}
     for c, p in enumerate(parents):
         children.setdefault(p, []).append(c)
@@ -117,6 +125,8 @@ def _best_first(scores: list[float], parents: list[int], total: int) -> list[int
     order: list[int] = []
     while heap and len(order) < total:
         _, c = heapq.heappop(heap)
+        if scores[c] < floor:
+            break
         order.append(c)
         for child in children.get(c, []):
             heapq.heappush(heap, (-scores[child], child))
