@@ -100,6 +100,17 @@ def test_card_shows_every_eval_run_labelled_by_draft_shape(tmp_path):
     assert "| humaneval (tree 6/8/48) | 164 | 3.90 |" in text
     assert "| mtbench (chain 7) | 40 | 3.05 | – | 2.11x |" in text
     assert "eval_results_chain.json" in [p.name for p in extra_files(src)]  # uploaded with the card
+    # an `eval --shapes` comparison: one row per shape
+    shapes = {"protocol": "p", "settings": {"shapes": ["chain:1", "tree:8/10/60@0.2"]}, "fastest": "chain:1",
+              "shapes": [{"shape": "chain:1",
+                          "benchmarks": {"mtbench": {"requests": 32, "tau": 1.34, "speedup": 1.08}}},
+                         {"shape": "tree:8/10/60@0.2",
+                          "benchmarks": {"mtbench": {"requests": 32, "tau": 1.36, "speedup": 1.07}}}]}
+    (src / "eval_results_shapes.json").write_text(json.dumps(shapes))
+    text = render_card(src, repo_id="me/tiny-eagle3").text
+    assert "| mtbench (chain:1) | 32 | 1.34 | – | 1.08x |" in text
+    assert "| mtbench (tree:8/10/60@0.2) | 32 | 1.36 | – | 1.07x |" in text
+    assert "| mtbench (chain 7) | 40 | 3.05 |" in text
 
 
 def test_card_settings_leave_out_the_local_drafter_path(tmp_path):

@@ -175,7 +175,12 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
     more = [_read_json(p) for p in sorted(folder.glob("eval_results_*.json")) if p.is_file()]
     benchmarks = _benchmarks(results, _draft_shape(results) if more else None)
     for extra in more:
-        benchmarks += _benchmarks(extra, _draft_shape(extra) or "more")
+        if isinstance(extra.get("shapes"), list):  # an `eval --shapes` comparison: rows per shape
+            for entry in extra["shapes"]:
+                if isinstance(entry, dict):
+                    benchmarks += _benchmarks(entry, str(entry.get("shape", "more")))
+        else:
+            benchmarks += _benchmarks(extra, _draft_shape(extra) or "more")
     target = cfg.target_name_or_path or (recipe.get("target") or {}).get("name_or_path")
     hub_target = target_hub_id(target)
     settings = results.get("settings") if isinstance(results.get("settings"), dict) else {}
