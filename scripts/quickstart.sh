@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: set up, train an EAGLE-3 drafter for SmolLM2-135M-Instruct on the embedded
 # ShareGPT, measure it with real speculative decoding on MT-bench and HumanEval, render its model card (publish
-# dry run) and print tau, per-depth acceptance and speedup.
+# dry run) and print tau, per-depth acceptance and speedup, and which draft shape is fastest on this machine.
 #
 #   bash scripts/quickstart.sh            # smoke configuration (short training; see README for its wall time)
 #   FULL=1 bash scripts/quickstart.sh     # the recipe's full run
@@ -41,6 +41,11 @@ eagle3-zoo eval "$DRAFTER" --target smollm2-135m-instruct --bench mtbench,humane
   "${SUBSET[@]}" --out "$DRAFTER/eval_results.json"
 eagle3-zoo eval "$DRAFTER" --target smollm2-135m-instruct --bench mtbench --mode chain --depth 7 \
   --temperature 0 --max-new-tokens "$MAX_NEW" --limit "$LIMIT" "${SUBSET[@]}" --out "$DRAFTER/eval_results_chain.json"
+# which draft shape is fastest on this machine: the small ones and the 60-node tree cut at draft probability 0.2
+# (one shared plain baseline per request; the card shows a row per shape)
+eagle3-zoo eval "$DRAFTER" --target smollm2-135m-instruct --bench mtbench \
+  --shapes chain:1,tree:1/2/2,tree:8/10/60@0.2 --temperature 0 --max-new-tokens "$MAX_NEW" --limit "$LIMIT" \
+  "${SUBSET[@]}" --out "$DRAFTER/eval_results_shapes.json"
 if [ "${FULL:-0}" = "1" ]; then
   # the same chain on the run's own held-out conversations: acceptance@1 here ~ val/acc_0 means the gap to MT-bench
   # is a data shift, not a train/inference mismatch (kept out of the drafter folder, so not on the card)

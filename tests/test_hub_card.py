@@ -107,7 +107,9 @@ def test_card_shows_every_eval_run_labelled_by_draft_shape(tmp_path):
                          {"shape": "tree:8/10/60@0.2",
                           "benchmarks": {"mtbench": {"requests": 32, "tau": 1.36, "speedup": 1.07}}}]}
     (src / "eval_results_shapes.json").write_text(json.dumps(shapes))
+    (src / "eval_results_shapes.png").write_bytes(b"\x89PNG\r\n\x1a\n")
     text = render_card(src, repo_id="me/tiny-eagle3").text
+    assert "![Tau and speedup per draft shape](eval_results_shapes.png)" in text
     assert "| mtbench (chain:1) | 32 | 1.34 | – | 1.08x |" in text
     assert "| mtbench (tree:8/10/60@0.2) | 32 | 1.36 | – | 1.07x |" in text
     assert "| mtbench (chain 7) | 40 | 3.05 |" in text

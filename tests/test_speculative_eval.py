@@ -177,6 +177,10 @@ def test_evaluate_shapes_shares_one_baseline_and_matches_single_shape_runs(tmp_p
     table = format_shapes_table(results)
     assert "tree:3/2/6" in table and "overall" in table and f"fastest here: {results['fastest']}" in table
     assert "--speculative-num-draft-tokens" in table
+    slowest = {**results, "shapes": [{**e, "overall": {**e["overall"], "speedup": 0.5}} for e in results["shapes"]]}
+    assert "plain decoding is faster still" in format_shapes_table(slowest)
+    assert "plain decoding is faster still" not in format_shapes_table(
+        {**results, "shapes": [{**e, "overall": {**e["overall"], "speedup": 1.5}} for e in results["shapes"]]})
     with pytest.raises(ValueError, match="distinct draft shapes"):
         evaluate_shapes(draft, target, tokenizer, "mtbench", shapes=["chain:2", "tree:2/1/2"], **kwargs)
 

@@ -101,6 +101,13 @@ def _benchmarks(results: dict[str, Any], label: str | None = None) -> list[dict[
     return rows
 
 
+def _plot_caption(png: Path) -> str:
+    """What an `eval` plot shows: tau and speedup per shape for an `eval --shapes` comparison, else acceptance."""
+    if isinstance(_read_json(png.with_suffix(".json")).get("shapes"), list):
+        return "Tau and speedup per draft shape"
+    return "Acceptance per draft depth"
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, dict):
         return "; ".join(f"{k}: {_cell(v)}" for k, v in value.items())
@@ -201,7 +208,7 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
         "settings": _describe({k: v for k, v in settings.items() if k not in ("eos_token_ids", "drafter")}),
         "machine": _describe(results.get("machine")),
         "decoding": "greedy, T=0" if temperature in (None, 0, 0.0) else f"lossless sampling, T={temperature}",
-        "plots": [p.name for p in extra_files(folder) if p.suffix == ".png"],
+        "plots": [{"file": p.name, "alt": _plot_caption(p)} for p in extra_files(folder) if p.suffix == ".png"],
         "training": _training_rows(recipe, prov), "provenance": _provenance_rows(prov), "recipe_yaml": recipe_text,
         **_serve_settings(settings),
     }

@@ -404,8 +404,9 @@ def format_shapes_table(results: dict[str, Any], max_depth: int = 3) -> str:
     if fastest is not None:
         flags = (f"--speculative-num-steps {fastest['sglang_num_steps']} --speculative-eagle-topk "
                  f"{fastest['sglang_topk']} --speculative-num-draft-tokens {fastest['sglang_num_draft_tokens']}")
-        lines += ["", f"fastest here: {fastest['shape']} ({fastest['overall']['speedup']:.2f}x); "
-                      f"the same shape in SGLang: {flags}"]
+        speedup = fastest["overall"]["speedup"]
+        slower = "; plain decoding is faster still on this machine with this drafter" if speedup < 1 else ""
+        lines += ["", f"fastest here: {fastest['shape']} ({speedup:.2f}x{slower}); the same shape in SGLang: {flags}"]
     return "\n".join([*lines, "", "protocol: " + results["protocol"]])
 
 
