@@ -216,6 +216,10 @@ def test_eval_cli_shapes(tmp_path, capsys):
     assert "chain:2" in printed and "tree:2/2/3" in printed and "fastest here:" in printed
     saved = json.loads(out.read_text())
     assert [e["shape"] for e in saved["shapes"]] == ["chain:2", "tree:2/2/3"] and saved["lossless"] is True
+    assert eval_main([*args, "--mode", "chain", "--depth", "3", "--min-prob", "0.5"]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["settings"]["min_prob"] == 0.5 and saved["settings"]["depth"] == 3 and saved["lossless"] is True
+    assert "min_prob=0.5" in capsys.readouterr().out
     assert eval_main([*args, "--shapes", "chain:2", "--depth", "3"]) == 2
     assert "drop --depth or --shapes" in capsys.readouterr().err
     with pytest.raises(SystemExit):
