@@ -111,7 +111,8 @@ def test_evaluate_sampling_reports_no_lossless_check(tmp_path):
     assert results["settings"]["top_k"] == 1 and (tmp_path / "p.png").is_file()
 
 
-def test_eval_cli_end_to_end(tmp_path, capsys):
+def _saved_target_and_drafter(tmp_path):
+    """A tiny chat target and a random drafter naming it, saved as folders (what the CLI loads)."""
     target, tokenizer, _ = _tiny_chat_target()
     target_dir, drafter_dir = tmp_path / "target", tmp_path / "drafter"
     target.save_pretrained(target_dir)
@@ -119,6 +120,11 @@ def test_eval_cli_end_to_end(tmp_path, capsys):
     drafter = random_drafter(target, draft_vocab_size=128)
     drafter.config.target_name_or_path = str(target_dir)
     drafter.save_pretrained(drafter_dir)
+    return target_dir, drafter_dir
+
+
+def test_eval_cli_end_to_end(tmp_path, capsys):
+    target_dir, drafter_dir = _saved_target_and_drafter(tmp_path)
     out = tmp_path / "cli.json"
     code = eval_main([str(drafter_dir), "--bench", "mtbench", "--limit", "1", "--max-new-tokens", "8",
                       "--mode", "tree", "--depth", "3", "--top-k", "2", "--total-tokens", "5", "--out", str(out),
@@ -201,13 +207,7 @@ def test_min_prob_cut_drafts_only_confident_nodes_and_stays_lossless():
 
 
 def test_eval_cli_shapes(tmp_path, capsys):
-    target, tokenizer, _ = _tiny_chat_target()
-    target_dir, drafter_dir = tmp_path / "target", tmp_path / "drafter"
-    target.save_pretrained(target_dir)
-    tokenizer.save_pretrained(target_dir)
-    drafter = random_drafter(target, draft_vocab_size=128)
-    drafter.config.target_name_or_path = str(target_dir)
-    drafter.save_pretrained(drafter_dir)
+    _, drafter_dir = _saved_target_and_drafter(tmp_path)
     out = tmp_path / "sweep.json"
     args = [str(drafter_dir), "--bench", "humaneval", "--limit", "1", "--max-new-tokens", "6", "--warmup", "0",
             "--out", str(out), "--no-progress", "--strict"]
