@@ -113,12 +113,7 @@ def evaluate(
     }
     results["machine"] = machine_info(generator.runner.device)
     results["versions"] = versions()
-    if out is not None:
-        write_results(results, out)
-        plot = plot if plot is not None else Path(out).with_suffix(".png")
-    if plot is not None:
-        plot_acceptance(results, plot)
-    return results
+    return _save(results, out, plot, plot_acceptance)
 
 
 def evaluate_shapes(
@@ -184,18 +179,24 @@ def evaluate_shapes(
         "fastest": max(speeds)[1] if speeds else None,
         "lossless": all(checked) if checked else None,
     }
-    if out is not None:
-        write_results(results, out)
-        plot = plot if plot is not None else Path(out).with_suffix(".png")
-    if plot is not None:
-        plot_shapes(results, plot)
-    return results
+    return _save(results, out, plot, plot_shapes)
 
 
 SHAPES_PROTOCOL = (
     "Shape comparison: every request is decoded by each shape in turn, then once by plain decoding, whose time and "
     "tokens serve every shape; a later chat turn is conditioned on the first shape's answer for every decoder."
 )
+
+
+def _save(results: dict[str, Any], out: str | os.PathLike | None, plot: str | os.PathLike | None,
+          plotter: Any) -> dict[str, Any]:
+    """Write the results JSON to `out` and the plot to `plot` (default: next to `out`, `.png`); return `results`."""
+    if out is not None:
+        write_results(results, out)
+        plot = plot if plot is not None else Path(out).with_suffix(".png")
+    if plot is not None:
+        plotter(results, plot)
+    return results
 
 
 def _load_benches(benches: str | Sequence[str], limit: int | None, spread: bool) -> tuple[list[str], list[Benchmark]]:
