@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import traceback
 from collections.abc import Sequence
 
-# errors a user can fix (bad recipe/data/paths/arguments): printed as one message, exit code 2
+# errors a user can fix (bad recipe/data/paths/arguments): printed as one message, exit code 2; any other exception
+# (a diverged run, an unreachable server, a bug) is printed as one line too, exit code 1, its traceback behind --debug
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ImportError, KeyError)
+DEBUG_ENV = "EAGLE3_ZOO_DEBUG"
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
@@ -49,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3-zoo", description="Train, evaluate and publish EAGLE-3 drafters.")
     parser.add_argument("--version", action="version", version=f"eagle3-zoo {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--debug", action="store_true",
+                        help=f"show the Python traceback of an error (also: {DEBUG_ENV}=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("fit", help="train a drafter from a recipe", description="Train a drafter from a recipe.")
@@ -83,14 +89,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
         return int(args.func(args) or 0)
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # library code raises; only here does an exception become a message and an exit code
+        if debug:
+            traceback.print_exc()
+        user = isinstance(e, USER_ERRORS)
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        text = f"{message}" if user else f"{type(e).__name__}: {message}"
+        hint = "" if debug else f" (run with --debug or {DEBUG_ENV}=1 for the traceback)"
+        print(f"error: {text}{'' if user else hint}", file=sys.stderr)
+        return 2 if user else 1
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ The failure users hit most is silent: a drafter that loads and then accepts almo
 causes are visible in the files: SGLang skips checkpoint keys it does not know (the layer keeps random weights), both
 loaders treat a missing d2t as the identity map, vLLM defaults `norm_before_residual` to true for speculators
 configs, aux layer ids stored in the other engine's convention feed the drafter the wrong layers. Every problem is
-reported once with the fix; nothing is loaded beyond the config, the safetensors header and d2t/t2d.
+reported once with the fix. Besides the config, the safetensors header and d2t/t2d, the floating-point weights are
+read once to find NaN/Inf (a diverged run writes a drafter that loads fine and proposes garbage).
 """
 
 from __future__ import annotations
@@ -202,6 +203,24 @@ def _weight_problems(folder: Path, fmt: str, cfg: Eagle3Config, report: CheckRep
         return
     canon = _key_problems(infos, fmt, cfg, report)
     _vocab_problems(folder, canon, cfg, report, state)
+    _finite_problems(folder, infos, report, state)
+
+
+def _finite_problems(folder: Path, infos: dict[str, TensorInfo], report: CheckReport,
+                     state: dict[str, torch.Tensor] | None) -> None:
+    """NaN/Inf in any floating-point weight (a run that diverged): such a drafter proposes garbage or crashes."""
+    bad: list[str] = []
+    for name, info in infos.items():
+        if not info.dtype.startswith(("F", "BF")):  # safetensors dtype names: F16, BF16, F32, F64, F8_*
+            continue
+        tensor = state[name] if state is not None else load_weights(folder, [name])[name]
+        if not bool(torch.isfinite(tensor.float() if tensor.dtype.itemsize == 1 else tensor).all()):
+            bad.append(name)
+    if bad:
+        report.add("NONFINITE_WEIGHTS", f"{len(bad)} weight tensor(s) hold NaN or Inf values: {', '.join(bad[:6])}"
+                   f"{' ...' if len(bad) > 6 else ''}",
+                   "the run that wrote it diverged: retrain (lower optim.lr, keep optim.grad_clip) or use an earlier "
+                   "checkpoint")
 
 
 def _tensor_infos(folder: Path) -> tuple[dict[str, TensorInfo], dict[str, torch.Tensor] | None]:

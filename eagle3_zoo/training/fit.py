@@ -4,7 +4,9 @@
 
 Steps: seed -> load the target -> prepare data (read, regenerate, split, tokenise, draft-vocab counts) -> build the
 drafter -> (offline: extract features) -> Lightning Trainer (strategy, loggers, checkpoints every N steps with a
-`last.ckpt`) -> resume from `output_dir/checkpoints/last.ckpt` if it exists -> write `output_dir/drafter/`.
+`last.ckpt`) -> resume from `output_dir/checkpoints/last.ckpt` if it exists and was written by a run with the same
+settings (`eagle3_zoo.training.resume`) -> write `output_dir/drafter/`. A non-finite loss stops training; the last
+(finite) checkpoint stays.
 
 Multi-process strategies (ddp, fsdp) relaunch the *command line* for the other ranks (Lightning's subprocess
 launcher), so run them through this module's CLI (or `eagle3-zoo fit`), not from an interactive session.
@@ -12,7 +14,6 @@ launcher), so run them through this module's CLI (or `eagle3-zoo fit`), not from
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import time
@@ -30,8 +31,10 @@ from typing_extensions import override
 from eagle3_zoo.data.tokenize import draft_vocab_coverage
 from eagle3_zoo.modeling.io import atomic_write
 from eagle3_zoo.recipe import recipe_to_dict
+from eagle3_zoo.training import resume
 from eagle3_zoo.training.build import build_run
 from eagle3_zoo.training.callbacks import ProgressLogCallback, TTTScheduleCallback
+from eagle3_zoo.training.module import NonFiniteError, all_finite
 from eagle3_zoo.training.outputs import build_provenance, full_drafter, git_info, write_drafter_folder
 from eagle3_zoo.training.strategies import build_strategy
 
@@ -137,16 +140,31 @@ def fit(recipe: Any, source: str = "recipe") -> Path:
     start = time.time()
     git = git_info()  # the code this process runs: commits made while it trains must not be credited to it
     output_dir = Path(recipe.output_dir)
+    last = output_dir / CHECKPOINT_DIR / LAST_CHECKPOINT
+    resume.remove_stale_temporaries(last.parent)
+    if last.exists():  # a corrupt or foreign checkpoint fails here, before the target and the data are loaded
+        resume.read_checkpoint_identity(last)
     run = build_run(recipe, source)
     data, target, adapter = run.data, run.target, run.adapter
-    trainer = build_trainer(recipe, adapter, _tau_eval_callbacks(recipe, run.tokenizer), has_val=bool(data.val))
+    cfg = target.config
+    target_info = {"name_or_path": recipe.target.name_or_path, "model_type": adapter.model_type,
+                   "dtype": recipe.target.dtype, "lora_path": recipe.target.lora_path,
+                   "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+                   "vocab_size": cfg.vocab_size}
+    identity = resume.run_identity(recipe_to_dict(recipe), data_fingerprint=data.fingerprint,
+                                   d2t=run.module.drafter.d2t, target=target_info)
+    if last.exists():
+        resume.check_resume(last, identity)
+        logger.info("resuming from %s (same run settings)", last)
+    trainer = build_trainer(recipe, adapter, [resume.RunIdentityCallback(identity),
+                                              *_tau_eval_callbacks(recipe, run.tokenizer)], has_val=bool(data.val))
     for lg in trainer.loggers:  # the resolved recipe as the run's hyperparameters (hparams.yaml, TensorBoard)
         lg.log_hyperparams(recipe_to_dict(recipe))
-    last = output_dir / CHECKPOINT_DIR / LAST_CHECKPOINT
-    if last.exists():
-        logger.info("resuming from %s", last)
     trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=str(last) if last.exists() else None)
     trained = full_drafter(run.module)  # collective under FSDP: every rank takes part
+    bad = [k for k, v in trained.state_dict().items() if v.is_floating_point() and not all_finite(v)]
+    if bad:
+        raise NonFiniteError(f"the trained drafter has non-finite weights ({', '.join(bad[:4])}); nothing written")
     out = output_dir / DRAFTER_DIR
     if trainer.is_global_zero:
         data_summary = {**data.summary(), "draft_vocab_coverage": draft_vocab_coverage(data.counts, trained.t2d),
@@ -156,11 +174,6 @@ def fit(recipe: Any, source: str = "recipe") -> Path:
                     "precision": recipe.trainer.precision, "wall_time_s": round(time.time() - start, 1),
                     "hardware": _hardware(trainer),
                     "final_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
-        cfg = target.config
-        target_info = {"name_or_path": recipe.target.name_or_path, "model_type": adapter.model_type,
-                       "dtype": recipe.target.dtype, "lora_path": recipe.target.lora_path,
-                       "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
-                       "vocab_size": cfg.vocab_size}
         provenance = build_provenance(recipe_dict=recipe_to_dict(recipe), target=target_info, data=data_summary,
                                       training=training, drafter=trained, git=git)
         write_drafter_folder(trained, out, recipe, provenance)
@@ -188,19 +201,13 @@ def fit_main(recipe_path: str | Path, overrides: Sequence[str] = ()) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: `python -m eagle3_zoo.training.fit RECIPE [key=value ...]`; exit 0 on success, 2 on a user error."""
-    parser = argparse.ArgumentParser(prog="python -m eagle3_zoo.training.fit", description=__doc__.splitlines()[0])
-    parser.add_argument("recipe", help="recipe YAML file")
-    parser.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides, e.g. trainer.max_steps=30")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        out = fit_main(args.recipe, args.overrides)
-    except (ValueError, FileNotFoundError, ImportError, PermissionError, NotADirectoryError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0
+    """CLI: `python -m eagle3_zoo.training.fit RECIPE [key=value ...]`, the same as `eagle3-zoo fit` (exit 0 on
+    success, 2 on a user error, 1 on any other error, one line each; `--debug` shows the traceback)."""
+    from eagle3_zoo.cli import main as cli_main
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    flags = [a for a in args if a in ("--debug", "-v", "--verbose")]
+    return cli_main([*flags, "fit", *(a for a in args if a not in flags)])
 
 
 if __name__ == "__main__":

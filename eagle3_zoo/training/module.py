@@ -27,6 +27,16 @@ from eagle3_zoo.training.metrics import StepMetrics, acceptance_length_estimate
 DECAYS = ("cosine", "linear", "constant")
 
 
+class NonFiniteError(RuntimeError):
+    """Training diverged (a NaN/Inf loss or weights): stopped before anything non-finite is saved."""
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element of `tensor` (this rank's shard of a DTensor) is finite."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return bool(torch.isfinite(local.detach()).all())
+
+
 class DrafterObjective(nn.Module):
     """The drafter and its TTT loss behind one `forward`, so FSDP2 gathers the drafter's parameters around it.
 
@@ -217,6 +227,7 @@ class Eagle3Module(L.LightningModule):
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out = self.loss(batch, self.active_ttt_steps, global_norm=True)
+        self._raise_if_nonfinite(out.loss)
         b = batch["input_ids"].shape[0]
         self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=b, sync_dist=True)
         metrics = {f"train/loss_{k}": v for k, v in enumerate(out.step_losses)}
@@ -228,6 +239,18 @@ class Eagle3Module(L.LightningModule):
         if self._trainer is not None and self.trainer.lr_scheduler_configs:
             self.log("train/lr", self.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0], batch_size=b)
         return out.loss
+
+    def _raise_if_nonfinite(self, loss: torch.Tensor) -> None:
+        """Stop on a NaN/Inf loss on any rank, before backward and the optimizer step spread it into the weights
+        (every rank takes part in the check, so none is left waiting in a collective)."""
+        bad = torch.tensor(0.0 if all_finite(loss) else 1.0, device=loss.device)
+        if self._trainer is not None and self.trainer.world_size > 1:
+            bad = self.trainer.strategy.reduce(bad, reduce_op="sum")
+        if bad.item() > 0:
+            raise NonFiniteError(
+                f"step {self.global_step}: the training loss is {loss.detach().float().item()} (not finite) on "
+                f"{int(bad.item())} rank(s); training stopped and the last checkpoint (all finite) is kept. Lower "
+                "optim.lr, add optim.warmup_steps, keep optim.grad_clip set, or train with trainer.precision=32-true")
 
     @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:

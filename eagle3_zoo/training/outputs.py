@@ -6,12 +6,15 @@
     output_dir/drafter/provenance.json      # git SHA, package versions, target, data summary, training summary
 
 The folder is staged in a temp directory and renamed into place, so a crash never leaves a half-written drafter.
+Files in an existing folder that the project does not write (e.g. the `eval_results*.json` of README's commands)
+are carried over into the new folder: a rerun replaces only what it owns.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import shutil
@@ -82,9 +85,50 @@ def _finish_tree(directory: Path) -> None:
     directory.chmod(0o777 & ~umask)
 
 
+def json_safe(value: Any) -> Any:
+    """`value` with every NaN/Inf float replaced by None (JSON has no such numbers; `json.dumps` would write bare
+    `NaN`, which strict readers reject)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def provenance_json(provenance: dict[str, Any]) -> str:
+    """provenance.json's text: strict JSON (non-finite numbers as null, anything else unknown as its string)."""
+    plain = json.loads(json.dumps(provenance, default=str))  # non-JSON types (paths, dtypes) -> str first
+    return json.dumps(json_safe(plain), indent=2, allow_nan=False) + "\n"
+
+
+def _carry_over(old_dir: Path, staged: Path) -> None:
+    """Hard-link (or copy) into `staged` every entry of `old_dir` that the new folder does not write itself."""
+    for entry in old_dir.iterdir():
+        dest = staged / entry.name
+        if dest.exists() or entry.name.startswith("."):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, dest, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, dest)
+
+
+def _link_or_copy(src: Any, dest: Any) -> None:
+    if os.path.islink(src):
+        os.symlink(os.readlink(src), dest)
+        return
+    try:
+        os.link(src, dest)  # no copy of a large file; the old folder keeps its own link until it is removed
+    except OSError:
+        shutil.copy2(src, dest)
+
+
 def write_drafter_folder(drafter: Eagle3Drafter, out_dir: str | Path, recipe: Any,
                          provenance: dict[str, Any]) -> Path:
-    """Stage `drafter` + recipe.yaml + provenance.json in a temp dir, then rename it to `out_dir` (replacing it)."""
+    """Stage `drafter` + recipe.yaml + provenance.json in a temp dir with the files of an existing `out_dir` that the
+    project does not own, then rename it to `out_dir` (replacing it)."""
     from eagle3_zoo.recipe import save_resolved_recipe
 
     out_dir = Path(out_dir)
@@ -93,10 +137,11 @@ def write_drafter_folder(drafter: Eagle3Drafter, out_dir: str | Path, recipe: An
     try:
         drafter.save_pretrained(tmp)
         save_resolved_recipe(recipe, tmp / "recipe.yaml")
-        (tmp / "provenance.json").write_text(json.dumps(provenance, indent=2, default=str) + "\n")
+        (tmp / "provenance.json").write_text(provenance_json(provenance))
         _finish_tree(tmp)
         old = None
         if out_dir.exists():
+            _carry_over(out_dir, tmp)
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
             os.rename(out_dir, old)
         os.rename(tmp, out_dir)
