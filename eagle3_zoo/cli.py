@@ -84,11 +84,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _not_printed_by_lightning(record: logging.LogRecord) -> bool:
+    """Root-handler filter: Lightning's records are printed by the console handler that `import lightning` attaches
+    to its own logger (whenever it is imported, so the CLI cannot remove it up front without importing torch)."""
+    return not (record.name.startswith("lightning") and logging.getLogger("lightning").handlers)
+
+
+def configure_logging(level: int) -> None:
+    """One line per log record: ours through the root handler, Lightning's through its own."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_not_printed_by_lightning)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.DEBUG if args.verbose else logging.INFO)
     debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
         return int(args.func(args) or 0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -114,10 +115,15 @@ def test_stale_checkpoint_temporaries_are_removed(env):
     stale.write_bytes(b"half a checkpoint")
     old = time.time() - 3600
     os.utime(stale, (old, old))
-    r = run_fit_cli(recipe, f"output_dir={run}", "trainer.max_steps=1")
+    r = run_fit_cli(recipe, f"output_dir={run}", "trainer.max_steps=1", use_cli=True)  # `eagle3-zoo fit`
     assert r.returncode == 0, r.stderr[-3000:]
     assert not stale.exists() and "removed 1 stale temporary" in r.stderr
     assert sorted(p.name for p in stale.parent.iterdir()) == ["last.ckpt"]
+    # one clean log: no record printed twice (Lightning's own console handler and ours both used to print its lines)
+    messages = [re.sub(r"^\d{4}-\d\d-\d\d [\d:,]+ \w+ [\w.]+: |^(INFO|WARNING): ", "", ln).strip()
+                for ln in r.stderr.splitlines() if ln.strip() and not re.search(r"[━┃│┏┡└]|it/s", ln)]
+    assert any("max_steps=1" in m for m in messages)  # Lightning's lines are there
+    assert len(messages) == len(set(messages)), [m for m in messages if messages.count(m) > 1]
 
 
 def test_run_identity_ignores_only_resumable_keys():
