@@ -19,6 +19,11 @@ DEBUG_ENV = "EAGLE3_ZOO_DEBUG"
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
+    if args.print_config:
+        from eagle3_zoo.recipe import load_recipe, resolved_recipe_yaml
+
+        print(resolved_recipe_yaml(load_recipe(args.recipe, args.overrides)), end="")
+        return 0
     from eagle3_zoo.training.fit import fit_main
 
     print(fit_main(args.recipe, args.overrides))
@@ -60,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fit", help="train a drafter from a recipe", description="Train a drafter from a recipe.")
     p.add_argument("recipe", help="recipe YAML (see recipes/)")
     p.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides, e.g. trainer.max_steps=2000")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the fully resolved recipe (defaults + file + overrides) and exit without training")
     p.set_defaults(func=_cmd_fit)
 
     p = sub.add_parser("prepare", help="run a recipe's data stage once (regeneration, tokens, features), no training",
@@ -99,7 +106,13 @@ def configure_logging(level: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # `fit RECIPE --print-config a=b`: argparse stops filling a positional list at the first option; dotlist
+    # overrides after an option are still overrides
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     configure_logging(logging.DEBUG if args.verbose else logging.INFO)
     debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import tempfile
 import types
 import typing
 from dataclasses import dataclass, field
@@ -182,6 +181,8 @@ class TrainerConfig:
     """Optimizer steps; null = run `max_epochs`."""
     max_epochs: int | None = 1
     precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"] = "32-true"
+    accelerator: Literal["auto", "cpu", "gpu"] = "auto"
+    """"gpu": the recipe needs CUDA GPUs and stops at once without them; "auto": GPUs when present, else the CPU."""
     devices: int | str = "auto"
     """Lightning devices: a count, -1 (all), "auto" or a comma list such as "0,1"."""
     num_nodes: int = 1
@@ -653,24 +654,20 @@ def recipe_to_dict(recipe: Recipe) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(recipe), resolve=True)
 
 
+def resolved_recipe_yaml(recipe: Recipe | DictConfig) -> str:
+    """The resolved recipe (defaults + file + overrides) as YAML, as `fit --print-config` shows it."""
+    cfg = recipe if isinstance(recipe, DictConfig) else OmegaConf.structured(recipe)
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
 def save_resolved_recipe(recipe: Recipe | DictConfig, path: str | os.PathLike) -> Path:
     """Write the resolved recipe as YAML atomically (temp file in the same directory, fsync, rename).
 
     Returns:
         The written path.
     """
+    from eagle3_zoo.modeling.io import atomic_write_text
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    cfg = recipe if isinstance(recipe, DictConfig) else OmegaConf.structured(recipe)
-    text = OmegaConf.to_yaml(cfg, resolve=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, resolved_recipe_yaml(recipe))
     return path

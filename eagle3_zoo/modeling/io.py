@@ -8,6 +8,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     """Call `write(tmp_path)` on a temp file in the same directory, fsync it, then rename it over `path`."""
     path = Path(path)
@@ -18,6 +24,7 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; the file gets the mode a plain open() would give
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -112,8 +112,9 @@ def build_trainer(recipe: Any, adapter: Any, callbacks: Sequence[L.Callback] = (
     schedule = TTTScheduleCallback(recipe.ttt.steps, recipe.ttt.schedule, recipe.ttt.ramp_fraction)
     progress = ProgressLogCallback(t.log_every_n_steps)
     kwargs: dict[str, Any] = dict(
-        accelerator="auto", devices=t.devices, num_nodes=t.num_nodes,
-        strategy=build_strategy(t.strategy, adapter, devices=t.devices, num_nodes=t.num_nodes),
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
+        strategy=build_strategy(t.strategy, adapter, devices=t.devices, num_nodes=t.num_nodes,
+                                accelerator=t.accelerator),
         precision=t.precision, max_steps=t.max_steps if t.max_steps is not None else -1, max_epochs=t.max_epochs,
         accumulate_grad_batches=t.accumulate_grad_batches, gradient_clip_val=recipe.optim.grad_clip,
         gradient_clip_algorithm="norm", val_check_interval=t.val_check_interval,
@@ -127,6 +128,26 @@ def build_trainer(recipe: Any, adapter: Any, callbacks: Sequence[L.Callback] = (
     return L.Trainer(**{**kwargs, **overrides})
 
 
+def require_accelerator(recipe: Any, source: str = "recipe") -> None:
+    """Stop at once when the recipe declares GPUs (`trainer.accelerator: gpu`) and this machine has none, before
+    minutes of loading a target that could not be trained here anyway.
+
+    Raises:
+        ValueError: no CUDA device, or fewer than `trainer.devices`.
+    """
+    t = recipe.trainer
+    if t.accelerator != "gpu":
+        return
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    want = t.devices if isinstance(t.devices, int) and t.devices > 0 else 1
+    if have < want:
+        found = f"only {have} CUDA device(s)" if have else "no CUDA GPU (torch.cuda.is_available() is False)"
+        raise ValueError(f"{source}: trainer.accelerator = 'gpu' with trainer.devices = {t.devices}, but this machine "
+                         f"has {found}. Run it on a machine with the GPUs it declares, or override "
+                         "trainer.accelerator=cpu trainer.devices=1 to try it here (a CPU cannot train this target "
+                         "in useful time)")
+
+
 def fit(recipe: Any, source: str = "recipe") -> Path:
     """Train a drafter as `recipe` says; resumes from `output_dir/checkpoints/last.ckpt` when it exists.
 
@@ -137,6 +158,7 @@ def fit(recipe: Any, source: str = "recipe") -> Path:
     Returns:
         The canonical drafter folder `output_dir/drafter`.
     """
+    require_accelerator(recipe, source)
     start = time.time()
     git = git_info()  # the code this process runs: commits made while it trains must not be credited to it
     output_dir = Path(recipe.output_dir)
