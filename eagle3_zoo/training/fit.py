@@ -33,7 +33,7 @@ from eagle3_zoo.modeling.io import atomic_write
 from eagle3_zoo.recipe import recipe_to_dict
 from eagle3_zoo.training import resume
 from eagle3_zoo.training.build import build_run
-from eagle3_zoo.training.callbacks import ProgressLogCallback, TTTScheduleCallback
+from eagle3_zoo.training.callbacks import ProgressLogCallback, StepProgressBar, TTTScheduleCallback
 from eagle3_zoo.training.module import NonFiniteError, all_finite
 from eagle3_zoo.training.outputs import build_provenance, full_drafter, git_info, write_drafter_folder
 from eagle3_zoo.training.strategies import build_strategy
@@ -121,8 +121,12 @@ def build_trainer(recipe: Any, adapter: Any, callbacks: Sequence[L.Callback] = (
         check_val_every_n_epoch=None if t.val_check_interval else 1, log_every_n_steps=t.log_every_n_steps,
         logger=_loggers(recipe, output_dir) or False, callbacks=[schedule, checkpoint, progress, *callbacks],
         default_root_dir=output_dir, use_distributed_sampler=False,  # the batch sampler shards by rank itself
-        num_sanity_val_steps=0, enable_progress_bar=True, plugins=[AtomicCheckpointIO()],
+        num_sanity_val_steps=0, plugins=[AtomicCheckpointIO()],
+        # a live bar on a terminal; in a log file (CI, batch jobs) the progress callback's lines say the same
+        enable_progress_bar=sys.stderr.isatty(),
     )
+    if kwargs["enable_progress_bar"]:
+        kwargs["callbacks"].append(StepProgressBar())
     if not has_val:  # no validation split (data.val_fraction = 0 and no val source)
         kwargs.update(limit_val_batches=0, val_check_interval=None, check_val_every_n_epoch=1)
     return L.Trainer(**{**kwargs, **overrides})

@@ -1,0 +1,43 @@
+"""The training progress bar of a step-limited run counts optimizer steps of max_steps across epochs and shows the
+loss, acc_0 and tokens/s (not Lightning's `Epoch 2/-2 ... v_num`)."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from eagle3_zoo.training.callbacks import StepProgressBar
+
+
+class _Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3))
+
+    def training_step(self, batch, batch_idx):
+        loss = (self.w * batch["input_ids"].float().mean()).sum()
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/acc_0", torch.tensor(0.5), prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _batches(n):
+    return [{"input_ids": torch.ones(2, 5, dtype=torch.long), "attention_mask": torch.tensor([[1] * 5, [1] * 3 + [0] * 2])}
+            for _ in range(n)]
+
+
+def test_step_progress_bar_counts_steps_across_epochs(tmp_path, capsys):
+    bar = StepProgressBar()
+    trainer = L.Trainer(max_steps=5, max_epochs=None, logger=False, enable_checkpointing=False, callbacks=[bar],
+                        default_root_dir=tmp_path, enable_model_summary=False, accelerator="cpu")
+    trainer.fit(_Tiny(), DataLoader(_batches(3), batch_size=None))  # 3 batches per epoch: epochs 0 and 1
+    out = capsys.readouterr().out.replace("\r", "\n")
+    final = [ln for ln in out.splitlines() if "5/5" in ln]
+    assert final and "step (epoch 1)" in final[-1], out[-2000:]
+    assert "train/loss" in final[-1] and "train/acc_0" in final[-1] and "tok/s=" in final[-1]
+    assert "v_num" not in out and "/-2" not in out
+    assert bar._tokens == 5 * 8  # padding excluded: 5 + 3 tokens per batch
