@@ -26,8 +26,8 @@ class _Tiny(L.LightningModule):
 
 
 def _batches(n):
-    return [{"input_ids": torch.ones(2, 5, dtype=torch.long), "attention_mask": torch.tensor([[1] * 5, [1] * 3 + [0] * 2])}
-            for _ in range(n)]
+    mask = torch.tensor([[1] * 5, [1] * 3 + [0] * 2])
+    return [{"input_ids": torch.ones(2, 5, dtype=torch.long), "attention_mask": mask} for _ in range(n)]
 
 
 def test_step_progress_bar_counts_steps_across_epochs(tmp_path, capsys):
