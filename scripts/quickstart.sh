@@ -55,6 +55,5 @@ if [ "${FULL:-0}" = "1" ]; then
 fi
 eagle3-zoo publish "$DRAFTER" --repo-id eagle3-zoo/smollm2-135m-instruct-eagle3 --dry-run --stage-dir "$RUN/card"
 end=$(date +%s)
-echo
-echo "data prepared in $((prepared - start)) s; trained in $((trained - prepared)) s; evaluated and carded in $((end - trained)) s"
-echo "drafter: $DRAFTER    results: $DRAFTER/eval_results.json    card: $RUN/card/README.md"
+python scripts/summary.py "$RUN" --card "$RUN/card/README.md"
+echo "wall time: data prepared in $((prepared - start)) s; trained in $((trained - prepared)) s; evaluated and carded in $((end - trained)) s"
