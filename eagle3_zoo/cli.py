@@ -52,6 +52,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.training.plan import plan_recipe
+
+    plan = plan_recipe(load_recipe(args.recipe, args.overrides), source=args.recipe)
+    print(plan.table())
+    return 1 if plan.fits is False else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from eagle3_zoo import __version__
 
@@ -78,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=0, help="this process's share of a distributed feature job")
     p.add_argument("--world-size", type=int, default=1, help="processes of a distributed feature job")
     p.set_defaults(func=_cmd_prepare)
+
+    p = sub.add_parser("plan", help="per-GPU memory of a recipe's training (and feature job), and whether it fits",
+                       description="Print what one GPU holds when the recipe trains (target shard, drafter weights + "
+                       "grads + AdamW, TTT activations, loss buffers, reserve) and whether it fits "
+                       "trainer.gpu_memory_gb; exit 1 when it does not. Offline: uses the target configs shipped in "
+                       "the package for zoo targets.")
+    p.add_argument("recipe", help="recipe YAML (see recipes/)")
+    p.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides, e.g. trainer.devices=4")
+    p.set_defaults(func=_cmd_plan)
 
     from eagle3_zoo.speculative.eval_cli import add_eval_arguments
 

@@ -198,6 +198,8 @@ class TrainerConfig:
     seed: int = 42
     """Seed of the drafter initialisation and data order."""
     activation_checkpointing: bool = False
+    gpu_memory_gb: float | None = None
+    """Memory of one GPU this recipe is planned for (GB); `eagle3-zoo plan` says whether the run fits it."""
     tau_eval: TauEvalConfig = field(default_factory=TauEvalConfig)
 
 

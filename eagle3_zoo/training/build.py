@@ -56,6 +56,15 @@ def drafter_dtype_name(precision: str) -> str:
     return "float32"
 
 
+def drafter_config(recipe: Any, target_config: Any, aux_layer_ids: tuple[int, ...] | None) -> Eagle3Config:
+    """The config of a fresh drafter for the recipe: sized like the target, with the recipe's overrides."""
+    overrides = {k: getattr(recipe.drafter, k) for k in _DRAFTER_OVERRIDES if getattr(recipe.drafter, k) is not None}
+    return Eagle3Config.from_target_config(
+        target_config, draft_vocab_size=recipe.drafter.draft_vocab_size, aux_layer_ids=aux_layer_ids,
+        target_name_or_path=recipe.target.name_or_path, torch_dtype=drafter_dtype_name(recipe.trainer.precision),
+        **overrides)
+
+
 def build_drafter(recipe: Any, target_config: Any, counts: torch.Tensor, aux_layer_ids: tuple[int, ...],
                   target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> Eagle3Drafter:
     """A fresh drafter sized like the target (recipe overrides applied) with the draft vocab from `counts`,
@@ -69,11 +78,7 @@ def build_drafter(recipe: Any, target_config: Any, counts: torch.Tensor, aux_lay
     """
     if recipe.drafter.init_from:
         return _load_init(recipe.drafter.init_from, target_config, aux_layer_ids)
-    overrides = {k: getattr(recipe.drafter, k) for k in _DRAFTER_OVERRIDES if getattr(recipe.drafter, k) is not None}
-    config = Eagle3Config.from_target_config(
-        target_config, draft_vocab_size=recipe.drafter.draft_vocab_size, aux_layer_ids=aux_layer_ids,
-        target_name_or_path=recipe.target.name_or_path, torch_dtype=drafter_dtype_name(recipe.trainer.precision),
-        **overrides)
+    config = drafter_config(recipe, target_config, aux_layer_ids)
     drafter = Eagle3Drafter(config)
     drafter.set_vocab(*build_draft_vocab(counts, config.draft_vocab_size))
     if recipe.drafter.init_head == "target":

@@ -1,0 +1,220 @@
+"""`eagle3-zoo plan RECIPE`: what one GPU holds when the recipe trains, and whether it fits the declared GPU memory.
+
+    plan = plan_recipe(load_recipe("recipes/llama3_70b.yaml"))
+    print(plan.table())          # target shard, drafter + grads + AdamW, TTT activations, loss buffers, reserve
+
+Parameter counts come from the models themselves, built on the meta device from the target's config (shipped in
+the package for every zoo/recipe target, so this runs offline): no arithmetic per family. Activation sizes are an
+estimate from the drafter's shapes (what the TTT rollout saves for backward per token and step), checked in the
+tests against the tensors a real TTT loss saves. Nothing is allocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+GIB = 1024**3
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+RESERVE_FIXED_GIB = 1.0  # CUDA context, NCCL buffers
+RESERVE_FRACTION = 0.10  # allocator fragmentation
+LOGITS_CHUNK = 1024  # rows per chunk of the frozen lm_head product (Eagle3Module.logits_chunk_size)
+
+
+@dataclass
+class PlanLine:
+    what: str
+    bytes: float
+    note: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    """Per-GPU memory of a recipe's training step (and, for offline recipes, of its feature job)."""
+
+    source: str
+    target: str
+    strategy: str
+    world_size: int
+    gpu_memory_gb: float | None
+    lines: list[PlanLine] = field(default_factory=list)
+    feature_job: list[PlanLine] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return sum(line.bytes for line in self.lines)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.gpu_memory_gb is None else self.total <= self.gpu_memory_gb * 1e9
+
+    @property
+    def feature_job_fits(self) -> bool | None:
+        if not self.feature_job or self.gpu_memory_gb is None:
+            return None
+        return sum(line.bytes for line in self.feature_job) <= self.gpu_memory_gb * 1e9
+
+    def table(self) -> str:
+        """The plan as a text table with a verdict line."""
+        out = [f"{self.source}: target {self.target}, strategy {self.strategy}, {self.world_size} device(s); "
+               "per device (GB = 1e9 bytes):"]
+        out += _rows(self.lines)
+        out.append(_verdict(self.total, self.gpu_memory_gb, "training"))
+        if self.feature_job:
+            out += ["", "feature job (`eagle3-zoo prepare`, one target per process, data split by rank); per device:"]
+            out += _rows(self.feature_job)
+            job = sum(line.bytes for line in self.feature_job)
+            out.append(_verdict(job, self.gpu_memory_gb, "feature job"))
+            if self.feature_job_fits is False:
+                out.append("  -> the target does not fit one process: extract its features with an inference engine "
+                           "(tensor/expert parallel) instead")
+        return "\n".join(out)
+
+
+def _rows(lines: list[PlanLine]) -> list[str]:
+    width = max(len(line.what) for line in lines)
+    rows = [f"  {line.what.ljust(width)}  {line.bytes / 1e9:9.2f} GB  {line.note}".rstrip() for line in lines]
+    rows.append(f"  {'total'.ljust(width)}  {sum(line.bytes for line in lines) / 1e9:9.2f} GB")
+    return rows
+
+
+def _verdict(total: float, gpu_memory_gb: float | None, what: str) -> str:
+    if gpu_memory_gb is None:
+        return f"{what}: no trainer.gpu_memory_gb declared, so no verdict ({total / 1e9:.1f} GB needed)"
+    word = "fits" if total <= gpu_memory_gb * 1e9 else "does NOT fit"
+    return f"{what}: {word}: {total / 1e9:.1f} GB of {gpu_memory_gb:g} GB per GPU (trainer.gpu_memory_gb)"
+
+
+def _meta_model(config: Any) -> torch.nn.Module:
+    """The target built on the meta device (no memory), without its checkpoint quantisation (dequantised on load)."""
+    from transformers import AutoModelForCausalLM
+
+    config = config.__class__.from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def target_parameter_counts(config: Any, adapter: Any) -> dict[str, int]:
+    """`total`, `embed`, `lm_head` and `largest_layer` parameter counts of the target (meta-device build)."""
+    model = _meta_model(config)
+    embed, head = adapter.embed_tokens(model).weight, adapter.lm_head(model).weight
+    layers = list(adapter.decoder_layers(model))
+    unique = {id(p): p.numel() for p in model.parameters()}
+    return {"total": sum(unique.values()), "embed": embed.numel(),
+            "lm_head": 0 if head is embed else head.numel(),
+            "largest_layer": max((sum(p.numel() for p in m.parameters()) for m in layers), default=0)}
+
+
+def drafter_parameter_count(config: Any) -> int:
+    """Trainable parameters of a drafter with this `Eagle3Config` (meta-device build)."""
+    from eagle3_zoo.modeling import Eagle3Drafter
+
+    with torch.device("meta"):
+        drafter = Eagle3Drafter(config)
+    return sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+
+
+def ttt_saved_elements(config: Any, tokens: int, steps: int, supervised: int | None = None) -> dict[str, int]:
+    """Elements the TTT rollout and loss keep for backward (an estimate from the drafter's shapes).
+
+    Per token and step: the three RMSNorms' inputs, outputs and scales and the o_proj/MLP inputs (8H), the
+    concatenated attention input being one of them (2H of the 8H); q and the attention output (2 q-widths), k and v
+    (2 kv-widths), RoPE cos/sin and the log-sum-exp (head_dim, heads); the MLP gate, activation, up and product
+    (4I). Per supervised row and step: the gathered hidden and the final norm's output (2H) and the fused loss's
+    hidden gradient (H, fp32). Step 0 adds the fc input (the aux features). Measured against a real TTT loss in
+    tests/test_plan.py.
+
+    Returns:
+        `{"activations": ..., "loss_rows_fp32": ..., "fc_input": ...}` element counts.
+    """
+    h, inter, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q = config.num_attention_heads * d
+    kv = config.num_key_value_heads * d
+    sup = tokens if supervised is None else supervised
+    per_token_step = 8 * h + 2 * q + 2 * kv + 4 * inter + 2 * d + config.num_attention_heads
+    n_aux = len(config.aux_layer_ids or (0, 0, 0))
+    return {"activations": per_token_step * tokens * steps + 2 * h * sup * steps, "loss_rows_fp32": h * sup * steps,
+            "fc_input": n_aux * config.target_hidden_size * tokens}
+
+
+def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") -> MemoryPlan:
+    """The per-GPU memory plan of a recipe.
+
+    Args:
+        recipe: a loaded `Recipe`.
+        target_config: the target's config (default: the shipped config of `target.name_or_path`, else its
+            `config.json` through transformers, which may download it).
+        source: the recipe's name in messages.
+    """
+    from eagle3_zoo.adapters import get_adapter
+    from eagle3_zoo.adapters.shipped import shipped_target_config
+    from eagle3_zoo.training.build import drafter_config
+
+    t, tr = recipe.target, recipe.trainer
+    if target_config is None:
+        target_config = shipped_target_config(t.name_or_path)
+    if target_config is None:
+        from eagle3_zoo.hub.check_target import resolve_target_config
+
+        target_config = resolve_target_config(t.name_or_path)
+    adapter = get_adapter(target_config.model_type)
+    world = (tr.devices if isinstance(tr.devices, int) and tr.devices > 0 else 1) * tr.num_nodes
+    fsdp = tr.strategy == "fsdp"
+    shard = world if fsdp else 1
+    tbytes = _DTYPE_BYTES[t.dtype]
+    half = not tr.precision.startswith(("32", "64"))
+    act_bytes = 2 if half else 4
+    counts = target_parameter_counts(target_config, adapter)
+    aux = tuple(recipe.drafter.aux_layer_ids or adapter.aux_layer_ids(target_config.num_hidden_layers))
+    dcfg = drafter_config(recipe, target_config, aux)
+    n_drafter = drafter_parameter_count(dcfg)
+    tokens = tr.batch_size * recipe.data.max_length
+    steps = recipe.ttt.steps
+    plan = MemoryPlan(source, getattr(target_config, "_name_or_path", "") or t.name_or_path, tr.strategy, world,
+                      tr.gpu_memory_gb)
+    quant = (getattr(target_config, "quantization_config", None) or {}).get("quant_method")
+    dequant = f"; its {quant} checkpoint dequantised to {t.dtype}" if quant else ""
+    keep_target = recipe.data.mode == "online" or bool(tr.tau_eval.every_n_steps)
+    if keep_target:
+        why = "online features" if recipe.data.mode == "online" else "tau evaluation during training"
+        plan.lines.append(PlanLine("target weights", counts["total"] * tbytes / shard,
+                                   f"{counts['total'] / 1e9:.2f}B params in {t.dtype}"
+                                   f"{f', sharded over {shard}' if fsdp else ', a full copy per GPU'} ({why}){dequant}"))
+        if fsdp:
+            plan.lines.append(PlanLine("target all-gather", 2 * counts["largest_layer"] * tbytes,
+                                       "two decoder layers unsharded at a time (prefetch)"))
+        h, inter = target_config.hidden_size, target_config.intermediate_size
+        plan.lines.append(PlanLine("target forward", tokens * (6 * h + 3 * inter) * tbytes
+                                   + LOGITS_CHUNK * target_config.vocab_size * 4,
+                                   "one layer's activations (no grad) + a chunk of fp32 logits"))
+    else:
+        plan.lines.append(PlanLine("target embed + lm_head", (counts["embed"] + counts["lm_head"]) * tbytes,
+                                   "offline: features come from the store"))
+    state = 8 if tr.precision in ("bf16-true", "16-true") else 16  # weights + grads + AdamW (m, v)
+    plan.lines.append(PlanLine("drafter weights+grads+AdamW", n_drafter * state / shard,
+                               f"{n_drafter / 1e6:.0f}M params x {state} B{f' / {shard}' if fsdp else ''}"))
+    saved = ttt_saved_elements(dcfg, tokens, steps)
+    if tr.activation_checkpointing:
+        act = (2 * dcfg.hidden_size * tokens * steps + saved["activations"] / steps) * act_bytes
+        note = f"activation checkpointing: step inputs kept, one step recomputed ({steps} steps, {tokens} tokens)"
+    else:
+        act = saved["activations"] * act_bytes
+        note = f"{steps} TTT steps x {tokens} tokens (batch {tr.batch_size} x {recipe.data.max_length})"
+    act += saved["loss_rows_fp32"] * 4 + saved["fc_input"] * tbytes
+    plan.lines.append(PlanLine("TTT activations", act, note))
+    vd = dcfg.draft_vocab_size
+    plan.lines.append(PlanLine("loss buffers", tokens * vd * 4 + steps * vd * dcfg.hidden_size * 4,
+                               f"target probabilities over {vd} draft tokens (fp32) + lm_head gradient per step"))
+    subtotal = plan.total
+    plan.lines.append(PlanLine("reserve", RESERVE_FIXED_GIB * GIB + RESERVE_FRACTION * subtotal,
+                               f"{RESERVE_FIXED_GIB:g} GiB CUDA context + {RESERVE_FRACTION:.0%} fragmentation"))
+    if recipe.data.mode == "offline":
+        job = [PlanLine("target weights", counts["total"] * tbytes,
+                        f"{counts['total'] / 1e9:.2f}B params in {t.dtype}, whole in each process{dequant}"),
+               PlanLine("target forward", tokens * (6 * target_config.hidden_size + 3 * target_config.intermediate_size)
+                        * tbytes, "one layer's activations (no grad)")]
+        job.append(PlanLine("reserve", RESERVE_FIXED_GIB * GIB + RESERVE_FRACTION * sum(x.bytes for x in job), ""))
+        plan.feature_job = job
+    return plan
