@@ -179,9 +179,9 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     keep_target = recipe.data.mode == "online" or bool(tr.tau_eval.every_n_steps)
     if keep_target:
         why = "online features" if recipe.data.mode == "online" else "tau evaluation during training"
+        where = f"sharded over {shard}" if fsdp else "a full copy per GPU"
         plan.lines.append(PlanLine("target weights", counts["total"] * tbytes / shard,
-                                   f"{counts['total'] / 1e9:.2f}B params in {t.dtype}"
-                                   f"{f', sharded over {shard}' if fsdp else ', a full copy per GPU'} ({why}){dequant}"))
+                                   f"{counts['total'] / 1e9:.2f}B params in {t.dtype}, {where} ({why}){dequant}"))
         if fsdp:
             plan.lines.append(PlanLine("target all-gather", 2 * counts["largest_layer"] * tbytes,
                                        "two decoder layers unsharded at a time (prefetch)"))
