@@ -12,6 +12,7 @@ from eagle3_zoo.adapters import get_adapter
 from eagle3_zoo.speculative import PROTOCOL, TauEvalCallback, eval_main, evaluate, format_table, load_benchmark
 from eagle3_zoo.speculative.evaluation import evaluate_shapes, format_shapes_table
 from eagle3_zoo.speculative.shapes import TreeSpec, parse_shapes
+from tests.hub_fixtures import edit_config, edit_weights
 from tests.test_speculative_support import OracleDraftModel, random_drafter, tiny_target
 
 
@@ -282,3 +283,43 @@ def test_lazy_exports_resolve_to_objects_not_submodules():
     import eagle3_zoo.speculative.generate  # noqa: F401  (submodules imported first must not shadow exports)
 
     assert all(not isinstance(getattr(spec, name), type(spec)) for name in spec.__all__)
+
+
+def _truncate(folder):
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+
+
+@pytest.mark.parametrize("damage, code", [
+    (_truncate, "CORRUPT_WEIGHTS"),
+    (lambda d: edit_config(d, lambda c: c.update(hidden_size=48)), "SHAPE_MISMATCH"),  # config disagrees with weights
+    (lambda d: edit_weights(d, lambda s: s.__setitem__("t2d", s["t2d"][:-10])), "VOCAB_MAP_SHAPE"),  # a short t2d
+    (lambda d: edit_weights(d, lambda s: s["d2t"].__setitem__(-1, 10_000)), "D2T_OUT_OF_RANGE"),
+])
+def test_eval_refuses_an_invalid_drafter_with_the_check_codes(tmp_path, capsys, damage, code):
+    from eagle3_zoo.cli import main as cli_main
+
+    _, drafter_dir = _saved_target_and_drafter(tmp_path)
+    damage(drafter_dir)
+    capsys.readouterr()  # the progress bars of saving the target
+    out = tmp_path / "res.json"
+    assert cli_main(["eval", str(drafter_dir), "--bench", "humaneval", "--limit", "1", "--max-new-tokens", "4",
+                     "--warmup", "0", "--no-progress", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {drafter_dir}: refusing to evaluate an invalid drafter: ") and f"{code}: " in err
+    assert len(err.splitlines()) == 1 and "fix:" in err and not out.exists()
+
+
+def test_eval_refuses_a_drafter_for_another_target(tmp_path, capsys):
+    _, drafter_dir = _saved_target_and_drafter(tmp_path)
+    _, tokenizer, _ = _tiny_chat_target()
+    other = tmp_path / "wider-target"  # hidden 96 instead of the 64 the drafter was built for
+    tiny_target("qwen2", hidden_size=96).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    capsys.readouterr()
+    out = tmp_path / "res.json"
+    assert eval_main([str(drafter_dir), "--target", str(other), "--bench", "humaneval", "--limit", "1",
+                      "--max-new-tokens", "4", "--warmup", "0", "--no-progress", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"refusing to evaluate with target {other} an invalid drafter: HIDDEN_SIZE_MISMATCH" in err
+    assert not out.exists()
