@@ -84,8 +84,9 @@ def is_transport_error(error: BaseException) -> bool:
                for c in type(error).__mro__)
 
 
-def require_reachable(endpoint: str | None, timeout: float = PROBE_TIMEOUT_S) -> str:
-    """Return the Hub URL if it answers an HTTP request within `timeout` seconds (any status), else raise.
+def require_reachable(endpoint: str | None, timeout: float | None = None) -> str:
+    """Return the Hub URL if it answers an HTTP request within `timeout` seconds (default `PROBE_TIMEOUT_S`; any
+    status counts as an answer), else raise.
 
     The probe runs in a daemon thread joined with a deadline: the client's connect timeout does not cover DNS.
 
@@ -95,6 +96,7 @@ def require_reachable(endpoint: str | None, timeout: float = PROBE_TIMEOUT_S) ->
     from huggingface_hub import constants, get_session
 
     url = hub_url(endpoint)
+    timeout = PROBE_TIMEOUT_S if timeout is None else timeout
     if constants.HF_HUB_OFFLINE:
         raise unreachable_error(url, "HF_HUB_OFFLINE is set")
     outcome: dict[str, BaseException | None] = {}
