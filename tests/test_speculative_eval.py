@@ -65,10 +65,12 @@ def test_jsonl_benchmarks(tmp_path):
         load_benchmark("mtbenchh")
 
 
-def _tiny_chat_target():
+def _tiny_chat_target(context: int = 2048):
+    """The tiny Qwen2 target and its chat tokenizer; `context` fits the longest built-in benchmark prompt (1,198
+    tokens: prompts past the context are skipped) unless a test wants a short one."""
     adapter = get_adapter("qwen2")
     tokenizer = adapter.tiny_tokenizer()
-    target = tiny_target("qwen2")
+    target = tiny_target("qwen2", max_position_embeddings=context)
     assert len(tokenizer) <= target.config.vocab_size
     return target, tokenizer, adapter
 
@@ -112,9 +114,9 @@ def test_evaluate_sampling_reports_no_lossless_check(tmp_path):
     assert results["settings"]["top_k"] == 1 and (tmp_path / "p.png").is_file()
 
 
-def _saved_target_and_drafter(tmp_path):
+def _saved_target_and_drafter(tmp_path, context: int = 2048):
     """A tiny chat target and a random drafter naming it, saved as folders (what the CLI loads)."""
-    target, tokenizer, _ = _tiny_chat_target()
+    target, tokenizer, _ = _tiny_chat_target(context)
     target_dir, drafter_dir = tmp_path / "target", tmp_path / "drafter"
     target.save_pretrained(target_dir)
     tokenizer.save_pretrained(target_dir)
@@ -322,4 +324,46 @@ def test_eval_refuses_a_drafter_for_another_target(tmp_path, capsys):
                       "--max-new-tokens", "4", "--warmup", "0", "--no-progress", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"refusing to evaluate with target {other} an invalid drafter: HIDDEN_SIZE_MISMATCH" in err
+    assert not out.exists()
+
+
+def test_requests_longer_than_the_context_are_skipped_counted_and_listed(tmp_path, caplog):
+    target, tokenizer, adapter = _tiny_chat_target(context=256)
+    long_text = "one two three four five six seven eight nine ten " * 40
+    bench = tmp_path / "mixed.jsonl"
+    bench.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "long", "prompt": long_text},
+        {"id": "fits", "prompt": "The quick brown fox"},
+        {"id": "chat", "turns": [long_text, "and then?"]},  # the second turn needs the first one's answer
+    ]) + "\n")
+    out = tmp_path / "res.json"
+    caplog.set_level("WARNING")
+    results = evaluate(OracleDraftModel(target, "noisy"), target, tokenizer, str(bench), mode="chain", depth=2,
+                       max_new_tokens=8, adapter=adapter, out=out, progress=False)
+    saved = json.loads(out.read_text())
+    assert saved == json.loads(json.dumps(results))
+    assert saved["benchmarks"]["mixed"]["requests"] == 1 and saved["benchmarks"]["mixed"]["skipped"] == 3
+    assert saved["overall"]["requests"] == 1 and saved["overall"]["skipped"] == 3
+    assert [r["id"] for r in saved["requests"]["mixed"]] == ["fits"]
+    skipped = saved["skipped"]["mixed"]
+    assert [r["id"] for r in skipped] == ["long", "chat/turn1", "chat/turn2"]
+    assert skipped[0]["prompt_tokens"] + 8 > 256 and "exceed the target's context of 256 tokens" in skipped[0]["reason"]
+    assert skipped[2]["reason"] == "turn 1 of this prompt was skipped"
+    assert "skipping request long" in caplog.text and "skipped 3 of 4 requests" in caplog.text
+    assert "skipped: 3 request(s)" in format_table(results)
+
+
+def test_eval_with_no_request_that_fits_or_an_empty_benchmark_is_an_error(tmp_path, capsys):
+    _, drafter_dir = _saved_target_and_drafter(tmp_path, context=256)
+    long_only, empty = tmp_path / "long.jsonl", tmp_path / "empty.jsonl"
+    long_only.write_text(json.dumps({"prompt": "one two three four five six seven eight " * 60}) + "\n")
+    empty.write_text("\n\n")
+    capsys.readouterr()
+    out = tmp_path / "res.json"
+    args = ["--max-new-tokens", "8", "--warmup", "0", "--no-progress", "--out", str(out)]
+    assert eval_main([str(drafter_dir), "--bench", str(long_only), *args]) == 2
+    err = capsys.readouterr().err
+    assert f"no request of {long_only} fits the target's context of 256 tokens" in err and "1 skipped" in err
+    assert eval_main([str(drafter_dir), "--bench", f"humaneval,{empty}", *args]) == 2
+    assert f"error: {empty}: empty benchmark file" in capsys.readouterr().err
     assert not out.exists()
