@@ -110,7 +110,7 @@ class InvalidDrafterError(DrafterCheckError):
     """Raised by `require_valid_drafter`: one line with every error's code, message and fix."""
 
     def __init__(self, report: CheckReport, purpose: str):
-        found = "; ".join(f"{p.code}: {p.message} (fix: {p.fix})" for p in report.errors)
+        found = "; ".join(f"{p.code}: {p.message} (fix: {p.fix})" for p in report.errors).replace("\n", " ")
         ValueError.__init__(self, f"{report.path}: refusing to {purpose} an invalid drafter: {found}")
         self.report = report
 

@@ -167,7 +167,10 @@ def _remove_stage(out: Path, temporary: bool) -> None:
         shutil.rmtree(out, ignore_errors=True)
         return
     for path in out.iterdir() if out.is_dir() else ():
-        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def publish(
