@@ -282,3 +282,41 @@ def test_tokenizer_fingerprint_fast_tokenizer():
     assert a == tokenizer_fingerprint(make(vocab, "t1"))
     assert a != tokenizer_fingerprint(make(vocab, "t2"))
     assert a != tokenizer_fingerprint(make({**vocab, "you": 3}, "t1"))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "corrupt"])
+def test_reopening_drops_damaged_shards_and_rewriting_refills_their_slots(tmp_path, damage):
+    reference = write_store(tmp_path / "ref", 14)  # shards of 4, 4, 4, 2
+    out = tmp_path / "store"
+    write_store(out, 14)
+    for index in (1, 3):  # a full shard and the last, partial one
+        shard = out / f"shard-0000{index}.safetensors"
+        if damage == "truncated":
+            shard.write_bytes(shard.read_bytes()[:-50])
+        elif damage == "missing":
+            shard.unlink()
+        else:
+            data = bytearray(shard.read_bytes())
+            data[-3] ^= 0xFF
+            shard.write_bytes(bytes(data))
+    options = {"verify": "hash"} if damage == "corrupt" else {}  # size (the default) cannot see a flipped byte
+    with FeatureWriter(out, 4, "float32", META, **options) as w:
+        on_disk = json.loads((out / MANIFEST).read_text())  # dropped at once: a crash from here resumes the repair
+        added = [w.add(f"s{i}", **sample(i)) for i in range(14)]
+    assert [i for i, a in enumerate(added) if a] == [4, 5, 6, 7, 12, 13]  # only the damaged shards' samples
+    assert json.loads((out / MANIFEST).read_text()) == reference
+    files = [s["file"] for s in reference["shards"]]
+    assert sorted(p.name for p in out.iterdir()) == sorted([".lock", MANIFEST, *files])
+    FeatureReader(out, verify="hash")
+    assert [s["file"] for s in w.damaged] == ["shard-00001.safetensors", "shard-00003.safetensors"]
+    assert not on_disk["complete"] and [s["file"] for s in on_disk["shards"]] == ["shard-00000.safetensors",
+                                                                                  "shard-00002.safetensors"]
+
+
+def test_reader_says_how_to_redo_a_damaged_shard(tmp_path):
+    manifest = write_store(tmp_path, 9)
+    shard = tmp_path / manifest["shards"][1]["file"]
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(FeatureStoreError, match=r"\(truncated or replaced\); rerun `eagle3-zoo prepare` with the same "
+                                                r"recipe to extract the damaged shards again"):
+        FeatureReader(tmp_path)

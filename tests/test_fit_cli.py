@@ -134,3 +134,40 @@ def test_cli_reports_user_errors_without_traceback(setup, capsys):
     err = capsys.readouterr().err
     assert "trainer.max_stpes" in err and "did you mean 'trainer.max_steps'" in err
     assert "drafter.draft_vocab_size" in err and "Traceback" not in err
+
+
+def test_prepare_redoes_a_damaged_feature_shard(setup, caplog, capsys):
+    """A truncated (or same-size corrupt) shard of a complete store is not "nothing to extract": `prepare` checks
+    every shard against the manifest, extracts the damaged ones again, says so, and the store is as before."""
+    from eagle3_zoo.cli import main
+    from eagle3_zoo.data.features import FeatureReader
+
+    tmp, recipe = setup
+    overrides = ["data.mode=offline", f"data.cache_dir={tmp / 'redo_cache'}", f"output_dir={tmp / 'run_redo'}"]
+    caplog.set_level("INFO")
+    assert main(["prepare", str(recipe), *overrides]) == 0
+    store = Path(json.loads(capsys.readouterr().out)["features_dir"])
+    manifest = json.loads((store / "manifest.json").read_text())
+    assert len(manifest["shards"]) == 6
+    shard = store / manifest["shards"][2]["file"]
+    original = shard.read_bytes()
+
+    shard.write_bytes(original[:-100])  # an interrupted copy of the store
+    caplog.clear()
+    assert main(["prepare", str(recipe), *overrides]) == 0
+    assert "nothing to extract" not in caplog.text
+    assert f"{shard}: size {len(original) - 100} bytes, manifest says {len(original)}" in caplog.text
+    assert "redid 1 damaged shard(s) (4 samples): shard-00002.safetensors" in caplog.text
+    assert shard.read_bytes() == original and json.loads((store / "manifest.json").read_text()) == manifest
+
+    corrupt = bytearray(original)
+    corrupt[-5] ^= 0xFF  # same size: only a hash sees it
+    shard.write_bytes(bytes(corrupt))
+    caplog.clear()
+    assert main(["prepare", str(recipe), *overrides]) == 0
+    assert "(corrupt shard)" in caplog.text and "redid 1 damaged shard(s)" in caplog.text
+    assert shard.read_bytes() == original and json.loads((store / "manifest.json").read_text()) == manifest
+    caplog.clear()
+    assert main(["prepare", str(recipe), *overrides]) == 0
+    assert "nothing to extract" in caplog.text  # sound again
+    assert len(FeatureReader(store, verify="hash")) == 24

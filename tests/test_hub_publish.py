@@ -3,7 +3,9 @@ creates the repo, uploads in one commit and downloads with snapshot_download. No
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from huggingface_hub import HfApi
 
 from eagle3_zoo.hub import DrafterCheckError, TokenLeakError, import_drafter, load_any_drafter, publish, pull
 from eagle3_zoo.hub.cli_commands import main as cli
+from eagle3_zoo.hub.upload import HubUnreachableError
 from tests.hub_fixtures import canonical_dir, edit_weights, official_dir, tiny_target_config
 from tests.hub_server import LoopbackHub
 
@@ -131,3 +134,124 @@ def test_pull_unpublished_zoo_entry(tmp_path, hub):
     with pytest.raises(ValueError, match="convert_to"):
         pull("me/x", convert_to="gguf", endpoint=hub.url)
     assert hub.requests == []
+
+
+@pytest.fixture
+def temp_root(tmp_path, monkeypatch):
+    """Temporary folders (publish's default stage) go here, so a test can see what a failure leaves behind."""
+    import tempfile
+
+    root = tmp_path / "tmp"
+    root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    return root
+
+
+def _closed_port_url() -> str:
+    import socket
+
+    with socket.socket() as sock:  # bound then closed: connecting is refused at once, like a machine with no network
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_dry_run_scans_for_the_token_and_leaves_no_staged_copy(tmp_path, hub, temp_root):
+    src, _ = canonical_dir(tmp_path)
+    # a run whose data path held the token: the card shows provenance values, so the staged README would carry it
+    (src / "provenance.json").write_text(json.dumps({"data": {"path": f"/home/me/{SECRET}/chat.jsonl"}}))
+    with pytest.raises(TokenLeakError, match=r"staged (README.md|provenance.json) contains the Hub token"):
+        publish(src, "me/leaky", dry_run=True, stage_dir=tmp_path / "stage")
+    assert list((tmp_path / "stage").iterdir()) == []  # the staged files holding the token are gone
+    with pytest.raises(TokenLeakError):
+        publish(src, "me/leaky", dry_run=True)
+    assert list(temp_root.iterdir()) == []
+    assert hub.requests == []
+
+
+@pytest.mark.parametrize("repo_id", ["me/bad name", "a/b/c", "no-namespace", "me/x--y", "-me/x"])
+def test_dry_run_checks_the_repo_id_like_the_real_publish(tmp_path, hub, temp_root, capsys, repo_id):
+    src, _ = canonical_dir(tmp_path)
+    with pytest.raises(ValueError, match=r"--repo-id .* is not a Hub repo id .* expected ORG/NAME"):
+        publish(src, repo_id, dry_run=True)
+    assert cli(["publish", str(src), f"--repo-id={repo_id}", "--dry-run"]) == 2
+    assert "expected ORG/NAME" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="expected ORG/NAME"):
+        publish(src, repo_id, endpoint=hub.url)
+    assert hub.requests == [] and list(temp_root.iterdir()) == []
+
+
+def test_publish_without_network_fails_fast_in_one_line_and_cleans_up(tmp_path, temp_root, monkeypatch, capsys):
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    src, _ = canonical_dir(tmp_path)
+    url = _closed_port_url()
+    start = time.monotonic()
+    with pytest.raises(HubUnreachableError, match=rf"Hub endpoint {url} is not reachable .*--endpoint"):
+        publish(src, "me/tiny-eagle3", endpoint=url)
+    assert cli(["publish", str(src), "--repo-id", "me/tiny-eagle3", "--endpoint", url]) == 2
+    assert time.monotonic() - start < 10
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: Hub endpoint {url} is not reachable") and len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err and SECRET not in err
+    assert list(temp_root.iterdir()) == []  # every failed publish removed its temporary stage
+
+
+def test_publish_to_a_silent_endpoint_gives_up_after_the_probe_timeout(tmp_path, temp_root, monkeypatch):
+    import socket
+    import threading
+
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    monkeypatch.setattr("eagle3_zoo.hub.upload.PROBE_TIMEOUT_S", 0.5)
+    src, _ = canonical_dir(tmp_path)
+    with socket.socket() as silent:  # accepts connections (backlog) and never answers: a blackholed proxy
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        outcome = {}
+
+        def run():
+            try:
+                publish(src, "me/tiny-eagle3", endpoint=url)
+            except Exception as e:  # noqa: BLE001 -- the test inspects whatever came back
+                outcome["error"] = e
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), "publish still waiting for a silent endpoint after 10 s"
+    assert isinstance(outcome.get("error"), HubUnreachableError), outcome
+    assert url in str(outcome["error"])
+
+
+def test_pull_of_an_unknown_name_says_what_it_is_not(tmp_path, hub, capsys):
+    with pytest.raises(ValueError, match=r"'eagle3-llama3.1-instruct' is neither a known zoo name \(did you mean "
+                                         r"eagle3-llama3.1-instruct-8b.*\) nor a repo id on the Hub: no repo"):
+        pull("eagle3-llama3.1-instruct", endpoint=hub.url, out_dir=tmp_path / "a")
+    url = _closed_port_url()
+    with pytest.raises(HubUnreachableError, match=r"'me/nothing-here' is neither a known zoo name .* nor a reachable "
+                                                  rf"repo id: Hub endpoint {url} is not reachable"):
+        pull("me/nothing-here", endpoint=url, out_dir=tmp_path / "b")
+    assert cli(["pull", "nonexistent-zoo-thing", "--endpoint", url, "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "neither a known zoo name" in err and url in err and len(err.strip().splitlines()) == 1
+
+
+def test_pull_without_network_uses_the_copy_downloaded_before(tmp_path, hub):
+    src, _ = canonical_dir(tmp_path)
+    publish(src, "me/tiny-eagle3", endpoint=hub.url)
+    first = pull("me/tiny-eagle3", endpoint=hub.url, out_dir=tmp_path / "dl")
+    again = pull("me/tiny-eagle3", endpoint=_closed_port_url(), out_dir=tmp_path / "dl")
+    assert again.path == first.path and again.report.ok
+
+
+def test_pull_does_not_convert_a_drafter_that_fails_the_check(tmp_path, hub, capsys):
+    src, _ = canonical_dir(tmp_path)
+    edit_weights(src, lambda s: s["d2t"].__setitem__(-1, 500))  # maps past the 96-token vocab
+    api = HfApi(endpoint=hub.url)  # publish would refuse it: upload it the way another tool might
+    api.create_repo("me/broken")
+    api.upload_folder(repo_id="me/broken", folder_path=src)
+    result = pull("me/broken", endpoint=hub.url, out_dir=tmp_path / "dl", convert_to="sglang")
+    assert "D2T_OUT_OF_RANGE" in result.report.codes and result.converted_path is None
+    assert not (tmp_path / "dl" / "sglang").exists()
+    assert cli(["pull", "me/broken", "--endpoint", hub.url, "--out", str(tmp_path / "dl2"),
+                "--convert-to", "speculators"]) == 1
+    assert "not converted to speculators" in capsys.readouterr().out

@@ -80,7 +80,7 @@ def test_cli_zoo_export_check(tmp_path, capsys):
     assert "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B" in listing and "not-yet-published" in listing
     assert cli(["zoo", "show", "qwen3-8b-speculator.eagle3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["target"] == "Qwen/Qwen3-8B"
-    assert cli(["zoo", "show", "nope"]) == 1
+    assert cli(["zoo", "show", "nope"]) == 2
     assert "no zoo entry named 'nope'" in capsys.readouterr().err
 
     src, _ = canonical_dir(tmp_path)
@@ -92,7 +92,7 @@ def test_cli_zoo_export_check(tmp_path, capsys):
     assert cli(["check", str(src)]) == 1
     assert "D2T_MISSING" in capsys.readouterr().out
     assert cli(["check", str(tmp_path / "missing")]) == 1
-    assert cli(["export", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 1
+    assert cli(["export", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
     assert "no config.json" in capsys.readouterr().err
 
 
@@ -103,3 +103,19 @@ def test_registering_the_commands_imports_no_torch():
     code = "import sys, eagle3_zoo.hub.cli_commands, eagle3_zoo.hub; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+@pytest.mark.parametrize("damage, code", [
+    (lambda s: s["d2t"].__setitem__(-1, 500), "D2T_OUT_OF_RANGE"),  # past the 96-token vocab
+    (lambda s: s.__setitem__("t2d", s["t2d"][:90]), "VOCAB_MAP_SHAPE"),  # a short t2d
+    (lambda s: s.__setitem__("fc.weight", s["fc.weight"][:, :48].contiguous()), "SHAPE_MISMATCH"),  # other width
+])
+def test_export_refuses_an_invalid_drafter(tmp_path, capsys, fmt, damage, code):
+    src, _ = canonical_dir(tmp_path)
+    edit_weights(src, damage)
+    out = tmp_path / "out"
+    assert cli(["export", str(src), "--format", fmt, "--out", str(out)]) == 2  # a canonical one was copied as is
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {src}: refusing to export an invalid drafter: ") and f"{code}: " in err
+    assert len(err.splitlines()) == 1 and not (out / "model.safetensors").exists()

@@ -12,6 +12,7 @@ from eagle3_zoo.adapters import get_adapter
 from eagle3_zoo.speculative import PROTOCOL, TauEvalCallback, eval_main, evaluate, format_table, load_benchmark
 from eagle3_zoo.speculative.evaluation import evaluate_shapes, format_shapes_table
 from eagle3_zoo.speculative.shapes import TreeSpec, parse_shapes
+from tests.hub_fixtures import edit_config, edit_weights
 from tests.test_speculative_support import OracleDraftModel, random_drafter, tiny_target
 
 
@@ -64,10 +65,12 @@ def test_jsonl_benchmarks(tmp_path):
         load_benchmark("mtbenchh")
 
 
-def _tiny_chat_target():
+def _tiny_chat_target(context: int = 2048):
+    """The tiny Qwen2 target and its chat tokenizer; `context` fits the longest built-in benchmark prompt (1,198
+    tokens: prompts past the context are skipped) unless a test wants a short one."""
     adapter = get_adapter("qwen2")
     tokenizer = adapter.tiny_tokenizer()
-    target = tiny_target("qwen2")
+    target = tiny_target("qwen2", max_position_embeddings=context)
     assert len(tokenizer) <= target.config.vocab_size
     return target, tokenizer, adapter
 
@@ -111,9 +114,9 @@ def test_evaluate_sampling_reports_no_lossless_check(tmp_path):
     assert results["settings"]["top_k"] == 1 and (tmp_path / "p.png").is_file()
 
 
-def _saved_target_and_drafter(tmp_path):
+def _saved_target_and_drafter(tmp_path, context: int = 2048):
     """A tiny chat target and a random drafter naming it, saved as folders (what the CLI loads)."""
-    target, tokenizer, _ = _tiny_chat_target()
+    target, tokenizer, _ = _tiny_chat_target(context)
     target_dir, drafter_dir = tmp_path / "target", tmp_path / "drafter"
     target.save_pretrained(target_dir)
     tokenizer.save_pretrained(target_dir)
@@ -282,3 +285,85 @@ def test_lazy_exports_resolve_to_objects_not_submodules():
     import eagle3_zoo.speculative.generate  # noqa: F401  (submodules imported first must not shadow exports)
 
     assert all(not isinstance(getattr(spec, name), type(spec)) for name in spec.__all__)
+
+
+def _truncate(folder):
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+
+
+@pytest.mark.parametrize("damage, code", [
+    (_truncate, "CORRUPT_WEIGHTS"),
+    (lambda d: edit_config(d, lambda c: c.update(hidden_size=48)), "SHAPE_MISMATCH"),  # config disagrees with weights
+    (lambda d: edit_weights(d, lambda s: s.__setitem__("t2d", s["t2d"][:-10])), "VOCAB_MAP_SHAPE"),  # a short t2d
+    (lambda d: edit_weights(d, lambda s: s["d2t"].__setitem__(-1, 10_000)), "D2T_OUT_OF_RANGE"),
+])
+def test_eval_refuses_an_invalid_drafter_with_the_check_codes(tmp_path, capsys, damage, code):
+    from eagle3_zoo.cli import main as cli_main
+
+    _, drafter_dir = _saved_target_and_drafter(tmp_path)
+    damage(drafter_dir)
+    capsys.readouterr()  # the progress bars of saving the target
+    out = tmp_path / "res.json"
+    assert cli_main(["eval", str(drafter_dir), "--bench", "humaneval", "--limit", "1", "--max-new-tokens", "4",
+                     "--warmup", "0", "--no-progress", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {drafter_dir}: refusing to evaluate an invalid drafter: ") and f"{code}: " in err
+    assert len(err.splitlines()) == 1 and "fix:" in err and not out.exists()
+
+
+def test_eval_refuses_a_drafter_for_another_target(tmp_path, capsys):
+    _, drafter_dir = _saved_target_and_drafter(tmp_path)
+    _, tokenizer, _ = _tiny_chat_target()
+    other = tmp_path / "wider-target"  # hidden 96 instead of the 64 the drafter was built for
+    tiny_target("qwen2", hidden_size=96).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    capsys.readouterr()
+    out = tmp_path / "res.json"
+    assert eval_main([str(drafter_dir), "--target", str(other), "--bench", "humaneval", "--limit", "1",
+                      "--max-new-tokens", "4", "--warmup", "0", "--no-progress", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"refusing to evaluate with target {other} an invalid drafter: HIDDEN_SIZE_MISMATCH" in err
+    assert not out.exists()
+
+
+def test_requests_longer_than_the_context_are_skipped_counted_and_listed(tmp_path, caplog):
+    target, tokenizer, adapter = _tiny_chat_target(context=256)
+    long_text = "one two three four five six seven eight nine ten " * 40
+    bench = tmp_path / "mixed.jsonl"
+    bench.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "long", "prompt": long_text},
+        {"id": "fits", "prompt": "The quick brown fox"},
+        {"id": "chat", "turns": [long_text, "and then?"]},  # the second turn needs the first one's answer
+    ]) + "\n")
+    out = tmp_path / "res.json"
+    caplog.set_level("WARNING")
+    results = evaluate(OracleDraftModel(target, "noisy"), target, tokenizer, str(bench), mode="chain", depth=2,
+                       max_new_tokens=8, adapter=adapter, out=out, progress=False)
+    saved = json.loads(out.read_text())
+    assert saved == json.loads(json.dumps(results))
+    assert saved["benchmarks"]["mixed"]["requests"] == 1 and saved["benchmarks"]["mixed"]["skipped"] == 3
+    assert saved["overall"]["requests"] == 1 and saved["overall"]["skipped"] == 3
+    assert [r["id"] for r in saved["requests"]["mixed"]] == ["fits"]
+    skipped = saved["skipped"]["mixed"]
+    assert [r["id"] for r in skipped] == ["long", "chat/turn1", "chat/turn2"]
+    assert skipped[0]["prompt_tokens"] + 8 > 256 and "exceed the target's context of 256 tokens" in skipped[0]["reason"]
+    assert skipped[2]["reason"] == "turn 1 of this prompt was skipped"
+    assert "skipping request long" in caplog.text and "skipped 3 of 4 requests" in caplog.text
+    assert "skipped: 3 request(s)" in format_table(results)
+
+
+def test_eval_with_no_request_that_fits_or_an_empty_benchmark_is_an_error(tmp_path, capsys):
+    _, drafter_dir = _saved_target_and_drafter(tmp_path, context=256)
+    long_only, empty = tmp_path / "long.jsonl", tmp_path / "empty.jsonl"
+    long_only.write_text(json.dumps({"prompt": "one two three four five six seven eight " * 60}) + "\n")
+    empty.write_text("\n\n")
+    capsys.readouterr()
+    out = tmp_path / "res.json"
+    args = ["--max-new-tokens", "8", "--warmup", "0", "--no-progress", "--out", str(out)]
+    assert eval_main([str(drafter_dir), "--bench", str(long_only), *args]) == 2
+    err = capsys.readouterr().err
+    assert f"no request of {long_only} fits the target's context of 256 tokens" in err and "1 skipped" in err
+    assert eval_main([str(drafter_dir), "--bench", f"humaneval,{empty}", *args]) == 2
+    assert f"error: {empty}: empty benchmark file" in capsys.readouterr().err
+    assert not out.exists()

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from eagle3_zoo.data.datamodule import collate_right_padded
-from eagle3_zoo.data.features import MANIFEST, FeatureWriter
+from eagle3_zoo.data.features import MANIFEST, FeatureWriter, shard_problem
 
 logger = logging.getLogger(__name__)
 
@@ -53,21 +53,31 @@ def _exclusive(directory: Path) -> Iterator[None]:
         yield
 
 
-def _is_complete(directory: Path, sample_ids: set[str]) -> bool:
+def _is_complete(directory: Path, sample_ids: set[str], verify: str = "size") -> bool:
+    """Whether the store holds `sample_ids` in shards that all pass their manifest check (`verify`: size or hash).
+
+    A complete manifest alone is not enough: a shard truncated or replaced since would be read by `fit` and fail
+    there; the writer drops and redoes such shards.
+    """
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
     stored = {sid for shard in manifest.get("shards", []) for sid in shard["samples"]}
-    return bool(manifest.get("complete")) and sample_ids <= stored
+    if not (manifest.get("complete") and sample_ids <= stored):
+        return False
+    return not any(shard_problem(directory / shard["file"], shard, verify) for shard in manifest["shards"])
 
 
 @torch.no_grad()
 def write_features(examples: list[dict[str, Any]], target: Any, adapter: Any, out_dir: str | Path, *,
                    aux_layer_ids: tuple[int, ...], batch_size: int = 8, shard_size: int = 256,
                    dtype: str = "bfloat16", meta: dict[str, Any] | None = None, rank: int = 0,
-                   world_size: int = 1) -> Path:
+                   world_size: int = 1, verify: str = "size") -> Path:
     """Run `target` over `examples` and store their features (resumable; see the module docstring).
+
+    Shards already stored are checked against the manifest first (`verify`: "size", or "hash" which reads them
+    all); damaged ones are extracted again and counted in the log.
 
     Returns:
         The store directory (this rank's subdirectory when `world_size > 1`).
@@ -78,11 +88,12 @@ def write_features(examples: list[dict[str, Any]], target: Any, adapter: Any, ou
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)][rank::world_size]
     mine = {str(examples[i]["id"]) for batch in batches for i in batch}
     with _exclusive(store):
-        if _is_complete(store, mine):
-            logger.info("%s: feature store complete (%d samples), nothing to extract", store, len(mine))
+        if _is_complete(store, mine, verify):
+            logger.info("%s: feature store complete (%d samples, shards verified: %s), nothing to extract", store,
+                        len(mine), verify)
             return store
         device = next(target.parameters()).device
-        with FeatureWriter(store, shard_size, dtype, meta=meta) as writer:
+        with FeatureWriter(store, shard_size, dtype, meta=meta, verify=verify) as writer:
             todo = [b for b in batches if any(str(examples[i]["id"]) not in writer for i in b)]
             logger.info("%s: extracting features of %d samples in %d batches (%d stored before)", store,
                         sum(len(b) for b in todo), len(todo), len(mine) - sum(len(b) for b in todo))
@@ -97,11 +108,14 @@ def write_features(examples: list[dict[str, Any]], target: Any, adapter: Any, ou
                                aux_hidden=aux_hidden[row, :t], final_hidden=final_hidden[row, :t])
                 if (n + 1) % 50 == 0:
                     logger.info("%s: %d/%d batches", store, n + 1, len(todo))
+        if writer.damaged:
+            logger.warning("%s: redid %d damaged shard(s) (%d samples): %s", store, len(writer.damaged),
+                           sum(len(s["samples"]) for s in writer.damaged), ", ".join(s["file"] for s in writer.damaged))
     return store
 
 
 def extract_features(recipe: Any, *, target: Any = None, tokenizer: Any = None, adapter: Any = None,
-                     data: Any = None, rank: int = 0, world_size: int = 1) -> Path:
+                     data: Any = None, rank: int = 0, world_size: int = 1, verify: str = "size") -> Path:
     """The offline feature job of a recipe: prepare its data like `fit` does and store the target's features.
 
     Args:
@@ -109,6 +123,8 @@ def extract_features(recipe: Any, *, target: Any = None, tokenizer: Any = None, 
         target, tokenizer, adapter: an already loaded target (default: `load_target` from the recipe).
         data: already prepared data (`eagle3_zoo.data.prepare.PreparedData`); default: prepared here.
         rank, world_size: this process's share of a distributed feature job.
+        verify: how stored shards are checked before they count as done: "size" (cheap, what `fit` reads) or
+            "hash" (reads every shard; `prepare`). Damaged shards are extracted again.
 
     Returns:
         The feature-store directory (`data.features_dir` or a keyed directory under `data.cache_dir`).
@@ -127,7 +143,7 @@ def extract_features(recipe: Any, *, target: Any = None, tokenizer: Any = None, 
     write_features(data.train + data.val, target, adapter, out_dir, aux_layer_ids=aux_ids,
                    batch_size=recipe.trainer.batch_size, shard_size=recipe.data.features_shard_size,
                    dtype=recipe.data.features_dtype, meta=store_meta(target_id, aux_ids, data.fingerprint),
-                   rank=rank, world_size=world_size)
+                   rank=rank, world_size=world_size, verify=verify)
     return out_dir
 
 
@@ -135,6 +151,9 @@ def prepare_recipe(recipe: Any, *, rank: int = 0, world_size: int = 1) -> dict[s
     """The whole data stage of a recipe as `fit` runs it, without training: read, regenerate, split, tokenise,
     count the draft vocabulary and, for an offline recipe, the feature job. Everything lands in the caches `fit`
     reads, so a later `fit` with the same data settings goes straight to training (a one-off preparation step).
+
+    An existing feature store is verified shard by shard (sha256 against the manifest): `prepare` is the step that
+    makes the store sound, so a truncated or corrupt shard is extracted again here rather than found by `fit`.
 
     Returns:
         The data summary of provenance.json, plus `features_dir` for an offline recipe.
@@ -148,7 +167,7 @@ def prepare_recipe(recipe: Any, *, rank: int = 0, world_size: int = 1) -> dict[s
     summary = data.summary()
     if recipe.data.mode == "offline":
         store = extract_features(recipe, target=target, tokenizer=tokenizer, adapter=adapter, data=data, rank=rank,
-                                 world_size=world_size)
+                                 world_size=world_size, verify="hash")
         summary["features_dir"] = str(store)
     return summary
 

@@ -17,6 +17,11 @@ Crash safety: a shard is written to a temp file in the same directory, fsynced a
 replaced the same way afterwards. A killed writer loses at most the shard it was filling. Reopening the
 directory removes temp files and shards the manifest does not list, and skips samples already stored, so a
 rerun over the same ordered inputs reproduces the same shard boundaries, files and manifest.
+
+Damage after the fact (a truncated copy, a shard deleted or overwritten): reopening the directory also checks every
+listed shard against the manifest (`verify`: size, or sha256) and drops the damaged ones; their samples are no
+longer stored, so a rerun adds them again and they land in the freed shard slots: the store ends up as an undamaged
+run would have written it.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ FORMAT = "eagle3-zoo-features"
 VERSION = 1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 REQUIRED_FIELDS = ("input_ids", "loss_mask")
+VERIFY_MODES = ("hash", "size", "none")
+# a shard that fails its manifest check is redone by the feature job (`prepare` verifies hashes, `fit` sizes)
+_REDO = "rerun `eagle3-zoo prepare` with the same recipe to extract the damaged shards again"
 
 
 class FeatureStoreError(DataError):
@@ -52,6 +60,16 @@ class FeatureStoreError(DataError):
 
 def _shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
+
+
+def _shard_index(name: str) -> int:
+    return int(name.removeprefix("shard-").removesuffix(".safetensors"))
+
+
+def _check_verify(verify: str) -> str:
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"unknown verify mode {verify!r}; valid: {', '.join(VERIFY_MODES)}")
+    return verify
 
 
 def _fsync_dir(path: Path) -> None:
@@ -105,9 +123,10 @@ class FeatureWriter:
     """
 
     def __init__(self, out_dir: str | Path, shard_size_samples: int = 256, dtype: str | torch.dtype = "bfloat16",
-                 meta: dict[str, Any] | None = None):
+                 meta: dict[str, Any] | None = None, verify: str = "size"):
         if shard_size_samples <= 0:
             raise ValueError(f"shard_size_samples must be > 0, got {shard_size_samples}")
+        _check_verify(verify)
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.shard_size = shard_size_samples
@@ -116,8 +135,10 @@ class FeatureWriter:
         self._lock = self._acquire_lock()
         self._pending: list[tuple[str, dict[str, torch.Tensor]]] = []
         self._fields: dict[str, list[int]] | None = None  # field -> trailing shape, fixed by the first sample
+        self._free_slots: list[int] = []  # indices of dropped damaged shards, refilled first
         try:
             self.manifest = self._load_or_create_manifest()
+            self.damaged = self._drop_damaged(verify)
         except BaseException:
             self._release()
             raise
@@ -155,6 +176,21 @@ class FeatureWriter:
         logger.info("%s: resuming, %d samples in %d shards already stored", self.out_dir, manifest["num_samples"],
                     len(manifest["shards"]))
         return manifest
+
+    def _drop_damaged(self, verify: str) -> list[dict[str, Any]]:
+        """Drop listed shards that fail the manifest check (`damaged` keeps their entries and `problem`)."""
+        damaged = [{**shard, "problem": problem} for shard in self.manifest["shards"]
+                   if (problem := shard_problem(self.out_dir / shard["file"], shard, verify))]
+        if not damaged:
+            return []
+        for shard in damaged:
+            logger.warning("%s; its %d samples are extracted again", shard["problem"], len(shard["samples"]))
+            (self.out_dir / shard["file"]).unlink(missing_ok=True)
+        dropped = {shard["file"] for shard in damaged}
+        self.manifest["shards"] = [s for s in self.manifest["shards"] if s["file"] not in dropped]
+        self._free_slots = sorted(_shard_index(name) for name in dropped)
+        self._write_manifest(complete=False)  # on disk at once: a crash from here on resumes the repair
+        return damaged
 
     def _cleanup(self) -> None:
         """Remove what a killed writer left behind: temp files and shards written but not yet in the manifest."""
@@ -219,7 +255,9 @@ class FeatureWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        index = len(self.manifest["shards"])
+        # a redone shard takes its old slot: samples come back in the order they were first added, so a damaged
+        # shard's samples refill it exactly and the shard list ends up as an undamaged run's
+        index = self._free_slots.pop(0) if self._free_slots else len(self.manifest["shards"])
         name = _shard_name(index)
         tensors = {f"{j}.{field}": t for j, (_, sample) in enumerate(self._pending) for field, t in sample.items()}
         sample_ids = [sid for sid, _ in self._pending]
@@ -235,6 +273,7 @@ class FeatureWriter:
         tokens = [int(sample["input_ids"].shape[0]) for _, sample in self._pending]
         self.manifest["shards"].append({"file": name, "samples": sample_ids, "num_tokens": tokens, "bytes": size,
                                         "sha256": digest})
+        self.manifest["shards"].sort(key=lambda shard: shard["file"])
         self._done.update(sample_ids)
         self._pending.clear()
         self._write_manifest(complete=False)
@@ -299,8 +338,7 @@ class FeatureReader(Dataset):
     """
 
     def __init__(self, path: str | Path, verify: str = "size", allow_incomplete: bool = False):
-        if verify not in ("hash", "size", "none"):
-            raise ValueError(f"unknown verify mode {verify!r}; valid: hash, size, none")
+        _check_verify(verify)
         root = Path(path)
         if not root.is_dir():
             raise FeatureStoreError(f"{root}: feature store directory not found")
@@ -375,14 +413,21 @@ class FeatureReader(Dataset):
         return self._num_bytes / max(self.num_tokens, 1)
 
 
-def _verify_shard(file: Path, shard: dict[str, Any], verify: str) -> None:
+def shard_problem(file: Path, shard: dict[str, Any], verify: str) -> str | None:
+    """Why `file` does not hold the manifest entry `shard` (missing; `verify` "size" or "hash" mismatch), else None."""
     if not file.is_file():
-        raise FeatureStoreError(f"{file}: shard listed in the manifest is missing")
+        return f"{file}: shard listed in the manifest is missing"
     if verify == "none":
-        return
+        return None
     size = file.stat().st_size
     if size != shard["bytes"]:
-        raise FeatureStoreError(f"{file}: size {size} bytes, manifest says {shard['bytes']} (truncated or replaced)")
+        return f"{file}: size {size} bytes, manifest says {shard['bytes']} (truncated or replaced)"
     if verify == "hash" and (digest := sha256_file(file)) != shard["sha256"]:
-        raise FeatureStoreError(f"{file}: sha256 {digest[:16]}... does not match the manifest's "
-                                f"{shard['sha256'][:16]}... (corrupt shard)")
+        return f"{file}: sha256 {digest[:16]}... does not match the manifest's {shard['sha256'][:16]}... " \
+               "(corrupt shard)"
+    return None
+
+
+def _verify_shard(file: Path, shard: dict[str, Any], verify: str) -> None:
+    if problem := shard_problem(file, shard, verify):
+        raise FeatureStoreError(f"{problem}; {_REDO}")

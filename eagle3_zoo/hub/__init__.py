@@ -12,7 +12,8 @@ from typing import Any
 
 _EXPORTS = {
     "card": ("render_card",),
-    "check": ("CheckReport", "DrafterCheckError", "Problem", "check_drafter", "vocab_mapping_problems"),
+    "check": ("CheckReport", "DrafterCheckError", "InvalidDrafterError", "Problem", "check_drafter",
+              "require_valid_drafter", "vocab_mapping_problems"),
     "convert": ("convert_to_canonical", "export_drafter", "import_drafter", "load_any_drafter"),
     "formats": ("CANONICAL_KEYS", "EXPORT_FORMATS", "FORMATS", "detect_format"),
     "live": ("LiveCheckResult", "live_check"),

@@ -107,6 +107,35 @@ class DrafterCheckError(ValueError):
         super().__init__(str(report))
 
 
+class InvalidDrafterError(DrafterCheckError):
+    """Raised by `require_valid_drafter`: one line with every error's code, message and fix."""
+
+    def __init__(self, report: CheckReport, purpose: str):
+        found = "; ".join(f"{p.code}: {p.message} (fix: {p.fix})" for p in report.errors).replace("\n", " ")
+        ValueError.__init__(self, f"{report.path}: refusing to {purpose} an invalid drafter: {found}")
+        self.report = report
+
+
+def require_valid_drafter(path_or_dir: str | Path, target_config: Any = None, *, purpose: str = "use") -> CheckReport:
+    """Run the checks of `eagle3-zoo check` and refuse a drafter with errors: the gate of eval, export and publish.
+
+    A drafter that fails here would otherwise end in a traceback deep in decoding or be copied as it is; warnings
+    (serving-engine quirks) do not block and stay in the returned report for the caller to show.
+
+    Args:
+        path_or_dir: the drafter folder (any supported format), or a file inside it.
+        target_config: optional target config to check sizes, vocab and aux layers against (see `check_drafter`).
+        purpose: what the caller is about to do, for the message ("evaluate", "export", "publish").
+
+    Raises:
+        InvalidDrafterError: a `DrafterCheckError` (ValueError) naming the folder and every error code.
+    """
+    report = check_drafter(path_or_dir, target_config)
+    if report.errors:
+        raise InvalidDrafterError(report, purpose)
+    return report
+
+
 def vocab_mapping_problems(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab_size: int,
                            check_dtypes: bool = True) -> list[Problem]:
     """Problems of a (d2t, t2d) pair: dtypes, every `i + d2t[i]` inside the target vocab and marked in t2d."""

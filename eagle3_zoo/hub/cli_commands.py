@@ -1,8 +1,9 @@
 """`eagle3-zoo export | check | publish | pull | zoo`: argparse registration and handlers returning exit codes.
 
 The lead's `eagle3_zoo/cli.py` calls `add_subparsers(subparsers)` and dispatches with `args.func(args)`. Handlers
-turn library exceptions into a one-line message on stderr and exit code 1; they never print the Hub token, and no
-command takes one on the command line (shell history, process lists): use `HF_TOKEN` or `hf auth login`.
+turn library exceptions into a one-line message on stderr and exit code 2 (as `eagle3-zoo` does for every command;
+exit code 1 = `check` / `pull` found problems); they never print the Hub token, and no command takes one on the
+command line (shell history, process lists): use `HF_TOKEN` or `hf auth login`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def _guard(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.N
         except (ValueError, KeyError, OSError, RuntimeError, HfHubHTTPError) as e:
             message = e.args[0] if isinstance(e, KeyError) and e.args else e
             print(f"error: {message}", file=sys.stderr)
-            return 1
+            return 2
 
     run.__name__ = handler.__name__
     return run
@@ -82,6 +83,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
     print(f"pulled {result.repo_id} ({result.format} format) into {result.path}")
     if result.converted_path:
         print(f"converted copy: {result.converted_path}")
+    elif args.convert_to:
+        print(f"not converted to {args.convert_to}: the check found errors")
     print(result.report if result.report.problems else "check: no problems found")
     return 0 if result.report.ok else 1
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from eagle3_zoo.hub.check import require_valid_drafter
 from eagle3_zoo.hub.formats import (
     CANONICAL_KEYS,
     EXPORT_FORMATS,
@@ -147,12 +148,16 @@ def export_drafter(
 
     Raises:
         ValueError: unknown format, or `out_dir` is `drafter_dir`.
+        InvalidDrafterError: `eagle3-zoo check` finds errors in `drafter_dir` (nothing is written): an export is
+            what serving engines load, so a broken drafter is never passed on, not even byte for byte.
     """
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; valid: {', '.join(EXPORT_FORMATS)}")
     src, out = Path(drafter_dir), Path(out_dir)
     if out.resolve() == src.resolve():
         raise ValueError(f"export target {out} is the drafter folder itself; choose another --out")
+    for problem in require_valid_drafter(src, purpose="export").warnings:
+        log.warning("%s: %s", src, problem)
     out.mkdir(parents=True, exist_ok=True)
     if EXPORT_FORMATS[fmt] == "sglang" and is_canonical(src):
         for name in (CONFIG_NAME, WEIGHTS_NAME):  # already canonical: keep the exact bytes

@@ -15,8 +15,8 @@ from typing import Any
 from eagle3_zoo.hub.check import CheckReport, check_drafter
 from eagle3_zoo.hub.convert import export_drafter
 from eagle3_zoo.hub.formats import EXPORT_FORMATS, detect_format
-from eagle3_zoo.hub.upload import resolve_endpoint
-from eagle3_zoo.hub.zoo import resolve_repo_id
+from eagle3_zoo.hub.upload import HubUnreachableError, hub_url, require_reachable, resolve_endpoint, unreachable_error
+from eagle3_zoo.hub.zoo import find_zoo, resolve_repo_id, zoo_hint
 
 log = logging.getLogger(__name__)
 
@@ -60,28 +60,70 @@ def pull(
         cache_dir: Hugging Face cache folder when `out_dir` is not given.
 
     Returns:
-        A `PullResult`; `result.report.ok` is False when the check found errors (the files are still there).
+        A `PullResult`; `result.report.ok` is False when the check found errors (the files are still there, and
+        nothing is converted).
 
     Raises:
-        ValueError: unknown `convert_to`, or a zoo entry that is not published.
+        ValueError: unknown `convert_to`, a zoo entry that is not published, or a name that is neither a zoo name
+            nor a repo on the endpoint (with the closest zoo names).
+        HubUnreachableError: the endpoint does not answer and no downloaded copy exists.
     """
     if convert_to is not None and convert_to not in EXPORT_FORMATS:
         raise ValueError(f"unknown convert_to={convert_to!r}; valid: {', '.join(EXPORT_FORMATS)}")
     repo_id = resolve_repo_id(repo_id_or_zoo_name)
-    from huggingface_hub import snapshot_download
-
-    path = Path(snapshot_download(
-        repo_id, revision=revision, endpoint=resolve_endpoint(endpoint), token=token,
-        local_dir=str(out_dir) if out_dir is not None else None,
-        cache_dir=str(cache_dir) if cache_dir is not None else None, allow_patterns=DRAFTER_PATTERNS,
-    ))
+    path = _download(repo_id_or_zoo_name, repo_id, revision=revision, endpoint=endpoint, token=token,
+                     local_dir=str(out_dir) if out_dir is not None else None,
+                     cache_dir=str(cache_dir) if cache_dir is not None else None)
     fmt = detect_format(path)
     report = check_drafter(path, target_config=target)
     log.info("pulled %s (%s format) into %s: %d error(s), %d warning(s)", repo_id, fmt, path, len(report.errors),
              len(report.warnings))
     converted = None
-    if convert_to is not None:
+    if convert_to is not None and not report.ok:
+        log.warning("%s: not converted to %s: the check found errors (see the report)", path, convert_to)
+    elif convert_to is not None:
         name = f"{repo_id.split('/')[-1]}-{EXPORT_FORMATS[convert_to]}"
         dest = Path(out_dir) / EXPORT_FORMATS[convert_to] if out_dir is not None else Path.cwd() / name
         converted = export_drafter(path, convert_to, dest)
     return PullResult(repo_id, path, fmt, report, converted)
+
+
+def _download(name: str, repo_id: str, *, revision: str | None, endpoint: str | None, **kwargs) -> Path:
+    """`snapshot_download` of a drafter's files; failures become one line saying what `name` is not.
+
+    The endpoint is probed first (a few seconds at most): unreachable, a copy downloaded before is used if there is
+    one, else the error names the endpoint instead of surfacing after the client's retries.
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    url = hub_url(endpoint)
+    entry = find_zoo(name)
+    what = f"zoo entry {entry.name!r} ({repo_id})" if entry else f"{name!r}"
+    download = dict(revision=revision, endpoint=resolve_endpoint(endpoint), allow_patterns=DRAFTER_PATTERNS, **kwargs)
+    try:
+        if not constants.HF_HUB_OFFLINE:
+            try:
+                require_reachable(endpoint)
+            except HubUnreachableError as unreachable:
+                try:
+                    path = snapshot_download(repo_id, local_files_only=True, **download)
+                except LocalEntryNotFoundError:
+                    raise unreachable from None
+                log.warning("%s; using the copy downloaded before: %s", unreachable, path)
+                return Path(path)
+        return Path(snapshot_download(repo_id, **download))
+    except RevisionNotFoundError:
+        raise ValueError(f"{what}: no revision {revision!r} on {url}") from None
+    except RepositoryNotFoundError:  # also private or gated repos without access
+        found = f"no repo {repo_id} on {url} (if it is private or gated: `hf auth login` or set HF_TOKEN)"
+        if entry:
+            raise ValueError(f"{what}: {found}") from None
+        raise ValueError(f"{what} is neither a known zoo name ({zoo_hint(name, list_all=False)}) nor a repo id on "
+                         f"the Hub: {found}") from None
+    except (HubUnreachableError, LocalEntryNotFoundError) as e:
+        cause = e if isinstance(e, HubUnreachableError) else unreachable_error(url, e.__cause__ or e)
+        if entry:
+            raise HubUnreachableError(f"cannot download {what}: {cause}") from None
+        raise HubUnreachableError(f"{what} is neither a known zoo name ({zoo_hint(name, list_all=False)}) nor a "
+                                  f"reachable repo id: {cause}") from None

@@ -4,7 +4,10 @@
 
 The token comes from huggingface_hub's usual sources (`token=`, `HF_TOKEN`, the cached `hf auth login`); it is only
 ever passed to `HfApi`, never written to the staged folder, the card or a log, and the staged files are scanned for
-it before anything is uploaded.
+it before anything is uploaded (`--dry-run` included). A failed publish removes its temporary stage.
+
+With no network, publishing fails within `PROBE_TIMEOUT_S` seconds with one line naming the endpoint (a
+`HubUnreachableError`) instead of an HTTP client traceback after the client's own retries and timeouts.
 """
 
 from __future__ import annotations
@@ -13,20 +16,29 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import eagle3_zoo
 from eagle3_zoo.hub.card import render_card
-from eagle3_zoo.hub.check import CheckReport, check_drafter
+from eagle3_zoo.hub.check import CheckReport, require_valid_drafter
 from eagle3_zoo.hub.convert import export_drafter
 from eagle3_zoo.hub.formats import EXPORT_FORMATS, load_drafter_config
 
 log = logging.getLogger(__name__)
 
+PROBE_TIMEOUT_S = 5.0  # seconds an unreachable Hub may take to fail (DNS included): fail fast, not after retries
+# base classes of "no answer at all" errors in the HTTP clients huggingface_hub uses (httpx, older: requests)
+_TRANSPORT_ERRORS = {"TransportError", "ConnectionError", "Timeout", "TimeoutException"}
+
 
 class TokenLeakError(RuntimeError):
     """The Hub token was found in a staged file; nothing was uploaded."""
+
+
+class HubUnreachableError(ConnectionError):
+    """The Hub endpoint did not answer (no network, DNS, proxy, firewall, wrong `--endpoint`)."""
 
 
 @dataclass
@@ -48,6 +60,81 @@ def resolve_endpoint(endpoint: str | None) -> str | None:
     return endpoint or os.environ.get("HF_ENDPOINT") or None
 
 
+def hub_url(endpoint: str | None) -> str:
+    """The URL requests go to: `resolve_endpoint(endpoint)`, else huggingface_hub's default."""
+    from huggingface_hub import constants
+
+    return (resolve_endpoint(endpoint) or constants.ENDPOINT).rstrip("/")
+
+
+def unreachable_error(url: str, cause: BaseException | str) -> HubUnreachableError:
+    """One line: which endpoint did not answer, why, and what to do."""
+    if not isinstance(cause, str):
+        first_line = next(iter(str(cause).splitlines()), "")
+        cause = f"{type(cause).__name__}: {first_line}" if first_line else type(cause).__name__
+    return HubUnreachableError(f"Hub endpoint {url} is not reachable ({cause}); check the network or "
+                               "proxy (HTTPS_PROXY), or pass --endpoint / set HF_ENDPOINT to a reachable Hub")
+
+
+def is_transport_error(error: BaseException) -> bool:
+    """Whether `error` means no answer came back (refused, DNS, timeout), as opposed to an HTTP error status."""
+    if isinstance(error, (ConnectionError, TimeoutError)):
+        return True
+    return any(c.__name__ in _TRANSPORT_ERRORS and c.__module__.split(".")[0] in ("httpx", "httpx2", "requests")
+               for c in type(error).__mro__)
+
+
+def require_reachable(endpoint: str | None, timeout: float | None = None) -> str:
+    """Return the Hub URL if it answers an HTTP request within `timeout` seconds (default `PROBE_TIMEOUT_S`; any
+    status counts as an answer), else raise.
+
+    The probe runs in a daemon thread joined with a deadline: the client's connect timeout does not cover DNS.
+
+    Raises:
+        HubUnreachableError: no answer (or `HF_HUB_OFFLINE` is set).
+    """
+    from huggingface_hub import constants, get_session
+
+    url = hub_url(endpoint)
+    timeout = PROBE_TIMEOUT_S if timeout is None else timeout
+    if constants.HF_HUB_OFFLINE:
+        raise unreachable_error(url, "HF_HUB_OFFLINE is set")
+    outcome: dict[str, BaseException | None] = {}
+
+    def probe() -> None:
+        try:
+            get_session().head(url, timeout=timeout)  # no token: an anonymous request is enough to see an answer
+            outcome["error"] = None
+        except Exception as e:  # any failure to get an answer means unreachable
+            outcome["error"] = e
+
+    thread = threading.Thread(target=probe, name="eagle3-zoo-hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if "error" not in outcome:
+        raise unreachable_error(url, f"no answer within {timeout:g} s")
+    if outcome["error"] is not None:
+        raise unreachable_error(url, outcome["error"])
+    return url
+
+
+def check_repo_id(repo_id: str) -> None:
+    """The repo-id check the Hub client applies on upload, run locally first (so `--dry-run` applies it too).
+
+    Raises:
+        ValueError: not ORG/NAME of letters, digits, '-', '_' and '.' (huggingface_hub's `validate_repo_id`).
+    """
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+        if "/" not in repo_id:  # the Hub would put it under the token's user; the card's snippets need the full id
+            raise ValueError("no ORG/ namespace")
+    except ValueError as e:
+        raise ValueError(f"--repo-id {repo_id!r} is not a Hub repo id ({e}); expected ORG/NAME of letters, digits, "
+                         "'-', '_' and '.', e.g. my-org/smollm2-135m-eagle3") from None
+
+
 def stage(drafter_dir: str | Path, stage_dir: str | Path, repo_id: str | None = None, fmt: str = "sglang",
           **card_overrides) -> list[str]:
     """Write the folder to upload: weights + config in `fmt`, README.md card, plots, recipe, results, provenance.
@@ -63,14 +150,27 @@ def stage(drafter_dir: str | Path, stage_dir: str | Path, repo_id: str | None = 
     return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
 
 
-def _scan_for_token(folder: Path, token: str | None) -> None:
+def _scan_for_token(folder: Path, token: str | None, drafter_dir: str | Path) -> None:
     if not token:
         return
     needle = token.encode()
-    for path in folder.rglob("*"):
+    for path in sorted(folder.rglob("*")):
         if path.is_file() and needle in path.read_bytes():
-            raise TokenLeakError(f"{path}: contains the Hub token; refusing to upload. Remove it from the drafter "
-                                 "folder's files (recipe.yaml / provenance.json?) and publish again")
+            raise TokenLeakError(f"staged {path.relative_to(folder)} contains the Hub token; refusing to publish. "
+                                 f"Remove it from the files of {drafter_dir} (recipe.yaml / provenance.json, whose "
+                                 "paths and values the model card shows) and publish again")
+
+
+def _remove_stage(out: Path, temporary: bool) -> None:
+    """Undo a stage: the temporary folder, or what was staged into the caller's (empty or new) folder."""
+    if temporary:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for path in out.iterdir() if out.is_dir() else ():
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def publish(
@@ -102,31 +202,57 @@ def publish(
         card_overrides: passed to `render_card` (e.g. `license`, `tags`).
 
     Raises:
+        ValueError: `repo_id` is not ORG/NAME (checked before anything else, dry run included).
         DrafterCheckError: the static check found errors (nothing staged or sent).
-        TokenLeakError: the token appears in a staged file (nothing sent).
+        TokenLeakError: the token appears in a staged file (nothing sent; the staged files are removed).
+        HubUnreachableError: the endpoint does not answer (within `PROBE_TIMEOUT_S` seconds).
     """
-    report = check_drafter(drafter_dir)
-    report.raise_for_errors()
-    for problem in report.warnings:
-        log.warning("%s", problem)
+    check_repo_id(repo_id)
+    report = require_valid_drafter(drafter_dir, purpose="publish")  # its warnings are logged by the export
     temporary = stage_dir is None
     out = Path(tempfile.mkdtemp(prefix="eagle3-zoo-publish-")) if temporary else Path(stage_dir)
-    files = stage(drafter_dir, out, repo_id=repo_id, fmt=fmt, **card_overrides)
-    check_drafter(out).raise_for_errors()  # what is uploaded, not only its source, must load
-    if dry_run:
-        log.info("dry run: staged %d files in %s for %s; no request was made", len(files), out, repo_id)
-        return PublishResult(repo_id, out, True, files, report)
-    from huggingface_hub import HfApi, get_token
+    if not temporary and out.exists() and any(out.iterdir()):  # before the cleanup below could touch its files
+        raise ValueError(f"stage folder {out} is not empty; pass an empty or new folder")
+    from huggingface_hub import get_token
 
-    _scan_for_token(out, token or get_token())
+    try:
+        files = stage(drafter_dir, out, repo_id=repo_id, fmt=fmt, **card_overrides)
+        require_valid_drafter(out, purpose="publish")  # what is uploaded, not only its source, must load
+        _scan_for_token(out, token or get_token(), drafter_dir)  # a dry run stages what would be uploaded: same scan
+        if dry_run:
+            log.info("dry run: staged %d files in %s for %s; no request was made", len(files), out, repo_id)
+            return PublishResult(repo_id, out, True, files, report)
+        result = _upload(out, drafter_dir, repo_id, files, report, private=private, create_pr=create_pr,
+                         token=token, endpoint=endpoint, commit_message=commit_message)
+    except BaseException as e:
+        # a temporary stage is nobody's to clean up later; a staged token must not stay on disk either
+        if temporary or isinstance(e, TokenLeakError):
+            _remove_stage(out, temporary)
+        raise
+    if temporary:
+        shutil.rmtree(out, ignore_errors=True)
+        result.stage_dir = None
+    return result
+
+
+def _upload(out: Path, drafter_dir: str | Path, repo_id: str, files: list[str], report: CheckReport, *,
+            private: bool, create_pr: bool, token: str | None, endpoint: str | None,
+            commit_message: str | None) -> PublishResult:
+    """Create the repo and upload the staged folder in one commit; a lost connection becomes one line."""
+    from huggingface_hub import HfApi
+
+    url = require_reachable(endpoint)
     cfg, _ = load_drafter_config(drafter_dir)
     message = commit_message or (f"EAGLE-3 drafter for {cfg.target_name_or_path or 'its target'} "
                                  f"(eagle3-zoo {eagle3_zoo.__version__})")
     api = HfApi(endpoint=resolve_endpoint(endpoint), token=token)
-    repo_url = api.create_repo(repo_id, exist_ok=True, private=private)
-    commit = api.upload_folder(repo_id=repo_id, folder_path=out, commit_message=message, create_pr=create_pr)
+    try:
+        repo_url = api.create_repo(repo_id, exist_ok=True, private=private)
+        commit = api.upload_folder(repo_id=repo_id, folder_path=out, commit_message=message, create_pr=create_pr)
+    except Exception as e:
+        if is_transport_error(e):  # the connection dropped after the probe
+            raise unreachable_error(url, e) from e
+        raise
     log.info("published %s: %s", repo_id, commit.commit_url)
-    if temporary:
-        shutil.rmtree(out, ignore_errors=True)
-    return PublishResult(repo_id, None if temporary else out, False, files, report, repo_url=str(repo_url),
-                         commit_url=commit.commit_url, pr_url=commit.pr_url)
+    return PublishResult(repo_id, out, False, files, report, repo_url=str(repo_url), commit_url=commit.commit_url,
+                         pr_url=commit.pr_url)

@@ -58,14 +58,26 @@ def show_zoo(name: str) -> ZooEntry:
     Raises:
         KeyError: unknown name, with the closest names.
     """
+    entry = find_zoo(name)
+    if entry is None:
+        raise KeyError(f"no zoo entry named {name!r}; {zoo_hint(name)}")
+    return entry
+
+
+def find_zoo(name: str) -> ZooEntry | None:
+    """The entry whose zoo name or Hub repo id is `name` (case-insensitive), else None."""
+    return next((e for e in list_zoo() if name.lower() in (e.name.lower(), (e.repo_id or "").lower())), None)
+
+
+def zoo_hint(name: str, list_all: bool = True) -> str:
+    """"did you mean A, B?" with the zoo names (or repo ids) closest to `name`; else the known names (`list_all`)
+    or a pointer to `eagle3-zoo zoo list`."""
     entries = list_zoo()
-    for entry in entries:
-        if name.lower() in (entry.name.lower(), (entry.repo_id or "").lower()):
-            return entry
-    names = [e.name for e in entries]
-    close = difflib.get_close_matches(name.lower(), names, n=3, cutoff=0.5)
-    hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(names)}"
-    raise KeyError(f"no zoo entry named {name!r}{hint}")
+    by_lower = {e.name.lower(): e.name for e in entries} | {e.repo_id.lower(): e.repo_id for e in entries if e.repo_id}
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.5)
+    if close:
+        return f"did you mean {', '.join(by_lower[c] for c in close)}?"
+    return f"known: {', '.join(e.name for e in entries)}" if list_all else "see `eagle3-zoo zoo list`"
 
 
 def target_hub_id(target: str | None) -> str | None:
@@ -84,9 +96,8 @@ def resolve_repo_id(name: str) -> str:
     Raises:
         ValueError: the zoo entry is not published (nothing to download).
     """
-    try:
-        entry = show_zoo(name)
-    except KeyError:
+    entry = find_zoo(name)
+    if entry is None:
         return name
     if not entry.repo_id:
         raise ValueError(f"zoo entry {entry.name!r} is {entry.status}: nothing to download. "

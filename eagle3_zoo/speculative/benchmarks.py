@@ -114,7 +114,8 @@ def load_benchmark(name_or_path: str, limit: int | None = None, spread: bool = F
             two of every category.
 
     Raises:
-        ValueError: unknown name / malformed record (file and line named). FileNotFoundError: missing data.
+        ValueError: unknown name / malformed record (file and line named) / a file without records.
+        FileNotFoundError: missing data.
     """
     if name_or_path == "mtbench":
         path = mtbench_path()
@@ -128,6 +129,9 @@ def load_benchmark(name_or_path: str, limit: int | None = None, spread: bool = F
         if not path.is_file():
             raise ValueError(f"unknown benchmark {name_or_path!r}: not a file; built-in: {', '.join(BUILTIN)}")
         prompts = [_record_prompt(r, f"{path}:{lineno}", i) for i, (lineno, r) in enumerate(_read_jsonl(path))]
+        if not prompts:  # an evaluation of nothing would report 0 requests and exit 0
+            raise ValueError(f"{path}: empty benchmark file (no records); expected one JSON object per line with "
+                             "'turns', 'messages'/'conversations' or 'prompt'")
     if limit is not None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")

@@ -79,6 +79,7 @@ def run_eval_cli(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from eagle3_zoo.adapters import load_target
+    from eagle3_zoo.hub.check import require_valid_drafter
     from eagle3_zoo.modeling import Eagle3Drafter
     from eagle3_zoo.speculative.evaluation import evaluate, evaluate_shapes, format_shapes_table, format_table
 
@@ -91,12 +92,16 @@ def run_eval_cli(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    drafter = Eagle3Drafter.from_pretrained(args.drafter, dtype=dtype, device=device).eval()
-    target_name = args.target or drafter.config.target_name_or_path
+    # the checks of `eagle3-zoo check`, so that a broken drafter is refused with its problem codes instead of
+    # failing deep in decoding: on its own before the (possibly large) target loads, then against the target
+    report = require_valid_drafter(args.drafter, purpose="evaluate")
+    target_name = args.target or report.config.target_name_or_path
     if not target_name:
         raise ValueError(f"{args.drafter}: the drafter config names no target (eagle3_zoo.target_name_or_path); "
                          f"pass --target")
     target, tokenizer, adapter = load_target(target_name, dtype=dtype, device=device)
+    require_valid_drafter(args.drafter, target.config, purpose=f"evaluate with target {target_name}")
+    drafter = Eagle3Drafter.from_pretrained(args.drafter, dtype=dtype, device=device).eval()
     common = dict(
         temperature=args.temperature, max_new_tokens=args.max_new_tokens, limit=args.limit, spread=args.spread,
         sample_top_k=args.sample_top_k, sample_top_p=args.sample_top_p, baseline=not args.no_baseline,

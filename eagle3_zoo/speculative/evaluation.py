@@ -4,6 +4,7 @@ speedup and the lossless check (see `metrics.PROTOCOL`). Reports: a dict, a JSON
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import sys
@@ -30,6 +31,10 @@ from eagle3_zoo.speculative.draft import DraftModel
 from eagle3_zoo.speculative.generate import SpeculativeGenerator, eos_ids, plain_generate, tree_spec
 from eagle3_zoo.speculative.metrics import PROTOCOL, BenchStats
 from eagle3_zoo.speculative.shapes import TreeSpec
+
+log = logging.getLogger(__name__)
+# where HF configs keep the context length (Llama/Qwen/DeepSeek, GPT-2, some remote-code models)
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
 def turn_input_ids(prompt: BenchPrompt, turn: int, history: list[dict[str, str]], tokenizer: Any) -> torch.Tensor:
@@ -95,7 +100,12 @@ def evaluate(
         extra_settings: Merged into ``results["settings"]`` (e.g. the drafter path).
 
     Returns:
-        The results dict (``protocol, settings, machine, versions, benchmarks, overall, lossless, requests``).
+        The results dict (``protocol, settings, machine, versions, benchmarks, overall, lossless, requests,
+        skipped``). A request whose prompt plus `max_new_tokens` exceeds the target's context is not decoded: it is
+        logged, counted (``skipped`` of its benchmark and of ``overall``) and listed with its reason in ``skipped``.
+
+    Raises:
+        ValueError: bad benchmark names or files, or no request fits the target's context.
     """
     bench_names, loaded = _load_benches(benches, limit, spread)
     sampling = SamplingParams(temperature=temperature, top_k=sample_top_k, top_p=sample_top_p)
@@ -221,6 +231,14 @@ def _decode(generators: Sequence[SpeculativeGenerator], target: nn.Module, token
     """Decode every request with each generator, then (optionally) plain decoding; per generator its
     ``benchmarks, overall, lossless, requests``."""
     device = generators[0].runner.device
+    context = context_length(target)
+
+    def too_long(ids: torch.Tensor) -> str | None:
+        """Why a request cannot run within the target's context (positions past it are outside its training)."""
+        if context is None or ids.numel() + max_new_tokens <= context:
+            return None
+        return (f"{ids.numel()} prompt tokens + max_new_tokens {max_new_tokens} exceed the target's context of "
+                f"{context} tokens")
 
     def rng(index: int) -> torch.Generator | None:
         return None if sampling.greedy else torch.Generator(device=device).manual_seed(seed + index)
@@ -230,20 +248,29 @@ def _decode(generators: Sequence[SpeculativeGenerator], target: nn.Module, token
         base_out = plain_generate(target, ids, n_new, sampling, stop, rng(index)) if baseline else None
         return spec_outs, base_out
 
-    first = next((p for b in loaded for p in b.prompts), None)
+    first_turns = (turn_input_ids(p, 0, [], tokenizer) for b in loaded for p in b.prompts)
+    first = next((ids for ids in first_turns if too_long(ids) is None), None)
     for _ in range(warmup if first is not None else 0):
-        run(turn_input_ids(first, 0, [], tokenizer), 0, min(max_new_tokens, 32))
+        run(first, 0, min(max_new_tokens, 32))
 
-    found: list[dict[str, Any]] = [{"benchmarks": {}, "requests": {}} for _ in generators]
-    overall, index = [BenchStats() for _ in generators], 0
+    found: list[dict[str, Any]] = [{"benchmarks": {}, "requests": {}, "skipped": {}} for _ in generators]
+    overall, index, total_skipped = [BenchStats() for _ in generators], 0, 0
     for bench in loaded:
-        stats, rows = [BenchStats() for _ in generators], [[] for _ in generators]
+        stats, rows, skipped = [BenchStats() for _ in generators], [[] for _ in generators], []
         for prompt in tqdm(bench.prompts, desc=bench.name, disable=not progress, unit="prompt"):
             history: list[dict[str, str]] = []
             n_turns = len(prompt.turns) if prompt.is_chat else 1
             for turn in range(n_turns):
                 ids = turn_input_ids(prompt, turn, history, tokenizer)
                 rid = prompt.id if n_turns == 1 else f"{prompt.id}/turn{turn + 1}"
+                if reason := too_long(ids):
+                    log.warning("%s: skipping request %s: %s", bench.name, rid, reason)
+                    skipped.append({"id": rid, "prompt_tokens": int(ids.numel()), "reason": reason})
+                    # later turns build on this turn's answer, which does not exist
+                    skipped += [{"id": f"{prompt.id}/turn{later + 1}", "prompt_tokens": None,
+                                 "reason": f"turn {turn + 1} of this prompt was skipped"}
+                                for later in range(turn + 1, n_turns)]
+                    break
                 spec_outs, base_out = run(ids, index)
                 index += 1
                 for k, spec_out in enumerate(spec_outs):
@@ -252,15 +279,38 @@ def _decode(generators: Sequence[SpeculativeGenerator], target: nn.Module, token
                 # the next turn is conditioned on the model's own answer (MT-bench protocol)
                 history.append({"role": "assistant",
                                 "content": tokenizer.decode(spec_outs[0].tokens, skip_special_tokens=True)})
+        total_skipped += len(skipped)
         for k in range(len(generators)):
             found[k]["benchmarks"][bench.name] = {"source": bench.source, "prompts": len(bench.prompts),
-                                                  **stats[k].summary()}
+                                                  **stats[k].summary(), "skipped": len(skipped)}
             found[k]["requests"][bench.name] = rows[k]
+            found[k]["skipped"][bench.name] = skipped
             overall[k].merge(stats[k])
+    if total_skipped:
+        done = overall[0].requests
+        if not done:
+            raise ValueError(f"no request of {', '.join(b.source for b in loaded)} fits the target's context of "
+                             f"{context} tokens with max_new_tokens={max_new_tokens} (all {total_skipped} skipped); "
+                             "lower --max-new-tokens or use shorter prompts")
+        log.warning("skipped %d of %d requests that exceed the target's context of %d tokens with max_new_tokens=%d "
+                    "(listed under 'skipped' in the results)", total_skipped, total_skipped + done, context,
+                    max_new_tokens)
     for k, res in enumerate(found):
-        res["overall"] = overall[k].summary()
+        res["overall"] = {**overall[k].summary(), "skipped": total_skipped}
         res["lossless"] = res["overall"]["lossless"]
     return found
+
+
+def context_length(target: nn.Module) -> int | None:
+    """The target's context length in tokens from its config (None if the config does not say)."""
+    config = getattr(target, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    for key in _CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def _common_settings(target: nn.Module, generator: SpeculativeGenerator, sampling: SamplingParams,
@@ -408,7 +458,8 @@ def format_shapes_table(results: dict[str, Any], max_depth: int = 3) -> str:
         speedup = fastest["overall"]["speedup"]
         slower = "; plain decoding is faster still on this machine with this drafter" if speedup < 1 else ""
         lines += ["", f"fastest here: {fastest['shape']} ({speedup:.2f}x{slower}); the same shape in SGLang: {flags}"]
-    return "\n".join([*lines, "", "protocol: " + results["protocol"]])
+    skipped = _skipped_note(results["shapes"][0]["overall"]) if results["shapes"] else []
+    return "\n".join([*lines, *skipped, "", "protocol: " + results["protocol"]])
 
 
 def format_table(results: dict[str, Any], max_depth: int = 6) -> str:
@@ -432,4 +483,10 @@ def format_table(results: dict[str, Any], max_depth: int = 6) -> str:
     setting = (f"mode={s['mode']} depth={s['depth']} top_k={s['top_k']} total_tokens={s['total_tokens']} "
                f"min_prob={s.get('min_prob', 0):g} "
                f"T={s['temperature']} max_new_tokens={s['max_new_tokens']} device={s['device']}")
-    return "\n".join([setting, *lines, "", "protocol: " + results["protocol"]])
+    return "\n".join([setting, *lines, *_skipped_note(results["overall"]), "", "protocol: " + results["protocol"]])
+
+
+def _skipped_note(overall: dict[str, Any]) -> list[str]:
+    n = overall.get("skipped")
+    return [f"skipped: {n} request(s) exceeding the target's context (listed under 'skipped' in the results JSON)"] \
+        if n else []
