@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class ProgressLogCallback(L.Callback):
         self.every_n_steps = max(1, every_n_steps)
         self._start = time.monotonic()
         self._last_step = -1
+        self._tokens = 0
 
     @staticmethod
     def _line(metrics: dict[str, Any], prefix: str) -> str:
@@ -89,11 +91,14 @@ class ProgressLogCallback(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step = trainer.global_step
+        self._tokens += batch_tokens(batch)
         # with gradient accumulation several batches end on the same optimizer step: one line per step
         if trainer.is_global_zero and step % self.every_n_steps == 0 and step > 0 and step != self._last_step:
             self._last_step = step
             elapsed = time.monotonic() - self._start
-            logger.info("step %d (%.1f s): %s", step, elapsed, self._line(trainer.callback_metrics, "train"))
+            of = f"/{trainer.max_steps}" if trainer.max_steps > 0 else ""
+            logger.info("step %d%s (%.1f s, %.0f tokens/s on this rank): %s", step, of, elapsed,
+                        self._tokens / max(elapsed, 1e-9), self._line(trainer.callback_metrics, "train"))
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -105,3 +110,57 @@ def _metric_order(key: str) -> tuple[int, str, int]:
     name = key.split("/", 1)[1]
     base, _, k = name.rpartition("_")
     return (0 if name == "loss" else 1, base if k.isdigit() else name, int(k) if k.isdigit() else -1)
+
+
+def batch_tokens(batch: Any) -> int:
+    """Input tokens of a right-padded batch (padding excluded)."""
+    if isinstance(batch, dict) and "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return int(batch["input_ids"].numel()) if isinstance(batch, dict) and "input_ids" in batch else 0
+
+
+class StepProgressBar(TQDMProgressBar):
+    """The training bar of a step-limited run counts optimizer steps of `max_steps` across epochs and resumes (the
+    stock bar shows `Epoch 2/-2` and batches of the epoch), and shows the loss, `acc_0` and tokens/s, not `v_num`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._t0, self._tokens = 0.0, 0
+
+    def _count_steps(self, trainer: L.Trainer) -> None:
+        bar = self._train_progress_bar
+        if trainer.max_steps > 0 and bar is not None:
+            # the rate counts the steps since this bar (re)started, not the ones a resumed run did before
+            bar.total, bar.n, bar.initial = trainer.max_steps, trainer.global_step, trainer.global_step
+            bar.set_description(f"step (epoch {trainer.current_epoch})")  # refreshes the bar
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        super().on_train_start(trainer, *args)
+        self._t0, self._tokens = time.monotonic(), 0
+        self._count_steps(trainer)  # a run resumed mid-epoch gets no on_train_epoch_start for that epoch
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        super().on_train_epoch_start(trainer, *args)
+        self._count_steps(trainer)
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._tokens += batch_tokens(batch)
+        if trainer.max_steps <= 0:
+            return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        bar, step = self._train_progress_bar, trainer.global_step
+        if bar is not None and not bar.disable and self._should_update(step, bar.total):
+            bar.n = step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
+
+    @override
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        elapsed = time.monotonic() - self._t0
+        if self._tokens and elapsed > 0:
+            items["tok/s"] = f"{self._tokens / elapsed:.0f}"
+        return items
