@@ -26,11 +26,8 @@ run would have written it.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import logging
-import os
 from bisect import bisect_right
 from pathlib import Path
 from typing import Any
@@ -41,13 +38,14 @@ from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
 from eagle3_zoo.data.readers import DataError
+from eagle3_zoo.modeling.dtypes import dtype_name, torch_dtype
+from eagle3_zoo.modeling.io import atomic_write, atomic_write_bytes, sha256_file  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT = "eagle3-zoo-features"
 VERSION = 1
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 REQUIRED_FIELDS = ("input_ids", "loss_mask")
 VERIFY_MODES = ("hash", "size", "none")
 # a shard that fails its manifest check is redone by the feature job (`prepare` verifies hashes, `fit` sizes)
@@ -72,43 +70,6 @@ def _check_verify(verify: str) -> str:
     return verify
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # not every filesystem lets a directory be fsynced
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write a file so readers see either the old or the new content: temp file, fsync, rename, fsync dir."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _dtype_name(dtype: str | torch.dtype) -> str:
-    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise ValueError(f"unknown features dtype {dtype!r}; valid: {', '.join(DTYPES)}")
-    return name
-
-
 class FeatureWriter:
     """Write samples into shards of `shard_size_samples`; resumes an interrupted store in `out_dir`.
 
@@ -130,7 +91,7 @@ class FeatureWriter:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.shard_size = shard_size_samples
-        self.dtype = _dtype_name(dtype)
+        self.dtype = dtype_name(dtype, "features dtype")
         self.meta = json.loads(json.dumps(meta or {}))  # normalised; fails early if not JSON-serialisable
         self._lock = self._acquire_lock()
         self._pending: list[tuple[str, dict[str, torch.Tensor]]] = []
@@ -243,7 +204,7 @@ class FeatureWriter:
             elif name == "loss_mask":
                 t = t.to(torch.uint8)
             elif t.is_floating_point():
-                t = t.to(DTYPES[self.dtype])
+                t = t.to(torch_dtype(self.dtype))
             out[name] = t.detach().cpu().contiguous()
         fields = {name: list(t.shape[1:]) for name, t in out.items()}
         if self._fields is None:
@@ -261,15 +222,11 @@ class FeatureWriter:
         name = _shard_name(index)
         tensors = {f"{j}.{field}": t for j, (_, sample) in enumerate(self._pending) for field, t in sample.items()}
         sample_ids = [sid for sid, _ in self._pending]
-        tmp = self.out_dir / f".{name}.tmp-{os.getpid()}"
         # One metadata entry only: safetensors stores metadata in a Rust HashMap whose order varies per process,
         # so several entries would make identical shards hash differently across runs.
-        save_file(tensors, str(tmp), metadata={FORMAT: json.dumps({"sample_ids": sample_ids, "version": VERSION})})
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        digest, size = sha256_file(tmp), tmp.stat().st_size
-        os.replace(tmp, self.out_dir / name)
-        _fsync_dir(self.out_dir)
+        meta = {FORMAT: json.dumps({"sample_ids": sample_ids, "version": VERSION})}
+        atomic_write(self.out_dir / name, lambda tmp: save_file(tensors, tmp, metadata=meta))
+        digest, size = sha256_file(self.out_dir / name), (self.out_dir / name).stat().st_size
         tokens = [int(sample["input_ids"].shape[0]) for _, sample in self._pending]
         self.manifest["shards"].append({"file": name, "samples": sample_ids, "num_tokens": tokens, "bytes": size,
                                         "sha256": digest})

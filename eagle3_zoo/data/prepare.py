@@ -20,7 +20,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
-from eagle3_zoo.data.features import atomic_write_bytes
 from eagle3_zoo.data.readers import ReadStats, read_sources, split_train_val
 from eagle3_zoo.data.tokenize import TokenStats, supervised_token_counts, tokenize_conversations
 from eagle3_zoo.data.vocab_cache import (
@@ -30,6 +29,7 @@ from eagle3_zoo.data.vocab_cache import (
     tokenizer_fingerprint,
     vocab_cache_key,
 )
+from eagle3_zoo.modeling.io import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 

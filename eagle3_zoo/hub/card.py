@@ -25,6 +25,7 @@ from eagle3_zoo.hub.weights import FLOAT_DTYPES, read_infos
 log = logging.getLogger(__name__)
 
 TEMPLATE = "model_card.md.j2"
+_UNSHOWN_SETTINGS = ("eos_token_ids", "drafter", "drafter_weights_sha256")  # local paths and digests
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _DATA_SUFFIXES = (".json", ".jsonl", ".gz", ".parquet")
 BASE_TAGS = ("eagle3", "speculative-decoding", "draft-model", "eagle3-zoo")
@@ -50,6 +51,23 @@ def _read_json(path: Path) -> dict[str, Any]:
         log.warning("%s: not valid JSON (%s); the card leaves it out", path, e)
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _eval_results(path: Path) -> dict[str, Any]:
+    """An `eval` results file, or {} when it was measured on other weights than the folder's (e.g. a rerun of `fit`
+    replaced them and kept the old results): its figures would be false on this card."""
+    results = _read_json(path)
+    recorded = (results.get("settings") or {}).get("drafter_weights_sha256") if isinstance(
+        results.get("settings"), dict) else None
+    if not results or recorded is None:
+        return results
+    from eagle3_zoo.hub.weights import weights_digest
+
+    if recorded != weights_digest(path.parent):
+        log.warning("%s was measured on other weights than %s holds now (sha256 %s...): left off the card; rerun "
+                    "`eagle3-zoo eval` to measure these weights", path, path.parent, recorded[:12])
+        return {}
+    return results
 
 
 def _cell(value: Any) -> str:
@@ -177,9 +195,10 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
     recipe_path = folder / "recipe.yaml"
     recipe_text = recipe_path.read_text(encoding="utf-8").strip() if recipe_path.is_file() else ""
     recipe = (yaml.safe_load(recipe_text) if recipe_text else None) or {}
-    prov, results = _read_json(folder / "provenance.json"), _read_json(folder / "eval_results.json")
+    prov = _read_json(folder / "provenance.json")
+    results = _eval_results(folder / "eval_results.json")
     # more runs of `eagle3-zoo eval` (other draft shapes) saved as eval_results_<name>.json: rows labelled by shape
-    more = [_read_json(p) for p in sorted(folder.glob("eval_results_*.json")) if p.is_file()]
+    more = [r for r in map(_eval_results, sorted(folder.glob("eval_results_*.json"))) if r]
     benchmarks = _benchmarks(results, _draft_shape(results) if more else None)
     for extra in more:
         if isinstance(extra.get("shapes"), list):  # an `eval --shapes` comparison: rows per shape
@@ -205,7 +224,7 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
         "format_description": _FORMAT_NOTES.get(fmt, _FORMAT_NOTES["sglang"])[0],
         "usage_note": _FORMAT_NOTES.get(fmt, _FORMAT_NOTES["sglang"])[1],
         "benchmarks": benchmarks, "protocol": _describe(results.get("protocol")),
-        "settings": _describe({k: v for k, v in settings.items() if k not in ("eos_token_ids", "drafter")}),
+        "settings": _describe({k: v for k, v in settings.items() if k not in _UNSHOWN_SETTINGS}),
         "machine": _describe(results.get("machine")),
         "decoding": "greedy, T=0" if temperature in (None, 0, 0.0) else f"lossless sampling, T={temperature}",
         "plots": [{"file": p.name, "alt": _plot_caption(p)} for p in extra_files(folder) if p.suffix == ".png"],

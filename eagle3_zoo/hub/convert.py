@@ -29,6 +29,7 @@ from eagle3_zoo.hub.formats import (
 )
 from eagle3_zoo.hub.weights import SAFETENSORS_NAME, load_weights
 from eagle3_zoo.modeling import CONFIG_NAME, WEIGHTS_NAME, Eagle3Drafter, identity_vocab
+from eagle3_zoo.modeling.dtypes import torch_dtype
 from eagle3_zoo.modeling.io import atomic_write, atomic_write_text
 
 __all__ = ["CANONICAL_KEYS", "convert_to_canonical", "export_drafter", "extra_files", "import_drafter",
@@ -39,7 +40,6 @@ log = logging.getLogger(__name__)
 # files next to the weights that travel with every export: the resolved recipe, provenance, eval results
 EXTRA_FILES = ("recipe.yaml", "provenance.json", "eval_results.json")
 EXTRA_GLOBS = ("eval_results_*.json", "*.png")  # more eval runs (other draft shapes), per-depth plots
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def extra_files(drafter_dir: str | Path) -> list[Path]:
@@ -113,14 +113,14 @@ def import_drafter(path: str | Path, dtype: torch.dtype | None = None, device: s
         raise ValueError(f"{folder} ({fmt} format): missing keys {missing}, unexpected keys {unexpected}, "
                          f"wrong shapes {wrong}; run `eagle3-zoo check {folder}` for details")
     model.load_state_dict(state)
-    model.to(device=device, dtype=dtype or _DTYPES[cfg.torch_dtype])
+    model.to(device=device, dtype=dtype or torch_dtype(cfg.torch_dtype))
     return model
 
 
 def _write_speculators(drafter: Eagle3Drafter, out: Path, num_speculative_tokens: int,
                        verifier_architectures: list[str] | None) -> None:
     config = speculators_config(drafter.config, num_speculative_tokens, verifier_architectures)
-    dtype = _DTYPES[drafter.config.torch_dtype]
+    dtype = torch_dtype(drafter.config.torch_dtype)
     tensors = {format_name(k, "speculators"): (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu()
                for k, v in drafter.state_dict().items()}
     atomic_write(out / SAFETENSORS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))

@@ -75,6 +75,19 @@ def find_weight_files(folder: str | Path) -> tuple[str, list[Path]]:
     )
 
 
+def weights_digest(folder: str | Path) -> str:
+    """sha256 over a checkpoint folder's weight files (in order): what `eval` records, so that results can be tied
+    to the weights they were measured on."""
+    from eagle3_zoo.modeling.io import sha256_file
+
+    _, files = find_weight_files(folder)
+    if len(files) == 1:
+        return sha256_file(files[0])
+    import hashlib
+
+    return hashlib.sha256("".join(sha256_file(f) for f in files).encode()).hexdigest()
+
+
 def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
     """Parse and validate a safetensors header without loading tensor data.
 

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3_zoo.modeling.dtypes import DTYPE_NAMES
+
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -76,8 +77,8 @@ class Eagle3Config:
             )
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             problems.append(f"draft_vocab_size={self.draft_vocab_size} must be in 1..vocab_size={self.vocab_size}")
-        if self.torch_dtype not in _DTYPES:
-            problems.append(f"torch_dtype={self.torch_dtype!r}; valid: {', '.join(_DTYPES)}")
+        if self.torch_dtype not in DTYPE_NAMES:
+            problems.append(f"torch_dtype={self.torch_dtype!r}; valid: {', '.join(DTYPE_NAMES)}")
         if self.hidden_act != "silu":
             problems.append(f"hidden_act={self.hidden_act!r}; EAGLE-3 drafters use 'silu'")
         if problems:
@@ -229,7 +230,7 @@ class Eagle3Config:
         zoo = d.pop("eagle3_zoo", None) or {}
         kwargs.setdefault("target_model_type", zoo.get("target_model_type"))
         kwargs.setdefault("target_name_or_path", zoo.get("target_name_or_path"))
-        if kwargs.get("torch_dtype") not in _DTYPES:
+        if kwargs.get("torch_dtype") not in DTYPE_NAMES:
             kwargs["torch_dtype"] = "float32" if kwargs.get("torch_dtype") is None else str(kwargs["torch_dtype"])
         for k in ("architectures", "model_type", "num_hidden_layers", "tie_word_embeddings", "attention_bias"):
             d.pop(k, None)

@@ -23,11 +23,11 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from eagle3_zoo.modeling.attention import cached_attention, ttt_attention
 from eagle3_zoo.modeling.config import Eagle3Config
+from eagle3_zoo.modeling.dtypes import torch_dtype
 from eagle3_zoo.modeling.io import atomic_write
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Eagle3Attention(nn.Module):
@@ -281,7 +281,7 @@ class Eagle3Drafter(nn.Module):
     def save_pretrained(self, save_dir: str | Path) -> Path:
         save_dir = Path(save_dir)
         save_dir.mkdir(parents=True, exist_ok=True)
-        dtype = _DTYPE[self.config.torch_dtype]
+        dtype = torch_dtype(self.config.torch_dtype)
         tensors = {
             name: (p.detach().to(dtype) if p.is_floating_point() else p.detach()).contiguous().cpu()
             for name, p in self.state_dict().items()
@@ -307,6 +307,6 @@ class Eagle3Drafter(nn.Module):
         if missing or unexpected:
             raise ValueError(f"{load_dir / WEIGHTS_NAME}: missing keys {missing}, unexpected keys {unexpected}")
         model.load_state_dict(state)
-        model.to(device=device, dtype=dtype or _DTYPE[config.torch_dtype])
+        model.to(device=device, dtype=dtype or torch_dtype(config.torch_dtype))
         return model
 

@@ -1,7 +1,10 @@
-"""Atomic file writes: a crash never leaves a half-written checkpoint, manifest or cache entry behind."""
+"""Atomic file writes (a crash never leaves a half-written checkpoint, manifest or cache entry behind) and file
+hashes: the one place the package does either."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import tempfile
 from collections.abc import Callable
@@ -30,6 +33,25 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    fsync_dir(path.parent)  # the rename itself survives a power cut
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (its entries), where the filesystem allows it."""
+    with contextlib.suppress(OSError):  # not every filesystem lets a directory be fsynced
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    def _write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+
+    atomic_write(path, _write)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -38,3 +60,12 @@ def atomic_write_text(path: Path, text: str) -> None:
             f.write(text)
 
     atomic_write(path, _write)
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

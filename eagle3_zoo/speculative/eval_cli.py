@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from eagle3_zoo.modeling.dtypes import DTYPE_NAMES
 from eagle3_zoo.speculative.shapes import SHAPE_SYNTAX, TreeSpec, parse_shapes
 
 # kept free of torch/transformers imports: `eagle3-zoo --help` builds this parser
 MODES = ("tree", "chain")  # = eagle3_zoo.speculative.generate.MODES
-_DTYPES = ("float32", "bfloat16", "float16")
 _SHAPE_DEFAULTS = {"mode": "tree", "depth": 8, "top_k": 10, "total_tokens": 60, "min_prob": 0.0}
 
 
@@ -62,7 +62,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="skip plain decoding (no speedup, no lossless check)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up requests (default: 1)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    parser.add_argument("--dtype", choices=_DTYPES, default="float32", help="target and drafter dtype")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="target and drafter dtype")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda if available, else cpu)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -80,6 +80,7 @@ def run_eval_cli(args: argparse.Namespace) -> dict[str, Any]:
 
     from eagle3_zoo.adapters import load_target
     from eagle3_zoo.hub.check import require_valid_drafter
+    from eagle3_zoo.hub.weights import weights_digest
     from eagle3_zoo.modeling import Eagle3Drafter
     from eagle3_zoo.speculative.evaluation import evaluate, evaluate_shapes, format_shapes_table, format_table
 
@@ -107,7 +108,9 @@ def run_eval_cli(args: argparse.Namespace) -> dict[str, Any]:
         sample_top_k=args.sample_top_k, sample_top_p=args.sample_top_p, baseline=not args.no_baseline,
         warmup=args.warmup, seed=args.seed, adapter=adapter, out=args.out, plot=args.plot,
         progress=not args.no_progress,
-        extra_settings={"drafter": str(Path(args.drafter).resolve()), "target": str(target_name)},
+        # the weights' digest ties the results to these weights: the model card leaves out results of other weights
+        extra_settings={"drafter": str(Path(args.drafter).resolve()), "target": str(target_name),
+                        "drafter_weights_sha256": weights_digest(args.drafter)},
     )
     if args.shapes:
         results = evaluate_shapes(drafter, target, tokenizer, args.bench, shapes=args.shapes, **common)

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
+from eagle3_zoo.modeling.dtypes import torch_dtype
+
 GIB = 1024**3
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RESERVE_FIXED_GIB = 1.0  # CUDA context, NCCL buffers
 RESERVE_FRACTION = 0.10  # allocator fragmentation
 LOGITS_CHUNK = 1024  # rows per chunk of the frozen lm_head product (Eagle3Module.logits_chunk_size)
@@ -163,7 +164,7 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     world = (tr.devices if isinstance(tr.devices, int) and tr.devices > 0 else 1) * tr.num_nodes
     fsdp = tr.strategy == "fsdp"
     shard = world if fsdp else 1
-    tbytes = _DTYPE_BYTES[t.dtype]
+    tbytes = torch_dtype(t.dtype).itemsize
     half = not tr.precision.startswith(("32", "64"))
     act_bytes = 2 if half else 4
     counts = target_parameter_counts(target_config, adapter)
