@@ -25,6 +25,7 @@ from eagle3_zoo.hub.formats import (
     drafter_config,
     expected_shapes,
     read_config,
+    verifier_resolvable,
 )
 from eagle3_zoo.hub.weights import (
     FLOAT_DTYPES,
@@ -299,6 +300,13 @@ def _config_problems(raw: dict[str, Any], fmt: str, report: CheckReport) -> None
     if missing:
         report.add("SPECULATORS_CONFIG", f"vLLM's speculators loader requires {', '.join(missing)}",
                    "export with `eagle3-zoo export DIR --format speculators`")
+    verifier = (spec.get("verifier") or {}).get("name_or_path") if isinstance(spec, dict) else None
+    if isinstance(verifier, str) and verifier and not verifier_resolvable(verifier):
+        report.add("VERIFIER_UNRESOLVABLE", f"speculators_config.verifier.name_or_path = {verifier!r} is neither a "
+                   "Hub id (ORG/NAME) nor a folder here: speculators' from_pretrained cannot load the verifier (vLLM, "
+                   "given the target separately, is not affected)",
+                   "re-export with `eagle3-zoo export DIR --format speculators --verifier HUB_ID_OR_FOLDER`",
+                   "warning")
     if "norm_before_residual" not in raw:
         report.add("NORM_BEFORE_RESIDUAL_MISSING", "norm_before_residual is absent: vLLM then defaults it to true, a "
                    "different forward pass than canonical EAGLE-3 (tau close to 1)",

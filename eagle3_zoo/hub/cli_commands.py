@@ -40,7 +40,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from eagle3_zoo.hub.convert import export_drafter
     from eagle3_zoo.hub.formats import EXPORT_FORMATS
 
-    out = export_drafter(args.drafter_dir, args.format, args.out, num_speculative_tokens=args.num_speculative_tokens)
+    out = export_drafter(args.drafter_dir, args.format, args.out, num_speculative_tokens=args.num_speculative_tokens,
+                         verifier=args.verifier)
     print(f"exported {args.drafter_dir} -> {out} ({EXPORT_FORMATS[args.format]} format)")
     return 0
 
@@ -116,8 +117,12 @@ def add_subparsers(subparsers: argparse._SubParsersAction) -> None:
     """Register export, check, publish, pull and zoo on the `eagle3-zoo` subparsers; each sets `func=handler`."""
     p = subparsers.add_parser("export", help="write a drafter in the SGLang (canonical) or speculators layout")
     p.add_argument("drafter_dir", help="drafter folder (any supported format)")
-    p.add_argument("--format", choices=_FORMATS, default="sglang")
+    p.add_argument("--format", choices=_FORMATS, default="sglang",
+                   help="sglang (= canonical: SGLang, vLLM and the official loaders) or speculators (vLLM's own "
+                   "format); default: sglang")
     p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--verifier", help="speculators: the target as speculators resolves it, a Hub id or a local folder "
+                   "(default: the drafter's target, mapped to its Hub id when it is a zoo alias)")
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="speculators: vLLM's default draft length")
     p.set_defaults(func=cmd_export)
 
@@ -129,10 +134,10 @@ def add_subparsers(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_check)
 
     p = subparsers.add_parser("publish", help="check, stage and upload a drafter with its model card")
-    p.add_argument("drafter_dir")
+    p.add_argument("drafter_dir", help="drafter folder to publish (e.g. runs/NAME/drafter)")
     p.add_argument("--repo-id", required=True, help="ORG/NAME on the Hub")
-    p.add_argument("--format", choices=_FORMATS, default="sglang")
-    p.add_argument("--private", action="store_true")
+    p.add_argument("--format", choices=_FORMATS, default="sglang", help="layout of the uploaded weights (see export)")
+    p.add_argument("--private", action="store_true", help="create the repository as private")
     p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing to main")
     p.add_argument("--dry-run", action="store_true", help="stage the folder only; no network request")
     p.add_argument("--stage-dir", help="where to stage (default: a temporary folder)")
@@ -142,17 +147,18 @@ def add_subparsers(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("pull", help="download a drafter (Hub id or zoo name), check it, optionally convert")
     p.add_argument("repo", help="Hub repo id or zoo name")
-    p.add_argument("--revision")
+    p.add_argument("--revision", help="branch, tag or commit of the repository (default: main)")
     p.add_argument("--target", help="target Hub id or local folder to check against")
-    p.add_argument("--convert-to", choices=_FORMATS)
+    p.add_argument("--convert-to", choices=_FORMATS, help="also write the drafter in this layout next to the download")
     p.add_argument("--out", help="download folder (default: the Hugging Face cache)")
     p.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or huggingface.co)")
     p.set_defaults(func=cmd_pull)
 
     p = subparsers.add_parser("zoo", help="known drafters and recipes")
-    p.add_argument("action", choices=["list", "show"], nargs="?", default="list")
+    p.add_argument("action", choices=["list", "show"], nargs="?", default="list",
+                   help="list every entry, or show one (default: list)")
     p.add_argument("name", nargs="?", help="zoo name or repo id (for show)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_zoo)
 
 

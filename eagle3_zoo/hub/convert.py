@@ -118,8 +118,8 @@ def import_drafter(path: str | Path, dtype: torch.dtype | None = None, device: s
 
 
 def _write_speculators(drafter: Eagle3Drafter, out: Path, num_speculative_tokens: int,
-                       verifier_architectures: list[str] | None) -> None:
-    config = speculators_config(drafter.config, num_speculative_tokens, verifier_architectures)
+                       verifier_architectures: list[str] | None, verifier: str | None) -> None:
+    config = speculators_config(drafter.config, num_speculative_tokens, verifier_architectures, verifier)
     dtype = torch_dtype(drafter.config.torch_dtype)
     tensors = {format_name(k, "speculators"): (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu()
                for k, v in drafter.state_dict().items()}
@@ -133,6 +133,7 @@ def export_drafter(
     out_dir: str | Path,
     num_speculative_tokens: int = 3,
     verifier_architectures: list[str] | None = None,
+    verifier: str | None = None,
 ) -> Path:
     """Write a drafter in the SGLang (canonical) or speculators layout, with its recipe, provenance and results.
 
@@ -142,6 +143,8 @@ def export_drafter(
         out_dir: output folder (created; existing files with the same names are replaced).
         num_speculative_tokens: speculators only: the greedy proposal length vLLM uses by default.
         verifier_architectures: speculators only: the target's HF classes (default: from its model_type).
+        verifier: speculators only: the target's Hub id or local folder (default: the drafter's target, a zoo
+            alias mapped to its Hub id).
 
     Returns:
         `out_dir`.
@@ -165,7 +168,7 @@ def export_drafter(
     elif EXPORT_FORMATS[fmt] == "sglang":
         import_drafter(src).save_pretrained(out)
     else:
-        _write_speculators(import_drafter(src), out, num_speculative_tokens, verifier_architectures)
+        _write_speculators(import_drafter(src), out, num_speculative_tokens, verifier_architectures, verifier)
     for extra in extra_files(src):
         shutil.copyfile(extra, out / extra.name)
     log.info("exported %s -> %s (%s format)", src, out, EXPORT_FORMATS[fmt])

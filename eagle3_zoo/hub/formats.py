@@ -16,6 +16,7 @@ Three layouts hold the same weights:
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -179,17 +180,32 @@ def target_architectures(model_type: str | None) -> list[str]:
     return [name] if name else []
 
 
+def verifier_resolvable(name: str) -> bool:
+    """Whether speculators can resolve a verifier name: a Hub id (ORG/NAME) or an existing local folder."""
+    return Path(name).is_dir() or bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name))
+
+
 def speculators_config(
-    cfg: Eagle3Config, num_speculative_tokens: int = 3, verifier_architectures: list[str] | None = None
+    cfg: Eagle3Config, num_speculative_tokens: int = 3, verifier_architectures: list[str] | None = None,
+    verifier: str | None = None,
 ) -> dict[str, Any]:
     """config.json of the speculators export (the schema vLLM's speculators loader validates).
 
+    `verifier` (default: the drafter's target, a zoo alias such as "smollm2-135m-instruct" mapped to its Hub id) is
+    written as `speculators_config.verifier.name_or_path`, which speculators resolves as a Hub id or local folder.
+
     Raises:
-        ValueError: the drafter does not record its target (`speculators_config.verifier.name_or_path` is required).
+        ValueError: the drafter does not record its target, or the verifier is neither a Hub id nor a local folder.
     """
-    if not cfg.target_name_or_path:
+    from eagle3_zoo.hub.zoo import target_hub_id
+
+    name = verifier or target_hub_id(cfg.target_name_or_path) or cfg.target_name_or_path
+    if not name:
         raise ValueError("the speculators format names the target (speculators_config.verifier.name_or_path), but "
-                         "this drafter's config has no target_name_or_path; set it in config.json's eagle3_zoo block")
+                         "this drafter's config has no target_name_or_path; pass --verifier HUB_ID_OR_FOLDER")
+    if not verifier_resolvable(name):
+        raise ValueError(f"speculators could not resolve the verifier {name!r} (neither a Hub id ORG/NAME nor a local "
+                         "folder here); pass --verifier with the target's Hub id or its local folder")
     canon = cfg.to_json_dict()
     layer = {k: canon[k] for k in (*_LAYER_CONFIG_KEYS, "attention_bias", "tie_word_embeddings", "torch_dtype")}
     layer.update(model_type="llama", num_hidden_layers=1, mlp_bias=False)
@@ -206,7 +222,7 @@ def speculators_config(
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens)}],
             "default_proposal_method": "greedy",
             "verifier": {
-                "name_or_path": cfg.target_name_or_path,
+                "name_or_path": name,
                 "architectures": verifier_architectures or target_architectures(cfg.target_model_type),
             },
         },
