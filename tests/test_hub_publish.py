@@ -255,3 +255,17 @@ def test_pull_does_not_convert_a_drafter_that_fails_the_check(tmp_path, hub, cap
     assert cli(["pull", "me/broken", "--endpoint", hub.url, "--out", str(tmp_path / "dl2"),
                 "--convert-to", "speculators"]) == 1
     assert "not converted to speculators" in capsys.readouterr().out
+
+
+def test_publish_without_a_token_says_how_to_log_in_before_staging(tmp_path, hub, monkeypatch, capsys):
+    import huggingface_hub
+
+    src, _ = _drafter_with_extras(tmp_path)
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)  # no cached `hf auth login` either
+    stage = tmp_path / "stage"
+    assert cli(["publish", str(src), "--repo-id", "org/d", "--endpoint", hub.url, "--stage-dir", str(stage)]) == 2
+    err = capsys.readouterr().err
+    assert "hf auth login" in err and "HF_TOKEN" in err and len(err.strip().splitlines()) == 1
+    assert not stage.exists() and hub.requests == []  # nothing staged, nothing sent
+    assert cli(["publish", str(src), "--repo-id", "org/d", "--dry-run", "--stage-dir", str(stage)]) == 0  # needs none

@@ -202,18 +202,23 @@ def publish(
         card_overrides: passed to `render_card` (e.g. `license`, `tags`).
 
     Raises:
-        ValueError: `repo_id` is not ORG/NAME (checked before anything else, dry run included).
+        ValueError: `repo_id` is not ORG/NAME (checked before anything else, dry run included), or no token is
+            found for a real publish.
         DrafterCheckError: the static check found errors (nothing staged or sent).
         TokenLeakError: the token appears in a staged file (nothing sent; the staged files are removed).
         HubUnreachableError: the endpoint does not answer (within `PROBE_TIMEOUT_S` seconds).
     """
+    from huggingface_hub import get_token
+
     check_repo_id(repo_id)
+    if not dry_run and not (token or get_token()):  # before anything is staged: say how to log in
+        raise ValueError("no Hugging Face token: log in with `hf auth login` or set HF_TOKEN to a token with write "
+                         f"access to {repo_id.split('/')[0]} (`--dry-run` stages the folder without one)")
     report = require_valid_drafter(drafter_dir, purpose="publish")  # its warnings are logged by the export
     temporary = stage_dir is None
     out = Path(tempfile.mkdtemp(prefix="eagle3-zoo-publish-")) if temporary else Path(stage_dir)
     if not temporary and out.exists() and any(out.iterdir()):  # before the cleanup below could touch its files
         raise ValueError(f"stage folder {out} is not empty; pass an empty or new folder")
-    from huggingface_hub import get_token
 
     try:
         files = stage(drafter_dir, out, repo_id=repo_id, fmt=fmt, **card_overrides)
