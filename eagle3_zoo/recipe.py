@@ -214,6 +214,8 @@ class Recipe:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     output_dir: str = "runs/eagle3"
+    demo: bool = False
+    """A smoke/demo run (e.g. the quickstart's): its model card says it is not a drafter to serve."""
     """Checkpoints, logs, the resolved recipe and the exported drafter."""
 
 

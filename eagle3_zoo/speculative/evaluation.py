@@ -412,8 +412,14 @@ def plot_shapes(results: dict[str, Any], path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     labels = [e["shape"] for e in results["shapes"]]
     fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_tau.bar(labels, [e["overall"]["tau"] or 0 for e in results["shapes"]], color="tab:blue")
-    ax_tau.set(ylabel="tau (tokens per verification)", title="acceptance length")
+    # tau is at least 1 (the target's own token every cycle): bars start there, so the drafter's share is the bar
+    taus = [e["overall"]["tau"] or 1.0 for e in results["shapes"]]
+    ax_tau.bar(labels, [t - 1 for t in taus], bottom=1.0, color="tab:blue")
+    ax_tau.set_ylim(bottom=1.0)
+    benches = ", ".join(results["settings"].get("benches") or [])
+    requests = results["shapes"][0]["overall"].get("requests") if results["shapes"] else None
+    ax_tau.set(ylabel="tau (tokens per verification)",
+               title=f"acceptance length: {benches}" + (f", {requests} requests" if requests else ""))
     speeds = [e["overall"]["speedup"] for e in results["shapes"]]
     if any(x is not None for x in speeds):
         ax_speed.bar(labels, [x or 0 for x in speeds], color="tab:green")

@@ -31,7 +31,7 @@ IDENTITY_KEY = "eagle3_zoo_run_identity"
 # Recipe keys that do not change what is trained, only how long, where from/to, or what is logged: they may differ
 # between the run that wrote a checkpoint and the run that resumes it.
 RESUMABLE_KEYS = (
-    "output_dir", "trainer.max_steps", "trainer.max_epochs", "trainer.checkpoint_every_n_steps",
+    "output_dir", "demo", "trainer.max_steps", "trainer.max_epochs", "trainer.checkpoint_every_n_steps",
     "trainer.val_check_interval", "trainer.log_every_n_steps", "trainer.logger", "trainer.tau_eval",
     "trainer.activation_checkpointing", "data.num_workers", "data.cache_dir", "data.features_dir",
     "data.features_shard_size", "data.regenerate.output", "data.regenerate.batch_size",
