@@ -19,6 +19,8 @@ def _rec(q="What is the capital of France?", a="The capital of France is Paris."
 
 
 GOOD = [_rec(q=f"Hello, how are you today? {i}") for i in range(6)]
+LATIN1 = GOOD[0].replace("Paris", "Par\udce9s")  # written as the raw byte 0xe9 (Latin-1 "é"), not UTF-8
+DEEP = '{"conversations": ' + "[" * 20_000 + "]" * 20_000 + "}"
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +35,14 @@ CASES = {
                          r"data.jsonl: record 2 \(line 3\): invalid JSON"),
     "broken_json_line_skipped": (GOOD[:2] + ['{"conversations": [}'] + GOOD[2:], ["data.on_error=skip"], None,
                                  ("skipped_by_reader", {"broken_json": 1})),
+    "non_utf8_line": (GOOD[:3] + [LATIN1] + GOOD[3:], [], DataError,
+                      r"data.jsonl: record 3 \(line 4\): not UTF-8 text: byte 0xe9 at column \d+.*\[invalid_utf8\]"),
+    "non_utf8_line_skipped": (GOOD[:3] + [LATIN1] + GOOD[3:], ["data.on_error=skip"], None,
+                              ("skipped_by_reader", {"invalid_utf8": 1})),
+    "deeply_nested_record": (GOOD + [DEEP], [], DataError,
+                             r"data.jsonl: record 6 \(line 7\): nested deeper than the JSON decoder allows"),
+    "deeply_nested_record_skipped": (GOOD + [DEEP], ["data.on_error=skip"], None,
+                                     ("skipped_by_reader", {"too_deeply_nested": 1})),
     "missing_keys": (GOOD + [json.dumps({"id": 7, "text": "hi"})], [], DataError,
                      r"record 6 \(line 7\): no 'conversations' or 'messages' key"),
     "empty_file": ([], [], DataError, r"data.jsonl: file is empty"),
@@ -76,7 +86,8 @@ def test_bad_input(env, tmp_path, name):
     tmp_target = env[1]
     lines, overrides, error, expected = CASES[name]
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(line + "\n" for line in (GOOD if lines is None else lines)))
+    text = "".join(line + "\n" for line in (GOOD if lines is None else lines))
+    data.write_text(text, encoding="utf-8", errors="surrogateescape")  # "\udce9" -> the single byte 0xe9
     recipe = tiny_recipe(tmp_path, tmp_target, data, trainer={"max_steps": 1, "checkpoint_every_n_steps": None,
                                                               "val_check_interval": None, "logger": []},
                          optim={"warmup_steps": 0}, data={"val_fraction": 0.0, "on_error": "raise"})
