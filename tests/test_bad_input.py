@@ -83,6 +83,9 @@ CASES = {
                                r"data.features_dir = .*data.jsonl': is a file; expected a directory"),
     "regenerate_output_is_a_directory": (None, ["data.regenerate.output={tmp}"], RecipeError,
                                          r"data.regenerate.output = .*': is a directory; expected a JSONL file"),
+    "unknown_hub_target_offline": (None, ["target.name_or_path=no-such-org/no-such-model"], FileNotFoundError,
+                                   r"target 'no-such-org/no-such-model' is neither a local folder nor in the Hugging "
+                                   r"Face cache, and HF_HUB_OFFLINE is set"),
     "unwritable_output_dir": (None, ["output_dir={tmp}/data.jsonl/run"], RecipeError,
                               r"output_dir = .*data.jsonl/run': cannot be created: .* is a file"),
     "warmup_longer_than_run": (None, ["optim.warmup_steps=50"], RecipeError,
@@ -91,7 +94,11 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_bad_input(env, tmp_path, name):
+def test_bad_input(env, tmp_path, monkeypatch, name):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as HF_HUB_OFFLINE=1: never the network
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     tmp_target = env[1]
     lines, overrides, error, expected = CASES[name]
     data = tmp_path / "data.jsonl"
