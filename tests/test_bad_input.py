@@ -43,6 +43,8 @@ CASES = {
                              r"data.jsonl: record 6 \(line 7\): nested deeper than the JSON decoder allows"),
     "deeply_nested_record_skipped": (GOOD + [DEEP], ["data.on_error=skip"], None,
                                      ("skipped_by_reader", {"too_deeply_nested": 1})),
+    "lone_surrogate_escape": (GOOD + [_rec(a="half an emoji \ud83d")], [], DataError,  # json.dumps escapes it
+                              r"record 6 \(line 7\): turn 1: content holds the lone surrogate escape \\ud83d"),
     "missing_keys": (GOOD + [json.dumps({"id": 7, "text": "hi"})], [], DataError,
                      r"record 6 \(line 7\): no 'conversations' or 'messages' key"),
     "empty_file": ([], [], DataError, r"data.jsonl: file is empty"),

@@ -93,6 +93,8 @@ BAD = [
     ("empty_user_turn", {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": ""},
                                       {"role": "assistant", "content": "a"}]}),
     ("not_an_object", ["a list"]),
+    ("lone_surrogate", {"conversations": [{"from": "human", "value": "half an emoji \ud83d"},  # written as an escape
+                                          {"from": "gpt", "value": "b"}]}),
 ]
 
 

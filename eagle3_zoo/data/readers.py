@@ -4,8 +4,9 @@ Output is a `Conversation` with `messages=[{"role": "user"|"assistant"|"system",
 with the chat template and tokenisation happen in the target adapter. Bad records either stop the read with a
 `DataError` naming the file, record index and line (`on_error="raise"`), or are skipped and counted per reason
 in `ReadStats`, which is logged (`on_error="skip"`). Nothing is dropped silently. A record holding bytes that are
-not UTF-8 (`invalid_utf8`) or nested too deeply to decode (`too_deeply_nested`) is one bad record like any other;
-the rest of the file is still read.
+not UTF-8 (`invalid_utf8`), text with a lone surrogate escape such as "\\ud83d" (`lone_surrogate`: no tokenizer
+takes it) or nesting too deep to decode (`too_deeply_nested`) is one bad record like any other; the rest of the file
+is still read.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ _CHUNK = 1 << 20
 _UNDECODABLE = re.compile("[\udc80-\udcff]")
 # A JSON string or a bracket: enough to find where a container ends without the recursive decoder
 _STRING_OR_BRACKET = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+_SURROGATE = re.compile("[\ud800-\udfff]")  # left in decoded text only by an escape such as "\\ud800" alone
 _TOO_DEEP = ("too_deeply_nested", "nested deeper than the JSON decoder allows (Python's recursion limit)")
 _warned_truncated: set[str] = set()
 
@@ -289,6 +291,9 @@ def _to_messages(record: Any, fmt: str) -> list[dict[str, str]]:
             raise _BadRecord("unknown_role", f"turn {j}: unknown role {raw_role!r}; known: {sorted(ROLE_ALIASES)}")
         if not isinstance(content, str):
             raise _BadRecord("non_string_content", f"turn {j}: content is {type(content).__name__}, not a string")
+        if surrogate := _SURROGATE.search(content):  # no character: tokenizers and UTF-8 writers reject it
+            raise _BadRecord("lone_surrogate", f"turn {j}: content holds the lone surrogate escape "
+                             f"\\u{ord(surrogate.group()):04x}, which encodes no character")
         messages.append({"role": role, "content": content})
     if not messages:
         raise _BadRecord("empty_conversation", "the conversation has no turns")
