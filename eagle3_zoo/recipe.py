@@ -463,11 +463,8 @@ def _target_problem(name: str) -> str | None:
         return None
     expected = (f"expected a local model folder with config.json, a Hub repo id 'org/name' or the embedded target "
                 f"({' or '.join(repr(n) for n in EMBEDDED_NAMES)})")
-    p = Path(name).expanduser()
-    if p.is_file():
+    if Path(name).expanduser().is_file():  # a folder without config.json is reported when the target is loaded
         return f"is a file; {expected}"
-    if p.is_dir() and not (p / "config.json").is_file():
-        return f"is a folder without config.json; {expected}"
     if _missing_path(name, explicit_only=True):
         return "local path does not exist"
     return None

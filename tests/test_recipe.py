@@ -118,7 +118,7 @@ BAD_CASES = [
      "must divide num_attention_heads (9)"),
     ("missing_init", {"drafter.init_from": "./no/such/drafter"}, "drafter.init_from", "local path does not exist"),
     ("section_not_mapping", {"ttt": 7}, "ttt", "expected a mapping of TTTConfig fields"),
-    # path kinds ({tmp}/afile is a file, {tmp}/adir a directory without config.json)
+    # path kinds ({tmp}/afile is a file, {tmp}/adir a directory)
     ("cache_dir_file", {"data.cache_dir": "{tmp}/afile"}, "data.cache_dir = '{tmp}/afile'",
      "is a file; expected a directory"),
     ("cache_dir_under_file", {"data.cache_dir": "{tmp}/afile/cache"}, "data.cache_dir",
@@ -132,8 +132,6 @@ BAD_CASES = [
     ("target_file", {"target.name_or_path": "{tmp}/afile"}, "target.name_or_path = '{tmp}/afile'",
      "is a file; expected a local model folder with config.json, a Hub repo id 'org/name' or the embedded target "
      "('smollm2-135m-instruct' or 'embedded')"),
-    ("target_folder_without_config", {"target.name_or_path": "{tmp}/adir"}, "target.name_or_path",
-     "is a folder without config.json; expected a local model folder"),
 ]
 
 
