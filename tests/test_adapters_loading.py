@@ -164,6 +164,21 @@ def test_unreachable_hub_fails_within_seconds(empty_hub_cache, monkeypatch):
     assert time.monotonic() - start < 5
 
 
+def test_hub_that_never_answers_fails_within_the_probe_timeout(empty_hub_cache, monkeypatch):
+    """A DNS lookup that hangs is not bounded by the HTTP client's timeout: the probe is."""
+    import huggingface_hub
+
+    from eagle3_zoo.adapters import loading
+
+    monkeypatch.setattr(loading, "HUB_PROBE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda *a, **k: time.sleep(30))
+    start = time.monotonic()
+    with pytest.raises(FileNotFoundError, match=r"neither a local folder nor reachable on the Hub \(.*: TimeoutError: "
+                       r"no answer within 0.5 s; this machine may be offline\)"):
+        load_target("no-such-org/no-such-model")
+    assert time.monotonic() - start < 3
+
+
 def test_repo_the_hub_does_not_have(empty_hub_cache, monkeypatch):
     import huggingface_hub
 

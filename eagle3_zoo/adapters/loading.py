@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -65,23 +66,41 @@ def _hub_repo_is_local_only(repo_id: str) -> bool:
         raise TargetNotFoundError(f"target {repo_id!r} is neither a local folder nor in the Hugging Face cache, and "
                                   f"HF_HUB_OFFLINE is set so the Hub is not asked; {_WHAT_TO_PASS}")
     api = huggingface_hub.HfApi()
-    try:
-        api.model_info(repo_id, timeout=HUB_PROBE_TIMEOUT_S, files_metadata=False)
-    except GatedRepoError:
-        return False  # it exists; the download says how to get access
-    except RepositoryNotFoundError:
+    error = _ask_hub(api, repo_id)
+    if error is None or isinstance(error, GatedRepoError):
+        return False  # it exists (a gated repo: the download says how to get access)
+    if isinstance(error, RepositoryNotFoundError):
         raise TargetNotFoundError(f"target {repo_id!r} is neither a local folder nor a repo on the Hub "
-                                  f"({api.endpoint}; a private repo needs a token: `hf auth login`); "
-                                  f"{_WHAT_TO_PASS}") from None
-    except (HubHTTPError, OSError) as e:
-        if cached:
-            logger.warning("the Hub (%s) is unreachable (%s); reading %s from the local cache", api.endpoint, e,
-                           repo_id)
-            return True
-        raise TargetNotFoundError(f"target {repo_id!r} is neither a local folder nor reachable on the Hub "
-                                  f"({api.endpoint}: {type(e).__name__}: {e}; this machine may be offline) and it is "
-                                  f"not in the Hugging Face cache; {_WHAT_TO_PASS}") from None
-    return False
+                                  f"({api.endpoint}; a private repo needs a token: `hf auth login`); {_WHAT_TO_PASS}")
+    if not isinstance(error, (HubHTTPError, OSError)):
+        raise error  # not a network condition
+    cause = f"{type(error).__name__}: {next(iter(str(error).splitlines()), '')}"
+    if cached:
+        logger.warning("the Hub (%s) is unreachable (%s); reading %s from the local cache", api.endpoint, cause,
+                       repo_id)
+        return True
+    raise TargetNotFoundError(f"target {repo_id!r} is neither a local folder nor reachable on the Hub ({api.endpoint}: "
+                              f"{cause}; this machine may be offline) and it is not in the Hugging Face cache; "
+                              f"{_WHAT_TO_PASS}")
+
+
+def _ask_hub(api: huggingface_hub.HfApi, repo_id: str) -> BaseException | None:
+    """The error of one `model_info` request for `repo_id` (None: the repo exists), awaited `HUB_PROBE_TIMEOUT_S`
+    seconds at most: the client's timeout does not cover a DNS lookup that hangs, so the request runs in a daemon
+    thread that is left behind if it does not answer."""
+    outcome: dict[str, BaseException | None] = {}
+
+    def ask() -> None:
+        try:
+            api.model_info(repo_id, timeout=HUB_PROBE_TIMEOUT_S)
+            outcome["error"] = None
+        except Exception as e:  # returned to the caller, which tells a missing repo from no answer
+            outcome["error"] = e
+
+    thread = threading.Thread(target=ask, name="eagle3-zoo-target-probe", daemon=True)
+    thread.start()
+    thread.join(HUB_PROBE_TIMEOUT_S)
+    return outcome["error"] if "error" in outcome else TimeoutError(f"no answer within {HUB_PROBE_TIMEOUT_S:g} s")
 
 
 def load_target(
