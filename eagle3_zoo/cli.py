@@ -11,6 +11,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import Any
 
 # errors a user can fix (bad recipe/data/paths/arguments): printed as one message, exit code 2; any other exception
 # (a diverged run, an unreachable server, a bug) is printed as one line too, exit code 1, its traceback behind --debug
@@ -61,6 +62,26 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 1 if plan.fits is False else 0
 
 
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser; `intermixed=True` accepts options between positionals (`prepare r.yaml --rank 0
+    trainer.seed=3`): plain argparse gives a `nargs="*"` positional only the words before the first option."""
+
+    def __init__(self, *args: Any, intermixed: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.intermixed = intermixed
+        self._in_intermixed = False
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        # the subcommand dispatcher calls this method, and on older Pythons the intermixed parse calls it again
+        if not self.intermixed or self._in_intermixed:
+            return super().parse_known_args(args, namespace)
+        self._in_intermixed = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._in_intermixed = False
+
+
 def build_parser() -> argparse.ArgumentParser:
     from eagle3_zoo import __version__
 
@@ -69,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--debug", action="store_true",
                         help=f"show the Python traceback of an error (also: {DEBUG_ENV}=1)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_SubcommandParser)
 
     p = sub.add_parser("fit", help="train a drafter from a recipe", description="Train a drafter from a recipe.")
     p.add_argument("recipe", help="recipe YAML (see recipes/)")
@@ -81,11 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare", help="run a recipe's data stage once (regeneration, tokens, features), no training",
                        description="Run the data stage of a recipe as `fit` would (read, regenerate with the target, "
                        "tokenise, draft-vocab counts; offline recipes: the feature job) and cache it, so that `fit` "
-                       "starts training at once. Resumable: rerun after an interruption.")
+                       "starts training at once. Resumable: rerun after an interruption.", intermixed=True)
     p.add_argument("recipe", help="recipe YAML (see recipes/)")
-    p.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides (the same ones `fit` will get)")
-    p.add_argument("--rank", type=int, default=0, help="this process's share of a distributed feature job")
-    p.add_argument("--world-size", type=int, default=1, help="processes of a distributed feature job")
+    p.add_argument("overrides", nargs="*", default=[], help="OmegaConf dotlist overrides (the same ones `fit` will "
+                   "get), before or after the options")
+    p.add_argument("--rank", type=int, default=0, help="this process's share of a distributed feature job "
+                   "(0 <= rank < world size)")
+    p.add_argument("--world-size", type=int, default=1, help="processes of a distributed feature job (>= 1)")
     p.set_defaults(func=_cmd_prepare)
 
     p = sub.add_parser("plan", help="per-GPU memory of a recipe's training (and feature job), and whether it fits",

@@ -426,18 +426,49 @@ def _missing_path(path: str, explicit_only: bool = False) -> bool:
     return not _looks_like_hub_id(path)
 
 
+def _existing_ancestor(p: Path) -> Path:
+    while not p.exists():
+        p = p.parent
+    return p
+
+
 def _writable_dir_problem(path: str) -> str | None:
     """Why `path` cannot become an output directory, judged at its nearest existing ancestor."""
     p = Path(path).expanduser().absolute()
     if p.exists() and not p.is_dir():
         return "exists and is not a directory"
-    ancestor = p
-    while not ancestor.exists():
-        ancestor = ancestor.parent
+    ancestor = _existing_ancestor(p)
     if not ancestor.is_dir():
         return f"cannot be created: '{ancestor}' is a file"
     if not os.access(ancestor, os.W_OK | os.X_OK):
         return f"not writable: no write permission on '{ancestor}'"
+    return None
+
+
+def _path_kind_problem(path: str, directory: bool, expected: str) -> str | None:
+    """Why `path` cannot be (or become) a directory (`directory`) or a file: something of the other kind is in the
+    way. Permissions are not judged: a cache or feature store prepared elsewhere may be read-only."""
+    p = Path(path).expanduser().absolute()
+    if p.exists():
+        return None if p.is_dir() == directory else f"is a {'file' if directory else 'directory'}; expected {expected}"
+    ancestor = _existing_ancestor(p.parent)
+    if not ancestor.is_dir():
+        return f"cannot be created: '{ancestor}' is a file; expected {expected}"
+    return None
+
+
+def _target_problem(name: str) -> str | None:
+    """Why `target.name_or_path` names no loadable target (local paths only; Hub ids are resolved when loaded)."""
+    from eagle3_zoo.adapters.embedded import EMBEDDED_NAMES
+
+    if name in EMBEDDED_NAMES:
+        return None
+    expected = (f"expected a local model folder with config.json, a Hub repo id 'org/name' or the embedded target "
+                f"({' or '.join(repr(n) for n in EMBEDDED_NAMES)})")
+    if Path(name).expanduser().is_file():  # a folder without config.json is reported when the target is loaded
+        return f"is a file; {expected}"
+    if _missing_path(name, explicit_only=True):
+        return "local path does not exist"
     return None
 
 
@@ -466,8 +497,8 @@ def _semantic_problems(r: Recipe) -> list[RecipeProblem]:
     if r.target.family != "auto" and r.target.family not in families:
         bad("target.family", f"unknown adapter family; available: auto, {', '.join(families)}"
             + _did_you_mean(r.target.family, families))
-    if _missing_path(r.target.name_or_path, explicit_only=True):
-        bad("target.name_or_path", "local path does not exist")
+    if msg := _target_problem(r.target.name_or_path):
+        bad("target.name_or_path", msg)
     for key in ("target.lora_path", "drafter.init_from"):
         if _get(r, key) is not None and _missing_path(_get(r, key)):
             bad(key, "local path does not exist (and it is not a Hub id 'org/name')")
@@ -516,6 +547,14 @@ def _data_problems(r: Recipe, out: list[RecipeProblem]) -> None:
                                      f"working directory {os.getcwd()}; or use '{EMBEDDED_SHAREGPT}')", src.path))
         if src.max_samples is not None and src.max_samples <= 0:
             out.append(RecipeProblem(f"{key}.max_samples", "must be > 0 (or null = all)", src.max_samples))
+    d = r.data
+    kinds = [("data.cache_dir", d.cache_dir, True, "a directory (token counts, regenerated data and features)"),
+             ("data.features_dir", d.features_dir, True, "a directory of feature shards (or null = in data.cache_dir)"),
+             ("data.regenerate.output", d.regenerate.output, False,
+              "a JSONL file path for the regenerated conversations (or null = in data.cache_dir)")]
+    for key, value, directory, expected in kinds:
+        if value is not None and (msg := _path_kind_problem(value, directory, expected)):
+            out.append(RecipeProblem(key, msg, value))
 
 
 def _valid_devices(devices: int | str) -> bool:

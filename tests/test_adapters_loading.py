@@ -2,6 +2,8 @@
 
 import json
 import logging
+import socket
+import time
 
 import pytest
 import torch
@@ -106,3 +108,100 @@ def test_unknown_family_fails_before_reading_weights(tmp_path):
     assert json.loads((path / "config.json").read_text())["model_type"] == "gpt2"
     with pytest.raises(UnknownAdapterError, match="unknown target model_type 'gpt2'"):
         load_target(path)
+
+
+# --------------------------------------------------------------- names that are no target: one line, and fast
+def _no_hub_download(*args, **kwargs):
+    raise AssertionError("a target that cannot be resolved must not reach transformers' download (it retries ~25 s)")
+
+
+@pytest.fixture
+def empty_hub_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache (the repo ids below are not in it)."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    return tmp_path / "hf-cache"
+
+
+def test_target_that_is_a_file_or_a_folder_without_config(tmp_path, monkeypatch):
+    path, _ = _save_tiny(tmp_path, "llama")
+    monkeypatch.setattr("transformers.AutoConfig.from_pretrained", _no_hub_download)
+    with pytest.raises(FileNotFoundError, match=r"target '.*model.safetensors' is a file, not a model folder; pass a "
+                       r"local folder with config.json, a Hub repo id such as .*, or 'smollm2-135m-instruct' / "
+                       r"'embedded' for the embedded"):
+        load_target(path / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"target '.*' is a folder without config.json; pass a local folder"):
+        load_target(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"target '/no/such/model' is neither a local folder nor a Hub repo id"):
+        load_target("/no/such/model")
+
+
+def test_unknown_hub_id_offline_fails_at_once_without_asking_the_hub(empty_hub_cache, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # what HF_HUB_OFFLINE=1 sets
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", _no_hub_download)
+    start = time.monotonic()
+    with pytest.raises(FileNotFoundError, match=r"target 'no-such-org/no-such-model' is neither a local folder nor in "
+                       r"the Hugging Face cache, and HF_HUB_OFFLINE is set .*; pass a local folder with config.json"):
+        load_target("no-such-org/no-such-model")
+    assert time.monotonic() - start < 2
+
+
+def test_unreachable_hub_fails_within_seconds(empty_hub_cache, monkeypatch):
+    import huggingface_hub
+
+    with socket.socket() as s:  # a port nothing listens on: connections are refused at once, as with no network
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
+    start = time.monotonic()
+    with pytest.raises(FileNotFoundError, match=rf"target 'no-such-org/no-such-model' is neither a local folder nor "
+                       rf"reachable on the Hub \({endpoint}: ConnectError: .*this machine may be offline\) and it is "
+                       r"not in the Hugging Face cache; pass a local folder"):
+        load_target("no-such-org/no-such-model")
+    assert time.monotonic() - start < 5
+
+
+def test_hub_that_never_answers_fails_within_the_probe_timeout(empty_hub_cache, monkeypatch):
+    """A DNS lookup that hangs is not bounded by the HTTP client's timeout: the probe is."""
+    import huggingface_hub
+
+    from eagle3_zoo.adapters import loading
+
+    monkeypatch.setattr(loading, "HUB_PROBE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda *a, **k: time.sleep(30))
+    start = time.monotonic()
+    with pytest.raises(FileNotFoundError, match=r"neither a local folder nor reachable on the Hub \(.*: TimeoutError: "
+                       r"no answer within 0.5 s; this machine may be offline\)"):
+        load_target("no-such-org/no-such-model")
+    assert time.monotonic() - start < 3
+
+
+def test_repo_the_hub_does_not_have(empty_hub_cache, monkeypatch):
+    import huggingface_hub
+
+    from tests.hub_server import LoopbackHub
+
+    with LoopbackHub() as hub:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+        with pytest.raises(FileNotFoundError, match=r"target 'no-such-org/no-such-model' is neither a local folder "
+                           r"nor a repo on the Hub \(http://127.0.0.1:\d+; a private repo needs a token"):
+            load_target("no-such-org/no-such-model")
+    assert [r["path"] for r in hub.requests] == ["/api/models/no-such-org/no-such-model"]  # one request, no retry
+
+
+def test_cached_hub_target_loads_offline_and_with_the_hub_unreachable(tmp_path, empty_hub_cache, monkeypatch):
+    import huggingface_hub
+
+    snapshot = empty_hub_cache / "models--tiny-org--tiny-llama" / "snapshots" / ("0" * 40)
+    path, reference = _save_tiny(snapshot.parent, "llama", name=snapshot.name)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:1")  # refused
+    model, _, _ = load_target("tiny-org/tiny-llama")
+    torch.testing.assert_close(_logits(model, IDS), _logits(reference.eval(), IDS), atol=0, rtol=0)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", _no_hub_download)
+    assert load_target("tiny-org/tiny-llama")[0].config.num_hidden_layers == reference.config.num_hidden_layers

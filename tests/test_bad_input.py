@@ -19,6 +19,8 @@ def _rec(q="What is the capital of France?", a="The capital of France is Paris."
 
 
 GOOD = [_rec(q=f"Hello, how are you today? {i}") for i in range(6)]
+LATIN1 = GOOD[0].replace("Paris", "Par\udce9s")  # written as the raw byte 0xe9 (Latin-1 "é"), not UTF-8
+DEEP = '{"conversations": ' + "[" * 20_000 + "]" * 20_000 + "}"
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +35,16 @@ CASES = {
                          r"data.jsonl: record 2 \(line 3\): invalid JSON"),
     "broken_json_line_skipped": (GOOD[:2] + ['{"conversations": [}'] + GOOD[2:], ["data.on_error=skip"], None,
                                  ("skipped_by_reader", {"broken_json": 1})),
+    "non_utf8_line": (GOOD[:3] + [LATIN1] + GOOD[3:], [], DataError,
+                      r"data.jsonl: record 3 \(line 4\): not UTF-8 text: byte 0xe9 at column \d+.*\[invalid_utf8\]"),
+    "non_utf8_line_skipped": (GOOD[:3] + [LATIN1] + GOOD[3:], ["data.on_error=skip"], None,
+                              ("skipped_by_reader", {"invalid_utf8": 1})),
+    "deeply_nested_record": (GOOD + [DEEP], [], DataError,
+                             r"data.jsonl: record 6 \(line 7\): nested deeper than the JSON decoder allows"),
+    "deeply_nested_record_skipped": (GOOD + [DEEP], ["data.on_error=skip"], None,
+                                     ("skipped_by_reader", {"too_deeply_nested": 1})),
+    "lone_surrogate_escape": (GOOD + [_rec(a="half an emoji \ud83d")], [], DataError,  # json.dumps escapes it
+                              r"record 6 \(line 7\): turn 1: content holds the lone surrogate escape \\ud83d"),
     "missing_keys": (GOOD + [json.dumps({"id": 7, "text": "hi"})], [], DataError,
                      r"record 6 \(line 7\): no 'conversations' or 'messages' key"),
     "empty_file": ([], [], DataError, r"data.jsonl: file is empty"),
@@ -64,6 +76,18 @@ CASES = {
                           r"data.sources\[0\].path = '/nonexistent/chat.jsonl': data file not found"),
     "missing_target": (None, ["target.name_or_path=/nonexistent/model"], RecipeError,
                        r"target.name_or_path = '/nonexistent/model': local path does not exist"),
+    "target_is_a_file": (None, ["target.name_or_path={tmp}/data.jsonl"], RecipeError,
+                         r"target.name_or_path = .*data.jsonl': is a file; expected a local model folder with "
+                         r"config.json, a Hub repo id"),
+    "cache_dir_is_a_file": (None, ["data.cache_dir={tmp}/data.jsonl"], RecipeError,
+                            r"data.cache_dir = .*data.jsonl': is a file; expected a directory"),
+    "features_dir_is_a_file": (None, ["data.features_dir={tmp}/data.jsonl"], RecipeError,
+                               r"data.features_dir = .*data.jsonl': is a file; expected a directory"),
+    "regenerate_output_is_a_directory": (None, ["data.regenerate.output={tmp}"], RecipeError,
+                                         r"data.regenerate.output = .*': is a directory; expected a JSONL file"),
+    "unknown_hub_target_offline": (None, ["target.name_or_path=no-such-org/no-such-model"], FileNotFoundError,
+                                   r"target 'no-such-org/no-such-model' is neither a local folder nor in the Hugging "
+                                   r"Face cache, and HF_HUB_OFFLINE is set"),
     "unwritable_output_dir": (None, ["output_dir={tmp}/data.jsonl/run"], RecipeError,
                               r"output_dir = .*data.jsonl/run': cannot be created: .* is a file"),
     "warmup_longer_than_run": (None, ["optim.warmup_steps=50"], RecipeError,
@@ -72,11 +96,16 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_bad_input(env, tmp_path, name):
+def test_bad_input(env, tmp_path, monkeypatch, name):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as HF_HUB_OFFLINE=1: never the network
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     tmp_target = env[1]
     lines, overrides, error, expected = CASES[name]
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(line + "\n" for line in (GOOD if lines is None else lines)))
+    text = "".join(line + "\n" for line in (GOOD if lines is None else lines))
+    data.write_text(text, encoding="utf-8", errors="surrogateescape")  # "\udce9" -> the single byte 0xe9
     recipe = tiny_recipe(tmp_path, tmp_target, data, trainer={"max_steps": 1, "checkpoint_every_n_steps": None,
                                                               "val_check_interval": None, "logger": []},
                          optim={"warmup_steps": 0}, data={"val_fraction": 0.0, "on_error": "raise"})

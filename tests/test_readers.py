@@ -93,6 +93,8 @@ BAD = [
     ("empty_user_turn", {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": ""},
                                       {"role": "assistant", "content": "a"}]}),
     ("not_an_object", ["a list"]),
+    ("lone_surrogate", {"conversations": [{"from": "human", "value": "half an emoji \ud83d"},  # written as an escape
+                                          {"from": "gpt", "value": "b"}]}),
 ]
 
 
@@ -149,6 +151,51 @@ def test_syntax_error_inside_json_list_names_the_line(tmp_path):
     path.write_text('[\n {"conversations": []},\n {"conversations": [}\n' + json.dumps(SHAREGPT) * 3 + "]\n")
     with pytest.raises(DataError, match=r"bad.json: record 1 \(line 3\): invalid JSON"):
         read_conversations(path, on_error="skip")
+
+
+def _bytes_file(path, pieces, writer):
+    """A JSON list or JSONL file of `pieces` (bytes, one record each) with one record per line."""
+    body = b"[\n" + b",\n".join(pieces) + b"\n]\n" if writer == "json" else b"".join(p + b"\n" for p in pieces)
+    (gzip.open if path.suffix == ".gz" else open)(path, "wb").write(body)
+    return path
+
+
+@pytest.mark.parametrize("name,writer,line", [("d.jsonl", "jsonl", 2), ("d.json", "json", 3),
+                                              ("d.jsonl.gz", "jsonl", 2)])
+def test_non_utf8_bytes_are_one_bad_record(tmp_path, monkeypatch, name, writer, line):
+    good = [json.dumps(r).encode() for r in SHAREGPT]
+    bad = good[0].replace(b"hello", b"hel\xff\xfelo")  # Latin-1 bytes where UTF-8 is due
+    path = _bytes_file(tmp_path / name, [good[0], bad, good[1]], writer)
+    column = bad.index(b"\xff") + 1
+    where = f"column {column}" if writer == "jsonl" else f"line {line}, column {column}"
+    with pytest.raises(DataError, match=rf"{name}: record 1 \(line {line}\): not UTF-8 text: byte 0xff at {where} "
+                       r".*\[invalid_utf8\]; set data.on_error=skip"):
+        read_conversations(path)
+    monkeypatch.setattr(readers, "_CHUNK", 16)  # the bad bytes straddle buffer refills too
+    convs, stats = read_conversations(path, on_error="skip")
+    assert [c.index for c in convs] == [0, 2] and stats.skipped == {"invalid_utf8": 1}
+    assert convs[0].messages[1]["content"] == "hello"
+
+
+def test_non_utf8_bytes_between_json_list_records_name_the_line(tmp_path):
+    good = [json.dumps(r).encode() for r in SHAREGPT]
+    path = _bytes_file(tmp_path / "d.json", [good[0], b"\xff" + good[1]], "json")
+    with pytest.raises(DataError, match=r"d.json: record 1 \(line 3\): not UTF-8 text: byte 0xff at line 3"):
+        read_conversations(path, on_error="skip")  # a list cannot be re-synchronised after a syntax error
+
+
+@pytest.mark.parametrize("writer", ["jsonl", "json"])
+def test_deeply_nested_record_is_one_bad_record(tmp_path, monkeypatch, writer):
+    deep = b'{"conversations": ' + b"[" * 50_000 + b'"]"' + b"]" * 50_000 + b"}"  # the "]" string must not count
+    good = [json.dumps(r).encode() for r in SHAREGPT]
+    path = _bytes_file(tmp_path / f"d.{writer}", [good[0], deep, good[1]], writer)
+    with pytest.raises(DataError, match=r"record 1 \(line \d\): nested deeper than the JSON decoder allows.*"
+                       r"\[too_deeply_nested\]"):
+        read_conversations(path)
+    monkeypatch.setattr(readers, "_CHUNK", 4096)  # the nested record spans many buffer refills
+    convs, stats = read_conversations(path, on_error="skip")
+    assert [c.index for c in convs] == [0, 2] and stats.skipped == {"too_deeply_nested": 1}
+    assert [c.id for c in convs] == ["a", "b"]
 
 
 def test_streaming_across_small_chunks(tmp_path, monkeypatch):

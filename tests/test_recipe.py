@@ -118,14 +118,31 @@ BAD_CASES = [
      "must divide num_attention_heads (9)"),
     ("missing_init", {"drafter.init_from": "./no/such/drafter"}, "drafter.init_from", "local path does not exist"),
     ("section_not_mapping", {"ttt": 7}, "ttt", "expected a mapping of TTTConfig fields"),
+    # path kinds ({tmp}/afile is a file, {tmp}/adir a directory)
+    ("cache_dir_file", {"data.cache_dir": "{tmp}/afile"}, "data.cache_dir = '{tmp}/afile'",
+     "is a file; expected a directory"),
+    ("cache_dir_under_file", {"data.cache_dir": "{tmp}/afile/cache"}, "data.cache_dir",
+     "cannot be created: '{tmp}/afile' is a file; expected a directory"),
+    ("features_dir_file", {"data.features_dir": "{tmp}/afile"}, "data.features_dir = '{tmp}/afile'",
+     "is a file; expected a directory of feature shards"),
+    ("regenerate_output_dir", {"data.regenerate.output": "{tmp}/adir"}, "data.regenerate.output = '{tmp}/adir'",
+     "is a directory; expected a JSONL file path"),
+    ("regenerate_output_under_file", {"data.regenerate.output": "{tmp}/afile/regen.jsonl"},
+     "data.regenerate.output", "cannot be created: '{tmp}/afile' is a file"),
+    ("target_file", {"target.name_or_path": "{tmp}/afile"}, "target.name_or_path = '{tmp}/afile'",
+     "is a file; expected a local model folder with config.json, a Hub repo id 'org/name' or the embedded target "
+     "('smollm2-135m-instruct' or 'embedded')"),
 ]
 
 
 @pytest.mark.parametrize("updates,key,fragment", [c[1:] for c in BAD_CASES], ids=[c[0] for c in BAD_CASES])
 def test_bad_recipe_names_the_key(tmp_path, updates, key, fragment):
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
+    key, fragment = key.replace("{tmp}", str(tmp_path)), fragment.replace("{tmp}", str(tmp_path))
     cfg = _base(tmp_path)
     for dotted, value in updates.items():
-        _set(cfg, dotted, value)
+        _set(cfg, dotted, value.replace("{tmp}", str(tmp_path)) if isinstance(value, str) else value)
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(cfg))
     with pytest.raises(RecipeError) as exc:
@@ -144,6 +161,23 @@ def test_hub_ids_are_not_checked_as_paths(tmp_path):
     path = tmp_path / "ok.yaml"
     path.write_text(yaml.safe_dump(cfg))
     assert load_recipe(path).data.sources[0].path == "org/dataset"
+
+
+def test_path_kinds_accept_what_is_expected(tmp_path):
+    """Existing folders/files of the right kind and paths still to be created pass; a read-only cache is not judged
+    (a store prepared elsewhere is only read)."""
+    cfg = _base(tmp_path)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "regen.jsonl").write_text("")
+    cfg["data"].update(cache_dir=str(tmp_path / "cache"), features_dir=str(tmp_path / "new" / "features"),
+                       regenerate={"output": str(tmp_path / "regen.jsonl")})
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    (tmp_path / "cache").chmod(0o500)
+    try:
+        assert load_recipe(path).data.cache_dir == str(tmp_path / "cache")
+    finally:
+        (tmp_path / "cache").chmod(0o700)
 
 
 def test_output_dir_not_writable(tmp_path, monkeypatch):

@@ -4,15 +4,103 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from pathlib import Path
 from typing import Any
 
+import huggingface_hub
 import torch
+from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+from huggingface_hub.errors import HTTPError as HubHTTPError  # its HTTP client's base error: transport and status
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from eagle3_zoo.adapters.base import TargetAdapter, adapter_for
-from eagle3_zoo.adapters.embedded import embedded_target_dir, is_embedded_name
+from eagle3_zoo.adapters.embedded import EMBEDDED_NAMES, embedded_target_dir, is_embedded_name
 
 logger = logging.getLogger(__name__)
+
+HUB_PROBE_TIMEOUT_S = 5.0
+"""One request asks the Hub whether a repo exists; a Hub that does not answer in this time counts as unreachable
+(transformers' own download would retry for ~25 s before failing)."""
+_WHAT_TO_PASS = ("pass a local folder with config.json, a Hub repo id such as 'Qwen/Qwen2.5-7B-Instruct', or "
+                 f"{' / '.join(repr(n) for n in EMBEDDED_NAMES)} for the embedded SmolLM2-135M-Instruct")
+
+
+class TargetNotFoundError(FileNotFoundError):
+    """The target is neither a local model folder nor a repo the Hub (or the local Hub cache) has."""
+
+
+def resolve_target(name_or_path: str | os.PathLike) -> tuple[str | Path, bool]:
+    """Where a target is read from, checked before any download: ``(path or repo id, local_files_only)``.
+
+    A Hub id is looked up in the local Hugging Face cache and, unless ``HF_HUB_OFFLINE`` is set, with one request to
+    the Hub (no retries). A cached target is read from the cache when the Hub is offline or unreachable.
+
+    Raises:
+        TargetNotFoundError: a file, a folder without config.json, a name that is no Hub id, a repo the Hub does not
+            have, or a Hub that is offline/unreachable while the cache lacks the repo. One line with what to pass.
+    """
+    if is_embedded_name(name_or_path):
+        return embedded_target_dir(), False
+    name, local = str(name_or_path), Path(name_or_path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise TargetNotFoundError(f"target {name!r} is a folder without config.json; {_WHAT_TO_PASS}")
+        return local, False
+    if local.exists():
+        raise TargetNotFoundError(f"target {name!r} is a file, not a model folder; {_WHAT_TO_PASS}")
+    try:
+        huggingface_hub.utils.validate_repo_id(name)
+    except HFValidationError:
+        raise TargetNotFoundError(f"target {name!r} is neither a local folder nor a Hub repo id; "
+                                  f"{_WHAT_TO_PASS}") from None
+    return name, _hub_repo_is_local_only(name)
+
+
+def _hub_repo_is_local_only(repo_id: str) -> bool:
+    """Whether Hub repo `repo_id` must be read from the cache only; raises when neither the Hub nor the cache has it."""
+    cached = isinstance(huggingface_hub.try_to_load_from_cache(repo_id, "config.json"), str)
+    if huggingface_hub.is_offline_mode():
+        if cached:
+            return True
+        raise TargetNotFoundError(f"target {repo_id!r} is neither a local folder nor in the Hugging Face cache, and "
+                                  f"HF_HUB_OFFLINE is set so the Hub is not asked; {_WHAT_TO_PASS}")
+    api = huggingface_hub.HfApi()
+    error = _ask_hub(api, repo_id)
+    if error is None or isinstance(error, GatedRepoError):
+        return False  # it exists (a gated repo: the download says how to get access)
+    if isinstance(error, RepositoryNotFoundError):
+        raise TargetNotFoundError(f"target {repo_id!r} is neither a local folder nor a repo on the Hub "
+                                  f"({api.endpoint}; a private repo needs a token: `hf auth login`); {_WHAT_TO_PASS}")
+    if not isinstance(error, (HubHTTPError, OSError)):
+        raise error  # not a network condition
+    cause = f"{type(error).__name__}: {next(iter(str(error).splitlines()), '')}"
+    if cached:
+        logger.warning("the Hub (%s) is unreachable (%s); reading %s from the local cache", api.endpoint, cause,
+                       repo_id)
+        return True
+    raise TargetNotFoundError(f"target {repo_id!r} is neither a local folder nor reachable on the Hub ({api.endpoint}: "
+                              f"{cause}; this machine may be offline) and it is not in the Hugging Face cache; "
+                              f"{_WHAT_TO_PASS}")
+
+
+def _ask_hub(api: huggingface_hub.HfApi, repo_id: str) -> BaseException | None:
+    """The error of one `model_info` request for `repo_id` (None: the repo exists), awaited `HUB_PROBE_TIMEOUT_S`
+    seconds at most: the client's timeout does not cover a DNS lookup that hangs, so the request runs in a daemon
+    thread that is left behind if it does not answer."""
+    outcome: dict[str, BaseException | None] = {}
+
+    def ask() -> None:
+        try:
+            api.model_info(repo_id, timeout=HUB_PROBE_TIMEOUT_S)
+            outcome["error"] = None
+        except Exception as e:  # returned to the caller, which tells a missing repo from no answer
+            outcome["error"] = e
+
+    thread = threading.Thread(target=ask, name="eagle3-zoo-target-probe", daemon=True)
+    thread.start()
+    thread.join(HUB_PROBE_TIMEOUT_S)
+    return outcome["error"] if "error" in outcome else TimeoutError(f"no answer within {HUB_PROBE_TIMEOUT_S:g} s")
 
 
 def load_target(
@@ -37,20 +125,23 @@ def load_target(
         ``(model, tokenizer, adapter)`` with every parameter ``requires_grad=False``.
 
     Raises:
+        TargetNotFoundError: `name_or_path` is neither a local model folder nor a repo the Hub or its cache has
+            (see `resolve_target`; fast when offline or the Hub is unreachable).
         UnknownAdapterError: the config's ``model_type`` has no adapter (checked before any weight is read).
         ValueError: the checkpoint lacks weights of the model (they would silently stay random).
     """
-    path = embedded_target_dir() if is_embedded_name(name_or_path) else name_or_path
     torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) and dtype != "auto" else dtype
     if not (isinstance(torch_dtype, torch.dtype) or torch_dtype == "auto"):
         raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. 'float32', 'bfloat16') or 'auto'")
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    path, local_only = resolve_target(name_or_path)
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": local_only}
+    config = AutoConfig.from_pretrained(path, **kwargs)
     adapter = adapter_for(config)
     model, info = AutoModelForCausalLM.from_pretrained(
-        path, config=config, dtype=torch_dtype, trust_remote_code=trust_remote_code, output_loading_info=True
+        path, config=config, dtype=torch_dtype, output_loading_info=True, **kwargs
     )
     _check_loading_info(info, adapter, path)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     if lora_path is not None:
         model = _merge_lora(model, lora_path)
     model.requires_grad_(False)

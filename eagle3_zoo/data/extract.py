@@ -114,6 +114,14 @@ def write_features(examples: list[dict[str, Any]], target: Any, adapter: Any, ou
     return store
 
 
+def check_rank(rank: int, world_size: int) -> None:
+    """Raise a one-line `ValueError` unless `world_size >= 1` and `0 <= rank < world_size` (a rank out of range
+    would extract nothing and report success)."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"--rank {rank} --world-size {world_size}: expected world size >= 1 and 0 <= rank < "
+                         "world size (rank r of N processes of a distributed feature job: --rank r --world-size N)")
+
+
 def extract_features(recipe: Any, *, target: Any = None, tokenizer: Any = None, adapter: Any = None,
                      data: Any = None, rank: int = 0, world_size: int = 1, verify: str = "size") -> Path:
     """The offline feature job of a recipe: prepare its data like `fit` does and store the target's features.
@@ -132,6 +140,7 @@ def extract_features(recipe: Any, *, target: Any = None, tokenizer: Any = None, 
     from eagle3_zoo.data.prepare import prepare_data
     from eagle3_zoo.training.build import aux_layer_ids_for, load_recipe_target
 
+    check_rank(rank, world_size)  # before the target is loaded
     if target is None:
         target, tokenizer, adapter = load_recipe_target(recipe)
     target_id = recipe.target.name_or_path
@@ -161,6 +170,7 @@ def prepare_recipe(recipe: Any, *, rank: int = 0, world_size: int = 1) -> dict[s
     from eagle3_zoo.data.prepare import prepare_data
     from eagle3_zoo.training.build import load_recipe_target
 
+    check_rank(rank, world_size)  # before the target is loaded
     target, tokenizer, adapter = load_recipe_target(recipe)
     data = prepare_data(recipe, tokenizer, adapter, target=target, target_id=recipe.target.name_or_path,
                         vocab_size=target.config.vocab_size)
@@ -183,10 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle3_zoo.data.extract",
                                      description="Offline feature job of a recipe (resumable).")
     parser.add_argument("recipe")
-    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("overrides", nargs="*", default=[], help="key=value overrides, before or after the options")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world-size", type=int, default=1)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may follow --rank/--world-size
     _logging.basicConfig(level=_logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         out = extract_features(load_recipe(args.recipe, args.overrides), rank=args.rank, world_size=args.world_size)

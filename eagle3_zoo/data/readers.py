@@ -3,7 +3,10 @@
 Output is a `Conversation` with `messages=[{"role": "user"|"assistant"|"system", "content": str}]`; rendering
 with the chat template and tokenisation happen in the target adapter. Bad records either stop the read with a
 `DataError` naming the file, record index and line (`on_error="raise"`), or are skipped and counted per reason
-in `ReadStats`, which is logged (`on_error="skip"`). Nothing is dropped silently.
+in `ReadStats`, which is logged (`on_error="skip"`). Nothing is dropped silently. A record holding bytes that are
+not UTF-8 (`invalid_utf8`), text with a lone surrogate escape such as "\\ud83d" (`lone_surrogate`: no tokenizer
+takes it) or nesting too deep to decode (`too_deeply_nested`) is one bad record like any other; the rest of the file
+is still read.
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ ROLE_ALIASES = {
 _TURN_KEYS = (("from", "value"), ("role", "content"))  # either spelling is accepted in any record layout
 _SEPARATOR = re.compile(r"[\s,]*")
 _CHUNK = 1 << 20
+# Bytes that are not UTF-8, as `errors="surrogateescape"` decodes them (valid UTF-8 never yields these code points)
+_UNDECODABLE = re.compile("[\udc80-\udcff]")
+# A JSON string or a bracket: enough to find where a container ends without the recursive decoder
+_STRING_OR_BRACKET = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+_SURROGATE = re.compile("[\ud800-\udfff]")  # left in decoded text only by an escape such as "\\ud800" alone
+_TOO_DEEP = ("too_deeply_nested", "nested deeper than the JSON decoder allows (Python's recursion limit)")
 _warned_truncated: set[str] = set()
 
 
@@ -126,9 +135,41 @@ def source_files(path: str | Path) -> list[tuple[Path, str]]:
 
 
 def _open_text(path: Path) -> IO[str]:
+    # undecodable bytes become lone surrogates instead of aborting the whole read: the record holding them is then
+    # reported by file, record and line, or skipped and counted (`_undecodable`)
     if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8-sig")
-    return open(path, encoding="utf-8-sig")
+        return gzip.open(path, "rt", encoding="utf-8-sig", errors="surrogateescape")
+    return open(path, encoding="utf-8-sig", errors="surrogateescape")
+
+
+def _undecodable(text: str, line: int, start: int = 0, end: int | None = None, *,
+                 starts_line: bool = False) -> _BadRecord | None:
+    """The bad record for text[start:end] (which begins on `line`, at its start if `starts_line`) when it holds
+    bytes that are not UTF-8 (see `_open_text`), else None."""
+    match = _UNDECODABLE.search(text, start, len(text) if end is None else end)
+    if match is None:
+        return None
+    at = match.start()
+    line_start = text.rfind("\n", 0, at) + 1  # 0: the line may start before this text (a refilled buffer)
+    column = f"column {at - line_start + 1}"
+    if not starts_line:  # within a record spanning lines; the column only when its line starts in `text`
+        column = f"line {line + text.count(chr(10), start, at)}" + (f", {column}" if line_start else "")
+    return _BadRecord("invalid_utf8", f"not UTF-8 text: byte 0x{ord(match.group()) - 0xDC00:02x} at {column} "
+                      "(re-save the file as UTF-8)")
+
+
+def _container_end(text: str, start: int) -> int | None:
+    """End of the JSON object or list starting at text[start], found without recursion; None if the text ends first."""
+    depth = 0
+    for match in _STRING_OR_BRACKET.finditer(text, start):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+        elif token in "]}":
+            depth -= 1
+            if depth == 0:
+                return match.end()
+    return None
 
 
 def _first_char(path: Path) -> str:
@@ -164,6 +205,17 @@ def _iter_json_array(path: Path, allow_truncated: bool, stats: ReadStats) -> Ite
                 return
             try:
                 record, end = decoder.raw_decode(buf, pos)
+                record = _undecodable(buf, line, pos, end) or record
+            except RecursionError:
+                # nested deeper than the decoder's recursion allows: skip to its end without recursion
+                end = _container_end(buf, pos)
+                if end is None and not eof:
+                    buf, pos, eof = _refill(f, buf, pos)
+                    continue
+                if end is None:
+                    _truncated(path, index, line, allow_truncated, stats)
+                    return
+                record = _BadRecord(*_TOO_DEEP)
             except json.JSONDecodeError as e:
                 # input that stops mid-record fails at its very end (or in a string running to the end); any
                 # other failure is a real syntax error, after which records cannot be re-synchronised
@@ -175,7 +227,9 @@ def _iter_json_array(path: Path, allow_truncated: bool, stats: ReadStats) -> Ite
                     _truncated(path, index, line, allow_truncated, stats)
                     return
                 err_line = line + buf.count("\n", pos, e.pos)
-                raise DataError(f"{path}: record {index} (line {err_line}): invalid JSON: {e.msg}") from None
+                bad_bytes = _undecodable(buf, line, pos, e.pos + 1)
+                detail = str(bad_bytes) if bad_bytes else f"invalid JSON: {e.msg}"
+                raise DataError(f"{path}: record {index} (line {err_line}): {detail}") from None
             yield index, line, record
             index += 1
             line += buf.count("\n", pos, end)
@@ -205,10 +259,13 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, int, Any]]:
         for line_no, text in enumerate(f, start=1):
             if not text.strip():
                 continue
+            record: Any = _undecodable(text, line_no, starts_line=True)
             try:
-                record: Any = json.loads(text)
+                record = record or json.loads(text)
             except json.JSONDecodeError as e:
                 record = _BadRecord("broken_json", f"invalid JSON: {e.msg} (column {e.colno})")
+            except RecursionError:
+                record = _BadRecord(*_TOO_DEEP)
             yield index, line_no, record
             index += 1
 
@@ -234,6 +291,9 @@ def _to_messages(record: Any, fmt: str) -> list[dict[str, str]]:
             raise _BadRecord("unknown_role", f"turn {j}: unknown role {raw_role!r}; known: {sorted(ROLE_ALIASES)}")
         if not isinstance(content, str):
             raise _BadRecord("non_string_content", f"turn {j}: content is {type(content).__name__}, not a string")
+        if surrogate := _SURROGATE.search(content):  # no character: tokenizers and UTF-8 writers reject it
+            raise _BadRecord("lone_surrogate", f"turn {j}: content holds the lone surrogate escape "
+                             f"\\u{ord(surrogate.group()):04x}, which encodes no character")
         messages.append({"role": role, "content": content})
     if not messages:
         raise _BadRecord("empty_conversation", "the conversation has no turns")
