@@ -17,18 +17,25 @@ from eagle3_zoo.modeling import Eagle3Config, default_aux_layer_ids
 def resolve_target_config(target: Any) -> Any:
     """A target config from a `PretrainedConfig`, a dict, a local folder, a Hub id or the embedded target's name.
 
-    Hub ids go through `AutoConfig.from_pretrained(target, trust_remote_code=False)` (downloads config.json only);
-    multimodal configs resolve to their text config.
+    Zoo and recipe targets (and the embedded target) use the config shipped in the package: no network. Other Hub
+    ids go through `AutoConfig.from_pretrained(target, trust_remote_code=False)` (config.json only) after the same
+    fast check `load_target` makes (one Hub request, no retries; the cache when offline). Multimodal configs resolve
+    to their text config.
+
+    Raises:
+        TargetNotFoundError: neither a local folder, a shipped config, nor a repo the Hub or the cache has.
     """
     if isinstance(target, (str, Path)):
         from transformers import AutoConfig
 
-        name = str(target)
-        from eagle3_zoo.adapters.embedded import embedded_target_dir, is_embedded_name
+        from eagle3_zoo.adapters.loading import resolve_target
+        from eagle3_zoo.adapters.shipped import shipped_target_config
 
-        if is_embedded_name(name):
-            name = str(embedded_target_dir())
-        target = AutoConfig.from_pretrained(name, trust_remote_code=False)
+        shipped = None if Path(target).expanduser().is_dir() else shipped_target_config(str(target))
+        if shipped is not None:
+            return shipped
+        where, local_only = resolve_target(target)
+        target = AutoConfig.from_pretrained(where, trust_remote_code=False, local_files_only=local_only)
     if not isinstance(target, dict) and hasattr(target, "get_text_config"):
         target = target.get_text_config()
     return target
