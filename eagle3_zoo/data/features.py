@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
 from eagle3_zoo.data.readers import DataError
-from eagle3_zoo.modeling.dtypes import dtype_name, torch_dtype
+from eagle3_zoo.dtypes import dtype_name, torch_dtype
 from eagle3_zoo.modeling.io import atomic_write, atomic_write_bytes, sha256_file  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)

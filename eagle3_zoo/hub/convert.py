@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from eagle3_zoo.dtypes import torch_dtype
 from eagle3_zoo.hub.check import require_valid_drafter
 from eagle3_zoo.hub.formats import (
     CANONICAL_KEYS,
@@ -29,7 +30,6 @@ from eagle3_zoo.hub.formats import (
 )
 from eagle3_zoo.hub.weights import SAFETENSORS_NAME, load_weights
 from eagle3_zoo.modeling import CONFIG_NAME, WEIGHTS_NAME, Eagle3Drafter, identity_vocab
-from eagle3_zoo.modeling.dtypes import torch_dtype
 from eagle3_zoo.modeling.io import atomic_write, atomic_write_text
 
 __all__ = ["CANONICAL_KEYS", "convert_to_canonical", "export_drafter", "extra_files", "import_drafter",

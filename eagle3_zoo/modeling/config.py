@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3_zoo.modeling.dtypes import DTYPE_NAMES
+from eagle3_zoo.dtypes import DTYPE_NAMES
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 

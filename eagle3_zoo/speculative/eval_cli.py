@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eagle3_zoo.modeling.dtypes import DTYPE_NAMES
+from eagle3_zoo.dtypes import DTYPE_NAMES
 from eagle3_zoo.speculative.shapes import SHAPE_SYNTAX, TreeSpec, parse_shapes
 
 # kept free of torch/transformers imports: `eagle3-zoo --help` builds this parser

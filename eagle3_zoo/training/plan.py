@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from eagle3_zoo.modeling.dtypes import torch_dtype
+from eagle3_zoo.dtypes import torch_dtype
 
 GIB = 1024**3
 RESERVE_FIXED_GIB = 1.0  # CUDA context, NCCL buffers
