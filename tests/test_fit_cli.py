@@ -26,6 +26,20 @@ def setup(tmp_path_factory):
     return tmp, recipe
 
 
+@pytest.fixture(scope="module")
+def online_step4(setup):
+    """The drafter of a plain 4-step online fit (the reference of the offline and preconditioning tests), trained
+    here when `test_online_fit_outputs_and_resume` has not already saved it (e.g. a test run on its own)."""
+    tmp, recipe = setup
+    path = tmp / "online_step4.safetensors"
+    if not path.exists():
+        run = tmp / "run_reference"
+        r = run_fit_cli(recipe, f"output_dir={run}")
+        assert r.returncode == 0, r.stderr[-4000:]
+        shutil.copy(run / "drafter" / "model.safetensors", path)
+    return path
+
+
 def _files(root):
     return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
 
@@ -72,10 +86,8 @@ def test_online_fit_outputs_and_resume(setup):
     assert json.loads((run / "drafter" / "provenance.json").read_text())["training"]["global_step"] == 6
 
 
-def test_offline_fit_matches_online(setup):
+def test_offline_fit_matches_online(setup, online_step4):
     tmp, recipe = setup
-    if not (tmp / "online_step4.safetensors").exists():
-        pytest.skip("needs test_online_fit_outputs_and_resume")
     run = tmp / "run_offline"
     r = run_fit_cli(recipe, "data.mode=offline", f"output_dir={run}")
     assert r.returncode == 0, r.stderr[-4000:]
@@ -83,7 +95,7 @@ def test_offline_fit_matches_online(setup):
     prov = json.loads((run / "drafter" / "provenance.json").read_text())
     store = Path(prov["data"]["features"]["features_dir"])
     assert json.loads((store / "manifest.json").read_text())["complete"]
-    online = load_file(tmp / "online_step4.safetensors")
+    online = load_file(online_step4)
     offline = load_file(run / "drafter" / "model.safetensors")
     for k in online:  # fp32 features: the same computation as online, read back from disk
         torch.testing.assert_close(offline[k], online[k], atol=1e-5, rtol=0)
@@ -109,20 +121,18 @@ def test_prepare_caches_the_data_stage_for_fit(setup, capsys):
     assert prov["data"]["regeneration"]["reused"] == 24 and prov["data"]["features"]["features_dir"] == str(store)
 
 
-def test_preconditioned_fc_online_equals_offline_and_is_folded(setup):
+def test_preconditioned_fc_online_equals_offline_and_is_folded(setup, online_step4):
     tmp, recipe = setup
-    if not (tmp / "online_step4.safetensors").exists():
-        pytest.skip("needs test_online_fit_outputs_and_resume")
     written = {}
     for mode in ("online", "offline"):
         run = tmp / f"run_precond_{mode}"
         r = run_fit_cli(recipe, f"data.mode={mode}", "optim.precondition_fc=true", f"output_dir={run}")
         assert r.returncode == 0, r.stderr[-4000:]
         written[mode] = load_file(run / "drafter" / "model.safetensors")
-        assert set(written[mode]) == set(load_file(tmp / "online_step4.safetensors"))  # same format, no extra key
+        assert set(written[mode]) == set(load_file(online_step4))  # same format, no extra key
     for k in written["online"]:  # the scale measured by a target forward == the one from the stored features
         torch.testing.assert_close(written["offline"][k], written["online"][k], atol=1e-5, rtol=0)
-    plain = load_file(tmp / "online_step4.safetensors")
+    plain = load_file(online_step4)
     assert not torch.allclose(written["online"]["fc.weight"], plain["fc.weight"], atol=1e-4)
 
 
