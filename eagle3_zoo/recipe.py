@@ -186,7 +186,7 @@ class TrainerConfig:
     devices: int | str = "auto"
     """Lightning devices: a count, -1 (all), "auto" or a comma list such as "0,1"."""
     num_nodes: int = 1
-    strategy: Literal["auto", "ddp", "fsdp", "deepspeed"] = "auto"
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto"
     accumulate_grad_batches: int = 1
     batch_size: int = 1
     """Per-device micro-batch (conversations)."""
@@ -524,7 +524,7 @@ def _semantic_problems(r: Recipe) -> list[RecipeProblem]:
     if not _valid_devices(r.trainer.devices):
         bad("trainer.devices", 'expected a count >= 1, -1 (all), "auto" or a comma list of indices like "0,1"')
     if r.trainer.num_nodes > 1 and r.trainer.strategy == "auto":
-        bad("trainer.strategy", "multi-node training needs an explicit strategy: ddp, fsdp or deepspeed",
+        bad("trainer.strategy", "multi-node training needs an explicit strategy: ddp or fsdp",
             ("trainer.num_nodes",))
     if r.ttt.schedule == "ramp" and r.ttt.steps == 1:
         bad("ttt.schedule", "a ramp needs ttt.steps > 1", ("ttt.steps",))

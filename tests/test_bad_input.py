@@ -67,7 +67,7 @@ CASES = {
                        r"target.family = 'qwen25': unknown adapter family"),
     "family_mismatch": (None, ["target.family=qwen2"], ValueError, r"target.family = 'qwen2' but .* is a 'llama'"),
     "unknown_strategy": (None, ["trainer.strategy=horovod"], RecipeError,
-                         r"trainer.strategy = 'horovod': expected one of auto, ddp, fsdp, deepspeed"),
+                         r"trainer.strategy = 'horovod': expected one of auto, ddp, fsdp"),
     "draft_vocab_larger_than_target": (None, ["drafter.draft_vocab_size=100000"], RecipeError,
                                        r"drafter.draft_vocab_size = 100000: exceeds the target vocabulary \(512\)"),
     "aux_layer_out_of_range": (None, ["drafter.aux_layer_ids=[1,2,9]"], RecipeError,
@@ -136,7 +136,7 @@ def test_cli_exit_code_and_message_for_bad_yaml(tmp_path, capsys):
 def test_unknown_strategy_from_the_builder_lists_valid_ones():
     from eagle3_zoo.training.strategies import build_strategy
 
-    with pytest.raises(ValueError, match="valid: auto, ddp, fsdp, deepspeed"):
+    with pytest.raises(ValueError, match="valid: auto, ddp, fsdp"):
         build_strategy("horovod")
 
 

@@ -203,13 +203,10 @@ def test_build_strategy_names_and_errors():
     assert isinstance(build_strategy("ddp"), DDPStrategy)
     fsdp = build_strategy("fsdp", devices=2, accelerator="cpu")
     assert isinstance(fsdp, ModelParallelStrategy) and fsdp._data_parallel_size == 2
-    with pytest.raises(ValueError, match="unknown strategy 'horovod'.*auto, ddp, fsdp, deepspeed"):
+    with pytest.raises(ValueError, match="unknown strategy 'horovod'.*auto, ddp, fsdp"):
         build_strategy("horovod")
-    import importlib.util
-
-    if importlib.util.find_spec("deepspeed") is None:
-        with pytest.raises(ImportError, match="pip install deepspeed"):
-            build_strategy("deepspeed")
+    with pytest.raises(ValueError, match="unknown strategy 'deepspeed'"):  # not offered: never tested working
+        build_strategy("deepspeed")
 
 
 def test_offline_module_reads_bf16_features(tiny_target):
