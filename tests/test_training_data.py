@@ -219,6 +219,9 @@ def test_prepare_data_regenerates_caches_and_counts(tiny, tmp_path, monkeypatch)
     assert int(first.counts.sum()) == sum(int(e["loss_mask"].sum()) for e in first.train)
     again = prepare_data(recipe, tok, adapter, target=model, target_id="tiny", vocab_size=512)
     assert again.regenerate["reused"] == 6 and again.regenerate["generated"] == 0
+    # what the data holds is counted on a rerun too (it used to read "generated: 0, turns: 0" from a cache)
+    assert again.regenerate["conversations"] == first.regenerate["conversations"] == 6
+    assert again.regenerate["answer_turns"] == first.regenerate["answer_turns"] == first.regenerate["turns"]
     assert [e["id"] for e in again.train] == [e["id"] for e in first.train]
     # the held-out conversations behind the val examples, with the target's answers, fresh and from the cache
     for prepared in (first, again):

@@ -1,0 +1,35 @@
+"""Long work shows a sign of life: a bar on a terminal, log lines with rate and ETA in a log file."""
+
+from __future__ import annotations
+
+import logging
+
+from eagle3_zoo.progress import Progress
+
+
+def test_log_lines_without_a_terminal(caplog):
+    log = logging.getLogger("test-progress")
+    with caplog.at_level(logging.INFO, logger="test-progress"):
+        with Progress(4, "regenerating", "conv", logger=log, log_every_s=0.0, bar=False) as p:
+            p.update(1, tokens=100)
+            p.update(3, tokens=300)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert lines[0].startswith("regenerating: 1/4 conv (25%)") and "ETA" in lines[0] and "tokens 100" in lines[0]
+    assert lines[1].startswith("regenerating: 4/4 conv (100%)") and "tokens 400" in lines[1] and "ETA" not in lines[1]
+
+
+def test_log_lines_are_spaced_but_the_last_one_always_comes(caplog):
+    log = logging.getLogger("test-progress")
+    with caplog.at_level(logging.INFO, logger="test-progress"):
+        p = Progress(100, "features", "sample", logger=log, log_every_s=3600.0, bar=False)
+        for _ in range(100):
+            p.update(1)
+    assert [r.getMessage().split(",")[0] for r in caplog.records] == ["features: 100/100 sample (100%)"]
+
+
+def test_bar_on_a_terminal(capsys):
+    with Progress(2, "regenerating", "conv", bar=True) as p:
+        p.update(2, tokens=64)
+    err = capsys.readouterr().err
+    assert "regenerating" in err and "2/2" in err and "tokens/s" in err
