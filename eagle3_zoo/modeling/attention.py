@@ -156,7 +156,8 @@ def _ttt_block_mask(seg_len: int, n_diag: int, device: torch.device):
     partial[:, : n_diag + 1] = i[:, None] + nb * torch.arange(n_diag + 1, device=device, dtype=torch.int32)
     partial_num = torch.full((nb,), n_diag + 1, dtype=torch.int32, device=device)
     full = torch.arange(n_kv, device=device, dtype=torch.int32).expand(nb, n_kv).contiguous()  # first i: 0..i-1
-    seg = torch.tensor(seg_len, device=device)  # a tensor, not a Python int: a new length needs no recompile
+    # a tensor, not a Python int, in the mask function's closure: a new length needs no recompile
+    seg = torch.tensor(seg_len, dtype=torch.int32, device=device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         pos = kv_idx % seg
