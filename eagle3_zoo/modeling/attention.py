@@ -3,7 +3,7 @@
 TTT step k, query at position t, sees the step-0 keys at positions <= t (causal) plus the keys that steps 1..k
 produced at the same position t (the "diagonal"): exactly the keys a depth-k node sees while drafting a tree.
 
-No backend keeps a T x T score matrix on a fast device. `ttt_backend` picks one per device type, once:
+The CPU and CUDA backends keep no T x T score matrix. `ttt_backend` picks one per device type, once:
 - "cpu-flash" (CPU): the causal part runs in PyTorch's fused CPU flash kernel, which also returns its log-sum-exp,
   and the k diagonal scores (one dot product each) are merged in log space. The backward re-uses the flash
   backward with the *merged* output and log-sum-exp, which makes its softmax-gradient term exact for the union of
