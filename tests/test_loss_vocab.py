@@ -70,7 +70,7 @@ def test_fused_soft_cross_entropy_matches_eager():
     h = torch.randn(37, 16, requires_grad=True)
     w = torch.randn(50, 16, requires_grad=True)
     p = torch.softmax(torch.randn(37, 50), -1)
-    loss, correct = fused_soft_cross_entropy(h, w, p, chunk=8)
+    loss, row_loss, row_correct = fused_soft_cross_entropy(h, w, p, chunk=8)
     (loss * 0.7).backward()
     gh, gw = h.grad.clone(), w.grad.clone()
     h.grad = w.grad = None
@@ -78,9 +78,10 @@ def test_fused_soft_cross_entropy_matches_eager():
     ref = -(p * torch.log_softmax(logits, -1)).sum()
     (ref * 0.7).backward()
     torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(row_loss, -(p * torch.log_softmax(logits, -1)).sum(-1).detach())
     torch.testing.assert_close(gh, h.grad)
     torch.testing.assert_close(gw, w.grad)
-    assert int(correct) == int((logits.argmax(-1) == p.argmax(-1)).sum())
+    assert torch.equal(row_correct, logits.argmax(-1) == p.argmax(-1))
 
 
 def test_overfits_one_batch_to_near_zero_loss():

@@ -223,7 +223,13 @@ def test_offline_module_reads_bf16_features(tiny_target):
     ref = online.loss(batch, 3)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 0.05)):
         out = offline.loss({**batch, "aux_hidden": aux.to(dtype), "final_hidden": final.to(dtype)}, 3)
-        assert torch.equal(out.num_supervised, ref.num_supervised) or dtype == torch.bfloat16
+        # supervised positions = those whose target argmax, computed from the features as stored, is in the draft
+        # vocab: bf16 rounding of final_hidden may move an argmax in or out of it, so count from the same features
+        _, valid = draft_target_logits(adapter.lm_head(model), final.to(dtype), online.drafter.t2d,
+                                       batch["loss_mask"])
+        assert torch.equal(out.num_supervised, supervised_positions(batch["loss_mask"], valid, 3))
+        # ... and rounding moves at most a few of the 2 x 14 positions a step can supervise
+        assert (out.num_supervised - ref.num_supervised).abs().max() <= (0 if dtype == torch.float32 else 2)
         torch.testing.assert_close(out.loss, ref.loss, atol=tol, rtol=tol)
     with pytest.raises(ValueError, match="online mode needs the target"):
         Eagle3Module(online.drafter, adapter, None, embed_tokens=adapter.embed_tokens(model),

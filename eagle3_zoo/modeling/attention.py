@@ -3,15 +3,26 @@
 TTT step k, query at position t, sees the step-0 keys at positions <= t (causal) plus the keys that steps 1..k
 produced at the same position t (the "diagonal"): exactly the keys a depth-k node sees while drafting a tree.
 
-The fast path never builds a T x T score matrix for the diagonal: the causal part runs in PyTorch's fused CPU/GPU
-flash kernel, which also returns its log-sum-exp, and the k diagonal scores (one dot product each) are merged in
-log space. The backward re-uses the flash backward with the *merged* output and log-sum-exp, which makes its
-softmax-gradient term exact for the union of causal and diagonal keys (the same identity flash attention uses
-to combine blocks), and adds the diagonal terms by hand.
+The CPU and CUDA backends keep no T x T score matrix. `ttt_backend` picks one per device type, once:
+- "cpu-flash" (CPU): the causal part runs in PyTorch's fused CPU flash kernel, which also returns its log-sum-exp,
+  and the k diagonal scores (one dot product each) are merged in log space. The backward re-uses the flash
+  backward with the *merged* output and log-sum-exp, which makes its softmax-gradient term exact for the union of
+  causal and diagonal keys (the same identity flash attention uses to combine blocks), and adds the diagonal terms
+  by hand.
+- "flex" (CUDA): one compiled FlexAttention call over the keys `[k0 | k1 .. kk]` with a block-sparse mask built
+  directly from block indices: causal blocks on the step-0 segment, one identity-masked block per diagonal segment.
+  FlexAttention's Triton kernels do forward and backward without materialising scores (it has no CPU backward).
+- "explicit" (any other device, and where the CPU flash op is missing): the same log-space merge with explicit fp32
+  causal scores; exact, portable, O(T^2) memory.
+
+Precision is explicit: under autocast q/k/v are cast to autocast's dtype before the kernel and the kernel runs with
+autocast disabled in forward *and* backward (so both see the same dtypes); without autocast, the inputs' promoted
+dtype. The merge and its log-sum-exp are fp32.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -21,9 +32,18 @@ _flash_fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 _flash_bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
-def _use_flash(q: torch.Tensor) -> bool:
-    return _flash_fwd is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16,
-                                                                              torch.float16)
+TTT_BACKENDS = ("cpu-flash", "flex", "explicit")
+_FLEX_BLOCK = 128  # FlexAttention's default sparse block size; each step's key segment is padded to a multiple
+
+
+@functools.cache
+def ttt_backend(device_type: str) -> str:
+    """The TTT attention backend for a device type (`"cpu"`, `"cuda"`, ...); the one place that chooses."""
+    if device_type == "cpu":
+        return "cpu-flash" if _flash_fwd is not None else "explicit"
+    if device_type == "cuda":
+        return "flex"
+    return "explicit"
 
 
 def _causal_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
@@ -32,20 +52,20 @@ def _causal_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tens
     return s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
 
 
-def _causal_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+def _causal_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, flash: bool):
     """Causal attention and its log-sum-exp; k/v may have fewer (GQA) heads."""
-    if _use_flash(q):  # the CPU flash kernel handles GQA natively and returns the log-sum-exp
+    if flash:  # the CPU flash kernel handles GQA natively and returns the log-sum-exp
         out, lse = _flash_fwd(q, k, v, 0.0, True, scale=scale)
         return out, lse.float()
-    # portable path (e.g. CUDA, where SDPA does not expose the log-sum-exp): explicit scores, still exact
+    # explicit scores (devices without a kernel that exposes the log-sum-exp): exact, O(T^2) memory
     s = _causal_scores(q, k, scale)
     lse = torch.logsumexp(s, -1)
     out = (torch.softmax(s, -1) @ _expand_kv(v, q.shape[1] // v.shape[1]).float()).to(q.dtype)
     return out, lse
 
 
-def _causal_backward(d_out, q, k, v, out, lse, scale):
-    if _use_flash(q):
+def _causal_backward(d_out, q, k, v, out, lse, scale, flash: bool):
+    if flash:
         return _flash_bwd(d_out.contiguous(), q, k, v, out, lse, 0.0, True, scale=scale)
     groups = q.shape[1] // k.shape[1]
     p = torch.exp(_causal_scores(q, k, scale) - lse[..., None])  # probabilities w.r.t. the merged normaliser
@@ -66,15 +86,21 @@ class _TTTAttention(torch.autograd.Function):
     """softmax over {causal step-0 keys} U {diagonal keys of steps 1..k}.
 
     q `[B, h, T, d]`; k0/v0 `[B, hk, T, d]`; kd/vd `[B, hk, T, n, d]` (the n diagonal steps stacked), with GQA
-    groups of g = h // hk query heads per KV head (head i uses KV head i // g, as `repeat_interleave`).
+    groups of g = h // hk query heads per KV head (head i uses KV head i // g, as `repeat_interleave`). All inputs
+    share one dtype; forward and backward run with autocast disabled (see `ttt_attention`).
     """
 
     @staticmethod
-    def forward(ctx, scale: float, q, k0, v0, kd, vd):
+    def forward(ctx, scale: float, flash: bool, q, k0, v0, kd, vd):
+        with torch.autocast(q.device.type, enabled=False):
+            return _TTTAttention._forward(ctx, scale, flash, q, k0, v0, kd, vd)
+
+    @staticmethod
+    def _forward(ctx, scale, flash, q, k0, v0, kd, vd):
         b, h, t, d = q.shape
         hk = k0.shape[1]
         g = h // hk
-        out_c, lse_c = _causal_with_lse(q, k0, v0, scale)
+        out_c, lse_c = _causal_with_lse(q, k0, v0, scale, flash)
         qg = q.float().reshape(b, hk, g, t, d)
         kdf, vdf = kd.float(), vd.float()
         s = torch.einsum("bkgtd,bktnd->bkgtn", qg, kdf) * scale
@@ -84,18 +110,23 @@ class _TTTAttention(torch.autograd.Function):
         bw = torch.exp(s - lse[..., None])
         out = a * out_c.float().reshape(b, hk, g, t, d) + torch.einsum("bkgtn,bktnd->bkgtd", bw, vdf)
         out = out.reshape(b, h, t, d).to(q.dtype)
-        ctx.scale = scale
+        ctx.scale, ctx.flash = scale, flash
         ctx.save_for_backward(q, k0, v0, kd, vd, out, lse.reshape(b, h, t), bw)
         return out
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor):
         q, k0, v0, kd, vd, out, lse, bw = ctx.saved_tensors
-        scale = ctx.scale
+        with torch.autocast(q.device.type, enabled=False):
+            return (None, None, *_TTTAttention._backward(d_out.to(q.dtype), q, k0, v0, kd, vd, out, lse, bw,
+                                                         ctx.scale, ctx.flash))
+
+    @staticmethod
+    def _backward(d_out, q, k0, v0, kd, vd, out, lse, bw, scale, flash):
         b, h, t, d = q.shape
         hk = k0.shape[1]
         g = h // hk
-        dq, dk0, dv0 = _causal_backward(d_out, q, k0, v0, out, lse, scale)
+        dq, dk0, dv0 = _causal_backward(d_out, q, k0, v0, out, lse, scale, flash)
         do = d_out.float().reshape(b, hk, g, t, d)
         delta = (do * out.float().reshape(b, hk, g, t, d)).sum(-1)
         kdf, vdf = kd.float(), vd.float()
@@ -103,29 +134,101 @@ class _TTTAttention(torch.autograd.Function):
         ds = bw * (torch.einsum("bkgtd,bktnd->bkgtn", do, vdf) - delta[..., None]) * scale
         dq = dq.float() + torch.einsum("bkgtn,bktnd->bkgtd", ds, kdf).reshape(b, h, t, d)
         dkd = torch.einsum("bkgtn,bkgtd->bktnd", ds, q.float().reshape(b, hk, g, t, d))
-        return None, dq.to(q.dtype), dk0, dv0, dkd.to(kd.dtype), dvd.to(vd.dtype)
+        return dq.to(q.dtype), dk0, dv0, dkd.to(kd.dtype), dvd.to(vd.dtype)
 
 
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+def _ttt_block_mask(seg_len: int, n_diag: int, device: torch.device):
+    """FlexAttention block mask for queries `[0, seg_len)` over keys `[k0 | k1 .. k_n]`, each segment `seg_len` long.
+
+    Built from block indices (never from a dense `[T, (n+1)T]` mask): query block i reads the step-0 blocks
+    0..i-1 in full, the step-0 block i causally and block i of every diagonal segment through the mask function.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    nb = seg_len // _FLEX_BLOCK
+    n_kv = (n_diag + 1) * nb
+    i = torch.arange(nb, device=device, dtype=torch.int32)
+    partial = torch.zeros(nb, n_kv, dtype=torch.int32, device=device)
+    partial[:, : n_diag + 1] = i[:, None] + nb * torch.arange(n_diag + 1, device=device, dtype=torch.int32)
+    partial_num = torch.full((nb,), n_diag + 1, dtype=torch.int32, device=device)
+    full = torch.arange(n_kv, device=device, dtype=torch.int32).expand(nb, n_kv).contiguous()  # first i: 0..i-1
+    # a tensor, not a Python int, in the mask function's closure: a new length needs no recompile
+    seg = torch.tensor(seg_len, dtype=torch.int32, device=device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        pos = kv_idx % seg
+        return ((kv_idx < seg) & (pos <= q_idx)) | ((kv_idx >= seg) & (pos == q_idx))
+
+    return BlockMask.from_kv_blocks(partial_num[None, None], partial[None, None], i[None, None], full[None, None],
+                                    BLOCK_SIZE=_FLEX_BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(seg_len, n_kv * _FLEX_BLOCK))
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # compiled once per process; dynamo re-traces with symbolic lengths when the sequence length changes
+    return torch.compile(flex_attention)
+
+
+def _flex_ttt(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """TTT attention as one FlexAttention call (compiled on CUDA; eager, i.e. dense math, elsewhere)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    t = q.shape[-2]
+    seg_len = -(-t // _FLEX_BLOCK) * _FLEX_BLOCK
+    pad = seg_len - t  # zero keys past t are never visible (causal: pos <= q < t; diagonal: pos == q < t)
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        return F.pad(x, (0, 0, 0, pad)) if pad else x
+
+    k_all = torch.cat([padded(k) for k in keys], dim=-2)
+    v_all = torch.cat([padded(v) for v in values], dim=-2)
+    fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
+    out = fn(padded(q), k_all, v_all, block_mask=_ttt_block_mask(seg_len, len(keys) - 1, q.device), scale=scale,
+             enable_gqa=q.shape[1] != keys[0].shape[1])
+    return out[..., :t, :]
+
+
+def _compute_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
+    device_type = tensors[0].device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return functools.reduce(torch.promote_types, (x.dtype for x in tensors))
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                  backend: str | None = None) -> torch.Tensor:
     """TTT attention for step k = len(keys) - 1.
 
     Args:
         q: `[B, heads, T, d]` queries of step k (RoPE applied).
         keys, values: per step 0..k, `[B, kv_heads, T, d]` (RoPE applied to keys).
+        backend: one of `TTT_BACKENDS`; default `ttt_backend(q.device.type)`.
 
     Returns:
-        `[B, heads, T, d]`.
+        `[B, heads, T, d]` in autocast's dtype under autocast, else the inputs' promoted dtype.
     """
-    groups = q.shape[1] // keys[0].shape[1]
-    if len(keys) == 1:
-        return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, enable_gqa=groups > 1)
-    kd = torch.stack(keys[1:], dim=3)  # [B, hk, T, n, d]
-    vd = torch.stack(values[1:], dim=3)
-    return _TTTAttention.apply(1.0 / math.sqrt(q.shape[-1]), q, keys[0], values[0], kd, vd)
+    backend = backend or ttt_backend(q.device.type)
+    if backend not in TTT_BACKENDS:
+        raise ValueError(f"unknown TTT attention backend {backend!r}; valid: {', '.join(TTT_BACKENDS)}")
+    dtype = _compute_dtype([q, *keys, *values])
+    q, keys, values = q.to(dtype), [k.to(dtype) for k in keys], [v.to(dtype) for v in values]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    with torch.autocast(q.device.type, enabled=False):
+        if backend == "flex":
+            return _flex_ttt(q, keys, values, scale)
+        if len(keys) == 1:
+            return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True,
+                                                  enable_gqa=q.shape[1] != keys[0].shape[1])
+        kd = torch.stack(keys[1:], dim=3)  # [B, hk, T, n, d]
+        vd = torch.stack(values[1:], dim=3)
+        return _TTTAttention.apply(scale, backend == "cpu-flash", q, keys[0], values[0], kd, vd)
 
 
 def ttt_attention_reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:

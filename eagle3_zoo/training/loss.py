@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -54,49 +55,75 @@ def target_distribution(
     return torch.softmax(target_logits.float(), dim=-1), valid.to(torch.bool)
 
 
+class FusedSoftCEOutput(NamedTuple):
+    loss: torch.Tensor  # scalar fp32, sum_r row_weight_r * CE_r (differentiable)
+    row_loss: torch.Tensor  # [N] fp32 soft cross-entropy of each row (not differentiable)
+    row_correct: torch.Tensor  # [N] bool, draft argmax == target argmax (not differentiable)
+
+
 class _FusedSoftCE(torch.autograd.Function):
-    """sum_rows -(p * log_softmax(h @ W.T)).sum(-1) with grads computed chunk-wise in forward.
+    """sum_r w_r * -(p_r * log_softmax(h_r @ W.T)).sum() with grads computed chunk-wise in forward.
 
     Per chunk: one pass for the row max and argmax, a batched row-dot for p . logits, in-place exp / normalise to
     the softmax and in-place `softmax - p` (the logits gradient, since p rows sum to 1): no log-softmax tensor.
+
+    Precision is explicit, never inherited from the caller's autocast state: the two matmuls per chunk run in
+    `mm_dtype` (autocast's dtype under autocast, else fp32), everything else (max, exp, sums, loss) in fp32, and
+    `grad_w` is ONE fp32 buffer for all rows. `ttt_loss` passes the rows of every TTT step in one call with
+    `w_r = w_k / n_k`, so a drafter has one fp32 `[Vd, H]` gradient buffer per batch, not one per step. Backward
+    only scales the saved gradients by the incoming scalar, so forward and backward cannot disagree.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, p, rows, target_ids, chunk: int):
-        w = weight.float()
-        grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device)
-        grad_w = None
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        correct = torch.zeros((), dtype=torch.int64, device=h.device)
-        for i in range(0, h.shape[0], chunk):
-            hc = h[i : i + chunk].float()
-            idx = None if rows is None else rows[i : i + chunk]
-            pc = p[i : i + chunk] if idx is None else p.index_select(0, idx)  # gathered per chunk, never [N, Vd]
-            tc = pc.argmax(-1) if target_ids is None else (target_ids[i : i + chunk] if idx is None
-                                                            else target_ids.index_select(0, idx))
-            logits = hc @ w.t()
-            row_max, arg = logits.max(-1)
-            dot = torch.bmm(pc.unsqueeze(1), logits.unsqueeze(2)).view(-1)  # sum_v p * logits, per row
-            probs = logits.sub_(row_max[:, None]).exp_()
-            denom = probs.sum(-1)
-            loss += (row_max + denom.log() - dot).sum()  # -sum p*log_softmax = logsumexp - p.logits
-            correct += (arg == tc).sum()
-            g = probs.div_(denom[:, None]).sub_(pc)  # d loss / d logits
-            grad_h[i : i + chunk] = g @ w
-            if weight.requires_grad:
-                grad_w = g.t() @ hc if grad_w is None else grad_w.addmm_(g.t(), hc)
+    def forward(ctx, h, weight, p, rows, target_ids, row_weights, chunk: int, mm_dtype: torch.dtype):
+        with torch.autocast(h.device.type, enabled=False):
+            w = weight.to(mm_dtype)
+            n = h.shape[0]
+            grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight.requires_grad \
+                else None
+            row_loss = torch.empty(n, dtype=torch.float32, device=h.device)
+            row_correct = torch.empty(n, dtype=torch.bool, device=h.device)
+            for i in range(0, n, chunk):
+                hc = h[i : i + chunk].to(mm_dtype)
+                idx = None if rows is None else rows[i : i + chunk]
+                pc = p[i : i + chunk] if idx is None else p.index_select(0, idx)  # gathered per chunk, never [N, Vd]
+                pc = pc.float()
+                tc = pc.argmax(-1) if target_ids is None else (target_ids[i : i + chunk] if idx is None
+                                                                else target_ids.index_select(0, idx))
+                logits = (hc @ w.t()).float()
+                row_max, arg = logits.max(-1)
+                dot = torch.bmm(pc.unsqueeze(1), logits.unsqueeze(2)).view(-1)  # sum_v p * logits, per row
+                probs = logits.sub_(row_max[:, None]).exp_()
+                denom = probs.sum(-1)
+                row_loss[i : i + chunk] = row_max + denom.log() - dot  # -sum p*log_softmax = logsumexp - p.logits
+                row_correct[i : i + chunk] = arg == tc
+                g = probs.div_(denom[:, None]).sub_(pc)  # d CE / d logits
+                if row_weights is not None:
+                    g.mul_(row_weights[i : i + chunk, None])
+                g = g.to(mm_dtype)
+                grad_h[i : i + chunk] = g @ w
+                if grad_w is None:
+                    continue
+                if mm_dtype == torch.float32:
+                    grad_w.addmm_(g.t(), hc)
+                else:  # low-precision product (fp32 accumulation inside the GEMM), summed into the fp32 buffer
+                    grad_w.add_(g.t() @ hc)
+            loss = (row_loss * row_weights).sum() if row_weights is not None else row_loss.sum()
         ctx.save_for_backward(grad_h, grad_w if grad_w is not None else torch.empty(0))
         ctx.dtypes = (h.dtype, weight.dtype)
-        ctx.mark_non_differentiable(correct)
-        return loss, correct
+        ctx.mark_non_differentiable(row_loss, row_correct)
+        return loss, row_loss, row_correct
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor, _grad_correct=None):
+    def backward(ctx, grad_loss: torch.Tensor, _grad_row_loss=None, _grad_row_correct=None):
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
-        gh = grad_h.mul_(grad_loss).to(h_dtype)  # saved grads are used once: scale in place
-        gw = grad_w.mul_(grad_loss).to(w_dtype) if grad_w.numel() else None
-        return gh, gw, None, None, None, None
+        with torch.autocast(grad_h.device.type, enabled=False):
+            grad_loss = grad_loss.float()
+            gh = grad_h.mul_(grad_loss).to(h_dtype)  # saved grads are used once: scale in place
+            gw = grad_w.mul_(grad_loss).to(w_dtype) if grad_w.numel() else None
+        return gh, gw, None, None, None, None, None, None
 
 
 def fused_soft_cross_entropy(
@@ -106,14 +133,21 @@ def fused_soft_cross_entropy(
     chunk: int = 1024,
     rows: torch.Tensor | None = None,
     target_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed soft cross-entropy of `hidden [N,H] @ weight.T` against target probabilities.
+    row_weights: torch.Tensor | None = None,
+) -> FusedSoftCEOutput:
+    """Weighted sum of the soft cross-entropies of `hidden [N,H] @ weight.T` against target probabilities.
 
     `probs` is `[N, Vd]`, or `[M, Vd]` with `rows [N]` selecting the row of each hidden state (gathered chunk by
     chunk, so no `[N, Vd]` copy is made). `target_ids` (same indexing as `probs`) are the argmax ids used for the
-    accuracy count; default: computed from `probs`. Returns `(loss_sum, n_correct)`.
+    accuracy; default: computed from `probs`. `row_weights [N]` (default 1) weight each row's loss. Under autocast
+    the matmuls run in autocast's dtype and the rest in fp32; otherwise everything runs in fp32.
     """
-    return _FusedSoftCE.apply(hidden, weight, probs, rows, target_ids, chunk)
+    device_type = hidden.device.type
+    mm_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else torch.float32
+    if row_weights is not None:
+        row_weights = row_weights.float()
+    return FusedSoftCEOutput(*_FusedSoftCE.apply(hidden, weight, probs, rows, target_ids, row_weights, chunk,
+                                                  mm_dtype))
 
 
 def ttt_loss(
@@ -155,7 +189,8 @@ def ttt_loss(
         embeds = embed_tokens(next_ids)
     supervised = loss_mask.to(torch.bool)
     total = torch.zeros((), dtype=torch.float32, device=aux_hidden.device)
-    losses, accs, counts = [], [], []
+    # rows of every step go through ONE fused lm_head + soft-CE call after the rollout (one fp32 grad_w buffer)
+    h_rows, prob_rows, row_weights, counts = [], [], [], []
     for k, hidden in enumerate(drafter.ttt_rollout(embeds, aux_hidden, steps)):
         n_pos = t - 2 - k  # positions t with a predicted token x_{t+2+k} inside the sequence
         if n_pos <= 0:
@@ -164,26 +199,32 @@ def ttt_loss(
             mask = supervised[:, 2 + k :] & valid[:, 1 + k : 1 + k + n_pos]
         rows_b, rows_t = mask.nonzero(as_tuple=True)
         n = rows_b.numel()
+        counts.append(n)
         if n:
-            h_rows = drafter.norm(hidden[rows_b, rows_t])
-            loss_sum, correct = fused_soft_cross_entropy(h_rows, drafter.lm_head.weight, flat_probs, chunk,
-                                                         rows=rows_b * t + rows_t + 1 + k, target_ids=flat_target_ids)
-            loss_k = loss_sum / n
-            acc_k = correct.float() / n
+            h_rows.append(drafter.norm(hidden[rows_b, rows_t]))
+            prob_rows.append(rows_b * t + rows_t + 1 + k)
+            row_weights.append(torch.full((n,), weights[k] / n, dtype=torch.float32, device=aux_hidden.device))
         else:
             # zero that keeps every parameter in the graph (DDP/FSDP expect each one to receive a gradient)
-            loss_k = drafter.logits(hidden[:, :1]).sum() * 0.0
-            acc_k = torch.zeros((), device=aux_hidden.device)
-        total = total + weights[k] * loss_k
-        losses.append(loss_k.detach())
-        accs.append(acc_k)
-        counts.append(n)
+            total = total + drafter.logits(hidden[:, :1]).sum().float() * 0.0
+    losses = torch.zeros(steps, dtype=torch.float32, device=aux_hidden.device)
+    accs = torch.zeros(steps, dtype=torch.float32, device=aux_hidden.device)
+    if h_rows:
+        out = fused_soft_cross_entropy(torch.cat(h_rows), drafter.lm_head.weight, flat_probs, chunk,
+                                       rows=torch.cat(prob_rows), target_ids=flat_target_ids,
+                                       row_weights=torch.cat(row_weights))
+        total = total + out.loss
+        n_k = torch.tensor(counts, device=aux_hidden.device)
+        step_of_row = torch.repeat_interleave(torch.arange(steps, device=aux_hidden.device), n_k)
+        denom = n_k.clamp(min=1).float()
+        losses = losses.index_add_(0, step_of_row, out.row_loss) / denom
+        accs = accs.index_add_(0, step_of_row, out.row_correct.float()) / denom
     if sum(counts) == 0:
         warnings.warn("batch has no supervised positions (loss_mask all 0 or every target outside the draft vocab): "
                       "its loss is 0", RuntimeWarning, stacklevel=2)
     return TTTLossOutput(
         loss=total,
-        step_losses=torch.stack(losses),
-        step_acc=torch.stack(accs),
+        step_losses=losses,
+        step_acc=accs,
         num_supervised=torch.tensor(counts, dtype=torch.int64),
     )
