@@ -206,8 +206,8 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     act += saved["loss_rows_fp32"] * 4 + saved["fc_input"] * tbytes
     plan.lines.append(PlanLine("TTT activations", act, note))
     vd = dcfg.draft_vocab_size
-    plan.lines.append(PlanLine("loss buffers", tokens * vd * 4 + steps * vd * dcfg.hidden_size * 4,
-                               f"target probabilities over {vd} draft tokens (fp32) + lm_head gradient per step"))
+    plan.lines.append(PlanLine("loss buffers", tokens * vd * 4 + vd * dcfg.hidden_size * 4,
+                               f"target probabilities over {vd} draft tokens + one lm_head gradient buffer (fp32)"))
     subtotal = plan.total
     plan.lines.append(PlanLine("reserve", RESERVE_FIXED_GIB * GIB + RESERVE_FRACTION * subtotal,
                                f"{RESERVE_FIXED_GIB:g} GiB CUDA context + {RESERVE_FRACTION:.0%} fragmentation"))
