@@ -24,32 +24,39 @@ class Progress:
         logger: where the log lines go when there is no terminal.
         log_every_s: seconds between log lines.
         bar: force the live bar on or off (default: when stderr is a terminal).
+        enabled: False shows nothing at all.
     """
 
     def __init__(self, total: int, desc: str, unit: str = "it", *, logger: logging.Logger | None = None,
-                 log_every_s: float = 30.0, bar: bool | None = None):
+                 log_every_s: float = 30.0, bar: bool | None = None, enabled: bool = True):
         self.total, self.desc, self.unit = total, desc, unit
-        self.done, self.counters = 0, {}
+        self.done, self.counters, self.status = 0, {}, ""
         self.logger = logger or logging.getLogger(__name__)
-        self.log_every_s = log_every_s
+        self.log_every_s = log_every_s if enabled else float("inf")
+        self.enabled = enabled
         self._start = self._last_log = time.monotonic()
         self._bar = None
-        if (sys.stderr.isatty() if bar is None else bar) and total:
+        if enabled and (sys.stderr.isatty() if bar is None else bar) and total:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, file=sys.stderr)
 
-    def update(self, n: int = 1, **counters: int) -> None:
-        """`n` more items done; `counters` (e.g. tokens=512) are added up and shown with their rate."""
+    def update(self, n: int = 1, status: str | None = None, **counters: int) -> None:
+        """`n` more items done; `counters` (e.g. tokens=512) are added up and shown with their rate; `status`
+        (e.g. "tau 1.42") replaces the last one."""
         self.done += n
+        if status is not None:
+            self.status = status
         for key, value in counters.items():
             self.counters[key] = self.counters.get(key, 0) + value
         now = time.monotonic()
         if self._bar is not None:
             elapsed = max(now - self._start, 1e-9)
-            self._bar.set_postfix({f"{k}/s": f"{v / elapsed:.0f}" for k, v in self.counters.items()}, refresh=False)
+            postfix = {f"{k}/s": f"{v / elapsed:.0f}" for k, v in self.counters.items()}
+            items = [f"{k}={v}" for k, v in postfix.items()] + ([self.status] if self.status else [])
+            self._bar.set_postfix_str(", ".join(items), refresh=False)
             self._bar.update(n)
-        elif now - self._last_log >= self.log_every_s or self.done >= self.total:
+        elif self.enabled and (now - self._last_log >= self.log_every_s or self.done >= self.total):
             self._last_log = now
             self.logger.info("%s", self.line())
 
@@ -60,6 +67,8 @@ class Progress:
         parts = [f"{self.desc}: {self.done}/{self.total} {self.unit} ({self.done / max(self.total, 1):.0%})",
                  f"{rate:.2f} {self.unit}/s"]
         parts += [f"{k} {v} ({v / elapsed:.0f}/s)" for k, v in self.counters.items()]
+        if self.status:
+            parts.append(self.status)
         if rate > 0 and self.done < self.total:
             parts.append(f"ETA {_eta((self.total - self.done) / rate)}")
         parts.append(f"{elapsed:.0f} s elapsed")

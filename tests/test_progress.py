@@ -33,3 +33,16 @@ def test_bar_on_a_terminal(capsys):
         p.update(2, tokens=64)
     err = capsys.readouterr().err
     assert "regenerating" in err and "2/2" in err and "tokens/s" in err
+
+
+def test_status_and_disabled(caplog):
+    log = logging.getLogger("test-progress")
+    with caplog.at_level(logging.INFO, logger="test-progress"):
+        p = Progress(2, "eval", "request", logger=log, log_every_s=0.0, bar=False)
+        p.update(1, status="mtbench, running tau 1.50")
+        p.update(1)
+        quiet = Progress(2, "eval", "request", logger=log, log_every_s=0.0, bar=False, enabled=False)
+        quiet.update(2)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all(line.endswith("elapsed") for line in lines)
+    assert "mtbench, running tau 1.50" in lines[0] and "mtbench, running tau 1.50" in lines[1]  # kept until replaced

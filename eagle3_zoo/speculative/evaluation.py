@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from eagle3_zoo.adapters import TargetAdapter
 from eagle3_zoo.modeling import Eagle3Drafter
 from eagle3_zoo.modeling.io import atomic_write_text
+from eagle3_zoo.progress import Progress
 from eagle3_zoo.speculative.acceptance import SamplingParams
 from eagle3_zoo.speculative.benchmarks import (
     Benchmark,
@@ -255,9 +255,11 @@ def _decode(generators: Sequence[SpeculativeGenerator], target: nn.Module, token
 
     found: list[dict[str, Any]] = [{"benchmarks": {}, "requests": {}, "skipped": {}} for _ in generators]
     overall, index, total_skipped = [BenchStats() for _ in generators], 0, 0
+    total = sum(len(p.turns) if p.is_chat else 1 for b in loaded for p in b.prompts)
+    bar = Progress(total, "eval", "request", logger=log, enabled=progress)
     for bench in loaded:
         stats, rows, skipped = [BenchStats() for _ in generators], [[] for _ in generators], []
-        for prompt in tqdm(bench.prompts, desc=bench.name, disable=not progress, unit="prompt"):
+        for prompt in bench.prompts:
             history: list[dict[str, str]] = []
             n_turns = len(prompt.turns) if prompt.is_chat else 1
             for turn in range(n_turns):
@@ -270,12 +272,16 @@ def _decode(generators: Sequence[SpeculativeGenerator], target: nn.Module, token
                     skipped += [{"id": f"{prompt.id}/turn{later + 1}", "prompt_tokens": None,
                                  "reason": f"turn {turn + 1} of this prompt was skipped"}
                                 for later in range(turn + 1, n_turns)]
+                    bar.update(n_turns - turn)
                     break
                 spec_outs, base_out = run(ids, index)
                 index += 1
                 for k, spec_out in enumerate(spec_outs):
                     stats[k].add(spec_out, base_out, rid, check_lossless=sampling.greedy)
                     rows[k].append(_request_row(rid, ids, spec_out, base_out))
+                cycles = overall[0].cycles + stats[0].cycles  # the first decoder's tau over all requests so far
+                tau = (overall[0].cycle_tokens + stats[0].cycle_tokens) / cycles if cycles else None
+                bar.update(1, status=f"{bench.name}, running tau {tau:.2f}" if tau else bench.name)
                 # the next turn is conditioned on the model's own answer (MT-bench protocol)
                 history.append({"role": "assistant",
                                 "content": tokenizer.decode(spec_outs[0].tokens, skip_special_tokens=True)})
@@ -286,6 +292,7 @@ def _decode(generators: Sequence[SpeculativeGenerator], target: nn.Module, token
             found[k]["requests"][bench.name] = rows[k]
             found[k]["skipped"][bench.name] = skipped
             overall[k].merge(stats[k])
+    bar.close()
     if total_skipped:
         done = overall[0].requests
         if not done:
