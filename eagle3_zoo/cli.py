@@ -19,11 +19,18 @@ USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionErro
 DEBUG_ENV = "EAGLE3_ZOO_DEBUG"
 
 
-def _cmd_fit(args: argparse.Namespace) -> int:
-    if args.print_config:
-        from eagle3_zoo.recipe import load_recipe, resolved_recipe_yaml
+def _print_config(args: argparse.Namespace) -> bool:
+    """`--print-config`: print the fully resolved recipe and tell the caller to stop."""
+    if not args.print_config:
+        return False
+    from eagle3_zoo.recipe import load_recipe, resolved_recipe_yaml
 
-        print(resolved_recipe_yaml(load_recipe(args.recipe, args.overrides)), end="")
+    print(resolved_recipe_yaml(load_recipe(args.recipe, args.overrides)), end="")
+    return True
+
+
+def _cmd_fit(args: argparse.Namespace) -> int:
+    if _print_config(args):
         return 0
     from eagle3_zoo.training.fit import fit_main
 
@@ -32,6 +39,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
+    if _print_config(args):
+        return 0
     import json
 
     from eagle3_zoo.data.extract import prepare_recipe
@@ -109,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=0, help="this process's share of a distributed feature job "
                    "(0 <= rank < world size)")
     p.add_argument("--world-size", type=int, default=1, help="processes of a distributed feature job (>= 1)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the fully resolved recipe (defaults + file + overrides) and exit")
     p.set_defaults(func=_cmd_prepare)
 
     p = sub.add_parser("plan", help="per-GPU memory of a recipe's training (and feature job), and whether it fits",

@@ -27,6 +27,14 @@ def test_print_config_resolves_every_shipped_recipe(recipe, capsys):
     assert "tau_eval" in resolved["trainer"] and "regenerate" in resolved["data"]
 
 
+def test_prepare_print_config_loads_nothing(monkeypatch, capsys):
+    import eagle3_zoo.data.extract as extract
+
+    monkeypatch.setattr(extract, "prepare_recipe", lambda *a, **k: pytest.fail("prepare must not run"))
+    assert main(["prepare", str(RECIPES[0]), "--print-config", "data.max_samples=7"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["data"]["max_samples"] == 7
+
+
 def test_print_config_reports_a_bad_override(capsys):
     assert main(["fit", str(RECIPES[0]), "--print-config", "trainer.max_stpes=3"]) == 2
     assert "did you mean 'trainer.max_steps'" in capsys.readouterr().err
