@@ -54,15 +54,15 @@ class TargetAdapter:
     def aux_layer_ids(self, num_layers: int) -> tuple[int, int, int]:
         """Default EAGLE-3 aux layers (low, mid, high), internal convention (= HF hidden-state indices).
 
+        The engines' rule (`eagle3_zoo.modeling.config.default_aux_layer_ids`); a family whose engines pick other
+        layers overrides this.
+
         Raises:
             ValueError: if the target is too shallow for the default; pass explicit ids then.
         """
-        ids = (2, num_layers // 2, num_layers - 3)
-        if num_layers < 3:
-            raise ValueError(
-                f"default aux layers {ids} need >= 3 decoder layers, the target has {num_layers}; pass explicit ids"
-            )
-        return ids
+        from eagle3_zoo.modeling.config import default_aux_layer_ids
+
+        return default_aux_layer_ids(num_layers)
 
     def tiny_config(self) -> PretrainedConfig:
         """A small random-weight config of this family for tests (2-4 layers, small dims)."""

@@ -14,9 +14,15 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's default low/mid/high selection in the internal convention (HF hidden-state indices)."""
+    """EAGLE-3's default low/mid/high selection in the internal convention (HF hidden-state indices), as SGLang and
+    vLLM compute it: the one place this rule lives.
+
+    Raises:
+        ValueError: fewer than 4 decoder layers (the high id N-3 would be the embeddings, which SGLang cannot name).
+    """
     if num_layers < 4:
-        raise ValueError(f"EAGLE-3 needs a target with >= 4 decoder layers to pick 3 aux layers, got {num_layers}")
+        raise ValueError(f"default aux layers (2, N//2, N-3) need >= 4 decoder layers, the target has {num_layers}; "
+                         "pass explicit ids (drafter.aux_layer_ids)")
     return (2, num_layers // 2, num_layers - 3)
 
 

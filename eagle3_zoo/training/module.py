@@ -13,7 +13,7 @@ the Trainer, and never wrapped by DDP. FSDP shards its decoder layers explicitly
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning as L
 import torch
@@ -25,6 +25,14 @@ from eagle3_zoo.training.loss import TTTLossOutput, default_step_weights, ttt_lo
 from eagle3_zoo.training.metrics import StepMetrics, acceptance_length_estimate
 
 DECAYS = ("cosine", "linear", "constant")
+
+
+class FrozenTarget(NamedTuple):
+    """The frozen target's parts the module uses; a plain tuple, so none becomes a registered submodule."""
+
+    model: nn.Module | None  # None offline (features come from the batch) unless tau is measured during training
+    embed_tokens: nn.Module
+    lm_head: nn.Module
 
 
 class NonFiniteError(RuntimeError):
@@ -151,8 +159,8 @@ class Eagle3Module(L.LightningModule):
         self.objective = DrafterObjective(drafter)
         self.adapter, self.mode = adapter, mode
         # a tuple keeps the frozen modules out of the module tree (see the module docstring)
-        self._frozen = (target, adapter.embed_tokens(target) if embed_tokens is None else embed_tokens,
-                        adapter.lm_head(target) if lm_head is None else lm_head)
+        self._frozen = FrozenTarget(target, adapter.embed_tokens(target) if embed_tokens is None else embed_tokens,
+                                    adapter.lm_head(target) if lm_head is None else lm_head)
         self.ttt_steps = ttt_steps
         self.step_weights = list(step_weights) if step_weights is not None else default_step_weights(ttt_steps)
         self.active_ttt_steps = ttt_steps
@@ -168,7 +176,7 @@ class Eagle3Module(L.LightningModule):
 
     @property
     def target(self) -> nn.Module | None:
-        return self._frozen[0]
+        return self._frozen.model
 
     # ------------------------------------------------------------------------------------------ setup
     @override
@@ -213,15 +221,15 @@ class Eagle3Module(L.LightningModule):
         computes), and the rank-mean of the returned loss is that global loss.
         """
         aux_hidden, final_hidden = self._features(batch)
-        logits, valid = draft_target_logits(self._frozen[2], final_hidden, self.drafter.t2d, batch["loss_mask"],
+        logits, valid = draft_target_logits(self._frozen.lm_head, final_hidden, self.drafter.t2d, batch["loss_mask"],
                                             self.logits_chunk_size)
         weights = self.step_weights[:steps]
         if global_norm and self._trainer is not None and self.trainer.world_size > 1:
             local = supervised_positions(batch["loss_mask"], valid, steps)
             total = self.trainer.strategy.reduce(local.clone(), reduce_op="sum")
             weights = rank_step_weights(weights, local, total, self.trainer.world_size)
-        loss, step_losses, step_acc, counts = self.objective(
-            self._frozen[1], batch["input_ids"], aux_hidden, logits, batch["loss_mask"], valid, steps, weights)
+        loss, step_losses, step_acc, counts = self.objective(self._frozen.embed_tokens, batch["input_ids"], aux_hidden,
+                                                             logits, batch["loss_mask"], valid, steps, weights)
         return TTTLossOutput(loss=loss, step_losses=step_losses, step_acc=step_acc, num_supervised=counts)
 
     @override
