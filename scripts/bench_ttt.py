@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""Time one EAGLE-3 TTT train step (forward + backward): eagle3-zoo vs a straightforward eager implementation of the
-official formulation, in the same process, on the same weights and batch.
+"""Time one EAGLE-3 TTT train step (forward + backward): eagle3-zoo vs the straightforward eager formulation of the
+same loss, in the same process, on the same weights and batch.
 
-Baseline ("official", after SafeAILab/EAGLE eagle/traineagle3/cnets.py): per step a full T x T fp32 score matrix
-plus one extra dot product per earlier step concatenated before the softmax, lm_head logits over every position,
-log_softmax, and the target distribution recomputed from full-vocab fp32 target logits (argmax mask, t2d slice,
-softmax) after shifting. eagle3-zoo: flash causal attention + log-space diagonal merge, target distribution once,
-lm_head + soft CE fused and computed only on supervised rows.
+Baseline ("reference", `eagle3_zoo.training.reference.reference_ttt_loss`, after SafeAILab/EAGLE's trainer): per
+step a full T x T fp32 score matrix plus one column per earlier step's key, lm_head logits and log_softmax over
+every position, a masked soft cross-entropy. It computes the same function as `ttt_loss` (positions t + k, the same
+masks and draft-vocabulary targets): before anything is timed, both losses and every gradient are computed on
+weights that are not near zero and compared; the script exits with an error if they disagree. eagle3-zoo: flash
+causal attention + log-space diagonal merge, lm_head + soft CE fused and computed only on supervised rows.
 
 Tokens/s are timed alternately in this process; peak memory is the peak RSS growth of a forked child running
 one step of each in a fresh interpreter (the RSS grown after the batch is built).
@@ -25,58 +26,13 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab
 from eagle3_zoo.training.loss import ttt_loss
+from eagle3_zoo.training.reference import reference_ttt_loss
 
-
-def official_step_loss(drafter, embed, input_ids, aux_hidden, target_logits, loss_mask, steps, weights):
-    """Eager EAGLE-3 TTT loss as the official trainer formulates it (positions fixed across steps, as there)."""
-    layer = drafter.midlayer
-    attn = layer.self_attn
-    b, t = input_ids.shape
-    t2d = drafter.t2d
-    hidden = drafter.fuse(aux_hidden)
-    pos = torch.arange(t)[None]
-    mask = torch.full((t, t), torch.finfo(torch.float32).min).triu(1)[None, None]
-    ids = torch.cat([input_ids[:, 1:], input_ids.new_zeros(b, 1)], 1)
-    tgt = torch.cat([target_logits[:, 1:], target_logits.new_zeros(b, 1, target_logits.shape[-1])], 1)
-    lmask = torch.cat([loss_mask[:, 2:], loss_mask.new_zeros(b, 2)], 1).float()
-    cache_k, cache_v = [], []
-    groups = attn.num_heads // attn.num_kv_heads
-    total = 0.0
-    for k in range(steps):
-        with torch.no_grad():
-            embeds = embed(ids)
-            full = tgt.float()
-            position_mask = t2d[full.argmax(-1)].float() * lmask
-            target_p = torch.softmax(full[..., t2d], dim=-1)
-        x = layer.attn_input(embeds, hidden)
-        cos, sin = drafter._rope(x, pos)
-        q, key, value = attn.project(x, cos, sin)
-        cache_k.append(key.repeat_interleave(groups, 1))
-        cache_v.append(value.repeat_interleave(groups, 1))
-        w = (q @ cache_k[0].transpose(2, 3)) / math.sqrt(attn.head_dim) + mask
-        for j in range(1, k + 1):
-            w = torch.cat([w, ((q * cache_k[j]).sum(-1) / math.sqrt(attn.head_dim))[..., None]], dim=-1)
-        w = torch.softmax(w, dim=-1, dtype=torch.float32)
-        out = w[..., :t] @ cache_v[0]
-        for j in range(1, k + 1):
-            out = out + w[..., t + j - 1, None] * cache_v[j]
-        hidden = layer.finish(hidden, out)
-        logits = drafter.lm_head(drafter.norm(hidden)).float()
-        logp = F.log_softmax(logits, dim=-1)
-        loss = -(position_mask[..., None] * target_p * logp).sum(-1).sum() / (position_mask.sum() + 1e-6)
-        total = total + weights[k] * loss
-        # official: shift inputs, targets and masks left by one for the next step, and hide the diagonal
-        ids = torch.cat([ids[:, 1:], ids.new_zeros(b, 1)], 1)
-        tgt = torch.cat([tgt[:, 1:], tgt.new_zeros(b, 1, tgt.shape[-1])], 1)
-        lmask = torch.cat([lmask[:, 1:], lmask.new_zeros(b, 1)], 1)
-        idx = torch.arange(t)
-        mask = mask.clone()
-        mask[:, :, idx[k:], idx[: t - k]] = torch.finfo(torch.float32).min
-    return total
+IMPLS = ("reference", "eagle3-zoo")
+TOLERANCE = {"loss": 1e-5, "grad": 1e-4}  # relative (||a - b|| / ||b||), fp32
 
 
 def build(args):
@@ -85,6 +41,11 @@ def build(args):
                        intermediate_size=args.intermediate, vocab_size=args.vocab, draft_vocab_size=args.draft_vocab,
                        rope_theta=10000.0, aux_layer_ids=(2, 15, 27))
     drafter = Eagle3Drafter(cfg)
+    # weights well away from zero, so that the agreement check below says something about the two formulations
+    drafter.reset_parameters(std=0.05)
+    for name, param in drafter.named_parameters():
+        if param.dim() == 1:  # RMSNorm weights
+            param.data.uniform_(0.5, 1.5)
     counts = torch.randint(0, 1000, (args.vocab,))
     drafter.set_vocab(*build_draft_vocab(counts, args.draft_vocab))
     embed = torch.nn.Embedding(args.vocab, args.hidden).requires_grad_(False)
@@ -106,9 +67,27 @@ def run_step(impl, drafter, embed, batch, steps, weights):
     if impl == "eagle3-zoo":
         loss = ttt_loss(drafter, embed, ids, aux, target_logits, mask, steps=steps, step_weights=weights).loss
     else:
-        loss = official_step_loss(drafter, embed, ids, aux, target_logits, mask, steps, weights)
+        loss = reference_ttt_loss(drafter, embed, ids, aux, target_logits, None, mask, steps, weights)
     loss.backward()
     return float(loss.detach())
+
+
+def agreement(drafter, embed, batch, steps, weights) -> dict[str, float]:
+    """Relative difference of the two losses and the largest one over the gradients; SystemExit if beyond
+    `TOLERANCE` (the timings would compare two different computations)."""
+    out = {}
+    for impl in IMPLS:
+        loss = run_step(impl, drafter, embed, batch, steps, weights)
+        out[impl] = (loss, [p.grad.detach().clone() for p in drafter.parameters() if p.requires_grad])
+    (ref_loss, ref_grads), (loss, grads) = out["reference"], out["eagle3-zoo"]
+    err = {"loss": abs(loss - ref_loss) / abs(ref_loss),
+           "grad": max(float((g - r).norm() / r.norm()) for g, r in zip(grads, ref_grads))}
+    if not all(math.isfinite(v) and v <= TOLERANCE[k] for k, v in err.items()):
+        raise SystemExit(f"eagle3-zoo and the reference disagree (relative loss error {err['loss']:.2e}, largest "
+                         f"gradient error {err['grad']:.2e}; tolerance {TOLERANCE}): not timing them")
+    print(f"agreement: loss {ref_loss:.6f} vs {loss:.6f} (relative error {err['loss']:.1e}), largest relative "
+          f"gradient error {err['grad']:.1e} over {len(grads)} parameters (tolerance {TOLERANCE})")
+    return err
 
 
 def peak_memory_mb(impl: str, argv: list[str]) -> float:
@@ -154,7 +133,7 @@ def main() -> None:
                         "SmolLM2 chat template at max_length 2048 (300 conversations); 1.0 = worst case for us")
     p.add_argument("--coverage", type=float, default=0.98, help="fraction of target argmaxes inside the draft vocab")
     p.add_argument("--iters", type=int, default=2)
-    p.add_argument("--measure-memory", choices=["official-eager", "eagle3-zoo"], help=argparse.SUPPRESS)
+    p.add_argument("--measure-memory", choices=IMPLS, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure_memory:
         return _measure_memory_child(args.measure_memory, args)
@@ -166,9 +145,8 @@ def main() -> None:
           f"threads={torch.get_num_threads()}, fp32, K={args.steps}, B={args.batch}, T={args.seq_len}, "
           f"H={args.hidden}, heads={args.heads}/{args.kv_heads}, I={args.intermediate}, Vd={args.draft_vocab}, "
           f"V={args.vocab}, supervised={args.supervised_fraction:.2f}, draft-vocab coverage={args.coverage:.2f}")
-    impls = ["official-eager", "eagle3-zoo"]
-    losses = {i: run_step(i, drafter, embed, batch, args.steps, weights) for i in impls}  # warm-up
-    print(f"loss: official-eager {losses['official-eager']:.5f}  eagle3-zoo {losses['eagle3-zoo']:.5f}")
+    impls = IMPLS
+    agreement(drafter, embed, batch, args.steps, weights)  # also the warm-up of both
     times = {i: [] for i in impls}
     for _ in range(args.iters):
         for i in impls:  # alternate so machine noise hits both
@@ -181,8 +159,8 @@ def main() -> None:
     for i in impls:
         print(f"{i:>15}: {tps[i]:8.1f} tokens/s  (best of {args.iters}: {min(times[i]):.2f} s/step)  "
               f"peak memory {mem[i]:8.1f} MiB")
-    print(f"ratio eagle3-zoo / official-eager: tokens/s x{tps['eagle3-zoo'] / tps['official-eager']:.2f}, "
-          f"peak memory x{mem['eagle3-zoo'] / mem['official-eager']:.2f}")
+    print(f"ratio eagle3-zoo / reference: tokens/s x{tps['eagle3-zoo'] / tps['reference']:.2f}, "
+          f"peak memory x{mem['eagle3-zoo'] / mem['reference']:.2f}")
 
 
 if __name__ == "__main__":

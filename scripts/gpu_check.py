@@ -34,7 +34,8 @@ from bench_train import StepTimer  # noqa: E402
 
 from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab  # noqa: E402
 from eagle3_zoo.modeling.attention import ttt_attention, ttt_attention_reference, ttt_backend  # noqa: E402
-from eagle3_zoo.training.loss import target_distribution, ttt_loss  # noqa: E402
+from eagle3_zoo.training.loss import ttt_loss  # noqa: E402
+from eagle3_zoo.training.reference import reference_ttt_loss  # noqa: E402
 
 # agreement bounds (relative: ||a - b|| / ||b||); bf16 keeps 8 mantissa bits (unit roundoff 2e-3)
 STEP_TOL = {"loss": 1e-2, "grad": 5e-2}  # bf16 eagle3-zoo vs bf16 naive (whose attention is fp32)
@@ -98,44 +99,6 @@ def _peak_gib(device: torch.device, base: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ 1. TTT step
-def naive_ttt_loss(drafter, embed, input_ids, aux_hidden, target_logits, target_valid, loss_mask, steps, weights):
-    """The textbook formulation of the same loss as `ttt_loss` (after the official trainer's): per step a full fp32
-    `[T, T]` causal score matrix plus one column per earlier step's key at the same position, the lm_head and a
-    log-softmax over every position, and a masked soft cross-entropy."""
-    layer = drafter.midlayer
-    attn = layer.self_attn
-    b, t = input_ids.shape
-    groups, scale = attn.num_heads // attn.num_kv_heads, attn.head_dim**-0.5
-    probs, valid = target_distribution(target_logits, drafter.t2d, target_valid)
-    next_ids = torch.cat([input_ids[:, 1:], input_ids.new_zeros(b, steps)], 1)
-    with torch.no_grad():
-        embeds = embed(next_ids)
-    positions = torch.arange(t, device=input_ids.device).expand(b, t)
-    causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
-    hidden = drafter.fuse(aux_hidden)
-    keys, values, total = [], [], 0.0
-    for k in range(steps):
-        x = layer.attn_input(embeds[:, k : k + t].to(hidden.dtype), hidden)
-        cos, sin = drafter._rope(x, positions + k)
-        q, key, value = attn.project(x, cos, sin)
-        keys.append(key.repeat_interleave(groups, 1).float())
-        values.append(value.repeat_interleave(groups, 1).float())
-        qf = q.float()
-        scores = (qf @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))
-        diagonal = [(qf * kj).sum(-1, keepdim=True) * scale for kj in keys[1:]]
-        p = torch.softmax(torch.cat([scores, *diagonal], -1), -1)
-        out = p[..., :t] @ values[0]
-        for j in range(1, k + 1):
-            out = out + p[..., t + j - 1 : t + j] * values[j]
-        hidden = layer.finish(hidden, out.to(q.dtype))
-        logp = torch.log_softmax(drafter.logits(hidden).float(), -1)
-        n_pos = t - 2 - k
-        mask = loss_mask[:, 2 + k :].bool() & valid[:, 1 + k : 1 + k + n_pos]
-        ce = -(probs[:, 1 + k : 1 + k + n_pos] * logp[:, :n_pos]).sum(-1)
-        total = total + weights[k] * (ce * mask).sum() / mask.sum()
-    return total
-
-
 def _drafter(s: Shapes, device: torch.device) -> tuple[Eagle3Drafter, torch.nn.Embedding]:
     torch.manual_seed(0)
     cfg = Eagle3Config(hidden_size=s.hidden, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
@@ -170,7 +133,7 @@ def check_ttt_step(s: Shapes, t: int, device: torch.device) -> dict:
                         target_valid=valid).loss
 
     def naive():
-        return naive_ttt_loss(drafter, embed, ids, aux, logits, valid, mask, s.steps, weights)
+        return reference_ttt_loss(drafter, embed, ids, aux, logits, valid, mask, s.steps, weights)
 
     result = {"T": t}
     for name, fn in (("ours", ours), ("naive", naive)):
