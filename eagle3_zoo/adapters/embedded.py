@@ -3,13 +3,12 @@
 Dequantising the GGUF takes ~20-40 s, so it is done once into ``$EAGLE3_ZOO_CACHE/targets/smollm2-135m-instruct``
 (default cache ``~/.cache/eagle3_zoo``) as safetensors + tokenizer; later loads take well under a second. The
 conversion writes a temporary sibling directory and renames it into place (readers never see half a checkpoint) under
-an exclusive `fcntl.flock`, re-checking after the lock is acquired, so concurrent processes (DDP ranks, parallel
+an exclusive file lock, re-checking after the lock is acquired, so concurrent processes (DDP ranks, parallel
 tests) convert once.
 """
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import json
 import logging
@@ -24,6 +23,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3_zoo.adapters.llama import SMOLLM2_CHAT_TEMPLATE
+from eagle3_zoo.modeling.io import exclusive_lock
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +90,7 @@ def embedded_target_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     if _is_current(final, gguf):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with open(final.parent / f".{EMBEDDED_TARGET}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+    with exclusive_lock(final.parent / f".{EMBEDDED_TARGET}.lock"):  # released also if this process dies
         if _is_current(final, gguf):  # another process finished the conversion while we waited
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_TARGET}.tmp-", dir=final.parent))

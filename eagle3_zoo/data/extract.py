@@ -14,11 +14,9 @@ A distributed job passes `rank`/`world_size`: rank r takes every world_size-th b
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ import torch
 
 from eagle3_zoo.data.datamodule import collate_right_padded
 from eagle3_zoo.data.features import MANIFEST, FeatureWriter, shard_problem
+from eagle3_zoo.modeling.io import exclusive_lock
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +44,9 @@ def store_meta(target_id: str, aux_layer_ids: tuple[int, ...], data_fingerprint:
     return {"target": target_id, "aux_layer_ids": list(aux_layer_ids), "data_fingerprint": data_fingerprint}
 
 
-@contextlib.contextmanager
-def _exclusive(directory: Path) -> Iterator[None]:
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    with open(directory.parent / f".{directory.name}.extract.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # ranks started together wait for the one that extracts
-        yield
+def _exclusive(directory: Path) -> contextlib.AbstractContextManager[None]:
+    # ranks started together wait for the one that extracts
+    return exclusive_lock(directory.parent / f".{directory.name}.extract.lock")
 
 
 def _is_complete(directory: Path, sample_ids: set[str], verify: str = "size") -> bool:

@@ -39,7 +39,7 @@ from torch.utils.data import Dataset
 
 from eagle3_zoo.data.readers import DataError
 from eagle3_zoo.dtypes import dtype_name, torch_dtype
-from eagle3_zoo.modeling.io import atomic_write, atomic_write_bytes, sha256_file  # noqa: F401 (re-exported)
+from eagle3_zoo.modeling.io import atomic_write, atomic_write_bytes, exclusive_lock, sha256_file  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -108,17 +108,12 @@ class FeatureWriter:
 
     # ----------------------------------------------------------------------------------------- setup
     def _acquire_lock(self) -> Any:
-        handle = open(self.out_dir / ".lock", "w")
+        lock = exclusive_lock(self.out_dir / ".lock", blocking=False)
         try:
-            import fcntl
-
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except ImportError:  # no fcntl (Windows): single-writer use is then the caller's responsibility
-            pass
-        except OSError:
-            handle.close()
+            lock.__enter__()
+        except BlockingIOError:
             raise FeatureStoreError(f"{self.out_dir}: another FeatureWriter is writing this directory") from None
-        return handle
+        return lock
 
     def _load_or_create_manifest(self) -> dict[str, Any]:
         path = self.out_dir / MANIFEST
@@ -177,7 +172,7 @@ class FeatureWriter:
                 `final_hidden [T, H]`. All share the leading length T; floating tensors are cast to the store
                 dtype, `input_ids` to int64, `loss_mask` to uint8.
         """
-        if self._lock.closed:
+        if self._lock is None:
             raise RuntimeError(f"{self.out_dir}: this FeatureWriter is closed")
         sid = str(sample_id)
         if sid in self._done:
@@ -254,8 +249,9 @@ class FeatureWriter:
         return self.manifest
 
     def _release(self) -> None:
-        if not self._lock.closed:
-            self._lock.close()  # closing the file releases the flock
+        if self._lock is not None:
+            self._lock.__exit__(None, None, None)
+            self._lock = None
 
     def __enter__(self) -> FeatureWriter:
         return self

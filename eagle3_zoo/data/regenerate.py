@@ -15,12 +15,11 @@ concurrent processes (ranks of a launcher that starts them all at once) from gen
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from eagle3_zoo.data.readers import Conversation
+from eagle3_zoo.modeling.io import exclusive_lock
 from eagle3_zoo.progress import Progress
 
 logger = logging.getLogger(__name__)
@@ -73,12 +73,8 @@ def _load_done(path: Path) -> dict[str, list[dict[str, str]]]:
     return done
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # blocks while another process regenerates this file
-        yield
+def _locked(path: Path) -> contextlib.AbstractContextManager[None]:
+    return exclusive_lock(path.with_name(path.name + ".lock"))  # blocks while another process regenerates this file
 
 
 def _end_ids(tokenizer: Any, adapter: Any) -> list[int]:

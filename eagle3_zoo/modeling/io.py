@@ -1,5 +1,5 @@
-"""Atomic file writes (a crash never leaves a half-written checkpoint, manifest or cache entry behind) and file
-hashes: the one place the package does either."""
+"""Atomic file writes (a crash never leaves a half-written checkpoint, manifest or cache entry behind), file hashes
+and inter-process file locks: the one place the package does each."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import contextlib
 import hashlib
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -69,3 +69,27 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | Path, blocking: bool = True) -> Iterator[None]:
+    """Hold an exclusive lock on the lock file `path` (the `filelock` package: flock on POSIX) while the block runs.
+
+    The operating system releases it when the process dies, so a killed holder never blocks the next run.
+
+    Raises:
+        BlockingIOError: `blocking=False` and another process holds the lock.
+    """
+    from filelock import FileLock, Timeout
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=-1 if blocking else 0)
+    except Timeout:
+        raise BlockingIOError(f"{path} is held by another process") from None
+    try:
+        yield
+    finally:
+        lock.release()
