@@ -1,13 +1,11 @@
 """Acceptance benchmarks: speculative vs plain decoding on the same prompts, with tau, per-depth acceptance,
-speedup and the lossless check (see `metrics.PROTOCOL`). Reports: a dict, a JSON file, a text table, a PNG plot."""
+speedup and the lossless check (see `metrics.PROTOCOL`). The decode loop lives here; the JSON, tables and plots it
+reports through are in `report.py`."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import platform
-import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,6 @@ from torch import nn
 
 from eagle3_zoo.adapters import TargetAdapter
 from eagle3_zoo.modeling import Eagle3Drafter
-from eagle3_zoo.modeling.io import atomic_write_text
 from eagle3_zoo.progress import Progress
 from eagle3_zoo.speculative.acceptance import SamplingParams
 from eagle3_zoo.speculative.benchmarks import (
@@ -30,6 +27,15 @@ from eagle3_zoo.speculative.benchmarks import (
 from eagle3_zoo.speculative.draft import DraftModel
 from eagle3_zoo.speculative.generate import SpeculativeGenerator, eos_ids, plain_generate, tree_spec
 from eagle3_zoo.speculative.metrics import PROTOCOL, BenchStats
+from eagle3_zoo.speculative.report import (  # noqa: F401 (format_* and write_results: the package's public API)
+    format_shapes_table,
+    format_table,
+    machine_info,
+    plot_acceptance,
+    plot_shapes,
+    versions,
+    write_results,
+)
 from eagle3_zoo.speculative.shapes import TreeSpec
 
 log = logging.getLogger(__name__)
@@ -342,164 +348,3 @@ def _request_row(rid: str, ids: torch.Tensor, spec_out, base_out) -> dict[str, A
     if base_out is not None:
         row.update(baseline_seconds=base_out.seconds, matches_baseline=spec_out.tokens == base_out.tokens)
     return row
-
-
-def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
-    device = torch.device(device)
-    info = {"platform": platform.platform(), "processor": _cpu_name(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": str(device)}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
-
-
-def _cpu_name() -> str:
-    try:  # Linux names the CPU model here; platform.processor() is often empty or just the architecture
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def versions() -> dict[str, str]:
-    import transformers
-
-    import eagle3_zoo
-
-    return {"eagle3_zoo": eagle3_zoo.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": sys.version.split()[0]}
-
-
-def write_results(results: dict[str, Any], path: str | os.PathLike) -> Path:
-    """Write the results JSON atomically."""
-    path = Path(path)
-    atomic_write_text(path, json.dumps(results, indent=2) + "\n")
-    return path
-
-
-def plot_acceptance(results: dict[str, Any], path: str | os.PathLike) -> Path:
-    """PNG of acceptance@d per benchmark (matplotlib, Agg backend, no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, bench in results["benchmarks"].items():
-        rates = bench["acceptance_per_depth"]
-        points = [(d + 1, r) for d, r in enumerate(rates) if r is not None]
-        if points:
-            ax.plot(*zip(*points), marker="o", label=f"{name} (tau {bench['tau']:.2f})")
-    s = results["settings"]
-    ax.set(xlabel="draft depth d", ylabel="acceptance@d (given d-1 accepted)", ylim=(0, 1.05),
-           xlim=(0.5, s["depth"] + 0.5), xticks=range(1, s["depth"] + 1),
-           title=f"{s['mode']} depth {s['depth']} top-k {s['top_k']} T={s['temperature']}")
-    ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def plot_shapes(results: dict[str, Any], path: str | os.PathLike) -> Path:
-    """PNG of a shape comparison: pooled tau and speedup per shape (matplotlib, Agg backend)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    labels = [e["shape"] for e in results["shapes"]]
-    fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(10, 4))
-    # tau is at least 1 (the target's own token every cycle): bars start there, so the drafter's share is the bar
-    taus = [e["overall"]["tau"] or 1.0 for e in results["shapes"]]
-    ax_tau.bar(labels, [t - 1 for t in taus], bottom=1.0, color="tab:blue")
-    ax_tau.set_ylim(bottom=1.0)
-    benches = ", ".join(results["settings"].get("benches") or [])
-    requests = results["shapes"][0]["overall"].get("requests") if results["shapes"] else None
-    ax_tau.set(ylabel="tau (tokens per verification)",
-               title=f"acceptance length: {benches}" + (f", {requests} requests" if requests else ""))
-    speeds = [e["overall"]["speedup"] for e in results["shapes"]]
-    if any(x is not None for x in speeds):
-        ax_speed.bar(labels, [x or 0 for x in speeds], color="tab:green")
-        ax_speed.axhline(1.0, color="gray", linestyle="--", linewidth=1)
-    ax_speed.set(ylabel="speedup over plain decoding", title=f"wall clock ({results['settings']['device']})")
-    for ax in (ax_tau, ax_speed):
-        ax.tick_params(axis="x", labelrotation=30)
-        ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def format_shapes_table(results: dict[str, Any], max_depth: int = 3) -> str:
-    """A plain-text comparison of `evaluate_shapes` results: one row per shape and benchmark (and pooled), the
-    fastest shape and its serving flags."""
-
-    def fmt(x: Any, spec: str = ".2f") -> str:
-        return "-" if x is None else format(x, spec)
-
-    header = ["shape", "verified", "bench", "requests", "tau", *[f"acc@{d}" for d in range(1, max_depth + 1)],
-              "spec tok/s", "base tok/s", "speedup", "lossless"]
-    rows = [header]
-    for e in results["shapes"]:
-        benches = list(e["benchmarks"].items())
-        for name, b in benches + ([("overall", e["overall"])] if len(benches) > 1 else []):
-            acc = (b["acceptance_per_depth"] + [None] * max_depth)[:max_depth]
-            lossless = {None: "-", True: "yes"}.get(b["lossless"], f"NO ({len(b['lossless_mismatches'])} differ)")
-            rows.append([e["shape"], str(e["verified_tokens"]), name, str(b["requests"]), fmt(b["tau"]),
-                         *map(fmt, acc), fmt(b["spec_tokens_per_s"], ".1f"), fmt(b["baseline_tokens_per_s"], ".1f"),
-                         fmt(b["speedup"]), lossless])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-    s = results["settings"]
-    lines.insert(0, f"shapes={','.join(s['shapes'])} T={s['temperature']} max_new_tokens={s['max_new_tokens']} "
-                    f"device={s['device']}")
-    fastest = next((e for e in results["shapes"] if e["shape"] == results["fastest"]), None)
-    if fastest is not None:
-        flags = (f"--speculative-num-steps {fastest['sglang_num_steps']} --speculative-eagle-topk "
-                 f"{fastest['sglang_topk']} --speculative-num-draft-tokens {fastest['sglang_num_draft_tokens']}")
-        speedup = fastest["overall"]["speedup"]
-        slower = "; plain decoding is faster still on this machine with this drafter" if speedup < 1 else ""
-        lines += ["", f"fastest here: {fastest['shape']} ({speedup:.2f}x{slower}); the same shape in SGLang: {flags}"]
-    skipped = _skipped_note(results["shapes"][0]["overall"]) if results["shapes"] else []
-    return "\n".join([*lines, *skipped, "", "protocol: " + results["protocol"]])
-
-
-def format_table(results: dict[str, Any], max_depth: int = 6) -> str:
-    """A plain-text table of the results (one row per benchmark plus the pooled row) and the metric protocol."""
-
-    def fmt(x: Any, spec: str = ".2f") -> str:
-        return "-" if x is None else format(x, spec)
-
-    header = ["bench", "requests", "tau", "tau/req", *[f"acc@{d}" for d in range(1, max_depth + 1)],
-              "spec tok/s", "base tok/s", "speedup", "lossless"]
-    rows = [header]
-    for name, b in [*results["benchmarks"].items(), ("overall", results["overall"])]:
-        acc = (b["acceptance_per_depth"] + [None] * max_depth)[:max_depth]
-        lossless = {None: "-", True: "yes"}.get(b["lossless"], f"NO ({len(b['lossless_mismatches'])} differ)")
-        rows.append([name, str(b["requests"]), fmt(b["tau"]), fmt(b["tau_per_request_mean"]), *map(fmt, acc),
-                     fmt(b["spec_tokens_per_s"], ".1f"), fmt(b["baseline_tokens_per_s"], ".1f"),
-                     fmt(b["speedup"]), lossless])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-    s = results["settings"]
-    setting = (f"mode={s['mode']} depth={s['depth']} top_k={s['top_k']} total_tokens={s['total_tokens']} "
-               f"min_prob={s.get('min_prob', 0):g} "
-               f"T={s['temperature']} max_new_tokens={s['max_new_tokens']} device={s['device']}")
-    return "\n".join([setting, *lines, *_skipped_note(results["overall"]), "", "protocol: " + results["protocol"]])
-
-
-def _skipped_note(overall: dict[str, Any]) -> list[str]:
-    n = overall.get("skipped")
-    return [f"skipped: {n} request(s) exceeding the target's context (listed under 'skipped' in the results JSON)"] \
-        if n else []

@@ -210,7 +210,7 @@ def fit(recipe: Any, source: str = "recipe") -> Path:
 
 def _hardware(trainer: L.Trainer) -> str:
     """"2 x NVIDIA H100 80GB HBM3" or "Intel(R) Xeon(R) Processor, 2 cores, 2 threads" (for provenance/cards)."""
-    from eagle3_zoo.speculative.evaluation import machine_info
+    from eagle3_zoo.speculative.report import machine_info
 
     root = trainer.strategy.root_device
     info = machine_info(root)
