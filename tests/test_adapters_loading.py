@@ -110,6 +110,17 @@ def test_unknown_family_fails_before_reading_weights(tmp_path):
         load_target(path)
 
 
+def test_fp8_checkpoint_is_refused_before_reading_weights(tmp_path):
+    """DeepSeek-V3's FP8 block-quantised layout: a clear refusal saying what works, no weight read."""
+    config = get_adapter("deepseek_v3").tiny_config()
+    config.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    path = tmp_path / "ds3-fp8"
+    config.save_pretrained(path)  # config only: the refusal must come before any weight is looked for
+    with pytest.raises(ValueError, match=r"FP8 block-quantised.*inference engine.*bf16 copy"):
+        load_target(path)
+
+
 # --------------------------------------------------------------- names that are no target: one line, and fast
 def _no_hub_download(*args, **kwargs):
     raise AssertionError("a target that cannot be resolved must not reach transformers' download (it retries ~25 s)")

@@ -137,6 +137,7 @@ def load_target(
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": local_only}
     config = AutoConfig.from_pretrained(path, **kwargs)
     adapter = adapter_for(config)
+    _refuse_fp8(config, name_or_path)
     model, info = AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=torch_dtype, output_loading_info=True, **kwargs
     )
@@ -147,6 +148,19 @@ def load_target(
     model.requires_grad_(False)
     model.eval()
     return model.to(device), tokenizer, adapter
+
+
+def _refuse_fp8(config: Any, name_or_path: str | os.PathLike) -> None:
+    """FP8 block-quantised checkpoints (DeepSeek-V3/R1's) are not dequantised in-process: refuse before any weight
+    is read, saying what works instead."""
+    quant = getattr(config, "quantization_config", None) or {}
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if str(method).lower() == "fp8":
+        raise ValueError(
+            f"target {str(name_or_path)!r} is an FP8 block-quantised checkpoint (quantization_config.quant_method = "
+            "fp8); eagle3-zoo does not dequantise it in-process (a 671B DeepSeek-V3 does not fit one process anyway): "
+            "serve it with an inference engine and take features from there (data.features_backend: vllm, or an "
+            "OpenAI-compatible server for regeneration), or point target.name_or_path at a bf16 copy of the model")
 
 
 def _check_loading_info(info: dict[str, Any], adapter: TargetAdapter, path: str | os.PathLike) -> None:
