@@ -114,7 +114,7 @@ def extract_features(recipe: Any, *, target: Any = None, tokenizer: Any = None, 
         The feature-store directory (`data.features_dir` or a keyed directory under `data.cache_dir`).
     """
     from eagle3_zoo.data.prepare import prepare_data
-    from eagle3_zoo.training.build import aux_layer_ids_for, load_recipe_target
+    from eagle3_zoo.targets.loading import aux_layer_ids_for, load_recipe_target
 
     if target is None:
         target, tokenizer, adapter = load_recipe_target(recipe)
@@ -140,7 +140,7 @@ def prepare_recipe(recipe: Any, *, rank: int = 0, world_size: int = 1) -> dict[s
         The data summary of provenance.json, plus `features_dir` for an offline recipe.
     """
     from eagle3_zoo.data.prepare import prepare_data
-    from eagle3_zoo.training.build import load_recipe_target
+    from eagle3_zoo.targets.loading import load_recipe_target
 
     target, tokenizer, adapter = load_recipe_target(recipe)
     data = prepare_data(recipe, tokenizer, adapter, target=target, target_id=recipe.target.name_or_path,
