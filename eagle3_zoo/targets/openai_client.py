@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -84,7 +83,7 @@ class OpenAIClient:
                 if e.code not in RETRYABLE_STATUS:
                     raise ServerError(f"{url}: HTTP {e.code}: {body}") from None
                 last = f"HTTP {e.code}: {body}"
-            except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as e:
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
                 reason = getattr(e, "reason", e)
                 last = f"{type(reason).__name__}: {reason}"
         raise ServerError(f"{url}: {last} ({retries + 1} attempts); is the server at {self.base_url} running?")
