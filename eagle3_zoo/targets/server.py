@@ -143,19 +143,20 @@ class VLLMServer:
         while time.monotonic() - start < self.startup_timeout:
             if self.proc is not None and self.proc.poll() is not None:
                 raise ServerError(f"vLLM for {self.model} exited with code {self.proc.returncode} before serving "
-                                  f"on {self.base_url}; log {self.log_path}:\n{self.log_tail()}")
+                                  f"on {self.base_url}; log {self.log_path} ends: {self.log_tail()}")
             if client.healthy(timeout=5.0):
                 logger.info("vLLM healthy on %s after %.0f s", self.base_url, time.monotonic() - start)
                 return
             time.sleep(1.0)
         raise ServerError(f"vLLM for {self.model} was not healthy on {self.base_url} within {self.startup_timeout:.0f}"
-                          f" s; log {self.log_path}:\n{self.log_tail()}")
+                          f" s; log {self.log_path} ends: {self.log_tail()}")
 
-    def log_tail(self, lines: int = 15) -> str:
-        """The last lines of the server log."""
+    def log_tail(self, lines: int = 3) -> str:
+        """The last non-empty lines of the server log, on one line (errors are one line; the log has the rest)."""
         if self.log_path is None or not self.log_path.exists():
             return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        text = [ln.strip() for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        return " | ".join(text[-lines:])
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the process group: SIGTERM, then SIGKILL after `timeout` seconds. No-op for an attached server."""
