@@ -16,8 +16,10 @@ from typing import Any
 
 
 class FakeOpenAIServer:
-    def __init__(self, *, stop_after: int = 5, stop_id: int = 2, model: str = "fake-model") -> None:
+    def __init__(self, *, stop_after: int = 5, stop_id: int = 2, model: str = "fake-model",
+                 generate: Any = None) -> None:
         self.stop_after, self.stop_id, self.model = stop_after, stop_id, model
+        self.generate = generate  # (prompt ids, max_tokens, stop ids) -> reply ids: a real model behind the API
         self.faults: list[int] = []
         self.delay = 0.0
         self.metrics_text = ""
@@ -71,12 +73,18 @@ class FakeOpenAIServer:
                     self._send(400, {"error": {"message": f"unsupported {self.path}"}})
                     return
                 time.sleep(fake.delay)
-                ids = fake.reply_ids(list(payload["prompt"]), int(payload["max_tokens"]))
+                if fake.generate is not None:
+                    with fake._lock:
+                        ids = fake.generate(list(payload["prompt"]), int(payload["max_tokens"]),
+                                            list(payload.get("stop_token_ids") or []))
+                else:
+                    ids = fake.reply_ids(list(payload["prompt"]), int(payload["max_tokens"]))
                 with fake._lock:
                     fake.completions.append(payload)
                 text = " ".join(f"t{i}" for i in ids if i != fake.stop_id)
                 self._send(200, {"choices": [{"index": 0, "text": text, "token_ids": ids,
-                                              "finish_reason": "stop" if ids[-1] == fake.stop_id else "length"}]})
+                                              "finish_reason": "stop" if ids and ids[-1] == fake.stop_id
+                                              else "length"}]})
 
         return Handler
 

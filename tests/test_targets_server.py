@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+from openai_fake import FakeOpenAIServer
 
 from eagle3_zoo.speculative.engine_eval import parse_spec_metrics, spec_summary
 from eagle3_zoo.targets.engine import VLLM_PYTHON_ENV, vllm_python
 from eagle3_zoo.targets.openai_client import OpenAIClient, ServerError
 from eagle3_zoo.targets.server import VLLMServer, free_port
-from tests.openai_fake import FakeOpenAIServer
 
 
 def _completion(client: OpenAIClient) -> dict:

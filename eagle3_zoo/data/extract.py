@@ -66,8 +66,11 @@ def _is_complete(directory: Path, sample_ids: set[str]) -> bool:
 def write_features(examples: list[dict[str, Any]], target: Any, adapter: Any, out_dir: str | Path, *,
                    aux_layer_ids: tuple[int, ...], batch_size: int = 8, shard_size: int = 256,
                    dtype: str = "bfloat16", meta: dict[str, Any] | None = None, rank: int = 0,
-                   world_size: int = 1) -> Path:
+                   world_size: int = 1, features_fn: Any = None) -> Path:
     """Run `target` over `examples` and store their features (resumable; see the module docstring).
+
+    `features_fn(list of input_ids) -> (aux [B, T, 3H], final [B, T, H])` right-padded replaces the in-process
+    forward (the `vllm` backend: `eagle3_zoo.targets.vllm_features.VLLMFeatureExtractor.batch`).
 
     Returns:
         The store directory (this rank's subdirectory when `world_size > 1`).
@@ -81,16 +84,19 @@ def write_features(examples: list[dict[str, Any]], target: Any, adapter: Any, ou
         if _is_complete(store, mine):
             logger.info("%s: feature store complete (%d samples), nothing to extract", store, len(mine))
             return store
-        device = next(target.parameters()).device
+        device = next(target.parameters()).device if features_fn is None else None
         with FeatureWriter(store, shard_size, dtype, meta=meta) as writer:
             todo = [b for b in batches if any(str(examples[i]["id"]) not in writer for i in b)]
             logger.info("%s: extracting features of %d samples in %d batches (%d stored before)", store,
                         sum(len(b) for b in todo), len(todo), len(mine) - sum(len(b) for b in todo))
             for n, batch in enumerate(todo):
-                padded = collate_right_padded([examples[i] for i in batch])
-                aux_hidden, final_hidden, _ = adapter.forward_features(
-                    target, padded["input_ids"].to(device), attention_mask=padded["attention_mask"].to(device),
-                    layer_ids=aux_layer_ids, use_cache=False)
+                if features_fn is not None:
+                    aux_hidden, final_hidden = features_fn([examples[i]["input_ids"] for i in batch])
+                else:
+                    padded = collate_right_padded([examples[i] for i in batch])
+                    aux_hidden, final_hidden, _ = adapter.forward_features(
+                        target, padded["input_ids"].to(device), attention_mask=padded["attention_mask"].to(device),
+                        layer_ids=aux_layer_ids, use_cache=False)
                 for row, i in enumerate(batch):
                     ex, t = examples[i], int(examples[i]["input_ids"].numel())
                     writer.add(str(ex["id"]), input_ids=ex["input_ids"], loss_mask=ex["loss_mask"],
@@ -124,10 +130,18 @@ def extract_features(recipe: Any, *, target: Any = None, tokenizer: Any = None, 
                             vocab_size=target.config.vocab_size)
     aux_ids = aux_layer_ids_for(recipe, target, adapter)
     out_dir = features_dir_for(recipe, data.fingerprint, target_id, aux_ids)
-    write_features(data.train + data.val, target, adapter, out_dir, aux_layer_ids=aux_ids,
-                   batch_size=recipe.trainer.batch_size, shard_size=recipe.data.features_shard_size,
-                   dtype=recipe.data.features_dtype, meta=store_meta(target_id, aux_ids, data.fingerprint),
-                   rank=rank, world_size=world_size)
+    with contextlib.ExitStack() as stack:
+        features_fn = None
+        if recipe.data.features_backend == "vllm":  # a server started at the first batch that needs features
+            from eagle3_zoo.targets.vllm_features import VLLMFeatureExtractor
+
+            features_fn = stack.enter_context(VLLMFeatureExtractor(
+                target_id, aux_ids, dtype=recipe.target.dtype, log_path=out_dir.parent / f"{out_dir.name}.vllm.log"
+            )).batch
+        write_features(data.train + data.val, target, adapter, out_dir, aux_layer_ids=aux_ids,
+                       batch_size=recipe.trainer.batch_size, shard_size=recipe.data.features_shard_size,
+                       dtype=recipe.data.features_dtype, meta=store_meta(target_id, aux_ids, data.fingerprint),
+                       rank=rank, world_size=world_size, features_fn=features_fn)
     return out_dir
 
 

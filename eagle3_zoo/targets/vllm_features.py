@@ -71,15 +71,21 @@ class VLLMFeatureExtractor:
                                  env=env, **server_kwargs)
         self.norm_weight: torch.Tensor | None = None
 
+    def start(self) -> VLLMFeatureExtractor:
+        """Start the server (done by the first `features` call; a store with nothing left to extract starts none)."""
+        if self.norm_weight is None:
+            self.norm_weight = _final_norm_weight(Path(self.model_dir))
+            self.server.start()
+            self.client = self.server.client()
+            self.model_name = self.client.models()[0]
+        return self
+
     def __enter__(self) -> VLLMFeatureExtractor:
-        self.norm_weight = _final_norm_weight(Path(self.model_dir))
-        self.server.start()
-        self.client = self.server.client()
-        self.model_name = self.client.models()[0]
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.server.stop()
+        self.norm_weight = None
         if self._own_storage:
             shutil.rmtree(self.storage, ignore_errors=True)
 
@@ -89,6 +95,7 @@ class VLLMFeatureExtractor:
         Raises:
             ServerError: the server failed, or returned states for other tokens than those sent.
         """
+        self.start()
         ids = [int(i) for i in (input_ids.tolist() if isinstance(input_ids, torch.Tensor) else input_ids)]
         out = self.client.post("/v1/completions", {"model": self.model_name, "prompt": ids, "max_tokens": 1,
                                                    "temperature": 0.0, "kv_transfer_params": {}})
