@@ -290,3 +290,32 @@ def run_engine_eval_cli(args: Any) -> dict[str, Any]:
     print(format_engine_table(results))
     print(f"wrote {out}")
     return results
+
+
+def engine_smoke(drafter: str | Path, target: str | None = None, *, prompts: int = 2, max_new_tokens: int = 32,
+                 num_speculative_tokens: int = 3, work_dir: str | Path | None = None,
+                 python: str | None = None) -> dict[str, Any]:
+    """`eagle3-zoo check DRAFTER --engine vllm`: vLLM loads the drafter and accepts some of its tokens.
+
+    One speculative server, the first `prompts` MT-bench turns, greedy; no baseline (the full judgement is
+    `eval --engine vllm`). A drafter that loads but has zero accepted tokens is reported as a failure: on a trained
+    drafter that points at wrong aux layers, a wrong vocabulary mapping or a mismatched target.
+
+    Returns:
+        ``{"ok", "message", "tau", "accepted_tokens", "draft_tokens"}``.
+    """
+    import tempfile
+
+    work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="eagle3-zoo-check-"))
+    results = evaluate_in_vllm(drafter, target, "mtbench", num_speculative_tokens=num_speculative_tokens,
+                               max_new_tokens=max_new_tokens, limit=prompts, baseline=False, python=python,
+                               work_dir=work)
+    o = results["overall"]
+    ok = o["drafts"] > 0 and o["accepted_tokens"] > 0
+    tau = f"{o['tau']:.2f}" if o["tau"] is not None else "-"
+    message = (f"vLLM {results['versions'].get('vllm')}: {drafter} loaded with "
+               f"{results['settings']['target']}; {o['accepted_tokens']}/{o['draft_tokens']} draft tokens accepted "
+               f"over {o['requests']} requests (tau {tau})" + ("" if ok else " - FAILED: no draft token accepted "
+                                                                 "(wrong aux layers, vocabulary mapping or target?)"))
+    return {"ok": ok, "message": message, "tau": o["tau"], "accepted_tokens": o["accepted_tokens"],
+            "draft_tokens": o["draft_tokens"]}
