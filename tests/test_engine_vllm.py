@@ -109,29 +109,29 @@ def test_vllm_regeneration_equals_hf_greedy(hf_target, plain_server, tmp_path):
 
 def test_vllm_killed_mid_regeneration_resumes(hf_target, plain_server, tmp_path):
     from eagle3_zoo.data.regenerate_server import regenerate_with_client
-    from eagle3_zoo.targets.openai_client import ServerError
+    from eagle3_zoo.targets.openai_client import OpenAIClient, ServerError
     from eagle3_zoo.targets.server import VLLMServer
 
     _, tok, adapter = hf_target
     convs = _conversations(8)
-    path, kw = tmp_path / "answers.jsonl", dict(max_new_tokens=48, temperature=0.0, concurrency=1)
-    errors: list[BaseException] = []
+    path, kw = tmp_path / "answers.jsonl", dict(max_new_tokens=48, temperature=0.0, concurrency=2)
     with VLLMServer(TARGET, log_path=tmp_path / "victim.log") as victim:
-        def run():
-            try:
-                regenerate_with_client(convs, victim.client(retries=1, backoff=0.5), tok, adapter, path, **kw)
-            except BaseException as e:  # noqa: BLE001 - the expected failure, checked below
-                errors.append(e)
+        class KillingClient(OpenAIClient):
+            """SIGKILLs the server's process group 0.5 s into the 4th completion (a request in flight)."""
 
-        worker = threading.Thread(target=run)
-        worker.start()
-        while worker.is_alive() and (not path.exists() or path.read_text().count("\n") < 2):
-            time.sleep(0.2)
-        os.killpg(victim.proc.pid, signal.SIGKILL)  # the server dies mid-run
-        worker.join(timeout=120)
-    assert errors and isinstance(errors[0], ServerError), errors
+            calls = 0
+
+            def post(self, path, payload, **kwargs):
+                KillingClient.calls += 1
+                if KillingClient.calls == 4:
+                    threading.Timer(0.5, os.killpg, (victim.proc.pid, signal.SIGKILL)).start()
+                return super().post(path, payload, **kwargs)
+
+        with pytest.raises(ServerError, match=r"of 8 conversations done this run are kept") as failure:
+            regenerate_with_client(convs, KillingClient(victim.base_url, retries=1, backoff=0.5), tok, adapter,
+                                   path, **kw)
     kept = path.read_text().count("\n")
-    assert 2 <= kept < len(convs) and f"{kept} of {len(convs)} conversations done" in str(errors[0])
+    assert 1 <= kept < len(convs) and f"{kept} of 8 conversations done" in str(failure.value)
     out, stats = regenerate_with_client(convs, plain_server.client(), tok, adapter, path, **kw)
     assert (stats.reused, stats.generated) == (kept, len(convs) - kept)
     ids = [json.loads(line)["id"] for line in path.read_text().splitlines()]
