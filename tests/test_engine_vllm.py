@@ -174,3 +174,19 @@ def test_check_engine_vllm(drafter_dir, capsys):
     assert main(["check", str(drafter_dir), "--engine", "vllm"]) == 0
     out = capsys.readouterr().out
     assert "draft tokens accepted" in out and "FAILED" not in out
+
+
+def test_check_engine_vllm_fails_a_drafter_that_accepts_nothing(hf_target, tmp_path, capsys):
+    """A loadable drafter whose weights are random: vLLM runs it, and accepts none of its tokens."""
+    from eagle3_zoo.cli import main
+    from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab
+
+    model, _, adapter = hf_target
+    config = Eagle3Config.from_target_config(model.config, draft_vocab_size=2048, target_name_or_path=TARGET,
+                                             aux_layer_ids=adapter.aux_layer_ids(model.config.num_hidden_layers),
+                                             torch_dtype="float32")
+    drafter = Eagle3Drafter(config)
+    drafter.set_vocab(*build_draft_vocab(torch.arange(model.config.vocab_size, 0, -1).float(), 2048))
+    drafter.save_pretrained(tmp_path / "random")
+    assert main(["check", str(tmp_path / "random"), "--engine", "vllm"]) == 1
+    assert "FAILED: no draft token accepted" in capsys.readouterr().out
