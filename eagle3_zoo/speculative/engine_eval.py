@@ -255,8 +255,29 @@ def _engine_version(python: str | None) -> str | None:
     return out.stdout.strip() or None
 
 
+def _our_decoder(args: Any, engine: dict[str, Any]) -> dict[str, Any]:
+    """Our own decoder (chain of the same K, same requests, greedy) for `--engine-compare`: its overall figures."""
+    import torch
+
+    from eagle3_zoo.adapters import load_target
+    from eagle3_zoo.modeling import Eagle3Drafter
+    from eagle3_zoo.speculative.evaluation import evaluate
+
+    k = engine["settings"]["num_speculative_tokens"]
+    drafter = Eagle3Drafter.from_pretrained(engine["settings"]["drafter_dir_served"], dtype=torch.float32).eval()
+    target, tokenizer, adapter = load_target(engine["settings"]["target"], dtype=torch.float32)
+    ours = evaluate(drafter, target, tokenizer, args.bench, mode="chain", depth=k, top_k=1, total_tokens=k,
+                    temperature=0.0, max_new_tokens=args.max_new_tokens, limit=args.limit, spread=args.spread,
+                    baseline=not args.no_baseline, warmup=0, adapter=adapter, out=None, plot=None,
+                    progress=not args.no_progress)
+    o = ours["overall"]
+    return {"mode": f"chain depth {k}", "tau": o["tau"], "acceptance_per_depth": o["acceptance_per_depth"],
+            "requests": o["requests"], "new_tokens": o["new_tokens"], "lossless": o["lossless"],
+            "speedup": o["speedup"]}
+
+
 def format_engine_table(results: dict[str, Any]) -> str:
-    """A short text summary of an engine evaluation."""
+    """A short text summary of an engine evaluation (and of our decoder's, with `--engine-compare`)."""
     o = results["overall"]
     acc = " ".join(f"{a:.2f}" if a is not None else "-" for a in o["acceptance_per_position"])
     lossless = {True: "yes", False: f"NO ({len(o['lossless_mismatches'])} requests differ)", None: "not checked"}
@@ -266,7 +287,16 @@ def format_engine_table(results: dict[str, Any]) -> str:
     return (f"vLLM (engine-measured, greedy) over {o['requests']} requests, {o['new_tokens']} tokens:\n"
             f"  tau {o['tau']:.3f}  drafts {o['drafts']}  accepted {o['accepted_tokens']}/{o['draft_tokens']}\n"
             f"  acceptance per position: {acc}\n  greedy equality with plain vLLM: {lossless[o['lossless']]}\n"
-            f"  speed: {speed}" if o["tau"] is not None else "vLLM reported no drafts (speculation inactive?)")
+            f"  speed: {speed}" + _ours_line(results.get("hf_decoder")) if o["tau"] is not None
+            else "vLLM reported no drafts (speculation inactive?)")
+
+
+def _ours_line(ours: dict[str, Any] | None) -> str:
+    if not ours:
+        return ""
+    acc = " ".join(f"{a:.2f}" if a is not None else "-" for a in ours["acceptance_per_depth"])
+    return (f"\nour decoder ({ours['mode']}, same requests): tau {ours['tau']:.3f}  acceptance per depth "
+            f"(conditional) {acc}  lossless {ours['lossless']}")
 
 
 def run_engine_eval_cli(args: Any) -> dict[str, Any]:
@@ -286,7 +316,12 @@ def run_engine_eval_cli(args: Any) -> dict[str, Any]:
         args.drafter, args.target, args.bench, num_speculative_tokens=args.depth or 3,
         max_new_tokens=args.max_new_tokens, limit=args.limit, spread=args.spread, temperature=args.temperature,
         baseline=not args.no_baseline, url=args.engine_url, baseline_url=args.engine_baseline_url,
-        work_dir=out.parent / f"{out.stem}-vllm", out=out)
+        work_dir=out.parent / f"{out.stem}-vllm", out=None)
+    if getattr(args, "engine_compare", False):
+        results["hf_decoder"] = _our_decoder(args, results)
+    from eagle3_zoo.speculative.evaluation import write_results
+
+    write_results(results, out)
     print(format_engine_table(results))
     print(f"wrote {out}")
     return results

@@ -75,6 +75,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="with --engine vllm: a running vLLM server with the drafter loaded (default: start one)")
     parser.add_argument("--engine-baseline-url", default=None,
                         help="with --engine vllm: a running vLLM server of the target without speculation")
+    parser.add_argument("--engine-compare", action="store_true",
+                        help="with --engine vllm: also decode the same requests with our own decoder (chain of "
+                             "--depth) and report both tau figures side by side")
     return parser
 
 
