@@ -149,6 +149,7 @@ def drafter_dir(tmp_path_factory):
     # a small offline run (features once, then drafter-only steps): the original ShareGPT answers, not regenerated
     overrides = ["data.regenerate.enabled=false", "data.max_samples=32", "data.max_length=256",
                  "trainer.max_steps=40", "trainer.val_check_interval=40", "trainer.checkpoint_every_n_steps=40",
+                 "optim.warmup_steps=5",
                  "drafter.init_head=target", f"output_dir={out}", f"data.cache_dir={out / 'cache'}"]
     subprocess.run([sys.executable, "-m", "eagle3_zoo.cli", "fit", str(ROOT / "recipes" / "smollm2_135m.yaml"),
                     *overrides], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
