@@ -97,6 +97,19 @@ class RegenerateConfig:
     """Answer at most this many assistant turns per conversation (later turns are dropped); null = all."""
     output: str | None = None
     """Where regenerated conversations go; null = inside `data.cache_dir`."""
+    backend: Literal["hf", "openai", "vllm"] = "hf"
+    """hf = `generate` in this process; openai = any OpenAI-compatible server at `base_url` (vLLM, SGLang, ...);
+    vllm = a vLLM server started for the target (`bash scripts/setup_engine.sh`). Same output file and cache key."""
+    base_url: str | None = None
+    """backend openai: the server root, e.g. http://10.0.0.5:8000."""
+    api_key_env: str | None = None
+    """backend openai: the name of the environment variable holding the API key (null = no key)."""
+    concurrency: int = 4
+    """backend openai/vllm: conversations in flight at once (the server batches them)."""
+    timeout: float = 600.0
+    """backend openai/vllm: seconds per request."""
+    retries: int = 4
+    """backend openai/vllm: retries of a failed request (429, 5xx, timeouts), with exponential backoff from 1 s."""
 
 
 @dataclass
@@ -122,6 +135,9 @@ class DataConfig:
     features_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     features_shard_size: int = 256
     """Samples per feature shard (a crash loses at most one shard)."""
+    features_backend: Literal["hf", "vllm"] = "hf"
+    """Who computes offline features: hf = the target in this process; vllm = a vLLM server started for the
+    target, hidden states through its extract_hidden_states method (`bash scripts/setup_engine.sh`)."""
     val_fraction: float = 0.01
     num_workers: int = 2
     seed: int = 0

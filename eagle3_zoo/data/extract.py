@@ -69,11 +69,13 @@ def _is_complete(directory: Path, sample_ids: set[str], verify: str = "size") ->
 def write_features(examples: list[dict[str, Any]], target: Any, adapter: Any, out_dir: str | Path, *,
                    aux_layer_ids: tuple[int, ...], batch_size: int = 8, shard_size: int = 256,
                    dtype: str = "bfloat16", meta: dict[str, Any] | None = None, rank: int = 0,
-                   world_size: int = 1, verify: str = "size") -> Path:
+                   world_size: int = 1, verify: str = "size", features_fn: Any = None) -> Path:
     """Run `target` over `examples` and store their features (resumable; see the module docstring).
 
     Shards already stored are checked against the manifest first (`verify`: "size", or "hash" which reads them
-    all); damaged ones are extracted again and counted in the log.
+    all); damaged ones are extracted again and counted in the log. `features_fn(list of input_ids) -> (aux
+    [B, T, 3H], final [B, T, H])` right-padded replaces the in-process forward (the `vllm` backend:
+    `eagle3_zoo.targets.vllm_features.VLLMFeatureExtractor.batch`).
 
     Returns:
         The store directory (this rank's subdirectory when `world_size > 1`).
@@ -88,16 +90,19 @@ def write_features(examples: list[dict[str, Any]], target: Any, adapter: Any, ou
             logger.info("%s: feature store complete (%d samples, shards verified: %s), nothing to extract", store,
                         len(mine), verify)
             return store
-        device = next(target.parameters()).device
+        device = next(target.parameters()).device if features_fn is None else None
         with FeatureWriter(store, shard_size, dtype, meta=meta, verify=verify) as writer:
             todo = [b for b in batches if any(str(examples[i]["id"]) not in writer for i in b)]
             logger.info("%s: extracting features of %d samples in %d batches (%d stored before)", store,
                         sum(len(b) for b in todo), len(todo), len(mine) - sum(len(b) for b in todo))
             for n, batch in enumerate(todo):
-                padded = collate_right_padded([examples[i] for i in batch])
-                aux_hidden, final_hidden, _ = adapter.forward_features(
-                    target, padded["input_ids"].to(device), attention_mask=padded["attention_mask"].to(device),
-                    layer_ids=aux_layer_ids, use_cache=False)
+                if features_fn is not None:
+                    aux_hidden, final_hidden = features_fn([examples[i]["input_ids"] for i in batch])
+                else:
+                    padded = collate_right_padded([examples[i] for i in batch])
+                    aux_hidden, final_hidden, _ = adapter.forward_features(
+                        target, padded["input_ids"].to(device), attention_mask=padded["attention_mask"].to(device),
+                        layer_ids=aux_layer_ids, use_cache=False)
                 for row, i in enumerate(batch):
                     ex, t = examples[i], int(examples[i]["input_ids"].numel())
                     writer.add(str(ex["id"]), input_ids=ex["input_ids"], loss_mask=ex["loss_mask"],
@@ -134,7 +139,7 @@ def extract_features(recipe: Any, *, target: Any = None, tokenizer: Any = None, 
         The feature-store directory (`data.features_dir` or a keyed directory under `data.cache_dir`).
     """
     from eagle3_zoo.data.prepare import prepare_data
-    from eagle3_zoo.training.build import aux_layer_ids_for, load_recipe_target
+    from eagle3_zoo.targets.loading import aux_layer_ids_for, load_recipe_target
 
     check_rank(rank, world_size)  # before the target is loaded
     if target is None:
@@ -145,10 +150,18 @@ def extract_features(recipe: Any, *, target: Any = None, tokenizer: Any = None, 
                             vocab_size=target.config.vocab_size)
     aux_ids = aux_layer_ids_for(recipe, target, adapter)
     out_dir = features_dir_for(recipe, data.fingerprint, target_id, aux_ids)
-    write_features(data.train + data.val, target, adapter, out_dir, aux_layer_ids=aux_ids,
-                   batch_size=recipe.trainer.batch_size, shard_size=recipe.data.features_shard_size,
-                   dtype=recipe.data.features_dtype, meta=store_meta(target_id, aux_ids, data.fingerprint),
-                   rank=rank, world_size=world_size, verify=verify)
+    with contextlib.ExitStack() as stack:
+        features_fn = None
+        if recipe.data.features_backend == "vllm":  # a server started at the first batch that needs features
+            from eagle3_zoo.targets.vllm_features import VLLMFeatureExtractor
+
+            features_fn = stack.enter_context(VLLMFeatureExtractor(
+                target_id, aux_ids, dtype=recipe.target.dtype, log_path=out_dir.parent / f"{out_dir.name}.vllm.log"
+            )).batch
+        write_features(data.train + data.val, target, adapter, out_dir, aux_layer_ids=aux_ids,
+                       batch_size=recipe.trainer.batch_size, shard_size=recipe.data.features_shard_size,
+                       dtype=recipe.data.features_dtype, meta=store_meta(target_id, aux_ids, data.fingerprint),
+                       rank=rank, world_size=world_size, verify=verify, features_fn=features_fn)
     return out_dir
 
 
@@ -164,7 +177,7 @@ def prepare_recipe(recipe: Any, *, rank: int = 0, world_size: int = 1) -> dict[s
         The data summary of provenance.json, plus `features_dir` for an offline recipe.
     """
     from eagle3_zoo.data.prepare import prepare_data
-    from eagle3_zoo.training.build import load_recipe_target
+    from eagle3_zoo.targets.loading import load_recipe_target
 
     check_rank(rank, world_size)  # before the target is loaded
     target, tokenizer, adapter = load_recipe_target(recipe)

@@ -178,13 +178,18 @@ def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, 
     if d.regenerate.enabled:
         from eagle3_zoo.data.regenerate import regenerate_conversations
 
-        if target is None:
-            raise ValueError("data.regenerate.enabled needs the target model")
         path = regenerated_path(recipe, tokenizer, target_id)
-        conversations, rstats = regenerate_conversations(
-            conversations, target, tokenizer, adapter, path, max_new_tokens=d.regenerate.max_new_tokens,
-            temperature=d.regenerate.temperature, batch_size=d.regenerate.batch_size, max_length=d.max_length,
-            max_turns=d.regenerate.max_turns, seed=d.seed)
+        if d.regenerate.backend != "hf":  # an OpenAI-compatible server: same file, same key
+            from eagle3_zoo.data.regenerate_server import regenerate_for_recipe
+
+            conversations, rstats = regenerate_for_recipe(recipe, conversations, tokenizer, adapter, path)
+        elif target is None:
+            raise ValueError("data.regenerate.enabled needs the target model")
+        else:
+            conversations, rstats = regenerate_conversations(
+                conversations, target, tokenizer, adapter, path, max_new_tokens=d.regenerate.max_new_tokens,
+                temperature=d.regenerate.temperature, batch_size=d.regenerate.batch_size, max_length=d.max_length,
+                max_turns=d.regenerate.max_turns, seed=d.seed)
         regen = {"path": str(path), **rstats.to_dict()}
     answers = answers_digest(conversations) if d.regenerate.enabled else None
     fingerprint = data_fingerprint(recipe, tokenizer, target_id, answers)

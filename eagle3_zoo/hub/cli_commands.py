@@ -57,6 +57,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         print(report if report.problems else f"{report.path} ({report.format}): no problems found")
     failed = report.errors or (args.strict and report.warnings)
+    if getattr(args, "engine", None) == "vllm" and not report.errors:
+        from eagle3_zoo.speculative.engine_eval import engine_smoke
+
+        smoke = engine_smoke(args.path, target=args.target)
+        print(smoke["message"])
+        failed = failed or not smoke["ok"]
     return 1 if failed else 0
 
 
@@ -131,6 +137,9 @@ def add_subparsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--target", help="target Hub id or local folder to check against (config.json only)")
     p.add_argument("--strict", action="store_true", help="warnings fail too")
     p.add_argument("--json", action="store_true", help="machine-readable report")
+    p.add_argument("--engine", choices=["vllm"], default=None,
+                   help="also load the drafter in vLLM with the target and decode two short prompts: fails if it "
+                        "does not load or accepts no draft token (the engine venv: scripts/setup_engine.sh)")
     p.set_defaults(func=cmd_check)
 
     p = subparsers.add_parser("publish", help="check, stage and upload a drafter with its model card")

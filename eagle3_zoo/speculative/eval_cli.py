@@ -67,6 +67,17 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--strict", action="store_true", help="exit code 1 if the lossless check fails")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                        help="hf: our own decoder in this process (default); vllm: EAGLE-3 inside a vLLM server, "
+                             "judged by its own counters, greedy only (--depth = num_speculative_tokens, default 3; "
+                             "the engine venv comes from EAGLE3_ZOO_VLLM_PYTHON or .venv-vllm)")
+    parser.add_argument("--engine-url", default=None,
+                        help="with --engine vllm: a running vLLM server with the drafter loaded (default: start one)")
+    parser.add_argument("--engine-baseline-url", default=None,
+                        help="with --engine vllm: a running vLLM server of the target without speculation")
+    parser.add_argument("--engine-compare", action="store_true",
+                        help="with --engine vllm: also decode the same requests with our own decoder (chain of "
+                             "--depth) and report both tau figures side by side")
     return parser
 
 
@@ -76,6 +87,10 @@ def run_eval_cli(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         ValueError / OSError: bad paths, names or incompatible drafter and target.
     """
+    if getattr(args, "engine", "hf") == "vllm":
+        from eagle3_zoo.speculative.engine_eval import run_engine_eval_cli
+
+        return run_engine_eval_cli(args)
     import torch
 
     from eagle3_zoo.adapters import load_target

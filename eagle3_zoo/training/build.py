@@ -10,41 +10,14 @@ from typing import Any
 import torch
 
 from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab
+from eagle3_zoo.targets.loading import (  # noqa: F401  moved below data/ and training/; re-exported
+    aux_layer_ids_for,
+    load_recipe_target,
+)
 
 logger = logging.getLogger(__name__)
 
 _DRAFTER_OVERRIDES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
-
-
-def load_recipe_target(recipe: Any, source: str = "recipe") -> tuple[Any, Any, Any]:
-    """Load the recipe's frozen target and check the recipe against its config.
-
-    Returns:
-        `(model, tokenizer, adapter)` on the CPU (the Trainer moves it).
-
-    Raises:
-        ValueError: `target.family` names another family than the target's `model_type`.
-        RecipeError: draft vocab larger than the target vocab, aux layer ids out of range, wrong drafter width.
-    """
-    from eagle3_zoo.adapters import load_target
-    from eagle3_zoo.recipe import validate_against_target
-
-    t = recipe.target
-    model, tokenizer, adapter = load_target(t.name_or_path, dtype=t.dtype, lora_path=t.lora_path,
-                                            trust_remote_code=t.trust_remote_code)
-    if t.family not in ("auto", adapter.model_type):
-        raise ValueError(f"{source}: target.family = {t.family!r} but {t.name_or_path} is a {adapter.model_type!r} "
-                         f"model (config.json model_type); set target.family to {adapter.model_type!r} or 'auto'")
-    cfg = model.config
-    validate_against_target(recipe, cfg.num_hidden_layers, cfg.vocab_size, cfg.hidden_size, source=source)
-    return model, tokenizer, adapter
-
-
-def aux_layer_ids_for(recipe: Any, target: Any, adapter: Any) -> tuple[int, ...]:
-    """`drafter.aux_layer_ids`, or the adapter's default for the target's depth."""
-    if recipe.drafter.aux_layer_ids is not None:
-        return tuple(int(i) for i in recipe.drafter.aux_layer_ids)
-    return tuple(adapter.aux_layer_ids(target.config.num_hidden_layers))
 
 
 def drafter_dtype_name(precision: str) -> str:

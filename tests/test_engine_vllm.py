@@ -1,0 +1,194 @@
+"""The `engine` tier: the target in a real vLLM server on loopback (SmolLM2-135M-Instruct, CPU, fp32).
+
+    bash scripts/test.sh -m engine          # installs .venv-vllm first (scripts/setup_engine.sh), then these tests
+
+What it shows: vLLM's hidden states equal HF's (every aux layer and the final state, position by position);
+regeneration through the server gives the HF backend's greedy answers; a server killed mid-regeneration loses and
+duplicates nothing after a rerun; `eval --engine vllm` on a trained drafter reports engine-measured tau with greedy
+equality against plain vLLM; `check --engine vllm` loads and accepts. `EAGLE3_ZOO_ENGINE_DRAFTER=DIR` evaluates that
+drafter instead of training a small one here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.engine
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = "smollm2-135m-instruct"
+# fp32 on both sides; the only differences are kernel summation orders. Position 0 (the attention sink) holds
+# activations of ~2.5e4 in SmolLM2's middle layers, so the bound is relative to each position's scale.
+RTOL, ATOL = 1e-4, 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine_venv():
+    if not os.environ.get("EAGLE3_ZOO_VLLM_PYTHON"):
+        start = time.monotonic()
+        subprocess.run(["bash", str(ROOT / "scripts" / "setup_engine.sh")], check=True)
+        print(f"engine venv ready ({time.monotonic() - start:.0f} s)")
+        os.environ["EAGLE3_ZOO_VLLM_PYTHON"] = str(ROOT / ".venv-vllm" / "bin" / "python")
+    yield
+
+
+@pytest.fixture(scope="module")
+def hf_target():
+    from eagle3_zoo.adapters import load_target
+
+    return load_target(TARGET, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def plain_server(tmp_path_factory):
+    from eagle3_zoo.targets.server import VLLMServer
+
+    with VLLMServer(TARGET, log_path=tmp_path_factory.mktemp("vllm") / "plain.log") as server:
+        yield server
+
+
+def _conversations(n):
+    from eagle3_zoo.data.readers import Conversation
+
+    questions = ["What is the capital of France?", "Write a haiku about autumn.", "Explain recursion briefly.",
+                 "List three prime numbers.", "How do I boil an egg?", "Name two planets.", "What is 12 times 7?",
+                 "Give me a synonym for happy."]
+    return [Conversation(id=f"e{i}", source="engine-test", index=i,
+                         messages=[{"role": "user", "content": questions[i % len(questions)]},
+                                   {"role": "assistant", "content": "old"}]) for i in range(n)]
+
+
+def test_vllm_hidden_states_equal_hf(hf_target, tmp_path):
+    from eagle3_zoo.targets.vllm_features import VLLMFeatureExtractor
+
+    model, tok, adapter = hf_target
+    aux_ids = adapter.aux_layer_ids(model.config.num_hidden_layers)
+    texts = ["Hello there!", "The quick brown fox jumps over the lazy dog. " * 6]
+    seqs = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
+    seqs = [s["input_ids"] if hasattr(s, "keys") else s for s in seqs]
+    with VLLMFeatureExtractor(TARGET, aux_ids, log_path=tmp_path / "hs.log") as ex:
+        got = [ex.features(s) for s in seqs]
+    h = model.config.hidden_size
+    for ids, (aux, final) in zip(seqs, got):
+        with torch.no_grad():
+            ref = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        assert aux.shape == (len(ids), len(aux_ids) * h) and final.shape == (len(ids), h)
+        for j, k in enumerate(aux_ids):
+            for t in range(len(ids)):
+                r = ref[k][0, t]
+                scale = float(r.abs().max())
+                torch.testing.assert_close(aux[t, j * h:(j + 1) * h], r, rtol=RTOL, atol=ATOL * max(1.0, scale),
+                                           msg=lambda m, k=k, t=t: f"aux layer {k}, position {t}: {m}")
+        torch.testing.assert_close(final, ref[-1][0], rtol=RTOL, atol=ATOL)
+
+
+def test_vllm_regeneration_equals_hf_greedy(hf_target, plain_server, tmp_path):
+    from eagle3_zoo.data.regenerate import regenerate_conversations
+    from eagle3_zoo.data.regenerate_server import regenerate_with_client
+
+    model, tok, adapter = hf_target
+    convs = _conversations(4)
+    kw = dict(max_new_tokens=48, temperature=0.0)
+    hf, _ = regenerate_conversations(convs, model, tok, adapter, tmp_path / "hf.jsonl", batch_size=1, **kw)
+    served, stats = regenerate_with_client(convs, plain_server.client(), tok, adapter, tmp_path / "vllm.jsonl",
+                                           concurrency=4, **kw)
+    assert stats.generated == 4
+    differ = [c.uid for c, d in zip(hf, served) if c.messages != d.messages]
+    print(f"regeneration: {len(convs) - len(differ)}/{len(convs)} conversations identical to HF greedy")
+    assert differ == []
+
+
+def test_vllm_killed_mid_regeneration_resumes(hf_target, plain_server, tmp_path):
+    from eagle3_zoo.data.regenerate_server import regenerate_with_client
+    from eagle3_zoo.targets.openai_client import OpenAIClient, ServerError
+    from eagle3_zoo.targets.server import VLLMServer
+
+    _, tok, adapter = hf_target
+    convs = _conversations(8)
+    path, kw = tmp_path / "answers.jsonl", dict(max_new_tokens=48, temperature=0.0, concurrency=2)
+    with VLLMServer(TARGET, log_path=tmp_path / "victim.log") as victim:
+        class KillingClient(OpenAIClient):
+            """SIGKILLs the server's process group 0.5 s into the 4th completion (a request in flight)."""
+
+            calls = 0
+
+            def post(self, path, payload, **kwargs):
+                KillingClient.calls += 1
+                if KillingClient.calls == 4:
+                    threading.Timer(0.5, os.killpg, (victim.proc.pid, signal.SIGKILL)).start()
+                return super().post(path, payload, **kwargs)
+
+        with pytest.raises(ServerError, match=r"of 8 conversations done this run are kept") as failure:
+            regenerate_with_client(convs, KillingClient(victim.base_url, retries=1, backoff=0.5), tok, adapter,
+                                   path, **kw)
+    kept = path.read_text().count("\n")
+    assert 1 <= kept < len(convs) and f"{kept} of 8 conversations done" in str(failure.value)
+    out, stats = regenerate_with_client(convs, plain_server.client(), tok, adapter, path, **kw)
+    assert (stats.reused, stats.generated) == (kept, len(convs) - kept)
+    ids = [json.loads(line)["id"] for line in path.read_text().splitlines()]
+    assert sorted(ids) == sorted(c.uid for c in convs)  # nothing lost, nothing twice
+    clean, _ = regenerate_with_client(convs, plain_server.client(), tok, adapter, tmp_path / "clean.jsonl", **kw)
+    assert [c.messages for c in out] == [c.messages for c in clean]
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory):
+    given = os.environ.get("EAGLE3_ZOO_ENGINE_DRAFTER")
+    if given:
+        return Path(given)
+    out = tmp_path_factory.mktemp("fit")
+    # a small offline run (features once, then drafter-only steps): the original ShareGPT answers, not regenerated
+    overrides = ["data.regenerate.enabled=false", "data.max_samples=32", "data.max_length=256",
+                 "trainer.max_steps=40", "trainer.val_check_interval=40", "trainer.checkpoint_every_n_steps=40",
+                 "optim.warmup_steps=5",
+                 "drafter.init_head=target", f"output_dir={out}", f"data.cache_dir={out / 'cache'}"]
+    subprocess.run([sys.executable, "-m", "eagle3_zoo.cli", "fit", str(ROOT / "recipes" / "smollm2_135m.yaml"),
+                    *overrides], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return out / "drafter"
+
+
+def test_eval_engine_vllm_greedy_equality(drafter_dir, plain_server, tmp_path):
+    from eagle3_zoo.speculative.engine_eval import evaluate_in_vllm
+
+    res = evaluate_in_vllm(drafter_dir, TARGET, "mtbench", num_speculative_tokens=3, max_new_tokens=48, limit=2,
+                           baseline_url=plain_server.base_url, work_dir=tmp_path, out=tmp_path / "eval.json")
+    o = res["overall"]
+    print(f"engine eval: tau {o['tau']:.3f}, acceptance per position {o['acceptance_per_position']}")
+    assert res["settings"]["measured_by"] == "engine" and res["settings"]["temperature"] == 0.0
+    assert o["requests"] == 4 and o["drafts"] > 0 and o["draft_tokens"] == 3 * o["drafts"]
+    assert len(o["acceptance_per_position"]) == 3
+    assert o["lossless"] is True, o["lossless_mismatches"]
+    assert json.loads((tmp_path / "eval.json").read_text())["overall"]["tau"] == o["tau"]
+
+
+def test_check_engine_vllm(drafter_dir, capsys):
+    from eagle3_zoo.cli import main
+
+    assert main(["check", str(drafter_dir), "--engine", "vllm"]) == 0
+    out = capsys.readouterr().out
+    assert "draft tokens accepted" in out and "FAILED" not in out
+
+
+def test_check_engine_vllm_fails_a_drafter_that_accepts_nothing(hf_target, tmp_path, capsys):
+    """A loadable drafter whose weights are random: vLLM runs it, and accepts none of its tokens."""
+    from eagle3_zoo.cli import main
+    from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab
+
+    model, _, adapter = hf_target
+    config = Eagle3Config.from_target_config(model.config, draft_vocab_size=2048, target_name_or_path=TARGET,
+                                             aux_layer_ids=adapter.aux_layer_ids(model.config.num_hidden_layers),
+                                             torch_dtype="float32")
+    drafter = Eagle3Drafter(config)
+    drafter.set_vocab(*build_draft_vocab(torch.arange(model.config.vocab_size, 0, -1).float(), 2048))
+    drafter.save_pretrained(tmp_path / "random")
+    assert main(["check", str(tmp_path / "random"), "--engine", "vllm"]) == 1
+    assert "FAILED: no draft token accepted" in capsys.readouterr().out

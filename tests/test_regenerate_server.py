@@ -1,0 +1,143 @@
+"""Regeneration through an OpenAI-compatible server (`data.regenerate.backend: openai`), against a loopback fake
+that serves the tiny target greedily: the same answers and file as the in-process backend, resumable per
+conversation, faults (server down, 429/500, server dying mid-run) handled without loss or duplicates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from openai_fake import FakeOpenAIServer
+
+from eagle3_zoo.data.readers import Conversation
+from eagle3_zoo.data.regenerate import regenerate_conversations
+from eagle3_zoo.data.regenerate_server import regenerate_with_client
+from eagle3_zoo.targets.openai_client import OpenAIClient, ServerError
+from eagle3_zoo.targets.server import free_port
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import LlamaForCausalLM
+
+    from eagle3_zoo.adapters import get_adapter
+
+    adapter = get_adapter("llama")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(adapter.tiny_config()).eval().requires_grad_(False)
+    return model, adapter.tiny_tokenizer(), adapter
+
+
+def _served(model, tok):
+    """A fake server whose completions are the tiny target's greedy continuation (stop token included)."""
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    @torch.no_grad()
+    def generate(prompt, max_tokens, stop_ids):
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=stop_ids or None, pad_token_id=pad)
+        return out[0, len(prompt):].tolist()
+
+    return FakeOpenAIServer(generate=generate)
+
+
+def _convs(n=5):
+    questions = ["Hello", "What is the capital of France? Explain in one sentence.", "Thanks!", "Count to five.",
+                 "Name a colour."]
+    return [Conversation(id=f"c{i}", source="data.jsonl", index=i,
+                         messages=[{"role": "user", "content": questions[i % len(questions)] + f" ({i})"},
+                                   {"role": "assistant", "content": "old"},
+                                   {"role": "user", "content": "And then?"},
+                                   {"role": "assistant", "content": "old"}]) for i in range(n)]
+
+
+def _records(path):
+    return sorted((json.loads(line) for line in path.read_text().splitlines()), key=lambda r: r["index"])
+
+
+KW = dict(max_new_tokens=6, temperature=0.0)
+
+
+def test_openai_backend_equals_hf_backend(tiny, tmp_path):
+    model, tok, adapter = tiny
+    convs = _convs()
+    hf, _ = regenerate_conversations(convs, model, tok, adapter, tmp_path / "hf.jsonl", batch_size=1, **KW)
+    with _served(model, tok) as server:
+        client = OpenAIClient(server.url, retries=0)
+        served, stats = regenerate_with_client(convs, client, tok, adapter, tmp_path / "api.jsonl", concurrency=3,
+                                               **KW)
+        assert server.completions[0]["prompt"] and isinstance(server.completions[0]["prompt"][0], int)
+    assert [c.messages for c in served] == [c.messages for c in hf]
+    assert stats.generated == 5 and stats.turns == 10
+    assert _records(tmp_path / "api.jsonl") == _records(tmp_path / "hf.jsonl")  # same records, any line order
+
+
+def test_server_down_at_start_names_the_url_and_writes_nothing(tiny, tmp_path):
+    _, tok, adapter = tiny
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ServerError, match=f"no OpenAI-compatible server answers at {url}"):
+        regenerate_with_client(_convs(), OpenAIClient(url, retries=0), tok, adapter, tmp_path / "x.jsonl", **KW)
+    assert not (tmp_path / "x.jsonl").exists() or (tmp_path / "x.jsonl").read_text() == ""
+
+
+def test_429_and_500_are_retried(tiny, tmp_path):
+    model, tok, adapter = tiny
+    with _served(model, tok) as server:
+        server.faults = [429, 500, 503]
+        out, stats = regenerate_with_client(_convs(2), OpenAIClient(server.url, retries=3, backoff=0.01), tok,
+                                            adapter, tmp_path / "r.jsonl", concurrency=1, **KW)
+    assert stats.generated == 2 and len(_records(tmp_path / "r.jsonl")) == 2
+
+
+def test_server_failing_mid_run_keeps_whole_conversations_and_rerun_completes(tiny, tmp_path):
+    model, tok, adapter = tiny
+    convs = _convs(6)
+    reference, _ = regenerate_conversations(convs, model, tok, adapter, tmp_path / "ref.jsonl", batch_size=1, **KW)
+    path = tmp_path / "api.jsonl"
+    with _served(model, tok) as server:
+        server.fail_after = 5  # 5 completions (2 conversations of 2 turns + 1 turn), then HTTP 503 for good
+        with pytest.raises(ServerError, match=r"stopped: .*HTTP 503.*\(2 attempts\).*; 2 of 6 conversations done "
+                                              r"this run are kept in .*api.jsonl \(0 from before\); rerun"):
+            regenerate_with_client(convs, OpenAIClient(server.url, retries=1, backoff=0.01), tok, adapter, path,
+                                   concurrency=1, **KW)
+    assert len(_records(path)) == 2
+    with _served(model, tok) as server:  # the server is back
+        out, stats = regenerate_with_client(convs, OpenAIClient(server.url, retries=0), tok, adapter, path,
+                                            concurrency=2, **KW)
+    assert (stats.reused, stats.generated) == (2, 4)
+    ids = [r["id"] for r in _records(path)]
+    assert sorted(ids) == sorted(c.uid for c in convs)  # nothing lost, nothing twice
+    assert [c.messages for c in out] == [c.messages for c in reference]
+
+
+def test_torn_last_line_of_a_killed_run_is_cut_and_answered_again(tiny, tmp_path):
+    model, tok, adapter = tiny
+    convs = _convs(3)
+    with _served(model, tok) as server:
+        client = OpenAIClient(server.url, retries=0)
+        full, _ = regenerate_with_client(convs, client, tok, adapter, tmp_path / "full.jsonl", concurrency=1, **KW)
+        lines = (tmp_path / "full.jsonl").read_text().splitlines(keepends=True)
+        (tmp_path / "torn.jsonl").write_text(lines[0] + lines[1][:20])  # killed mid-write
+        out, stats = regenerate_with_client(convs, client, tok, adapter, tmp_path / "torn.jsonl", **KW)
+    assert (stats.reused, stats.generated) == (1, 2)
+    assert _records(tmp_path / "torn.jsonl") == _records(tmp_path / "full.jsonl")
+
+
+def test_recipe_backend_openai_shares_the_cache_key_and_needs_a_url(tmp_path):
+    from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
+
+    from eagle3_zoo.adapters import get_adapter
+    from eagle3_zoo.data.prepare import regenerated_path
+    from eagle3_zoo.data.regenerate_server import regenerate_for_recipe
+    from eagle3_zoo.recipe import load_recipe
+
+    tok = get_adapter("llama").tiny_tokenizer()
+    path = write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path, tmp_path, write_chat_jsonl(tmp_path / "c.jsonl")))
+    hf = load_recipe(path, ["data.regenerate.enabled=true"])
+    api = load_recipe(path, ["data.regenerate.enabled=true", "data.regenerate.backend=openai",
+                             "data.regenerate.base_url=http://127.0.0.1:9", "data.regenerate.concurrency=8"])
+    assert regenerated_path(hf, tok, "t") == regenerated_path(api, tok, "t")
+    no_url = load_recipe(path, ["data.regenerate.enabled=true", "data.regenerate.backend=openai"])
+    with pytest.raises(ValueError, match="needs data.regenerate.base_url"):
+        regenerate_for_recipe(no_url, _convs(1), tok, None, tmp_path / "x.jsonl")
