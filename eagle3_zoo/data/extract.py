@@ -25,6 +25,7 @@ import torch
 from eagle3_zoo.data.datamodule import collate_right_padded
 from eagle3_zoo.data.features import MANIFEST, FeatureWriter, shard_problem
 from eagle3_zoo.modeling.io import exclusive_lock
+from eagle3_zoo.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,8 @@ def write_features(examples: list[dict[str, Any]], target: Any, adapter: Any, ou
             todo = [b for b in batches if any(str(examples[i]["id"]) not in writer for i in b)]
             logger.info("%s: extracting features of %d samples in %d batches (%d stored before)", store,
                         sum(len(b) for b in todo), len(todo), len(mine) - sum(len(b) for b in todo))
-            for n, batch in enumerate(todo):
+            progress = Progress(sum(len(b) for b in todo), "feature job", "sample", logger=logger)
+            for batch in todo:
                 if features_fn is not None:
                     aux_hidden, final_hidden = features_fn([examples[i]["input_ids"] for i in batch])
                 else:
@@ -107,8 +109,8 @@ def write_features(examples: list[dict[str, Any]], target: Any, adapter: Any, ou
                     ex, t = examples[i], int(examples[i]["input_ids"].numel())
                     writer.add(str(ex["id"]), input_ids=ex["input_ids"], loss_mask=ex["loss_mask"],
                                aux_hidden=aux_hidden[row, :t], final_hidden=final_hidden[row, :t])
-                if (n + 1) % 50 == 0:
-                    logger.info("%s: %d/%d batches", store, n + 1, len(todo))
+                progress.update(len(batch), tokens=sum(int(examples[i]["input_ids"].numel()) for i in batch))
+            progress.close()
         if writer.damaged:
             logger.warning("%s: redid %d damaged shard(s) (%d samples): %s", store, len(writer.damaged),
                            sum(len(s["samples"]) for s in writer.damaged), ", ".join(s["file"] for s in writer.damaged))

@@ -172,7 +172,8 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
     from transformers import AutoTokenizer
 
     from eagle3_zoo.modeling.config import Eagle3Config
-    from eagle3_zoo.speculative.evaluation import _load_benches, versions, write_results
+    from eagle3_zoo.speculative.evaluation import _load_benches
+    from eagle3_zoo.speculative.report import versions, write_results
 
     if temperature > 0:
         raise ValueError(f"--engine vllm evaluates greedy decoding only (--temperature {temperature} given): the "
@@ -319,7 +320,7 @@ def run_engine_eval_cli(args: Any) -> dict[str, Any]:
         work_dir=out.parent / f"{out.stem}-vllm", out=None)
     if getattr(args, "engine_compare", False):
         results["hf_decoder"] = _our_decoder(args, results)
-    from eagle3_zoo.speculative.evaluation import write_results
+    from eagle3_zoo.speculative.report import write_results
 
     write_results(results, out)
     print(format_engine_table(results))
