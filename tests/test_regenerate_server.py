@@ -106,6 +106,7 @@ def test_server_failing_mid_run_keeps_whole_conversations_and_rerun_completes(ti
         out, stats = regenerate_with_client(convs, OpenAIClient(server.url, retries=0), tok, adapter, path,
                                             concurrency=2, **KW)
     assert (stats.reused, stats.generated) == (2, 4)
+    assert stats.conversations == 6 and stats.answer_turns >= 6  # what the data holds, the reused ones included
     ids = [r["id"] for r in _records(path)]
     assert sorted(ids) == sorted(c.uid for c in convs)  # nothing lost, nothing twice
     assert [c.messages for c in out] == [c.messages for c in reference]

@@ -179,6 +179,13 @@ def regenerate_conversations(
         finally:
             progress.close()
             os.close(fd)
+    return collect_regenerated(conversations, done, stats), stats
+
+
+def collect_regenerated(conversations: Sequence[Conversation], done: dict[str, list[dict[str, str]]],
+                        stats: RegenerateStats) -> list[Conversation]:
+    """The regenerated conversations in input order (any backend), counting what the data holds in `stats`; one
+    whose first prompt was already too long (no answer) is dropped and counted as `prompt_too_long`."""
     out = []
     for conv in conversations:
         messages = done[conv.uid]
@@ -188,7 +195,7 @@ def regenerate_conversations(
         out.append(replace(conv, messages=messages))  # keeps source_key: the uid stays location-free
         stats.conversations += 1
         stats.answer_turns += sum(m["role"] == "assistant" for m in messages)
-    return out, stats
+    return out
 
 
 def _regenerate_batch(batch: Sequence[Conversation], model: Any, tokenizer: Any, adapter: Any, max_new_tokens: int,

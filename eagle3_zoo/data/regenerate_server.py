@@ -21,12 +21,18 @@ import os
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from eagle3_zoo.data.readers import Conversation
-from eagle3_zoo.data.regenerate import RegenerateStats, _end_ids, _load_done, _locked, _render_prompt
+from eagle3_zoo.data.regenerate import (
+    RegenerateStats,
+    _end_ids,
+    _load_done,
+    _locked,
+    _render_prompt,
+    collect_regenerated,
+)
 from eagle3_zoo.targets.openai_client import OpenAIClient, ServerError
 
 logger = logging.getLogger(__name__)
@@ -76,14 +82,7 @@ def regenerate_with_client(
             _run(todo, client, model, tokenizer, adapter, out_path, done, stats, end_ids=end_ids,
                  max_new_tokens=max_new_tokens, temperature=temperature, max_length=max_length, max_turns=max_turns,
                  concurrency=concurrency, seed=seed)
-    out = []
-    for conv in conversations:
-        messages = done[conv.uid]
-        if not any(m["role"] == "assistant" for m in messages):
-            stats.skipped["prompt_too_long"] += 1
-            continue
-        out.append(replace(conv, messages=messages))
-    return out, stats
+    return collect_regenerated(conversations, done, stats), stats
 
 
 def _run(todo: list[Conversation], client: OpenAIClient, model: str, tokenizer: Any, adapter: Any, out_path: Path,
