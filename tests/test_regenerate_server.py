@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from openai_fake import FakeOpenAIServer
+from training_fixtures import tiny_llama_target
 
 from eagle3_zoo.data.readers import Conversation
 from eagle3_zoo.data.regenerate import regenerate_conversations
@@ -19,14 +20,7 @@ from eagle3_zoo.targets.server import free_port
 
 @pytest.fixture(scope="module")
 def tiny():
-    from transformers import LlamaForCausalLM
-
-    from eagle3_zoo.adapters import get_adapter
-
-    adapter = get_adapter("llama")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(adapter.tiny_config()).eval().requires_grad_(False)
-    return model, adapter.tiny_tokenizer(), adapter
+    return tiny_llama_target()
 
 
 def _served(model, tok):

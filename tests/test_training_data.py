@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from training_fixtures import tiny_llama_target
 
 from eagle3_zoo.data.datamodule import (
     ExampleDataset,
@@ -91,14 +92,7 @@ def test_collate_pads_right_and_masks_pads():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from transformers import LlamaForCausalLM
-
-    from eagle3_zoo.adapters import get_adapter
-
-    adapter = get_adapter("llama")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(adapter.tiny_config()).eval().requires_grad_(False)
-    return model, adapter.tiny_tokenizer(), adapter
+    return tiny_llama_target()
 
 
 def _conv(i, messages, source="data.jsonl"):

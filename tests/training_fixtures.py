@@ -23,6 +23,18 @@ _SENTENCES = [
 ]
 
 
+def tiny_llama_target() -> tuple[Any, Any, Any]:
+    """A frozen random tiny Llama (seed 0), its tiny tokenizer and the llama adapter, in memory."""
+    from transformers import LlamaForCausalLM
+
+    from eagle3_zoo.adapters import get_adapter
+
+    adapter = get_adapter("llama")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(adapter.tiny_config()).eval().requires_grad_(False)
+    return model, adapter.tiny_tokenizer(), adapter
+
+
 def save_tiny_target(directory: Path, seed: int = 0, num_layers: int = 4) -> Path:
     """A random Llama target (hidden 64, 4 layers, vocab 512) + tokenizer in `directory`."""
     from transformers import LlamaForCausalLM
