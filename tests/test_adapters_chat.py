@@ -2,9 +2,9 @@
 
 import pytest
 
-from eagle3_zoo.adapters import TemplateMappingError, get_adapter, load_embedded_tokenizer
-from eagle3_zoo.adapters.chat import ChatFormat, build_chat_example
-from eagle3_zoo.adapters.llama import SMOLLM2_CHAT_TEMPLATE
+from eagle3_zoo.adapters import TemplateMappingError, available_adapters, get_adapter, load_embedded_tokenizer
+from eagle3_zoo.adapters import chat as chat_module
+from eagle3_zoo.adapters.chat import ChatFormat, build_chat_example, load_chat_format
 
 SYSTEM = "You are a terse geography tutor."
 # 3 turns; the last reply has multi-byte characters that byte-level BPE splits across tokens
@@ -146,7 +146,7 @@ def test_tokenizer_without_template_uses_the_familys_template():
 
 
 def test_smollm2_gguf_tokenizer_carries_the_real_chatml_template(smollm2_tokenizer):
-    assert smollm2_tokenizer.chat_template == SMOLLM2_CHAT_TEMPLATE
+    assert smollm2_tokenizer.chat_template == load_chat_format("chatml-smollm2").template
     assert len(smollm2_tokenizer) == 49152
     assert get_adapter("llama").chat_format(smollm2_tokenizer).name == "chatml-smollm2"
 
@@ -192,3 +192,30 @@ def _without_template(tokenizer):
     tokenizer = type(tokenizer)(tokenizer_object=tokenizer.backend_tokenizer, eos_token=tokenizer.eos_token)
     tokenizer.chat_template = None
     return tokenizer
+
+
+@pytest.mark.parametrize("family", available_adapters())
+def test_every_family_declares_shipped_chat_formats_with_source_and_tokenizer(family):
+    formats = get_adapter(family).chat_formats
+    assert formats, f"{family} declares no chat format"
+    for fmt in formats:
+        assert fmt.source and fmt.end_of_turn in fmt.template, fmt.name
+    assert formats[0].tokenizer is not None and formats[0].end_of_turn in formats[0].tokenizer.special_tokens
+
+
+def test_chat_format_resource_errors_name_the_file_and_what_is_valid(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"no chat format 'nope' .*shipped: .*chatml-qwen2.5"):
+        load_chat_format("nope")
+    pkg = tmp_path / "fakepkg"
+    (pkg / "chat_formats").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "chat_formats" / "bad.jinja").write_text("{{ messages }}")
+    (pkg / "chat_formats" / "bad.yaml").write_text("name: bad\nend_of_turn: '</s>'\nsrc: typo\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(chat_module, "CHAT_FORMATS_PACKAGE", "fakepkg")
+    load_chat_format.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"bad.yaml: unknown keys \['src'\]; valid: "):
+            load_chat_format("bad")
+    finally:
+        load_chat_format.cache_clear()

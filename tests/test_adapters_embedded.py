@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from eagle3_zoo.adapters import embedded, load_target
-from eagle3_zoo.adapters.llama import SMOLLM2_CHAT_TEMPLATE
+from eagle3_zoo.adapters.chat import load_chat_format
 
 
 def test_gguf_is_found_without_importing_its_package():
@@ -102,7 +102,7 @@ def test_embedded_smollm2_loads_answers_and_reloads_fast():
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
     assert adapter.model_type == "llama" and adapter.aux_layer_ids(config.num_hidden_layers) == (2, 15, 27)
-    assert tokenizer.chat_template == SMOLLM2_CHAT_TEMPLATE and len(tokenizer) == 49152
+    assert tokenizer.chat_template == load_chat_format("chatml-smollm2").template and len(tokenizer) == 49152
     assert all(not p.requires_grad for p in model.parameters())
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]

@@ -15,8 +15,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from eagle3_zoo.adapters.capture import cache_kwargs, capture_aux_hidden
-from eagle3_zoo.adapters.chat import ChatFormat, build_chat_example, resolve_chat_format
-from eagle3_zoo.adapters.testing import TinyTokenizerSpec, build_tiny_tokenizer
+from eagle3_zoo.adapters.chat import ChatFormat, build_chat_example, load_chat_formats, resolve_chat_format
+from eagle3_zoo.adapters.testing import build_tiny_tokenizer
 
 
 class UnknownAdapterError(ValueError):
@@ -36,8 +36,8 @@ class TargetAdapter:
         lm_head_attr: Attribute of the ``*ForCausalLM`` holding the output projection.
         final_norm_attr: Attribute of the base model holding the norm before the output projection.
         keys_to_ignore_on_load: Regexes of checkpoint keys that are expected to be unused (e.g. MTP layers).
-        chat_formats: The family's chat formats; the one matching the tokenizer is used (`chat_format`).
-        tiny_tokenizer_spec: Special tokens of the family's tokenizer, for `tiny_tokenizer()`.
+        chat_format_names: The family's chat formats, shipped as data in ``resources/chat_formats/`` (template +
+            metadata, see `eagle3_zoo.adapters.chat.load_chat_format`); the one matching the tokenizer is used.
     """
 
     model_type: ClassVar[str] = ""
@@ -48,8 +48,12 @@ class TargetAdapter:
     lm_head_attr: ClassVar[str] = "lm_head"
     final_norm_attr: ClassVar[str] = "norm"
     keys_to_ignore_on_load: ClassVar[tuple[str, ...]] = ()
-    chat_formats: ClassVar[tuple[ChatFormat, ...]] = ()
-    tiny_tokenizer_spec: ClassVar[TinyTokenizerSpec | None] = None
+    chat_format_names: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def chat_formats(self) -> tuple[ChatFormat, ...]:
+        """The declared chat formats, loaded from their resource files."""
+        return load_chat_formats(*self.chat_format_names)
 
     def aux_layer_ids(self, num_layers: int) -> tuple[int, int, int]:
         """Default EAGLE-3 aux layers (low, mid, high), internal convention (= HF hidden-state indices).
@@ -70,9 +74,10 @@ class TargetAdapter:
 
     def tiny_tokenizer(self) -> Any:
         """A byte-level BPE tokenizer with the family's special tokens and first chat format (ids < 512), for tests."""
-        if self.tiny_tokenizer_spec is None or not self.chat_formats:
-            raise NotImplementedError(f"{type(self).__name__} declares no tiny_tokenizer_spec/chat_formats")
-        return build_tiny_tokenizer(self.tiny_tokenizer_spec, self.chat_formats[0].template)
+        fmt = self.chat_formats[0] if self.chat_formats else None
+        if fmt is None or fmt.tokenizer is None:
+            raise NotImplementedError(f"{type(self).__name__}: its first chat format declares no 'tokenizer' specials")
+        return build_tiny_tokenizer(fmt.tokenizer, fmt.template)
 
     def base_model(self, model: nn.Module) -> nn.Module:
         """The base (headless) model of a ``*ForCausalLM``; a base model is returned as is."""
@@ -213,9 +218,10 @@ def get_adapter(model_type: str) -> TargetAdapter:
         raise UnknownAdapterError(
             f"unknown target model_type '{model_type}'; available: {', '.join(available_adapters()) or 'none'}. "
             f"To add a family: (1) write eagle3_zoo/adapters/<family>.py with a TargetAdapter subclass decorated "
-            f"@register_adapter('{model_type}') (declare decoder_layer_class, chat_formats, tiny_config; modules in "
-            f"eagle3_zoo/adapters/ are discovered automatically), (2) a recipe in recipes/, "
-            f"(3) a test tests/test_adapters_<family>.py (capture vs output_hidden_states, loss masks)."
+            f"@register_adapter('{model_type}') (declare decoder_layer_class, chat_format_names, tiny_config; "
+            f"modules in eagle3_zoo/adapters/ are discovered automatically), (2) its chat format as "
+            f"eagle3_zoo/resources/chat_formats/<format>.jinja + .yaml, (3) a recipe in recipes/; the family-wide "
+            f"tests pick it up from the registry."
         )
     return cls()
 

@@ -16,11 +16,16 @@ the turn), and nothing the template appends after it (ChatML's trailing newline)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 
 import torch
+import yaml
+
+from eagle3_zoo.adapters.testing import TinyTokenizerSpec
 
 ROLES = ("system", "user", "assistant")
 
@@ -37,11 +42,59 @@ class ChatFormat:
         name: Short name used in errors and logs (e.g. ``"chatml"``).
         template: The family's real Jinja chat template; used when the tokenizer carries none.
         end_of_turn: The special token that closes an assistant turn; supervised together with the content.
+        source: Where the template text came from (model repo and file).
+        tokenizer: The special tokens of the family's tokenizer, for tiny test tokenizers; ``None`` if not declared.
     """
 
     name: str
     template: str
     end_of_turn: str
+    source: str = ""
+    tokenizer: TinyTokenizerSpec | None = None
+
+
+CHAT_FORMATS_PACKAGE = "eagle3_zoo.resources"
+_FORMAT_KEYS = {"name", "end_of_turn", "source", "tokenizer"}
+
+
+@functools.cache
+def load_chat_format(name: str) -> ChatFormat:
+    """The chat format shipped as ``resources/chat_formats/<name>.jinja`` (template) + ``<name>.yaml`` (metadata).
+
+    The YAML declares ``name``, ``end_of_turn``, ``source`` and optionally ``tokenizer`` (``special_tokens``,
+    ``eos_token``, ``bos_token``, ``pad_token``).
+
+    Raises:
+        ValueError: if the files are missing or the metadata is malformed (naming the file and the valid keys).
+    """
+    folder = resources.files(CHAT_FORMATS_PACKAGE).joinpath("chat_formats")
+    meta_file, template_file = folder.joinpath(f"{name}.yaml"), folder.joinpath(f"{name}.jinja")
+    if not (meta_file.is_file() and template_file.is_file()):
+        known = sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+        raise ValueError(
+            f"no chat format '{name}' in {folder} ({name}.yaml + {name}.jinja); shipped: {', '.join(known)}"
+        )
+    meta = yaml.safe_load(meta_file.read_text(encoding="utf-8"))
+    where = f"chat format file {meta_file}"
+    if not isinstance(meta, dict) or meta.get("name") != name or not isinstance(meta.get("end_of_turn"), str):
+        raise ValueError(f"{where}: needs 'name: {name}' and a string 'end_of_turn'")
+    if unknown := set(meta) - _FORMAT_KEYS:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; valid: {sorted(_FORMAT_KEYS)}")
+    spec = meta.get("tokenizer")
+    if spec is not None:
+        try:
+            spec = TinyTokenizerSpec(**{**spec, "special_tokens": tuple(spec["special_tokens"])})
+        except (TypeError, KeyError) as err:
+            raise ValueError(
+                f"{where}: 'tokenizer' needs special_tokens and eos_token (optional bos_token, pad_token): {err}"
+            ) from err
+    template = template_file.read_text(encoding="utf-8")
+    return ChatFormat(name, template, meta["end_of_turn"], source=str(meta.get("source", "")), tokenizer=spec)
+
+
+def load_chat_formats(*names: str) -> tuple[ChatFormat, ...]:
+    """`load_chat_format` for each name, in order."""
+    return tuple(load_chat_format(name) for name in names)
 
 
 def resolve_chat_format(tokenizer: Any, formats: Sequence[ChatFormat]) -> ChatFormat:

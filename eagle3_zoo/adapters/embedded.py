@@ -22,7 +22,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eagle3_zoo.adapters.llama import SMOLLM2_CHAT_TEMPLATE
+from eagle3_zoo.adapters.chat import load_chat_format
 from eagle3_zoo.modeling.io import exclusive_lock
 
 logger = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ def _is_current(final: Path, gguf: Path) -> bool:
 
 def _with_chat_template(tokenizer: Any) -> Any:
     if not getattr(tokenizer, "chat_template", None):  # older GGUF exports drop it; SmolLM2's is ChatML
-        tokenizer.chat_template = SMOLLM2_CHAT_TEMPLATE
+        tokenizer.chat_template = load_chat_format("chatml-smollm2").template
     return tokenizer
 
 
