@@ -33,13 +33,16 @@ def canonical_dir(root: Path, name: str = "canonical", seed: int = 0, **override
     return drafter.save_pretrained(root / name), drafter
 
 
-def official_dir(root: Path, drafter: Eagle3Drafter, name: str = "official", dtype=torch.float32) -> Path:
-    """The yuhuili/EAGLE3-* layout: pytorch_model.bin (+ a copy of the embedding), LlamaForCausalLM, no rope."""
+def official_dir(root: Path, drafter: Eagle3Drafter, name: str = "official", dtype=torch.float32,
+                 embedding: bool = True) -> Path:
+    """The yuhuili/EAGLE3-* layout: pytorch_model.bin (+ a copy of the embedding unless `embedding` is false),
+    LlamaForCausalLM, no rope."""
     out = root / name
     out.mkdir(parents=True)
     cfg = drafter.config
     state = {k: (v.to(dtype) if v.is_floating_point() else v).clone() for k, v in drafter.state_dict().items()}
-    state["embed_tokens.weight"] = torch.randn(cfg.vocab_size, cfg.hidden_size).to(dtype)
+    if embedding:
+        state["embed_tokens.weight"] = torch.randn(cfg.vocab_size, cfg.hidden_size).to(dtype)
     torch.save(state, out / "pytorch_model.bin")
     (out / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",

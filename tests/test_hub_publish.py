@@ -14,6 +14,8 @@ from huggingface_hub import HfApi
 from eagle3_zoo.hub import DrafterCheckError, TokenLeakError, import_drafter, load_any_drafter, publish, pull
 from eagle3_zoo.hub.cli_commands import main as cli
 from eagle3_zoo.hub.upload import HubUnreachableError
+from eagle3_zoo.hub.zoo import find_zoo
+from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab, default_aux_layer_ids
 from tests.hub_fixtures import canonical_dir, edit_weights, official_dir, tiny_target_config
 from tests.hub_server import LoopbackHub
 
@@ -112,6 +114,33 @@ def test_pull_zoo_entry_official_format_converts(tmp_path, hub):
     assert result.report.ok and set(result.report.codes) == {"ARCHITECTURE_NONCANONICAL", "EMBED_TOKENS_PRESENT"}
     converted = import_drafter(result.converted_path)
     assert torch.equal(converted.midlayer.self_attn.q_proj.weight, drafter.midlayer.self_attn.q_proj.weight)
+
+
+def test_pull_a_published_qwen3_zoo_drafter_and_check_it_against_the_shipped_target_config(tmp_path, hub, capsys):
+    # a drafter shaped like AngelSlim/Qwen3-1.7B_eagle3 (full target width and vocab; one KV head, small MLP and draft
+    # vocab so the files stay ~60 MB), in EAGLE's own layout, where the zoo says the release lives
+    cfg = Eagle3Config(hidden_size=2048, target_hidden_size=2048, num_attention_heads=16, num_key_value_heads=1,
+                       head_dim=128, intermediate_size=64, vocab_size=151936, draft_vocab_size=256, rope_theta=1e6,
+                       max_position_embeddings=40960, aux_layer_ids=default_aux_layer_ids(28),
+                       target_name_or_path="Qwen/Qwen3-1.7B", target_model_type="qwen3")
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(cfg)
+    drafter.set_vocab(*build_draft_vocab(torch.randint(0, 50, (cfg.vocab_size,)), cfg.draft_vocab_size))
+    folder = official_dir(tmp_path, drafter, dtype=torch.bfloat16, embedding=False)
+    repo = find_zoo("angelslim-qwen3-1.7b-eagle3").repo_id
+    HfApi(endpoint=hub.url).create_repo(repo)
+    HfApi(endpoint=hub.url).upload_folder(repo_id=repo, folder_path=folder)
+    out = tmp_path / "pulled"
+    # the target config comes from the package (Qwen/Qwen3-1.7B ships), never from the Hub
+    assert cli(["pull", "angelslim-qwen3-1.7b-eagle3", "--endpoint", hub.url, "--out", str(out),
+                "--target", "Qwen/Qwen3-1.7B"]) == 0
+    printed = capsys.readouterr().out
+    assert f"pulled {repo} (official format)" in printed and "0 error(s)" in printed
+    assert not any("Qwen/Qwen3-1.7B" in r["path"] for r in hub.requests), \
+        "the target config was fetched from the Hub"
+    # the same drafter against a Qwen3 target of another width fails the check with the size problem
+    assert cli(["check", str(out), "--target", "Qwen/Qwen2.5-7B-Instruct"]) == 1
+    assert "HIDDEN_SIZE_MISMATCH" in capsys.readouterr().out
 
 
 def test_pull_reports_target_mismatch_and_cli_exit_code(tmp_path, hub, monkeypatch, capsys):

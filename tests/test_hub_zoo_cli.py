@@ -119,3 +119,21 @@ def test_export_refuses_an_invalid_drafter(tmp_path, capsys, fmt, damage, code):
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {src}: refusing to export an invalid drafter: ") and f"{code}: " in err
     assert len(err.splitlines()) == 1 and not (out / "model.safetensors").exists()
+
+
+def test_zoo_list_filters_by_family_and_target(capsys):
+    qwen3 = list_zoo(family="QWEN3")
+    assert {e.repo_id for e in qwen3} >= {"RedHatAI/Qwen3-8B-speculator.eagle3", "AngelSlim/Qwen3-8B_eagle3",
+                                          "Tengyunw/qwen3_8b_eagle3", "AngelSlim/Qwen3-1.7B_eagle3"}
+    assert {e.family for e in qwen3} == {"qwen3"}
+    assert {e.target for e in list_zoo(target="qwen/qwen3-30b-a3b")} == {"Qwen/Qwen3-30B-A3B"}
+    # a local target name and its Hub id select the same entries
+    assert list_zoo(target="smollm2-135m-instruct") == list_zoo(target="HuggingFaceTB/SmolLM2-135M-Instruct") != []
+    both = list_zoo(family="qwen3_moe", target="Qwen/Qwen3-235B-A22B")
+    assert {e.repo_id for e in both} == {"nvidia/Qwen3-235B-A22B-Eagle3", "lmsys/Qwen3-235B-A22B-EAGLE3"}
+    assert cli(["zoo", "list", "--family", "gpt_oss"]) == 0
+    out = capsys.readouterr().out
+    assert "RedHatAI/gpt-oss-20b-speculator.eagle3" in out and "Qwen3" not in out
+    assert cli(["zoo", "list", "--family", "qwen"]) == 2
+    err = capsys.readouterr().err
+    assert "no zoo entry has family 'qwen'; did you mean" in err and "qwen3" in err

@@ -107,7 +107,7 @@ def cmd_zoo(args: argparse.Namespace) -> int:
         print(json.dumps(asdict(entry), indent=2) if args.json else
               "\n".join(f"{k:>9}: {v}" for k, v in asdict(entry).items()))
         return 0
-    entries = list_zoo()
+    entries = list_zoo(family=args.family, target=args.target)
     if args.json:
         print(json.dumps([asdict(e) for e in entries], indent=2))
         return 0
@@ -167,6 +167,8 @@ def add_subparsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("action", choices=["list", "show"], nargs="?", default="list",
                    help="list every entry, or show one (default: list)")
     p.add_argument("name", nargs="?", help="zoo name or repo id (for show)")
+    p.add_argument("--family", help="list only drafters for targets of this family (HF model_type, e.g. qwen3)")
+    p.add_argument("--target", help="list only drafters for this target (Hub id or local name, e.g. Qwen/Qwen3-8B)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_zoo)
 

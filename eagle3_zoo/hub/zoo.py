@@ -47,9 +47,32 @@ def _registry() -> dict[str, Any]:
     return data
 
 
-def list_zoo() -> list[ZooEntry]:
-    """Every zoo entry, in registry order."""
-    return [ZooEntry(**{**e, "notes": e.get("notes") or ""}) for e in _registry()["drafters"]]
+def list_zoo(family: str | None = None, target: str | None = None) -> list[ZooEntry]:
+    """The zoo entries, in registry order; optionally only one target family and/or one target.
+
+    Args:
+        family: HF ``model_type`` of the target (``qwen3``, ``gpt_oss``, ...), case-insensitive.
+        target: Hub id or local name of the target (``Qwen/Qwen3-8B``, ``smollm2-135m-instruct``), case-insensitive.
+
+    Raises:
+        KeyError: a filter value no entry has, naming the closest known values.
+    """
+    entries = [ZooEntry(**{**e, "notes": e.get("notes") or ""}) for e in _registry()["drafters"]]
+    if family is not None:
+        entries = _filtered(entries, "family", family, lambda e: {e.family})
+    if target is not None:
+        entries = _filtered(entries, "target", target, lambda e: {e.target, target_hub_id(e.target) or e.target})
+    return entries
+
+
+def _filtered(entries: list[ZooEntry], what: str, value: str, keys: Any) -> list[ZooEntry]:
+    kept = [e for e in entries if value.lower() in {k.lower() for k in keys(e)}]
+    if not kept:
+        known = sorted({k for e in entries for k in keys(e)})
+        close = difflib.get_close_matches(value, known, n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise KeyError(f"no zoo entry has {what} {value!r}; {hint}known values: {', '.join(known)}")
+    return kept
 
 
 def show_zoo(name: str) -> ZooEntry:
