@@ -66,7 +66,7 @@ def test_card_has_metadata_tau_table_plot_and_training(tmp_path):
     (src / "recipe.yaml").write_text(RECIPE)
     (src / "provenance.json").write_text(json.dumps(PROVENANCE))
 
-    card = render_card(src, repo_id="me/tiny-eagle3", tags=("tiny",))
+    card = render_card(src, repo_id="me/tiny-eagle3", tags=("tiny",), published=True)
     card.save(tmp_path / "README.md")
     loaded = ModelCard.load(tmp_path / "README.md")  # parses back (YAML header + body)
     data = loaded.data.to_dict()
@@ -116,6 +116,21 @@ def test_card_shows_every_eval_run_labelled_by_draft_shape(tmp_path):
     assert "| mtbench (chain:1) | 32 | 1.34 | – | 1.08x |" in text
     assert "| mtbench (tree:8/10/60@0.2) | 32 | 1.36 | – | 1.07x |" in text
     assert "| mtbench (chain 7) | 40 | 3.05 |" in text
+
+
+def test_unpublished_card_points_its_snippets_at_the_folder_not_at_a_repo(tmp_path):
+    src, _ = canonical_dir(tmp_path)
+    (src / "eval_results.json").write_text(json.dumps(EVAL_RESULTS))
+    snippets = ("--speculative-draft-model-path {} ", '"model": "{}", "num_speculative_tokens"')
+    for text in (render_card(src, repo_id="me/tiny-eagle3").text, render_card(src).text):  # a dry run; no repo
+        assert all(s.format(src) in text for s in snippets)
+        assert not any(s.format(name) in text for s in snippets for name in ("me/tiny-eagle3", "ORG/NAME"))
+        assert "> **Not on the Hub.**" in text and "publish DRAFTER --repo-id YOUR_ORG/NAME` has uploaded it" in text
+    planned = render_card(src, repo_id="me/tiny-eagle3").text
+    assert "so `me/tiny-eagle3`, the repo id it was rendered for, may not exist" in planned
+    published = render_card(src, repo_id="me/tiny-eagle3", published=True).text  # uploaded to that repo with it
+    assert all(s.format("me/tiny-eagle3") in published for s in snippets)
+    assert "Not on the Hub" not in published and str(src) not in published
 
 
 def test_card_settings_leave_out_the_local_drafter_path(tmp_path):

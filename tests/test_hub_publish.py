@@ -67,6 +67,7 @@ def test_publish_then_pull_is_byte_identical(tmp_path, hub, monkeypatch, caplog,
         assert (pulled.path / name).read_bytes() == (tmp_path / "stage" / name).read_bytes(), name
         _no_secret((pulled.path / name).read_bytes().decode("latin-1"))  # ...but never written anywhere
     assert torch.equal(import_drafter(pulled.path).lm_head.weight, drafter.lm_head.weight)
+    assert '"model": "me/tiny-eagle3"' in (pulled.path / "README.md").read_text()  # the card's snippets: it exists
     out = capsys.readouterr()
     _no_secret(caplog.text, out.out, out.err)
 
@@ -76,6 +77,8 @@ def test_dry_run_makes_no_request(tmp_path, hub, capsys):
     result = publish(src, "me/tiny-eagle3", dry_run=True, endpoint=hub.url, stage_dir=tmp_path / "stage")
     assert result.dry_run and result.commit_url is None
     assert (tmp_path / "stage" / "README.md").is_file() and (tmp_path / "stage" / "model.safetensors").is_file()
+    card = (tmp_path / "stage" / "README.md").read_text()  # no repo was created: the snippets load the staged folder
+    assert f'"model": "{tmp_path / "stage"}"' in card and "path me/tiny-eagle3" not in card
     assert cli(["publish", str(src), "--repo-id", "me/other", "--dry-run", "--endpoint", hub.url,
                 "--stage-dir", str(tmp_path / "stage2"), "--format", "speculators"]) == 0
     assert "no request made" in capsys.readouterr().out

@@ -207,8 +207,21 @@ def _serve_settings(settings: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str | None = None) -> dict[str, Any]:
-    """The template variables for a drafter folder (everything the card shows, as plain strings and rows)."""
+def _hub_note(folder: Path, repo_id: str | None) -> str:
+    """What a card that is not (yet) on the Hub says above its snippets, which load the drafter from its folder."""
+    planned = f", so `{repo_id}`, the repo id it was rendered for, may not exist" if repo_id else ""
+    return (f"This card was rendered without an upload (e.g. by `eagle3-zoo publish --dry-run`){planned}. The "
+            f"snippets load the drafter from its local folder `{folder}`; once `eagle3-zoo publish DRAFTER --repo-id "
+            "YOUR_ORG/NAME` has uploaded it, use that repo id instead.")
+
+
+def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str | None = None,
+                   published: bool = False) -> dict[str, Any]:
+    """The template variables for a drafter folder (everything the card shows, as plain strings and rows).
+
+    The usage snippets name `repo_id` only when `published` (the card goes to that repo with the weights); otherwise
+    they load the drafter from `drafter_dir` and the card says so, so no snippet points at a repo that may not exist.
+    """
     from eagle3_zoo.hub.zoo import target_hub_id
 
     folder = Path(drafter_dir)
@@ -238,6 +251,8 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
     aux = cfg.aux_layer_ids
     variables = {
         "model_name": (repo_id or folder.name).split("/")[-1], "repo_id": repo_id or "ORG/NAME",
+        "draft_model": repo_id if published and repo_id else str(folder),
+        "hub_note": None if published and repo_id else _hub_note(folder, repo_id),
         "target": target, "target_serve": hub_target or target, "target_family": cfg.target_model_type,
         "target_url": f"https://huggingface.co/{hub_target}" if hub_target else "",
         "eagle3_zoo_version": eagle3_zoo.__version__, "hidden_size": cfg.hidden_size, "torch_dtype": cfg.torch_dtype,
@@ -298,22 +313,25 @@ def render_card(
     fmt: str | None = None,
     license: str = "apache-2.0",
     tags: tuple[str, ...] = (),
+    published: bool = False,
     **overrides: Any,
 ) -> ModelCard:
     """Render the model card of a drafter folder.
 
     Args:
         drafter_dir: drafter folder (any format), with optional recipe.yaml / provenance.json / eval_results.json.
-        repo_id: the Hub repo the card describes (used in the usage snippets).
+        repo_id: the Hub repo the card describes (used in the usage snippets when `published`).
         fmt: the published format ("sglang" or "speculators"; default: detected).
         license: license of the drafter weights (YAML metadata).
         tags: extra tags besides eagle3 / speculative-decoding / draft-model / eagle3-zoo / the target family.
+        published: the card is uploaded to `repo_id` with the weights (a real publish). Otherwise the snippets load
+            the drafter from `drafter_dir` and a note says it is not published.
         overrides: template variables to override (e.g. `license_note`, `sglang_topk`).
 
     Returns:
         A `huggingface_hub.ModelCard`; `card.save(path)` writes README.md, `ModelCard.load(path)` parses it back.
     """
-    variables = {**card_variables(drafter_dir, repo_id, fmt), **overrides}
+    variables = {**card_variables(drafter_dir, repo_id, fmt, published), **overrides}
     family = variables.get("target_family")
     from eagle3_zoo.hub.zoo import target_hub_id
 

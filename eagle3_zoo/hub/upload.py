@@ -136,8 +136,10 @@ def check_repo_id(repo_id: str) -> None:
 
 
 def stage(drafter_dir: str | Path, stage_dir: str | Path, repo_id: str | None = None, fmt: str = "sglang",
-          **card_overrides) -> list[str]:
+          published: bool = False, **card_overrides) -> list[str]:
     """Write the folder to upload: weights + config in `fmt`, README.md card, plots, recipe, results, provenance.
+
+    `published`: the folder goes to `repo_id` (the card's snippets name it); otherwise they name the staged folder.
 
     Raises:
         ValueError: `stage_dir` exists and is not empty (stale files would be uploaded too).
@@ -146,7 +148,8 @@ def stage(drafter_dir: str | Path, stage_dir: str | Path, repo_id: str | None = 
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"stage folder {out} is not empty; pass an empty or new folder")
     export_drafter(drafter_dir, fmt, out)
-    render_card(out, repo_id=repo_id, fmt=EXPORT_FORMATS[fmt], **card_overrides).save(out / "README.md")
+    render_card(out, repo_id=repo_id, fmt=EXPORT_FORMATS[fmt], published=published, **card_overrides).save(
+        out / "README.md")
     return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
 
 
@@ -221,7 +224,7 @@ def publish(
         raise ValueError(f"stage folder {out} is not empty; pass an empty or new folder")
 
     try:
-        files = stage(drafter_dir, out, repo_id=repo_id, fmt=fmt, **card_overrides)
+        files = stage(drafter_dir, out, repo_id=repo_id, fmt=fmt, published=not dry_run, **card_overrides)
         require_valid_drafter(out, purpose="publish")  # what is uploaded, not only its source, must load
         _scan_for_token(out, token or get_token(), drafter_dir)  # a dry run stages what would be uploaded: same scan
         if dry_run:
