@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -91,6 +93,9 @@ def test_evaluate_writes_json_and_plot(tmp_path):
     assert saved["protocol"] == PROTOCOL and saved["lossless"] is True
     assert saved["settings"]["drafter"] == "oracle" and saved["settings"]["depth"] == 3
     assert saved["machine"]["torch_threads"] >= 1 and saved["versions"]["transformers"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+    if head.returncode == 0:  # results name the commit they ran on (a checkout; None from an installed wheel)
+        assert saved["versions"]["git"]["sha"] == head.stdout.strip()
     mt, he, extra = (saved["benchmarks"][k] for k in ("mtbench", "humaneval", "extra"))
     assert (mt["requests"], he["requests"], extra["requests"]) == (4, 2, 1)  # 2 questions x 2 turns
     assert [r["id"] for r in saved["requests"]["mtbench"]][:2] == ["81/turn1", "81/turn2"]

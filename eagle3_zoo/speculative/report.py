@@ -35,13 +35,16 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def versions() -> dict[str, str]:
+def versions() -> dict[str, Any]:
+    """Package versions and the git commit of the code (``{"sha", "dirty"}``; None outside a git checkout), so a
+    figure can name the commit it ran on."""
     import transformers
 
     import eagle3_zoo
+    from eagle3_zoo.training.outputs import git_info
 
     return {"eagle3_zoo": eagle3_zoo.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": sys.version.split()[0]}
+            "transformers": transformers.__version__, "python": sys.version.split()[0], "git": git_info()}
 
 
 def write_results(results: dict[str, Any], path: str | os.PathLike) -> Path:
