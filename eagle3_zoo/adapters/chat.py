@@ -354,18 +354,18 @@ def _has_output(message: Mapping[str, Any]) -> bool:
 def _texts(message: Mapping[str, Any]) -> list[str]:
     """The strings of a (validated) message that the target or the user wrote: content, reasoning, tool calls."""
     texts = [v for k, v in message.items() if k not in ("role", "tool_calls", "tool_call_id", "name")]
-    for call in message.get("tool_calls", ()):
-        texts.append(call["function"]["name"])
-        texts.append(json.dumps(call["function"]["arguments"]))
+    texts += [json.dumps(call["function"]["arguments"]) for call in message.get("tool_calls", ())]
     return [t for t in texts if isinstance(t, str)]
 
 
 def _with_sentinels(message: dict[str, Any], mark: str) -> dict[str, Any]:
-    """`message` with every non-empty text replaced by `mark`; the keys (which templates branch on) are kept."""
+    """`message` with every non-empty text replaced by `mark`; the keys (which templates branch on) are kept, and so
+    are tool names and call ids, which templates echo in the tool results that follow (harmony, Mistral)."""
     out = {k: (mark if k not in ("role", "tool_call_id", "name") and isinstance(v, str) and v else v)
            for k, v in message.items()}
     if "tool_calls" in message:
-        out["tool_calls"] = [{**c, "function": {"name": mark, "arguments": {mark: mark}}} for c in message["tool_calls"]]
+        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": {mark: mark}}}
+                             for c in message["tool_calls"]]
     return out
 
 
