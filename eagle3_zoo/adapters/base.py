@@ -140,16 +140,18 @@ class TargetAdapter:
     def build_example(
         self,
         tokenizer: Any,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         max_length: int,
         system_prompt: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Tokenise a conversation with the target's chat template and mark the supervised assistant tokens.
 
         See `eagle3_zoo.adapters.chat.build_chat_example` (same arguments, returns ``input_ids`` and ``loss_mask``).
         """
         fmt = self.chat_format(tokenizer)
-        return build_chat_example(tokenizer, messages, max_length, fmt, system_prompt=system_prompt)
+        return build_chat_example(tokenizer, messages, max_length, fmt, system_prompt=system_prompt,
+                                  template_kwargs=template_kwargs)
 
     def forward_features(
         self,
