@@ -174,7 +174,7 @@ def _dequantize_kwargs(config: Any, adapter: TargetAdapter) -> dict[str, Any]:
     quant = quant.to_dict() if hasattr(quant, "to_dict") else quant
     if not isinstance(quant, dict) or str(quant.get("quant_method")).lower() not in adapter.quantized_formats:
         return {}
-    from transformers import AutoQuantizationConfig
+    from transformers.quantizers.auto import AutoQuantizationConfig
 
     return {"quantization_config": AutoQuantizationConfig.from_dict({**quant, "dequantize": True})}
 
