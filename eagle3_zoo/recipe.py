@@ -126,6 +126,9 @@ class DataConfig:
     on_error: Literal["raise", "skip"] = "raise"
     """Bad records: stop with the file and record index, or skip them with a logged count per reason."""
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Extra chat-template variables for regeneration and tokenisation, e.g. `{enable_thinking: false}` (Qwen3) or
+    `{reasoning_effort: low}` (gpt-oss); {} = the template's defaults (Qwen3 and gpt-oss think)."""
     cache_dir: str = ".cache/eagle3_zoo"
     """Token counts, regenerated data and features, keyed by content fingerprints (shared across runs)."""
     mode: Literal["online", "offline"] = "online"

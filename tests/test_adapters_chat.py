@@ -153,15 +153,27 @@ def test_smollm2_gguf_tokenizer_carries_the_real_chatml_template(smollm2_tokeniz
 
 def test_unmappable_templates_give_clear_errors():
     tokenizer = get_adapter("qwen2").tiny_tokenizer()
-    # rewrites earlier turns when more follow (as reasoning templates that drop old thoughts): not prefix-stable
+    # rewrites earlier turns when more follow (as reasoning templates that drop old thoughts): not prefix-stable, but
+    # each message's text still lands in order, so it is mapped by where the texts render
     counting = ChatFormat(
         "counting",
         "{{ messages | length }} turns:{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
         "<|im_end|>",
     )
-    with pytest.raises(TemplateMappingError, match="not prefixes"):
-        build_chat_example(_without_template(tokenizer), CONVERSATION, 4096, counting)
+    bare = _without_template(tokenizer)
+    example = build_chat_example(bare, CONVERSATION, 4096, counting)
+    ids, mask = example["input_ids"].tolist(), example["loss_mask"].tolist()
+    assert mask == _expected_mask(bare, ids, REPLIES, "<|im_end|>")
+    # renders the conversation newest first: texts out of order, no turn can be delimited
+    reversed_ = ChatFormat(
+        "reversed",
+        "{% for m in messages | reverse %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        "<|im_end|>",
+    )
+    with pytest.raises(TemplateMappingError, match="out of order"):
+        build_chat_example(bare, CONVERSATION, 4096, reversed_)
     # closes assistant turns without the declared end-of-turn token
     no_eot = ChatFormat(
         "no-eot",
@@ -170,7 +182,7 @@ def test_unmappable_templates_give_clear_errors():
         "<|im_end|>",
     )
     with pytest.raises(TemplateMappingError, match="does not contain the end-of-turn token"):
-        build_chat_example(_without_template(tokenizer), CONVERSATION, 4096, no_eot)
+        build_chat_example(bare, CONVERSATION, 4096, no_eot)
     qwen = get_adapter("qwen2")
     with pytest.raises(TemplateMappingError, match="leading assistant turn"):
         qwen.build_example(tokenizer, [{"role": "assistant", "content": "Hi"}], max_length=64)
@@ -199,7 +211,7 @@ def test_every_family_declares_shipped_chat_formats_with_source_and_tokenizer(fa
     formats = get_adapter(family).chat_formats
     assert formats, f"{family} declares no chat format"
     for fmt in formats:
-        assert fmt.source and fmt.end_of_turn in fmt.template, fmt.name
+        assert fmt.source and (fmt.signature or fmt.end_of_turn) in fmt.template, fmt.name
     assert formats[0].tokenizer is not None and formats[0].end_of_turn in formats[0].tokenizer.special_tokens
 
 
@@ -219,3 +231,175 @@ def test_chat_format_resource_errors_name_the_file_and_what_is_valid(tmp_path, m
             load_chat_format("bad")
     finally:
         load_chat_format.cache_clear()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Every chat format of every registered family (plus every shipped format with tokenizer specials, so formats whose
+# adapter is not registered yet are covered too): multi-turn, thinking and tool turns, token by token.
+
+
+def _family_formats():
+    from importlib import resources
+
+    names = {f.name for family in available_adapters() for f in get_adapter(family).chat_formats}
+    folder = resources.files(chat_module.CHAT_FORMATS_PACKAGE).joinpath("chat_formats")
+    names |= {p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml")}
+    return sorted(n for n in names if load_chat_format(n).tokenizer is not None)
+
+
+FORMATS = _family_formats()
+CALL = {"id": "abcDEF123", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+CALL_JSON = '{"city": "Paris"}'
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": "", "reasoning": "I should call the tool.", "tool_calls": [CALL]},
+    {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "abcDEF123"},
+    {"role": "assistant", "content": "Sunny and 21 C.", "reasoning": "The tool says sunny."},
+]
+THOUGHTS = ["France: Paris.", "Italy: Rome.", "French farewell."]
+
+
+def _thinking_conversation():
+    out, k = [], 0
+    for m in CONVERSATION:
+        out.append(dict(m))
+        if m["role"] == "assistant":
+            out[-1]["reasoning"] = THOUGHTS[k]
+            k += 1
+    return out
+
+
+# What each format's target generates per assistant turn, written out by hand from the template (independent of the
+# mapping code): (reply, reasoning or "", is the last turn, thinking on) -> generated text.
+def _qwen3(reply, reasoning, last, thinking):
+    if last and thinking:
+        return f"<think>\n{reasoning}\n</think>\n\n{reply}<|im_end|>"
+    return f"{reply}<|im_end|>"
+
+
+def _harmony(reply, reasoning, last, thinking):
+    analysis = f"<|channel|>analysis<|message|>{reasoning}<|end|><|start|>assistant" if last and reasoning else ""
+    return f"{analysis}<|channel|>final<|message|>{reply}{'<|return|>' if last else '<|end|>'}"
+
+
+GENERATED = {
+    "chatml-qwen2.5": lambda reply, *_: f"{reply}<|im_end|>",
+    "llama3": lambda reply, *_: f"{reply}<|eot_id|>",
+    "deepseek_v3": lambda reply, *_: f"{reply}<｜end▁of▁sentence｜>",
+    "gemma3": lambda reply, *_: f"{reply}<end_of_turn>",
+    "mistral-small": lambda reply, *_: f"{reply}</s>",
+    "qwen3": _qwen3,
+    "harmony": _harmony,
+}
+# the tool-call turn of TOOL_CONVERSATION (its reasoning kept by Qwen3: it follows the last user query)
+GENERATED_CALL = {
+    "qwen3": f'<think>\nI should call the tool.\n</think>\n\n<tool_call>\n{{"name": "get_weather", "arguments": '
+             f'{CALL_JSON}}}\n</tool_call><|im_end|>',
+    "harmony": f" to=functions.get_weather<|channel|>commentary json<|message|>{CALL_JSON}<|call|>",
+    "mistral-small": f"[TOOL_CALLS]get_weather[CALL_ID]abcDEF123[ARGS]{CALL_JSON}</s>",
+}
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def fmt_tokenizer(request):
+    from eagle3_zoo.adapters.testing import build_tiny_tokenizer
+
+    fmt = load_chat_format(request.param)
+    return fmt, build_tiny_tokenizer(fmt.tokenizer, fmt.template)
+
+
+def _runs_oracle(tokenizer, ids, runs):
+    """Independent oracle: each expected run's own tokenisation, found in order in the ids."""
+    expected, pos = [0] * len(ids), 0
+    for run in runs:
+        run_ids = _encode(tokenizer, run)
+        while ids[pos : pos + len(run_ids)] != run_ids:
+            pos += 1
+            assert pos < len(ids), f"expected generated text {run!r} not found as its own tokens"
+        expected[pos : pos + len(run_ids)] = [1] * len(run_ids)
+        pos += len(run_ids)
+    return expected
+
+
+def _check(fmt, tokenizer, messages, runs, kwargs=None, prompts=(), reference=None):
+    example = build_chat_example(tokenizer, messages, 4096, fmt, template_kwargs=kwargs)
+    ids, mask = example["input_ids"].tolist(), example["loss_mask"].tolist()
+    rendered = tokenizer.apply_chat_template(reference or messages, tokenize=True, **(kwargs or {}))["input_ids"]
+    assert ids == rendered
+    assert mask == _runs_oracle(tokenizer, ids, runs)  # token by token
+    assert [tokenizer.decode(r) for r in _supervised_runs(ids, mask)] == runs
+    unsupervised = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+    for text in prompts:
+        assert text in unsupervised
+    return ids, mask
+
+
+def test_every_shipped_format_has_a_hand_written_expectation():
+    assert set(FORMATS) <= set(GENERATED), "write the generated text of the new format into GENERATED"
+    for name in FORMATS:
+        fmt = load_chat_format(name)
+        assert ("tools" in fmt.features) == (name in GENERATED_CALL), name
+
+
+def test_multi_turn_mask_every_format(fmt_tokenizer):
+    fmt, tokenizer = fmt_tokenizer
+    last = len(REPLIES) - 1
+    runs = [GENERATED[fmt.name](r, "", k == last, "thinking" in fmt.features) for k, r in enumerate(REPLIES)]
+    _check(fmt, tokenizer, CONVERSATION, runs, prompts=[SYSTEM, "What is the capital of France?", "And of Italy?"])
+
+
+def test_thinking_mask_keeps_the_last_turns_reasoning(fmt_tokenizer):
+    fmt, tokenizer = fmt_tokenizer
+    if "thinking" not in fmt.features:
+        pytest.skip(f"{fmt.name} has no reasoning")
+    last = len(REPLIES) - 1
+    runs = [GENERATED[fmt.name](r, THOUGHTS[k], k == last, True) for k, r in enumerate(REPLIES)]
+    ids, _ = _check(fmt, tokenizer, _thinking_conversation(), runs)
+    rendered = tokenizer.decode(ids)
+    assert THOUGHTS[-1] in rendered and not any(t in rendered for t in THOUGHTS[:-1])  # earlier thinking dropped
+
+
+def test_thinking_off_supervises_no_reasoning_and_not_the_prompts_empty_block(fmt_tokenizer):
+    fmt, tokenizer = fmt_tokenizer
+    if not fmt.thinking_off:
+        pytest.skip(f"{fmt.name} cannot turn thinking off")
+    runs = [GENERATED[fmt.name](r, "", k == len(REPLIES) - 1, False) for k, r in enumerate(REPLIES)]
+    ids, mask = _check(fmt, tokenizer, _thinking_conversation(), runs, kwargs=dict(fmt.thinking_off),
+                       reference=CONVERSATION)
+    rendered = tokenizer.decode(ids)
+    assert not any(t in rendered for t in THOUGHTS)  # reasoning in the data is dropped: the target did not think
+    if fmt.name == "qwen3":  # the empty block is in the prompt of the last turn, unsupervised
+        empty = _encode(tokenizer, "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        at = next(i for i in range(len(ids)) if ids[i : i + len(empty)] == empty)
+        assert not any(mask[at : at + len(empty)]) and mask[at + len(empty)] == 1
+
+
+def test_tool_turns_supervise_calls_not_results(fmt_tokenizer):
+    fmt, tokenizer = fmt_tokenizer
+    if "tools" not in fmt.features:
+        pytest.skip(f"{fmt.name} declares no tool turns")
+    thinking = "thinking" in fmt.features
+    runs = [GENERATED_CALL[fmt.name],
+            GENERATED[fmt.name]("Sunny and 21 C.", "The tool says sunny." if thinking else "", True, thinking)]
+    _check(fmt, tokenizer, TOOL_CONVERSATION, runs, prompts=["What is the weather in Paris?", "sunny, 21 C"])
+
+
+def test_prefix_diff_and_region_mapping_agree_on_stable_turns(fmt_tokenizer):
+    fmt, tokenizer = fmt_tokenizer
+    renderer = chat_module._Renderer(tokenizer, fmt.template, None)
+    messages = chat_module._validated(CONVERSATION, None, fmt, None)
+    mapper = chat_module._TurnMapper(renderer, messages, fmt)
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            prompt = renderer.render(messages[:i], add_generation_prompt=True)
+            assert mapper._span_by_region(i, prompt) == mapper.span(i), (fmt.name, i)
+
+
+def test_reasoning_split_of_generated_replies():
+    qwen3, harmony = load_chat_format("qwen3").reasoning, load_chat_format("harmony").reasoning
+    assert qwen3.split("<think>\nhmm\n</think>\n\nParis.") == ("hmm", "Paris.")
+    assert qwen3.split("Paris.") == ("", "Paris.")
+    assert qwen3.split("<think>\ncut off mid-thou") == ("cut off mid-thou", "")
+    reply = "<|channel|>analysis<|message|>hmm<|end|><|start|>assistant<|channel|>final<|message|>Paris."
+    assert harmony.split(reply) == ("hmm", "Paris.")
+    assert harmony.split("<|channel|>final<|message|>Paris.") == ("", "Paris.")

@@ -41,6 +41,12 @@ def test_capability_declarations_match_the_tiny_model(family):
     assert set(adapter.drafter_defaults) <= {f.name for f in dataclasses.fields(Eagle3Config)}
 
 
+def test_reasoning_and_tool_turns_come_from_the_chat_formats():
+    assert [(f, get_adapter(f).reasoning, get_adapter(f).tool_turns) for f in ("qwen3", "gpt_oss", "gemma3_text",
+                                                                                "mistral")] == [
+        ("qwen3", True, True), ("gpt_oss", True, True), ("gemma3_text", False, False), ("mistral", False, True)]
+
+
 def test_sliding_windows_are_read_from_the_config():
     gemma, gpt_oss, mistral = get_adapter("gemma3_text"), get_adapter("gpt_oss"), get_adapter("mistral")
     assert gemma.attention_windows(gemma.tiny_config()) == (8, 8, 8, None)

@@ -266,3 +266,26 @@ def test_split_train_val_deterministic():
     assert [c.split for c in val] == ["val"] * 3 and [c.split for c in train] == ["train"] * 4
     with pytest.raises(ValueError, match="val_fraction"):
         split_train_val(convs, 1.0, seed=0)
+
+
+def test_reasoning_tool_calls_and_tool_turns_are_kept(tmp_path):
+    call = {"id": "abcDEF123", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}
+    record = {"messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "reasoning_content": "think", "tool_calls": [call]},
+        {"role": "tool", "content": "42", "tool_call_id": "abcDEF123", "name": "f"},
+        {"role": "assistant", "content": "a", "thinking": "more"},
+    ]}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    conv, = read_conversations(path)[0]
+    assert conv.messages == [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "", "reasoning": "think", "tool_calls": [call]},
+        {"role": "tool", "content": "42", "tool_call_id": "abcDEF123", "name": "f"},
+        {"role": "assistant", "content": "a", "reasoning": "more"},
+    ]
+    bad = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "tool_calls": "f()"}]}
+    path.write_text(json.dumps(bad) + "\n")
+    with pytest.raises(DataError, match=r"tool_calls must be a list of objects \[bad_tool_calls\]"):
+        read_conversations(path)

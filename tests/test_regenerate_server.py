@@ -136,3 +136,30 @@ def test_recipe_backend_openai_shares_the_cache_key_and_needs_a_url(tmp_path):
     no_url = load_recipe(path, ["data.regenerate.enabled=true", "data.regenerate.backend=openai"])
     with pytest.raises(ValueError, match="needs data.regenerate.base_url"):
         regenerate_for_recipe(no_url, _convs(1), tok, None, tmp_path / "x.jsonl")
+
+
+@pytest.mark.parametrize("name", ["qwen3", "harmony"])
+def test_regeneration_renders_with_the_template_kwargs_and_keeps_the_reasoning(name):
+    from eagle3_zoo.adapters.base import TargetAdapter
+    from eagle3_zoo.data.regenerate import _render_prompt, _to_answer, decode_reply
+
+    adapter = type("Adapter", (TargetAdapter,), {"chat_format_names": (name,)})()  # not registered
+    tok = adapter.tiny_tokenizer()
+    fmt = adapter.chat_format(tok)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    if name == "qwen3":  # thinking off puts the empty block into the prompt; on (default) it does not
+        off = tok.decode(_render_prompt(tok, adapter, messages, {"enable_thinking": False}))
+        assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        assert tok.decode(_render_prompt(tok, adapter, messages, {})).endswith("<|im_start|>assistant\n")
+        reply = "<think>\nFrance: Paris.\n</think>\n\nParis."
+    else:
+        low = tok.decode(_render_prompt(tok, adapter, messages, {"reasoning_effort": "low"}))
+        assert "Reasoning: low" in low and low.endswith("<|start|>assistant")
+        reply = "<|channel|>analysis<|message|>France: Paris.<|end|><|start|>assistant<|channel|>final<|message|>Paris."
+    ids = tok(reply, add_special_tokens=False)["input_ids"]
+    assert decode_reply(tok, adapter, ids, {}) == {"role": "assistant", "content": "Paris.",
+                                                   "reasoning": "France: Paris."}
+    if fmt.thinking_off:
+        plain = tok("Paris.", add_special_tokens=False)["input_ids"]
+        assert decode_reply(tok, adapter, plain, dict(fmt.thinking_off)) == {"role": "assistant", "content": "Paris."}
+    assert not _to_answer({"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]})

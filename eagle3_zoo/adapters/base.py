@@ -45,9 +45,6 @@ class TargetAdapter:
             from each model's config: `attention_windows`). Speculative verification builds their window masks.
         attention_sinks: The attention adds learned per-head sink logits to the softmax (gpt-oss); they need no
             cache entries, so verification handles them like plain attention (eager kernel).
-        reasoning: How the chat format marks reasoning (e.g. ``"think"`` tags, ``"harmony-analysis"`` channel), or
-            None when the family does not reason in-band.
-        tool_turns: The chat format has tool-call / tool-result turns.
         quantized_formats: Checkpoint ``quantization_config.quant_method`` values `load_target` dequantises on load
             (anything else quantised is refused with what to do instead).
         drafter_defaults: Drafter shape fields the engines' published drafters of this family use where they differ
@@ -66,8 +63,6 @@ class TargetAdapter:
     chat_format_names: ClassVar[tuple[str, ...]] = ()
     sliding_window_layers: ClassVar[bool] = False
     attention_sinks: ClassVar[bool] = False
-    reasoning: ClassVar[str | None] = None
-    tool_turns: ClassVar[bool] = False
     quantized_formats: ClassVar[tuple[str, ...]] = ()
     drafter_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType({})
 
@@ -75,6 +70,17 @@ class TargetAdapter:
     def chat_formats(self) -> tuple[ChatFormat, ...]:
         """The declared chat formats, loaded from their resource files."""
         return load_chat_formats(*self.chat_format_names)
+
+    @property
+    def reasoning(self) -> bool:
+        """Whether the family's chat formats carry the target's reasoning (their ``thinking`` feature; how: each
+        format's ``reasoning``)."""
+        return any("thinking" in fmt.features for fmt in self.chat_formats)
+
+    @property
+    def tool_turns(self) -> bool:
+        """Whether the family's chat formats render tool calls and tool results (their ``tools`` feature)."""
+        return any("tools" in fmt.features for fmt in self.chat_formats)
 
     def aux_layer_ids(self, num_layers: int) -> tuple[int, int, int]:
         """Default EAGLE-3 aux layers (low, mid, high), internal convention (= HF hidden-state indices).
@@ -183,16 +189,18 @@ class TargetAdapter:
     def build_example(
         self,
         tokenizer: Any,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         max_length: int,
         system_prompt: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Tokenise a conversation with the target's chat template and mark the supervised assistant tokens.
 
         See `eagle3_zoo.adapters.chat.build_chat_example` (same arguments, returns ``input_ids`` and ``loss_mask``).
         """
         fmt = self.chat_format(tokenizer)
-        return build_chat_example(tokenizer, messages, max_length, fmt, system_prompt=system_prompt)
+        return build_chat_example(tokenizer, messages, max_length, fmt, system_prompt=system_prompt,
+                                  template_kwargs=template_kwargs)
 
     def forward_features(
         self,

@@ -2,23 +2,48 @@
 
 Approach (why not string offsets or per-role prefix/suffix data): the template is the source of truth for what the
 target sees at inference, including the parts that per-role data cannot express (Qwen's default system prompt,
-Llama-3.1's "Cutting Knowledge Date" header, `| trim` on contents, BOS placement). So we render with
-`tokenizer.apply_chat_template` and *diff renderings of message prefixes*: for assistant message i,
-`render(messages[:i], add_generation_prompt=True)` ends exactly where the reply starts and
-`render(messages[:i + 1])` ends exactly where the turn ends. Both must be text prefixes of the full rendering;
-templates for which that fails (e.g. ones that rewrite earlier turns) are detected and rejected with a clear error
-instead of yielding a silently wrong mask. The diff is done on *text*, and the full text is tokenised once with
-character offsets, so the ids equal `apply_chat_template(messages, tokenize=True)` and BPE merges across turn
-boundaries cannot shift the mask (a token-level diff would break whenever the tokenizer merges across a boundary).
-Inside the turn we supervise everything up to and including the family's declared end-of-turn token (the last one in
-the turn), and nothing the template appends after it (ChatML's trailing newline).
+Llama-3.1's "Cutting Knowledge Date" header, `| trim` on contents, BOS placement, Qwen3 and gpt-oss dropping the
+reasoning of earlier turns). So the conversation is rendered once with `tokenizer.apply_chat_template` (with the
+recipe's template kwargs, e.g. ``enable_thinking``), and each assistant message's supervised span is located in that
+rendering:
+
+* It starts where the target starts generating: right after the generation prompt the template gives the
+  conversation so far, `render(messages[:i], add_generation_prompt=True)`. So the `<|im_start|>assistant\n` header,
+  and the empty `<think>\n\n</think>\n\n` that Qwen3 puts into the prompt when thinking is off, are not
+  supervised, while the `<think>...</think>` a thinking target writes, harmony's channel headers after
+  `<|start|>assistant` and a tool call's markup are.
+* It ends with the first of the format's end-of-turn tokens after the message's text (`<|return|>`, `<|end|>` or
+  `<|call|>` for harmony); what the template appends after it (ChatML's newline) is not supervised.
+
+Prefix-stable templates (most) are mapped by diffing renderings of message prefixes: `render(messages[:i], +gen
+prompt)` and `render(messages[:i + 1])` are both text prefixes of the full rendering and delimit turn i. Templates
+that render a turn differently once more turns follow (Qwen3 drops the <think> block of turns before the last user
+query; harmony closes the last final message with `<|return|>`, earlier ones with `<|end|>`, and drops a tool call's
+analysis once a final answer follows) are mapped by *where each message's own text lands*: rendering the
+conversation again with one message's texts replaced by sentinels changes exactly the characters that depend on
+them, so the common prefix and suffix with the real rendering bound that message's region. The generation prompt
+(or, when the template shortens it in history, its rendered head) is then found between the previous message's
+region and this one. Texts that render out of order, a generation prompt that cannot be found, or a turn with no
+end-of-turn token raise `TemplateMappingError` instead of yielding a silently wrong mask.
+
+The full text is tokenised once with character offsets, so the ids equal `apply_chat_template(messages,
+tokenize=True)` and BPE merges across turn boundaries cannot shift the mask.
+
+Messages (`build_chat_example`): ``{"role": "system"|"user"|"assistant"|"tool", "content": str}``; an assistant
+message may add ``"reasoning": str`` (the thinking the target generated before its answer; ``reasoning_content`` and
+``thinking`` are accepted as aliases) and ``"tool_calls": [{"id": str, "function": {"name": str, "arguments":
+dict | str}}]`` (``{"name", "arguments"}`` without ``function`` is accepted; a JSON-object string of arguments is
+decoded); a tool message may add ``"tool_call_id"`` and ``"name"``. Reasoning reaches the template under the field
+the format declares (``reasoning_content`` for Qwen3, ``thinking`` for harmony) and is dropped for formats that
+declare none, and when the template kwargs turn thinking off (the target would not have written it).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
@@ -27,11 +52,46 @@ import yaml
 
 from eagle3_zoo.adapters.testing import TinyTokenizerSpec
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+FEATURES = ("thinking", "tools")
+_REASONING_KEYS = ("reasoning", "reasoning_content", "thinking")
+_MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id", "name", *_REASONING_KEYS}
+_SENTINELS = ("\ue000", "\ue001")  # private-use characters: differ from each other at both ends of every text
 
 
 class TemplateMappingError(ValueError):
     """The chat template cannot be mapped to assistant loss masks (or rendering it failed)."""
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """How a format carries the target's reasoning.
+
+    Attributes:
+        field: The message key the template reads it from (``reasoning_content``, ``thinking``).
+        start: The marker the target writes before it (``<think>``).
+        end: The marker the target writes after it (``</think>``).
+        answer_start: The marker before the answer, when one follows `end` (harmony's final channel header).
+    """
+
+    field: str
+    start: str
+    end: str
+    answer_start: str = ""
+
+    def split(self, reply: str) -> tuple[str, str]:
+        """``(reasoning, answer)`` of a generated reply (special tokens kept), both stripped.
+
+        A reply cut off while thinking is all reasoning; one without markers is all answer; a reply whose prompt
+        opened the reasoning block (no `start`) is reasoning up to `end`.
+        """
+        reasoning, answer = "", reply
+        if self.start in reply or self.end in reply:
+            head, sep, tail = reply.partition(self.end)
+            reasoning, answer = head.split(self.start, 1)[-1], tail if sep else ""
+        if self.answer_start and self.answer_start in answer:
+            answer = answer.split(self.answer_start, 1)[1]
+        return reasoning.strip(), answer.strip()
 
 
 @dataclass(frozen=True)
@@ -41,9 +101,16 @@ class ChatFormat:
     Attributes:
         name: Short name used in errors and logs (e.g. ``"chatml"``).
         template: The family's real Jinja chat template; used when the tokenizer carries none.
-        end_of_turn: The special token that closes an assistant turn; supervised together with the content.
+        end_of_turn: The special token that closes the last assistant turn (and stops generation).
         source: Where the template text came from (model repo and file).
         tokenizer: The special tokens of the family's tokenizer, for tiny test tokenizers; ``None`` if not declared.
+        turn_ends: Every token that closes an assistant message in a rendering (default: `end_of_turn` alone).
+        signature: A string the template text contains, to recognise it on a tokenizer (default: `end_of_turn`;
+            templates that write the token through ``eos_token`` declare another).
+        features: What the template renders beyond plain turns: ``thinking`` (reasoning), ``tools`` (tool calls and
+            results).
+        reasoning: How the target's reasoning is carried (``None``: the format has none).
+        thinking_off: Template kwargs that turn thinking off (e.g. ``{"enable_thinking": False}``); empty if it cannot.
     """
 
     name: str
@@ -51,10 +118,21 @@ class ChatFormat:
     end_of_turn: str
     source: str = ""
     tokenizer: TinyTokenizerSpec | None = None
+    turn_ends: tuple[str, ...] = ()
+    signature: str = ""
+    features: tuple[str, ...] = ()
+    reasoning: ReasoningFormat | None = None
+    thinking_off: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def ends(self) -> tuple[str, ...]:
+        """The tokens that may close an assistant message."""
+        return self.turn_ends or (self.end_of_turn,)
 
 
 CHAT_FORMATS_PACKAGE = "eagle3_zoo.resources"
-_FORMAT_KEYS = {"name", "end_of_turn", "source", "tokenizer"}
+_FORMAT_KEYS = {"name", "end_of_turn", "source", "tokenizer", "turn_ends", "signature", "features", "reasoning",
+                "thinking_off"}
 
 
 @functools.cache
@@ -62,7 +140,9 @@ def load_chat_format(name: str) -> ChatFormat:
     """The chat format shipped as ``resources/chat_formats/<name>.jinja`` (template) + ``<name>.yaml`` (metadata).
 
     The YAML declares ``name``, ``end_of_turn``, ``source`` and optionally ``tokenizer`` (``special_tokens``,
-    ``eos_token``, ``bos_token``, ``pad_token``).
+    ``eos_token``, ``bos_token``, ``pad_token``), ``turn_ends`` (list), ``signature``, ``features`` (subset of
+    thinking, tools), ``reasoning`` (``field``, ``start``, ``end``, optional ``answer_start``; required with the
+    thinking feature) and ``thinking_off`` (template kwargs); see `ChatFormat`.
 
     Raises:
         ValueError: if the files are missing or the metadata is malformed (naming the file and the valid keys).
@@ -88,8 +168,28 @@ def load_chat_format(name: str) -> ChatFormat:
             raise ValueError(
                 f"{where}: 'tokenizer' needs special_tokens and eos_token (optional bos_token, pad_token): {err}"
             ) from err
+    turn_ends, features = meta.get("turn_ends", []), meta.get("features", [])
+    if not (isinstance(turn_ends, list) and all(isinstance(t, str) and t for t in turn_ends)):
+        raise ValueError(f"{where}: 'turn_ends' must be a list of tokens, got {turn_ends!r}")
+    if not (isinstance(features, list) and set(features) <= set(FEATURES)):
+        raise ValueError(f"{where}: 'features' must be a list of {', '.join(FEATURES)}; got {features!r}")
+    reasoning = meta.get("reasoning")
+    if reasoning is not None:
+        try:
+            reasoning = ReasoningFormat(**reasoning)
+        except TypeError as err:
+            raise ValueError(f"{where}: 'reasoning' needs field, start, end (optional answer_start): {err}") from err
+    if ("thinking" in features) != (reasoning is not None):
+        raise ValueError(f"{where}: the 'thinking' feature and a 'reasoning' mapping go together")
+    thinking_off = meta.get("thinking_off", {})
+    if not isinstance(thinking_off, dict):
+        raise ValueError(f"{where}: 'thinking_off' must be a mapping of template kwargs, got {thinking_off!r}")
     template = template_file.read_text(encoding="utf-8")
-    return ChatFormat(name, template, meta["end_of_turn"], source=str(meta.get("source", "")), tokenizer=spec)
+    return ChatFormat(
+        name, template, meta["end_of_turn"], source=str(meta.get("source", "")), tokenizer=spec,
+        turn_ends=tuple(turn_ends), signature=str(meta.get("signature", "")), features=tuple(features),
+        reasoning=reasoning, thinking_off=thinking_off,
+    )
 
 
 def load_chat_formats(*names: str) -> tuple[ChatFormat, ...]:
@@ -100,9 +200,9 @@ def load_chat_formats(*names: str) -> tuple[ChatFormat, ...]:
 def resolve_chat_format(tokenizer: Any, formats: Sequence[ChatFormat]) -> ChatFormat:
     """Pick the declared format that matches `tokenizer` (one family may ship several, e.g. Llama-3 and SmolLM2).
 
-    With a template on the tokenizer, the format whose end-of-turn token the template emits wins; otherwise the first
-    format whose end-of-turn token is in the vocabulary. A tokenizer template that matches no declared format falls
-    back to the tokenizer's own EOS token if the template emits it.
+    With a template on the tokenizer, the format whose signature (by default its end-of-turn token) the template
+    contains wins; otherwise the first format whose end-of-turn token is in the vocabulary. A tokenizer template that
+    matches no declared format falls back to the tokenizer's own EOS token if the template emits it.
 
     Raises:
         TemplateMappingError: if nothing matches.
@@ -110,7 +210,7 @@ def resolve_chat_format(tokenizer: Any, formats: Sequence[ChatFormat]) -> ChatFo
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, str) and template:
         for fmt in formats:
-            if fmt.end_of_turn in template:
+            if (fmt.signature or fmt.end_of_turn) in template:
                 return fmt
         eos = getattr(tokenizer, "eos_token", None)
         if isinstance(eos, str) and eos and eos in template:
@@ -129,94 +229,261 @@ def resolve_chat_format(tokenizer: Any, formats: Sequence[ChatFormat]) -> ChatFo
     )
 
 
+def render_prompt(
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], chat_format: ChatFormat,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
+    """The generation prompt for `messages` (validated as in `build_chat_example`) as the target sees it."""
+    template = getattr(tokenizer, "chat_template", None) or chat_format.template
+    messages = _validated(messages, None, chat_format, template_kwargs)
+    return _Renderer(tokenizer, template, template_kwargs).render(messages, add_generation_prompt=True)
+
+
 def build_chat_example(
     tokenizer: Any,
-    messages: Sequence[Mapping[str, str]],
+    messages: Sequence[Mapping[str, Any]],
     max_length: int,
     chat_format: ChatFormat,
     system_prompt: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Render `messages` with the chat template and mark the supervised assistant tokens.
+    """Render `messages` with the chat template and mark the tokens the target generated.
 
     Args:
         tokenizer: A fast (offset-capable) Hugging Face tokenizer.
-        messages: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``.
+        messages: See the module docstring (roles system/user/assistant/tool; reasoning, tool calls).
         max_length: Keep at most this many tokens (right truncation; the mask is truncated alike).
         chat_format: The family's format (see `resolve_chat_format`); its template is used when the tokenizer has none.
         system_prompt: Inserted as a leading system message when `messages` has none; ``None`` keeps the
             template's own default (e.g. Qwen-2.5's "You are Qwen, ...").
+        template_kwargs: Extra template variables (recipe ``data.chat_template_kwargs``, e.g. ``enable_thinking``).
 
     Returns:
-        ``{"input_ids": LongTensor[T], "loss_mask": LongTensor[T]}`` with ``loss_mask`` 1 exactly on assistant content
-        tokens and each assistant turn's end-of-turn token. Empty (whitespace-only) assistant turns are rendered but
-        not supervised: they teach nothing but "stop at once".
+        ``{"input_ids": LongTensor[T], "loss_mask": LongTensor[T]}`` with ``loss_mask`` 1 exactly on what the
+        target generated for each assistant message, as rendered: from the end of its generation prompt through its
+        end-of-turn token (reasoning the template keeps, tool calls and channel headers included; tool results and
+        prompts never). Assistant messages with nothing but whitespace are rendered but not supervised: they teach
+        nothing but "stop at once".
 
     Raises:
         ValueError: malformed messages or `max_length` < 1.
-        TemplateMappingError: the template cannot be mapped (not prefix-stable, no end-of-turn token after a reply,
-            rendering error, tokenizer without offsets).
+        TemplateMappingError: the template cannot be mapped (texts rendered out of order, no generation prompt or
+            end-of-turn token around a reply, rendering error, tokenizer without offsets).
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-    messages = _validated(messages, system_prompt)
+    messages = _validated(messages, system_prompt, chat_format, template_kwargs)
     template = getattr(tokenizer, "chat_template", None) or chat_format.template
-    full = _render(tokenizer, messages, template, add_generation_prompt=False)
-    spans = [
-        _assistant_span(tokenizer, messages, i, full, template, chat_format)
-        for i, message in enumerate(messages)
-        if message["role"] == "assistant" and message["content"].strip()
-    ]
-    ids, offsets = _tokenize_with_offsets(tokenizer, full)
-    mask = _mask_from_spans(offsets, spans)
+    mapper = _TurnMapper(_Renderer(tokenizer, template, template_kwargs), messages, chat_format)
+    spans = [mapper.span(i) for i, m in enumerate(messages) if m["role"] == "assistant" and _has_output(m)]
+    ids, offsets = _tokenize_with_offsets(tokenizer, mapper.full)
+    mask = _mask_from_spans(offsets, [s for s in spans if s is not None])
     ids, mask = ids[:max_length], mask[:max_length]
     return {"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long)}
 
 
-def _validated(messages: Sequence[Mapping[str, str]], system_prompt: str | None) -> list[dict[str, str]]:
+def thinking_enabled(chat_format: ChatFormat, template_kwargs: Mapping[str, Any] | None) -> bool:
+    """Whether the target thinks under `template_kwargs`: the format has reasoning and the kwargs do not turn it off."""
+    off = chat_format.thinking_off
+    kwargs = template_kwargs or {}
+    return chat_format.reasoning is not None and not (off and all(kwargs.get(k) == v for k, v in off.items()))
+
+
+def _validated(
+    messages: Sequence[Mapping[str, Any]], system_prompt: str | None, chat_format: ChatFormat,
+    template_kwargs: Mapping[str, Any] | None,
+) -> list[dict[str, Any]]:
+    """The messages as the template reads them (see the module docstring for the accepted input)."""
+    thinking = thinking_enabled(chat_format, template_kwargs)
     out = []
     for i, message in enumerate(messages):
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
             raise ValueError(f"message {i}: role {role!r} is not one of {ROLES}")
+        if unknown := set(message) - _MESSAGE_KEYS:
+            raise ValueError(f"message {i} ({role}): unknown keys {sorted(unknown)}; valid: {sorted(_MESSAGE_KEYS)}")
+        if content is None and role == "assistant" and message.get("tool_calls"):
+            content = ""  # OpenAI records: a pure tool call has content null
         if not isinstance(content, str):
             raise ValueError(f"message {i} ({role}): content must be a str, got {type(content).__name__}")
-        out.append({"role": role, "content": content})
+        rendered: dict[str, Any] = {"role": role, "content": content}
+        reasoning = [message[k] for k in _REASONING_KEYS if message.get(k) is not None]
+        if reasoning and (role != "assistant" or len(reasoning) > 1 or not isinstance(reasoning[0], str)):
+            raise ValueError(f"message {i} ({role}): reasoning is one str on an assistant message "
+                             f"(one of the keys {', '.join(_REASONING_KEYS)})")
+        if reasoning and reasoning[0].strip() and thinking:
+            rendered[chat_format.reasoning.field] = reasoning[0]
+        if message.get("tool_calls"):
+            if role != "assistant":
+                raise ValueError(f"message {i} ({role}): only assistant messages carry tool_calls")
+            rendered["tool_calls"] = [_tool_call(i, j, c) for j, c in enumerate(message["tool_calls"])]
+        for key in ("tool_call_id", "name"):
+            if message.get(key) is not None:
+                if role != "tool" or not isinstance(message[key], str):
+                    raise ValueError(f"message {i} ({role}): '{key}' is a str on tool messages only")
+                rendered[key] = message[key]
+        out.append(rendered)
     if system_prompt is not None and not (out and out[0]["role"] == "system"):
         out.insert(0, {"role": "system", "content": system_prompt})
     return out
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], template: str, add_generation_prompt: bool) -> str:
-    try:
-        return tokenizer.apply_chat_template(
-            messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-    except Exception as err:  # jinja errors, raise_exception() in templates: all mean "cannot map"
-        roles = [m["role"] for m in messages]
-        raise TemplateMappingError(f"chat template failed to render roles {roles}: {err}") from err
+def _tool_call(i: int, j: int, call: Any) -> dict[str, Any]:
+    function = call.get("function", call) if isinstance(call, Mapping) else None
+    name = function.get("name") if isinstance(function, Mapping) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"message {i}: tool_calls[{j}] needs a function name "
+                         "({'function': {'name': str, 'arguments': dict | str}})")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            decoded = json.loads(arguments)
+        except json.JSONDecodeError:
+            decoded = None
+        arguments = decoded if isinstance(decoded, dict) else arguments
+    out: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
 
 
-def _assistant_span(
-    tokenizer: Any, messages: list[dict[str, str]], i: int, full: str, template: str, chat_format: ChatFormat
-) -> tuple[int, int]:
-    """Character span [start, end) of assistant message i's reply through its end-of-turn token in `full`."""
-    if i == 0:  # templates cannot render the empty prompt before it (HF refuses empty conversations)
-        raise TemplateMappingError("message 0 is a leading assistant turn with no prompt to answer: drop it")
-    before = _render(tokenizer, messages[:i], template, add_generation_prompt=True)
-    through = _render(tokenizer, messages[: i + 1], template, add_generation_prompt=False)
-    if not (full.startswith(before) and full.startswith(through) and len(through) >= len(before)):
+def _has_output(message: Mapping[str, Any]) -> bool:
+    return any(text.strip() for text in _texts(message)) or bool(message.get("tool_calls"))
+
+
+def _texts(message: Mapping[str, Any]) -> list[str]:
+    """The strings of a (validated) message that the target or the user wrote: content, reasoning, tool calls."""
+    texts = [v for k, v in message.items() if k not in ("role", "tool_calls", "tool_call_id", "name")]
+    texts += [json.dumps(call["function"]["arguments"]) for call in message.get("tool_calls", ())]
+    return [t for t in texts if isinstance(t, str)]
+
+
+def _with_sentinels(message: dict[str, Any], mark: str) -> dict[str, Any]:
+    """`message` with every non-empty text replaced by `mark`; the keys (which templates branch on) are kept, and so
+    are tool names and call ids, which templates echo in the tool results that follow (harmony, Mistral)."""
+    out = {k: (mark if k not in ("role", "tool_call_id", "name") and isinstance(v, str) and v else v)
+           for k, v in message.items()}
+    if "tool_calls" in message:
+        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": {mark: mark}}}
+                             for c in message["tool_calls"]]
+    return out
+
+
+class _Renderer:
+    """`apply_chat_template` to text with fixed template and kwargs; errors become `TemplateMappingError`."""
+
+    def __init__(self, tokenizer: Any, template: str, kwargs: Mapping[str, Any] | None) -> None:
+        self.tokenizer, self.template, self.kwargs = tokenizer, template, dict(kwargs or {})
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **self.kwargs,
+            )
+        except Exception as err:  # jinja errors, raise_exception() in templates: all mean "cannot map"
+            roles = [m["role"] for m in messages]
+            raise TemplateMappingError(f"chat template failed to render roles {roles}: {err}") from err
+
+
+class _TurnMapper:
+    """Locates assistant turns in one rendering of a conversation (see the module docstring)."""
+
+    def __init__(self, renderer: _Renderer, messages: list[dict[str, Any]], chat_format: ChatFormat) -> None:
+        self.renderer, self.messages, self.fmt = renderer, messages, chat_format
+        self.full = renderer.render(messages, add_generation_prompt=False)
+        self._regions: dict[int, tuple[int, int] | None] = {}
+
+    def span(self, i: int) -> tuple[int, int] | None:
+        """Character span [start, end) of what the target generated for assistant message i; None if not rendered."""
+        if i == 0:  # templates cannot render the empty prompt before it (HF refuses empty conversations)
+            raise TemplateMappingError("message 0 is a leading assistant turn with no prompt to answer: drop it")
+        prompt = self.renderer.render(self.messages[:i], add_generation_prompt=True)
+        through = self.renderer.render(self.messages[: i + 1], add_generation_prompt=False)
+        if self.full.startswith(prompt) and self.full.startswith(through) and len(through) > len(prompt):
+            turn = self.full[len(prompt) : len(through)]  # prefix-stable: the turn is the difference
+            ends = [turn.rfind(token) + len(token) for token in self.fmt.ends if token in turn]
+            if not ends:
+                raise TemplateMappingError(
+                    f"chat format '{self.fmt.name}': assistant turn {i} renders as {turn!r}, "
+                    f"which does not contain the end-of-turn token {' / '.join(self.fmt.ends)!r}"
+                )
+            return len(prompt), len(prompt) + max(ends)
+        return self._span_by_region(i, prompt)
+
+    def _span_by_region(self, i: int, prompt: str) -> tuple[int, int] | None:
+        region = self.region(i)
+        if region is None:
+            return None  # the template renders none of this message's texts here
+        before = next((r for r in map(self.region, range(i - 1, -1, -1)) if r is not None), (0, 0))
+        after = next((r for r in map(self.region, range(i + 1, len(self.messages))) if r is not None),
+                     (len(self.full), len(self.full)))
+        if not before[1] <= region[0] <= region[1] <= after[0]:
+            raise TemplateMappingError(
+                f"chat format '{self.fmt.name}': the texts of messages {i - 1}..{i + 1} render out of order or "
+                f"overlap, so assistant turn {i} cannot be located"
+            )
+        start = self._generation_start(i, prompt, before[1], region[0])
+        tail = self.full[region[1] : after[0]]
+        ends = [(tail.find(token), token) for token in self.fmt.ends if token in tail]
+        if not ends:
+            raise TemplateMappingError(
+                f"chat format '{self.fmt.name}': assistant turn {i} renders as {self.full[start : after[0]]!r}, "
+                f"which does not contain the end-of-turn token {' / '.join(self.fmt.ends)!r}"
+            )
+        at, token = min(ends)
+        return start, region[1] + at + len(token)
+
+    def _generation_start(self, i: int, prompt: str, lo: int, hi: int) -> int:
+        """Where the target starts writing turn i, between the previous message's text (lo) and its own (hi)."""
+        if self.full.startswith(prompt) and lo <= len(prompt) <= hi:
+            return len(prompt)
+        history = self.renderer.render(self.messages[:i], add_generation_prompt=False)
+        header = prompt[len(history) :] if prompt.startswith(history) else ""
+        gap = self.full[lo:hi]
+        # the whole generation prompt, else its longest head (whole tokens) that the template renders in history:
+        # Qwen3 without thinking puts an empty <think> block into the prompt of the last turn only
+        cuts = sorted({end for _, end in _tokenize_with_offsets(self.renderer.tokenizer, header)[1]}, reverse=True)
+        for cut in [len(header), *cuts] if header else []:
+            if cut and header[:cut] in gap:
+                return lo + gap.rindex(header[:cut]) + cut
         raise TemplateMappingError(
-            f"chat format '{chat_format.name}': rendering messages[:{i}] (+ generation prompt) and messages[:{i + 1}] "
-            f"are not prefixes of the full conversation, so assistant turn {i} cannot be located"
+            f"chat format '{self.fmt.name}': the generation prompt {header!r} of assistant turn {i} is not rendered "
+            f"before it (between {gap!r}), so where the target starts writing cannot be located"
         )
-    turn = full[len(before) : len(through)]
-    eot = turn.rfind(chat_format.end_of_turn)
-    if eot < 0:
-        raise TemplateMappingError(
-            f"chat format '{chat_format.name}': assistant turn {i} renders as {turn!r}, "
-            f"which does not contain the end-of-turn token {chat_format.end_of_turn!r}"
-        )
-    return len(before), len(before) + eot + len(chat_format.end_of_turn)
+
+    def region(self, k: int) -> tuple[int, int] | None:
+        """[start, end) of the characters of the full rendering that depend on message k's texts; None if none do."""
+        if k not in self._regions:
+            self._regions[k] = self._region(k)
+        return self._regions[k]
+
+    def _region(self, k: int) -> tuple[int, int] | None:
+        if not any(_texts(self.messages[k])):
+            return None
+        starts, ends = [], []
+        for mark in _SENTINELS:
+            changed = [*self.messages[:k], _with_sentinels(self.messages[k], mark), *self.messages[k + 1 :]]
+            other = self.renderer.render(changed, add_generation_prompt=False)
+            if other == self.full:
+                continue
+            prefix = _common_prefix(self.full, other)
+            suffix = _common_prefix(self.full[prefix:][::-1], other[prefix:][::-1])
+            starts.append(prefix)
+            ends.append(len(self.full) - suffix)
+        return (min(starts), max(ends)) if starts else None
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the common prefix of `a` and `b` (binary search over slice comparisons: C speed)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _tokenize_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]]:

@@ -24,8 +24,6 @@ class GptOssAdapter(TargetAdapter):
     chat_format_names = ("harmony",)
     sliding_window_layers = True
     attention_sinks = True
-    reasoning = "harmony-analysis"
-    tool_turns = True
     quantized_formats = ("mxfp4",)
     drafter_defaults = {"intermediate_size": 17280, "draft_vocab_size": 32000}
 

@@ -21,7 +21,6 @@ class MistralAdapter(TargetAdapter):
     decoder_layer_class = "MistralDecoderLayer"
     chat_format_names = ("mistral-small",)
     sliding_window_layers = True  # only in checkpoints whose config sets sliding_window
-    tool_turns = True
 
     def tiny_config(self) -> MistralConfig:
         """4 layers, hidden 64, GQA 4/2 heads of 16, no sliding window (as Mistral Small 3)."""

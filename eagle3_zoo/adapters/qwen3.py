@@ -18,8 +18,6 @@ class Qwen3Adapter(TargetAdapter):
 
     decoder_layer_class = "Qwen3DecoderLayer"
     chat_format_names = ("qwen3",)
-    reasoning = "think"
-    tool_turns = True
 
     def tiny_config(self) -> Qwen3Config:
         """4 layers, hidden 64, GQA 4/2 heads of 16, tied embeddings (as Qwen3-0.6B..4B)."""

@@ -18,8 +18,6 @@ class Qwen3MoeAdapter(TargetAdapter):
 
     decoder_layer_class = "Qwen3MoeDecoderLayer"
     chat_format_names = ("qwen3",)
-    reasoning = "think"
-    tool_turns = True
 
     def tiny_config(self) -> Qwen3MoeConfig:
         """4 layers, hidden 64, GQA 4/2 heads of 16, 4 experts of width 64 (top-2, renormalised as

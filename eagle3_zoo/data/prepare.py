@@ -37,11 +37,13 @@ logger = logging.getLogger(__name__)
 # reading or tokenisation rules changes the examples a recipe produces, so caches built by older code stop matching
 # instead of being reused silently. 2: location-independent source keys and conversation uids. 3: conversations
 # whose first user turn is blank are skipped (`empty_user_turn`). (Regenerated data keyed by the answers' content,
-# `answers_digest`, changed only the keys of regenerated data, by construction, so it needed no bump.)
-DATA_KEY_VERSION = 3
+# `answers_digest`, changed only the keys of regenerated data, by construction, so it needed no bump.) 4: tool turns,
+# reasoning and tool calls are read, and masks follow templates that rewrite earlier turns (Qwen3, gpt-oss).
+DATA_KEY_VERSION = 4
 # Part of the key of the regenerated answers (a per-conversation cache, see `regeneration_key`): bump it only when
-# a change alters the answer the target gives to one conversation, not which conversations are read.
-REGENERATION_KEY_VERSION = 2
+# a change alters the answer the target gives to one conversation, not which conversations are read. 3: answers keep
+# the target's reasoning; turns with tool calls are kept as recorded.
+REGENERATION_KEY_VERSION = 3
 
 
 @dataclass
@@ -127,6 +129,7 @@ def data_fingerprint(recipe: Any, tokenizer: Any, target_id: str, answers: str |
         raise ValueError("data.regenerate.enabled: the token-stream key needs the regenerated answers' digest")
     extra = {"max_length": d.max_length, "overflow": d.overflow, "max_samples": d.max_samples,
              "on_error": d.on_error, "val_fraction": d.val_fraction, "seed": d.seed,
+             "chat_template_kwargs": dict(d.chat_template_kwargs),
              "regenerate": {"answers": answers, "target": target_id} if d.regenerate.enabled else None}
     return _sha({"version": DATA_KEY_VERSION, "sources": fingerprint_sources(d.sources, extra),
                  "tokenizer": tokenizer_fingerprint(tokenizer)})
@@ -139,12 +142,13 @@ def answers_digest(conversations: list[Any]) -> str:
 
 def regeneration_key(recipe: Any, tokenizer: Any, target_id: str) -> str:
     """Key of the regenerated-answers file: what an answer depends on (the source files and their format, the
-    prompt-length limit, the generation settings, the target and its tokenizer), not which records a recipe selects
+    prompt-length limit, the generation settings and chat-template kwargs, the target and its tokenizer), not which records a recipe selects
     (`max_samples`, `split`, `val_fraction`, `on_error`) nor `batch_size`. The file is a per-conversation cache
     (`eagle3_zoo.data.regenerate`), so growing `max_samples` generates only the conversations not answered yet."""
     d, r = recipe.data, recipe.data.regenerate
     settings = {"max_length": d.max_length, "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
-                "max_turns": r.max_turns, "seed": d.seed if r.temperature > 0 else None, "target": target_id}
+                "max_turns": r.max_turns, "seed": d.seed if r.temperature > 0 else None, "target": target_id,
+                "chat_template_kwargs": dict(d.chat_template_kwargs)}
     return _sha({"version": REGENERATION_KEY_VERSION,
                  "sources": fingerprint_sources(d.sources, settings, selection=False),
                  "tokenizer": tokenizer_fingerprint(tokenizer)})
@@ -189,7 +193,7 @@ def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, 
             conversations, rstats = regenerate_conversations(
                 conversations, target, tokenizer, adapter, path, max_new_tokens=d.regenerate.max_new_tokens,
                 temperature=d.regenerate.temperature, batch_size=d.regenerate.batch_size, max_length=d.max_length,
-                max_turns=d.regenerate.max_turns, seed=d.seed)
+                max_turns=d.regenerate.max_turns, seed=d.seed, template_kwargs=d.chat_template_kwargs)
         regen = {"path": str(path), **rstats.to_dict()}
     answers = answers_digest(conversations) if d.regenerate.enabled else None
     fingerprint = data_fingerprint(recipe, tokenizer, target_id, answers)
@@ -200,7 +204,8 @@ def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, 
         logger.info("tokenised examples from the cache (key %s...): %s", fingerprint[:12], token_stats.summary())
     else:
         token_stats = TokenStats()
-        kw = dict(max_length=d.max_length, overflow=d.overflow, on_error=d.on_error, stats=token_stats)
+        kw = dict(max_length=d.max_length, overflow=d.overflow, on_error=d.on_error, stats=token_stats,
+                  template_kwargs=dict(d.chat_template_kwargs))
         train, _ = tokenize_conversations(train_c, tokenizer, adapter, **kw)
         val, _ = tokenize_conversations(val_c, tokenizer, adapter, **kw)
         if train:

@@ -1,7 +1,10 @@
 """Conversation readers: ShareGPT and OpenAI-style records from JSON lists or JSONL, normalised to chat messages.
 
-Output is a `Conversation` with `messages=[{"role": "user"|"assistant"|"system", "content": str}]`; rendering
-with the chat template and tokenisation happen in the target adapter. Bad records either stop the read with a
+Output is a `Conversation` with `messages=[{"role": "user"|"assistant"|"system"|"tool", "content": str}]`; an
+assistant turn keeps its ``reasoning`` (read from ``reasoning_content``, ``reasoning`` or ``thinking``) and
+``tool_calls`` (OpenAI layout; ``content`` may then be null), a tool turn its ``tool_call_id``/``name`` (see
+`eagle3_zoo.adapters.chat` for how templates render them). Rendering with the chat template and tokenisation happen
+in the target adapter. Bad records either stop the read with a
 `DataError` naming the file, record index and line (`on_error="raise"`), or are skipped and counted per reason
 in `ReadStats`, which is logged (`on_error="skip"`). Nothing is dropped silently. A record holding bytes that are
 not UTF-8 (`invalid_utf8`), text with a lone surrogate escape such as "\\ud83d" (`lone_surrogate`: no tokenizer
@@ -32,7 +35,9 @@ ROLE_ALIASES = {
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
     "model": "assistant",
     "system": "system",
+    "tool": "tool",
 }
+_REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 _TURN_KEYS = (("from", "value"), ("role", "content"))  # either spelling is accepted in any record layout
 _SEPARATOR = re.compile(r"[\s,]*")
 _CHUNK = 1 << 20
@@ -289,15 +294,40 @@ def _to_messages(record: Any, fmt: str) -> list[dict[str, str]]:
         role = ROLE_ALIASES.get(raw_role.strip().lower()) if isinstance(raw_role, str) else None
         if role is None:
             raise _BadRecord("unknown_role", f"turn {j}: unknown role {raw_role!r}; known: {sorted(ROLE_ALIASES)}")
+        message = _extra_fields(turn, role, j)
+        if content is None and message.get("tool_calls"):
+            content = ""  # a pure tool call
         if not isinstance(content, str):
             raise _BadRecord("non_string_content", f"turn {j}: content is {type(content).__name__}, not a string")
-        if surrogate := _SURROGATE.search(content):  # no character: tokenizers and UTF-8 writers reject it
-            raise _BadRecord("lone_surrogate", f"turn {j}: content holds the lone surrogate escape "
-                             f"\\u{ord(surrogate.group()):04x}, which encodes no character")
-        messages.append({"role": role, "content": content})
+        for text in (content, message.get("reasoning", "")):
+            if surrogate := _SURROGATE.search(text):  # no character: tokenizers and UTF-8 writers reject it
+                raise _BadRecord("lone_surrogate", f"turn {j}: content holds the lone surrogate escape "
+                                 f"\\u{ord(surrogate.group()):04x}, which encodes no character")
+        messages.append({"role": role, "content": content, **message})
     if not messages:
         raise _BadRecord("empty_conversation", "the conversation has no turns")
     return _drop_leading_non_user(messages)
+
+
+def _extra_fields(turn: dict, role: str, j: int) -> dict[str, Any]:
+    """An assistant turn's reasoning and tool calls, a tool turn's call id and name."""
+    out: dict[str, Any] = {}
+    if role == "assistant":
+        reasoning = next((turn[k] for k in _REASONING_KEYS if turn.get(k) is not None), None)
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise _BadRecord("non_string_content", f"turn {j}: reasoning is {type(reasoning).__name__}, not a string")
+        if reasoning:
+            out["reasoning"] = reasoning
+        calls = turn.get("tool_calls")
+        if calls:
+            if not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+                raise _BadRecord("bad_tool_calls", f"turn {j}: tool_calls must be a list of objects")
+            out["tool_calls"] = calls
+    elif role == "tool":
+        for key in ("tool_call_id", "name"):
+            if isinstance(turn.get(key), str):
+                out[key] = turn[key]
+    return out
 
 
 def _drop_leading_non_user(messages: list[dict[str, str]]) -> list[dict[str, str]]:

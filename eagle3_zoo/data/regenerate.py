@@ -1,7 +1,10 @@
 """Regenerate assistant turns with the target itself (EAGLE-3 trains on the target's own answers).
 
 Each assistant turn is replaced, in order, by the target's reply to the conversation so far (user turns kept,
-earlier assistant turns already regenerated); with `max_turns`, the conversation ends after that many answers (the
+earlier assistant turns already regenerated), rendered with the recipe's chat-template kwargs (`enable_thinking`...).
+A target that thinks keeps its reasoning in the answer (``{"role": "assistant", "content", "reasoning"}``), so the
+loss mask covers the thinking it generated. Assistant turns that call tools are kept as recorded (the tool results
+that follow answer those calls; a tool cannot be run here); with `max_turns`, the conversation ends after that many answers (the
 cost of regeneration grows with every turn). Conversations are processed `batch_size` at a time, batched by the
 length of their first prompt (less padding, rows finishing together); prompts are left-padded so one `generate`
 call serves the whole batch. Greedy when `temperature == 0`, sampling otherwise.
@@ -15,6 +18,7 @@ concurrent processes (ranks of a launcher that starts them all at once) from gen
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -26,6 +30,7 @@ from typing import Any
 
 import torch
 
+from eagle3_zoo.adapters.chat import render_prompt, thinking_enabled
 from eagle3_zoo.data.readers import Conversation
 from eagle3_zoo.modeling.io import exclusive_lock
 from eagle3_zoo.progress import Progress
@@ -86,10 +91,38 @@ def _end_ids(tokenizer: Any, adapter: Any) -> list[int]:
     return sorted(ids)
 
 
-def _render_prompt(tokenizer: Any, adapter: Any, messages: list[dict[str, str]]) -> list[int]:
-    template = getattr(tokenizer, "chat_template", None) or adapter.chat_format(tokenizer).template
-    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+def _render_prompt(tokenizer: Any, adapter: Any, messages: list[dict[str, Any]],
+                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    text = render_prompt(tokenizer, messages, adapter.chat_format(tokenizer), template_kwargs)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _to_answer(message: dict[str, Any]) -> bool:
+    """Whether regeneration answers this message (assistant turns that call tools are kept as recorded)."""
+    return message["role"] == "assistant" and not message.get("tool_calls")
+
+
+def decode_reply(tokenizer: Any, adapter: Any, ids: Sequence[int], template_kwargs: dict[str, Any] | None) -> dict:
+    """The assistant message for a generated reply's ids (cut before the end token); see `reply_message`."""
+    thinking = thinking_enabled(adapter.chat_format(tokenizer), template_kwargs)
+    return reply_message(tokenizer, adapter, tokenizer.decode(ids, skip_special_tokens=not thinking), template_kwargs)
+
+
+def reply_message(tokenizer: Any, adapter: Any, text: str, template_kwargs: dict[str, Any] | None) -> dict:
+    """The assistant message for a generated reply: ``content``, plus ``reasoning`` when the target thinks.
+
+    `text` is the decoded reply: without special tokens when the target does not think, with them when it does
+    (harmony's channel markers are special tokens); the format's reasoning markers split it, and the special tokens
+    left over are removed.
+    """
+    fmt = adapter.chat_format(tokenizer)
+    if not thinking_enabled(fmt, template_kwargs):
+        return {"role": "assistant", "content": text.strip()}
+    reasoning, answer = fmt.reasoning.split(text)
+    specials = sorted(tokenizer.all_special_tokens, key=len, reverse=True)
+    reasoning, answer = (functools.reduce(lambda t, s: t.replace(s, ""), specials, part).strip()
+                         for part in (reasoning, answer))
+    return {"role": "assistant", "content": answer, **({"reasoning": reasoning} if reasoning else {})}
 
 
 @torch.no_grad()
@@ -127,6 +160,7 @@ def regenerate_conversations(
     max_length: int | None = None,
     max_turns: int | None = None,
     seed: int = 0,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[Conversation], RegenerateStats]:
     """Replace every assistant turn by the target's own reply; resumable (see the module docstring).
 
@@ -142,6 +176,7 @@ def regenerate_conversations(
             (training would truncate it anyway).
         max_turns: answer at most this many assistant turns per conversation and drop what follows; None = all.
         seed: sampling seed (per batch, so a rerun samples the remaining batches reproducibly).
+        template_kwargs: chat-template variables (recipe `data.chat_template_kwargs`, e.g. ``enable_thinking``).
 
     Returns:
         The regenerated conversations in input order (same ids/sources/indices), and stats.
@@ -168,7 +203,7 @@ def regenerate_conversations(
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(seed + start)
                     results = _regenerate_batch(batch, model, tokenizer, adapter, max_new_tokens, temperature,
-                                                max_length, max_turns, pad_id, end_ids, stats)
+                                                max_length, max_turns, pad_id, end_ids, stats, template_kwargs)
                 for conv, messages in zip(batch, results):
                     record = {"id": conv.uid, "source": conv.source, "index": conv.index, "messages": messages}
                     os.write(fd, (json.dumps(record, ensure_ascii=False) + "\n").encode())
@@ -200,7 +235,8 @@ def collect_regenerated(conversations: Sequence[Conversation], done: dict[str, l
 
 def _regenerate_batch(batch: Sequence[Conversation], model: Any, tokenizer: Any, adapter: Any, max_new_tokens: int,
                       temperature: float, max_length: int | None, max_turns: int | None, pad_id: int,
-                      end_ids: list[int], stats: RegenerateStats) -> list[list[dict[str, str]]]:
+                      end_ids: list[int], stats: RegenerateStats,
+                      template_kwargs: dict[str, Any] | None = None) -> list[list[dict[str, Any]]]:
     """Turn by turn over the batch: round j answers the j-th assistant turn of every conversation that has one."""
     new: list[list[dict[str, str]]] = [[] for _ in batch]
     pending = [list(c.messages) for c in batch]  # messages not yet copied/answered
@@ -209,12 +245,12 @@ def _regenerate_batch(batch: Sequence[Conversation], model: Any, tokenizer: Any,
     while open_ and (max_turns is None or answered < max_turns):
         prompts, who = [], []
         for i in sorted(open_):
-            while pending[i] and pending[i][0]["role"] != "assistant":
+            while pending[i] and not _to_answer(pending[i][0]):
                 new[i].append(pending[i].pop(0))
             if not pending[i]:
                 open_.discard(i)
                 continue
-            prompt = _render_prompt(tokenizer, adapter, new[i])
+            prompt = _render_prompt(tokenizer, adapter, new[i], template_kwargs)
             if max_length is not None and len(prompt) >= max_length:
                 pending[i] = []  # the rest of the conversation would be truncated away in training
                 while new[i] and new[i][-1]["role"] != "assistant":
@@ -229,7 +265,7 @@ def _regenerate_batch(batch: Sequence[Conversation], model: Any, tokenizer: Any,
                                    pad_id=pad_id, end_ids=end_ids)
         for i, reply in zip(who, replies):
             pending[i].pop(0)  # the original assistant turn
-            new[i].append({"role": "assistant", "content": tokenizer.decode(reply, skip_special_tokens=True).strip()})
+            new[i].append(decode_reply(tokenizer, adapter, reply, template_kwargs))
             stats.turns += 1
         answered += 1
     return new

@@ -24,6 +24,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
+from eagle3_zoo.adapters.chat import thinking_enabled
 from eagle3_zoo.data.readers import Conversation
 from eagle3_zoo.data.regenerate import (
     RegenerateStats,
@@ -31,7 +32,10 @@ from eagle3_zoo.data.regenerate import (
     _load_done,
     _locked,
     _render_prompt,
+    _to_answer,
     collect_regenerated,
+    decode_reply,
+    reply_message,
 )
 from eagle3_zoo.targets.openai_client import OpenAIClient, ServerError
 
@@ -52,6 +56,7 @@ def regenerate_with_client(
     max_turns: int | None = None,
     concurrency: int = 4,
     seed: int = 0,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[Conversation], RegenerateStats]:
     """Replace every assistant turn by the served target's reply; resumable (see the module docstring).
 
@@ -62,7 +67,7 @@ def regenerate_with_client(
         out_path: the JSONL file of regenerated conversations (shared with the `hf` backend).
         model: the served model name (default: the first of ``/v1/models``).
         concurrency: conversations in flight at once.
-        Others: as `eagle3_zoo.data.regenerate.regenerate_conversations`.
+        Others: as `eagle3_zoo.data.regenerate.regenerate_conversations` (`template_kwargs` included).
 
     Raises:
         ServerError: the server is down at the start, or a request kept failing (the message counts what was kept).
@@ -81,7 +86,7 @@ def regenerate_with_client(
                         client.base_url, model, concurrency, stats.reused, out_path)
             _run(todo, client, model, tokenizer, adapter, out_path, done, stats, end_ids=end_ids,
                  max_new_tokens=max_new_tokens, temperature=temperature, max_length=max_length, max_turns=max_turns,
-                 concurrency=concurrency, seed=seed)
+                 concurrency=concurrency, seed=seed, template_kwargs=template_kwargs)
     return collect_regenerated(conversations, done, stats), stats
 
 
@@ -129,35 +134,37 @@ def _run(todo: list[Conversation], client: OpenAIClient, model: str, tokenizer: 
 
 def _answer(conv: Conversation, client: OpenAIClient, model: str, tokenizer: Any, adapter: Any, *,
             end_ids: list[int], max_new_tokens: int, temperature: float, max_length: int | None,
-            max_turns: int | None, seed: int) -> tuple[list[dict[str, str]], int]:
+            max_turns: int | None, seed: int,
+            template_kwargs: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], int]:
     """One conversation, turn by turn (the same rules as the `hf` backend's `_regenerate_batch`)."""
     new: list[dict[str, str]] = []
     pending = list(conv.messages)
     answered = 0
     while max_turns is None or answered < max_turns:
-        while pending and pending[0]["role"] != "assistant":
+        while pending and not _to_answer(pending[0]):
             new.append(pending.pop(0))
         if not pending:
             break
-        prompt = _render_prompt(tokenizer, adapter, new)
+        prompt = _render_prompt(tokenizer, adapter, new, template_kwargs)
+        thinking = thinking_enabled(adapter.chat_format(tokenizer), template_kwargs)
         if max_length is not None and len(prompt) >= max_length:
             while new and new[-1]["role"] != "assistant":  # the rest would be truncated away in training
                 new.pop()
             break
         payload: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_new_tokens,
                                    "temperature": temperature, "stop_token_ids": end_ids, "return_token_ids": True,
-                                   "skip_special_tokens": True}
+                                   "skip_special_tokens": not thinking}  # reasoning markers may be special tokens
         if temperature > 0:  # reproducible per conversation and turn, whatever the order of requests
             payload["seed"] = (seed + zlib.crc32(f"{conv.uid}/{answered}".encode())) % 2**31
         choice = client.post("/v1/completions", payload)["choices"][0]
         ids = choice.get("token_ids")
         if ids is not None:
             cut = next((j for j, tok in enumerate(ids) if tok in end_ids), len(ids))
-            text = tokenizer.decode(ids[:cut], skip_special_tokens=True).strip()
+            reply = decode_reply(tokenizer, adapter, ids[:cut], template_kwargs)
         else:
-            text = str(choice.get("text", "")).strip()
+            reply = reply_message(tokenizer, adapter, str(choice.get("text", "")), template_kwargs)
         pending.pop(0)  # the original assistant turn
-        new.append({"role": "assistant", "content": text})
+        new.append(reply)
         answered += 1
     return new, answered
 
@@ -169,7 +176,8 @@ def regenerate_for_recipe(recipe: Any, conversations: Sequence[Conversation], to
 
     d, r = recipe.data, recipe.data.regenerate
     kw = dict(max_new_tokens=r.max_new_tokens, temperature=r.temperature, max_length=d.max_length,
-              max_turns=r.max_turns, concurrency=r.concurrency, seed=d.seed)
+              max_turns=r.max_turns, concurrency=r.concurrency, seed=d.seed,
+              template_kwargs=dict(d.chat_template_kwargs))
     client_kw = dict(api_key_env=r.api_key_env, timeout=r.timeout, retries=r.retries)
     if r.backend == "openai":
         if not r.base_url:

@@ -65,6 +65,7 @@ def tokenize_conversations(
     overflow: str = "truncate",
     on_error: str = "raise",
     system_prompt: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
     stats: TokenStats | None = None,
 ) -> tuple[list[dict[str, Any]], TokenStats]:
     """Build `{"id", "input_ids", "loss_mask"}` examples with `adapter.build_example`.
@@ -77,6 +78,7 @@ def tokenize_conversations(
         overflow: "truncate" (right-truncate) or "drop" longer conversations.
         on_error: "raise" a `DataError` for a conversation the chat template cannot map, or "skip" it (counted).
         system_prompt: passed to `build_example`.
+        template_kwargs: chat-template variables (recipe `data.chat_template_kwargs`), passed to `build_example`.
         stats: accumulated in place when given.
 
     Returns:
@@ -92,7 +94,8 @@ def tokenize_conversations(
         stats.conversations += 1
         try:
             # one token past the limit tells "fits" from "was cut" without tokenising everything twice
-            ex = adapter.build_example(tokenizer, conv.messages, max_length + 1, system_prompt=system_prompt)
+            ex = adapter.build_example(tokenizer, conv.messages, max_length + 1, system_prompt=system_prompt,
+                                       template_kwargs=template_kwargs)
         except ValueError as e:  # TemplateMappingError is a ValueError, as are malformed messages
             if on_error == "raise":
                 raise DataError(f"{_where(conv)}: cannot build a training example: {e}; set data.on_error=skip to "
