@@ -385,3 +385,15 @@ def test_sliding_window_target_keeps_full_caches_and_masks_its_windows():
     for node, path in {3: [5, 11, 13], 5: [5, 11, 13, 15]}.items():
         ref = target(torch.cat([prompt, torch.tensor(path)])[None]).logits[0, -1]
         torch.testing.assert_close(logits[node], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_every_layer_sliding_is_lossless(mode):
+    """Mistral-7B-v0.1 style: `sliding_window` set and no `layer_types`, so one window mask serves every layer."""
+    target = tiny_target("mistral", sliding_window=8)
+    gen = SpeculativeGenerator(target, OracleDraftModel(target, "noisy"), tree_spec(mode, **SMALL_TREE),
+                               layer_ids=(1, 2, 3))
+    prompt = _prompts(target.config.vocab_size)[1]
+    expected = reference(target, prompt, 40, None)
+    out = gen.generate(prompt, 40, eos_token_id=[])
+    assert out.tokens == expected and out.tau > 1.2
