@@ -11,7 +11,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from eagle3_zoo.adapters import UnknownAdapterError, get_adapter, load_target
+from eagle3_zoo.adapters import UnknownAdapterError, available_adapters, get_adapter, load_target
 
 
 def _save_tiny(tmp_path, family, name="target"):
@@ -32,7 +32,7 @@ def _logits(model, ids):
 IDS = torch.tensor([[1, 5, 9, 200, 33, 7, 81, 400]])
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "deepseek_v3"])
+@pytest.mark.parametrize("family", available_adapters())
 def test_load_target_returns_frozen_eval_model_tokenizer_and_adapter(tmp_path, family):
     path, reference = _save_tiny(tmp_path, family)
     model, tokenizer, adapter = load_target(path, dtype="float32")

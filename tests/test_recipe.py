@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from eagle3_zoo import recipe as recipe_mod
+from eagle3_zoo.adapters import available_adapters
 from eagle3_zoo.recipe import (
     Recipe,
     RecipeError,
@@ -90,7 +91,8 @@ BAD_CASES = [
     ("misplaced", {"trainer.lr": 5}, "trainer.lr", "did you mean 'optim.lr'"),
     ("wrong_type", {"trainer.batch_size": "four"}, "trainer.batch_size", "expected an integer"),
     ("bool_not_int", {"trainer.num_nodes": True}, "trainer.num_nodes", "expected an integer"),
-    ("unknown_family", {"target.family": "qwen25"}, "target.family", "available: auto, deepseek_v3, llama, qwen2"),
+    ("unknown_family", {"target.family": "qwen25"}, "target.family",
+     "available: auto, " + ", ".join(available_adapters())),
     ("unknown_strategy", {"trainer.strategy": "fsdb"}, "trainer.strategy", "did you mean 'fsdp'"),
     ("unknown_precision", {"trainer.precision": "bf16"}, "trainer.precision", "one of 32-true, bf16-mixed"),
     ("unknown_logger", {"trainer.logger": ["csv", "wandb"]}, "trainer.logger[1]", "one of csv, tensorboard"),

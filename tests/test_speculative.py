@@ -372,9 +372,28 @@ def test_generator_rejects_bad_inputs():
         SpeculativeGenerator(other, random_drafter(target))
 
 
-def test_sliding_window_caches_are_refused():
+def test_sliding_window_target_keeps_full_caches_and_masks_its_windows():
+    """A Qwen2 with its last two layers sliding (window 8): the verification cache keeps full-length layers, and
+    tree nodes far past the window see exactly what a plain forward of their path sees."""
     target = tiny_target("qwen2", use_sliding_window=True, sliding_window=8,
                          layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2)
     runner = TargetRunner(target, layer_ids=(1, 2, 3))
-    with pytest.raises(ValueError, match="cache layer 2 is a DynamicSlidingWindowLayer"):
-        runner.prefill(torch.arange(5, 9))
+    prompt = torch.arange(5, 25)
+    runner.prefill(prompt)
+    assert all(type(layer).__name__ == "DynamicLayer" for layer in runner.cache.layers)
+    logits, _ = runner.verify(_hand_tree(root=5))
+    for node, path in {3: [5, 11, 13], 5: [5, 11, 13, 15]}.items():
+        ref = target(torch.cat([prompt, torch.tensor(path)])[None]).logits[0, -1]
+        torch.testing.assert_close(logits[node], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_every_layer_sliding_is_lossless(mode):
+    """Mistral-7B-v0.1 style: `sliding_window` set and no `layer_types`, so one window mask serves every layer."""
+    target = tiny_target("mistral", sliding_window=8)
+    gen = SpeculativeGenerator(target, OracleDraftModel(target, "noisy"), tree_spec(mode, **SMALL_TREE),
+                               layer_ids=(1, 2, 3))
+    prompt = _prompts(target.config.vocab_size)[1]
+    expected = reference(target, prompt, 40, None)
+    out = gen.generate(prompt, 40, eos_token_id=[])
+    assert out.tokens == expected and out.tau > 1.2

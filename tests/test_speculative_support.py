@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from eagle3_zoo.adapters import get_adapter
+from eagle3_zoo.adapters import available_adapters, get_adapter
 from eagle3_zoo.modeling import DraftStepOutput, Eagle3Config, Eagle3Drafter, identity_vocab
 
-FAMILIES = ("llama", "qwen2", "deepseek_v3")
+FAMILIES = tuple(available_adapters())  # every registered family
 
 
 def tiny_target(family: str = "llama", seed: int = 0, init_std: float = 0.2, **overrides):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -26,6 +27,8 @@ class UnknownAdapterError(ValueError):
 class TargetAdapter:
     """What eagle3-zoo needs to know about one target family. Subclass, fill the declarations, register.
 
+    Everything is a declaration (including the capabilities below): shared code reads them, never a family name.
+
     Attributes:
         model_type: HF ``config.model_type`` (set by `register_adapter`).
         decoder_layer_class: Class name of the decoder layer (the FSDP wrap unit); matched by name so
@@ -38,6 +41,15 @@ class TargetAdapter:
         keys_to_ignore_on_load: Regexes of checkpoint keys that are expected to be unused (e.g. MTP layers).
         chat_format_names: The family's chat formats, shipped as data in ``resources/chat_formats/`` (template +
             metadata, see `eagle3_zoo.adapters.chat.load_chat_format`); the one matching the tokenizer is used.
+        sliding_window_layers: The family has sliding-window attention layers (which ones, and the window, come
+            from each model's config: `attention_windows`). Speculative verification builds their window masks.
+        attention_sinks: The attention adds learned per-head sink logits to the softmax (gpt-oss); they need no
+            cache entries, so verification handles them like plain attention (eager kernel).
+        quantized_formats: Checkpoint ``quantization_config.quant_method`` values `load_target` dequantises on load
+            (anything else quantised is refused with what to do instead).
+        drafter_defaults: Drafter shape fields the engines' published drafters of this family use where they differ
+            from "sized like the target" (keys of `Eagle3Config` / the recipe's ``drafter`` section); a recipe's own
+            value wins.
     """
 
     model_type: ClassVar[str] = ""
@@ -49,11 +61,26 @@ class TargetAdapter:
     final_norm_attr: ClassVar[str] = "norm"
     keys_to_ignore_on_load: ClassVar[tuple[str, ...]] = ()
     chat_format_names: ClassVar[tuple[str, ...]] = ()
+    sliding_window_layers: ClassVar[bool] = False
+    attention_sinks: ClassVar[bool] = False
+    quantized_formats: ClassVar[tuple[str, ...]] = ()
+    drafter_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType({})
 
     @property
     def chat_formats(self) -> tuple[ChatFormat, ...]:
         """The declared chat formats, loaded from their resource files."""
         return load_chat_formats(*self.chat_format_names)
+
+    @property
+    def reasoning(self) -> bool:
+        """Whether the family's chat formats carry the target's reasoning (their ``thinking`` feature; how: each
+        format's ``reasoning``)."""
+        return any("thinking" in fmt.features for fmt in self.chat_formats)
+
+    @property
+    def tool_turns(self) -> bool:
+        """Whether the family's chat formats render tool calls and tool results (their ``tools`` feature)."""
+        return any("tools" in fmt.features for fmt in self.chat_formats)
 
     def aux_layer_ids(self, num_layers: int) -> tuple[int, int, int]:
         """Default EAGLE-3 aux layers (low, mid, high), internal convention (= HF hidden-state indices).
@@ -67,6 +94,28 @@ class TargetAdapter:
         from eagle3_zoo.modeling.config import default_aux_layer_ids
 
         return default_aux_layer_ids(num_layers)
+
+    def attention_windows(self, config: PretrainedConfig) -> tuple[int | None, ...]:
+        """Per decoder layer, its sliding window (a key at position k is visible from a query at q iff
+        ``q - window < k <= q``, transformers' rule) or None for full attention, read from `config`.
+
+        ``layer_types`` names each layer's kind (Gemma 3, gpt-oss, Qwen); without it a set ``sliding_window``
+        applies to every layer (Mistral).
+
+        Raises:
+            ValueError: a layer kind other than full or sliding attention (e.g. chunked), which verification does
+                not mask.
+        """
+        n = config.num_hidden_layers
+        window = getattr(config, "sliding_window", None)
+        kinds = getattr(config, "layer_types", None) or (["sliding_attention" if window else "full_attention"] * n)
+        unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"adapter '{self.model_type}': layer_types {unknown} are not supported (only "
+                             f"full_attention and sliding_attention)")
+        if "sliding_attention" in kinds and not window:
+            raise ValueError(f"adapter '{self.model_type}': config has sliding_attention layers but no sliding_window")
+        return tuple(window if kind == "sliding_attention" else None for kind in kinds[:n])
 
     def tiny_config(self) -> PretrainedConfig:
         """A small random-weight config of this family for tests (2-4 layers, small dims)."""
@@ -234,4 +283,11 @@ def adapter_for(model_or_config: Any) -> TargetAdapter:
     model_type = config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
     if not model_type:
         raise UnknownAdapterError(f"{type(model_or_config).__name__} has no model_type to select an adapter by")
+    text = config.get("text_config") if isinstance(config, Mapping) else getattr(config, "text_config", None)
+    text_type = text.get("model_type") if isinstance(text, Mapping) else getattr(text, "model_type", None)
+    if model_type not in _REGISTRY and text_type in _REGISTRY:
+        raise UnknownAdapterError(
+            f"target model_type '{model_type}' is a multimodal wrapper around a '{text_type}' text model; "
+            f"eagle3-zoo trains drafters for text-only targets: use a text-only checkpoint of the family (config "
+            f"model_type '{text_type}'), or save the wrapper's language model alone as one")
     return get_adapter(model_type)

@@ -115,7 +115,9 @@ def load_target(
     Args:
         name_or_path: Hub id or local directory, or ``"smollm2-135m-instruct"``/``"embedded"`` for the embedded
             SmolLM2 (converted from its GGUF once, then read from the cache).
-        dtype: Weight dtype (``torch.bfloat16``, ``"bfloat16"``...; ``"auto"`` keeps the checkpoint's).
+        dtype: Weight dtype (``torch.bfloat16``, ``"bfloat16"``...; ``"auto"`` keeps the checkpoint's). A checkpoint
+            quantised in a format the adapter declares (`TargetAdapter.quantized_formats`, e.g. gpt-oss MXFP4) is
+            dequantised on load.
         lora_path: Optional PEFT LoRA adapter directory; it is merged into the weights (``merge_and_unload``), so
             features come from the fine-tuned target at plain-model speed.
         trust_remote_code: Passed to transformers.
@@ -139,7 +141,8 @@ def load_target(
     adapter = adapter_for(config)
     _refuse_fp8(config, name_or_path)
     model, info = AutoModelForCausalLM.from_pretrained(
-        path, config=config, dtype=torch_dtype, output_loading_info=True, **kwargs
+        path, config=config, dtype=torch_dtype, output_loading_info=True, **_dequantize_kwargs(config, adapter),
+        **kwargs
     )
     _check_loading_info(info, adapter, path)
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
@@ -161,6 +164,19 @@ def _refuse_fp8(config: Any, name_or_path: str | os.PathLike) -> None:
             "fp8); eagle3-zoo does not dequantise it in-process (a 671B DeepSeek-V3 does not fit one process anyway): "
             "serve it with an inference engine and take features from there (data.features_backend: vllm, or an "
             "OpenAI-compatible server for regeneration), or point target.name_or_path at a bf16 copy of the model")
+
+
+def _dequantize_kwargs(config: Any, adapter: TargetAdapter) -> dict[str, Any]:
+    """For a checkpoint quantised in one of the adapter's `quantized_formats` (gpt-oss: MXFP4 experts), the
+    ``from_pretrained`` arguments that dequantise it while loading, whatever kernels the machine has: the frozen
+    target then runs the plain (bf16/fp32) forward its features are defined by, on any device."""
+    quant = getattr(config, "quantization_config", None)
+    quant = quant.to_dict() if hasattr(quant, "to_dict") else quant
+    if not isinstance(quant, dict) or str(quant.get("quant_method")).lower() not in adapter.quantized_formats:
+        return {}
+    from transformers.quantizers.auto import AutoQuantizationConfig
+
+    return {"quantization_config": AutoQuantizationConfig.from_dict({**quant, "dequantize": True})}
 
 
 def _check_loading_info(info: dict[str, Any], adapter: TargetAdapter, path: str | os.PathLike) -> None:

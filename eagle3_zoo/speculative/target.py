@@ -6,6 +6,12 @@ hidden), and sits at RoPE position `past + depth`. With sdpa/eager attention in 
 as given, so node i's logits equal a plain forward of its path. The same forward captures the aux hidden states
 (the adapter's hooks), which feed the drafter's next cycle, so no extra target pass is needed. Afterwards the
 target's `DynamicCache` keeps the prefix plus the accepted path only.
+
+Sliding-window layers (Gemma 3, gpt-oss, Mistral with ``sliding_window``) keep full-length caches here (a sliding
+cache drops entries a rejected branch may have pushed out, and the accepted path's slots move), and each layer kind
+gets its own mask: a node at position p sees a key at position k only if ``p - window < k`` as well (transformers'
+rule), so every node's logits equal a plain forward of its path through the sliding layers too. Attention sinks
+(gpt-oss) are per-head logits that need no cache entry, so they need nothing here.
 """
 
 from __future__ import annotations
@@ -74,6 +80,10 @@ class TargetRunner:
                              f"attn_implementation in {_MASKABLE_ATTENTION}")
         self.model = model
         self.adapter = adapter or adapter_for(model)
+        windows = self.adapter.attention_windows(model.config)
+        self._windows = {kind: window for kind, window in zip(getattr(model.config, "layer_types", None) or
+                                                                   ["full_attention"] * len(windows), windows)}
+        self._sliding = any(w is not None for w in windows)
         self.layer_ids = None if layer_ids is None else tuple(layer_ids)
         self.lm_head = self.adapter.lm_head(model)
         self.cache: DynamicCache | None = None
@@ -96,14 +106,20 @@ class TargetRunner:
         Returns:
             The logits `[V]` (float32) at the last prompt position and the aux hidden `[1, n, F]` of the prompt.
         """
-        self.cache = DynamicCache(config=self.model.config)
-        for i, layer in enumerate(self.cache.layers):
-            if type(layer) is not DynamicLayer:  # e.g. sliding-window layers drop entries a tree would need
-                raise ValueError(f"target cache layer {i} is a {type(layer).__name__}; tree verification supports "
-                                 f"full-attention DynamicLayer caches only (no sliding windows)")
+        # full-length layers for sliding-window targets too (the masks apply their windows)
+        self.cache = DynamicCache() if self._sliding else DynamicCache(config=self.model.config)
         ids = input_ids.to(self.device).view(1, -1)
-        aux, final = self._forward(ids)
-        self.length = ids.shape[1]
+        n = ids.shape[1]
+        kwargs = {}
+        if self._sliding:
+            pos = torch.arange(n, device=self.device)
+            kwargs["attention_mask"] = self._masks(pos, pos, pos[None, :] <= pos[:, None])
+        aux, final = self._forward(ids, **kwargs)
+        for i, layer in enumerate(self.cache.layers):
+            if type(layer) is not DynamicLayer:  # a cache that drops or moves entries a tree would need
+                raise ValueError(f"target cache layer {i} is a {type(layer).__name__}; tree verification supports "
+                                 f"DynamicLayer caches only")
+        self.length = n
         return self.lm_head(final[:, -1]).float()[0], aux
 
     @torch.no_grad()
@@ -115,15 +131,33 @@ class TargetRunner:
             path, computed on access) and the aux hidden `[1, n+1, F]` of the nodes.
         """
         past, q = self.length, len(tree)
-        dtype = self.lm_head.weight.dtype
-        mask = torch.zeros(1, 1, q, past + q, dtype=dtype, device=self.device)
-        hidden = ~tree.ancestor_mask().to(self.device)
-        mask[0, 0, :, past:].masked_fill_(hidden, torch.finfo(dtype).min)
-        positions = (past + tree.depths.to(self.device)).unsqueeze(0)
-        aux, final = self._forward(tree.tokens.to(self.device).unsqueeze(0), attention_mask=mask,
-                                   position_ids=positions)
+        visible = torch.ones(q, past + q, dtype=torch.bool, device=self.device)
+        visible[:, past:] = tree.ancestor_mask().to(self.device)
+        positions = past + tree.depths.to(self.device)
+        key_positions = torch.cat([torch.arange(past, device=self.device), positions])
+        aux, final = self._forward(tree.tokens.to(self.device).unsqueeze(0),
+                                   attention_mask=self._masks(positions, key_positions, visible),
+                                   position_ids=positions.unsqueeze(0))
         first_child = [kids[0] if kids else -1 for kids in tree.children]
         return NodeLogits(final[0], self.lm_head, first_child), aux
+
+    def _masks(self, positions: torch.Tensor, key_positions: torch.Tensor,
+               visible: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Additive 4D masks `[1, 1, q, k]` (0 visible, dtype-min hidden) from `visible` `[q, k]`, each layer kind's
+        window applied by position: one tensor when every layer has the same window, else one per
+        ``config.layer_types`` kind (the mapping transformers' hybrid models take in place of their own masks)."""
+        dtype = self.lm_head.weight.dtype
+
+        def mask(window: int | None) -> torch.Tensor:
+            seen = visible
+            if window is not None:
+                seen = seen & (key_positions[None, :] > positions[:, None] - window)
+            out = torch.zeros(1, 1, *seen.shape, dtype=dtype, device=self.device)
+            return out.masked_fill_(~seen, torch.finfo(dtype).min)
+
+        if len(set(self._windows.values())) == 1:
+            return mask(next(iter(self._windows.values())))
+        return {kind: mask(window) for kind, window in self._windows.items()}
 
     def keep_path(self, nodes: Sequence[int]) -> None:
         """After `verify`, keep the prefix plus the tree nodes `nodes` (root first, in path order) in the cache."""

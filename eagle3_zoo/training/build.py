@@ -30,8 +30,14 @@ def drafter_dtype_name(precision: str) -> str:
 
 
 def drafter_config(recipe: Any, target_config: Any, aux_layer_ids: tuple[int, ...] | None) -> Eagle3Config:
-    """The config of a fresh drafter for the recipe: sized like the target, with the recipe's overrides."""
-    overrides = {k: getattr(recipe.drafter, k) for k in _DRAFTER_OVERRIDES if getattr(recipe.drafter, k) is not None}
+    """The config of a fresh drafter for the recipe: sized like the target, with the family's published-drafter
+    shape (`TargetAdapter.drafter_defaults`) and the recipe's overrides on top."""
+    from eagle3_zoo.adapters import adapter_for
+
+    family = adapter_for(target_config).drafter_defaults
+    overrides = {k: family[k] for k in _DRAFTER_OVERRIDES if k in family}
+    overrides.update({k: getattr(recipe.drafter, k) for k in _DRAFTER_OVERRIDES
+                      if getattr(recipe.drafter, k) is not None})
     return Eagle3Config.from_target_config(
         target_config, draft_vocab_size=recipe.drafter.draft_vocab_size, aux_layer_ids=aux_layer_ids,
         target_name_or_path=recipe.target.name_or_path, torch_dtype=drafter_dtype_name(recipe.trainer.precision),
