@@ -137,6 +137,27 @@ def test_fsdp_resumes_under_another_world_size(single):
         torch.testing.assert_close(b[k], a[k], atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
+def test_fsdp_checkpoint_resumes(single):
+    tmp, recipe = single
+    run = tmp / "fsdp"
+    if not (run / "checkpoints" / "last.ckpt").exists():
+        run = _run_parallel(tmp, recipe, "fsdp")
+    _run_parallel(tmp, recipe, "fsdp", "trainer.max_steps=6")
+    assert sorted(_losses(run, version=1)) == [4, 5]
+    assert torch.load(run / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == 6
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_match_one_and_resume(single):
+    tmp, recipe = single
+    run = _run_parallel(tmp, recipe, "ddp")
+    _assert_same_training(tmp, run)
+    _run_parallel(tmp, recipe, "ddp", "trainer.max_steps=6")
+    assert sorted(_losses(run, version=1)) == [4, 5]
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
