@@ -71,6 +71,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 1 if plan.fits is False else 0
 
 
+def _cmd_consolidate(args: argparse.Namespace) -> int:
+    from eagle3_zoo.training.outputs import consolidate_checkpoint
+
+    print(consolidate_checkpoint(args.checkpoint, args.out_dir))
+    return 0
+
+
 class _SubcommandParser(argparse.ArgumentParser):
     """A subcommand's parser; `intermixed=True` accepts options between positionals (`prepare r.yaml --rank 0
     trainer.seed=3`): plain argparse gives a `nargs="*"` positional only the words before the first option."""
@@ -130,6 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", help="recipe YAML (see recipes/)")
     p.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides, e.g. trainer.devices=4")
     p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("consolidate", help="write the drafter folder of a training checkpoint (e.g. FSDP sharded)",
+                       description="Write the canonical drafter folder (config.json, model.safetensors, recipe.yaml, "
+                       "provenance.json: the files a finished run writes) from a checkpoint of `fit`: an FSDP run's "
+                       "sharded checkpoint directory (checkpoints/last.ckpt), read in this one process whatever the "
+                       "number of ranks that wrote it, or a single-file checkpoint.")
+    p.add_argument("checkpoint", help="a run's checkpoints/last.ckpt (directory or file)")
+    p.add_argument("out_dir", help="the drafter folder to write (replaced if it exists)")
+    p.set_defaults(func=_cmd_consolidate)
 
     from eagle3_zoo.speculative.eval_cli import add_eval_arguments
 

@@ -1,16 +1,33 @@
 """Two CPU processes (gloo) with ddp and fsdp (FSDP2 via ModelParallelStrategy) train the same drafter as one
 process with the whole batch: the loss weighting makes the rank-averaged gradient equal the global-batch gradient.
-Their checkpoints resume (the step count continues).
+Their checkpoints resume (the step count continues); FSDP's sharded checkpoint consolidates into the drafter folder
+the run wrote and resumes under another world size. FSDP fills a meta-device target with each rank's own slices.
 
 Slow ones: `pytest -m slow tests/test_distributed.py`.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from safetensors.torch import load_file
-from training_fixtures import run_fit_cli, save_tiny_target, tiny_recipe, write_chat_jsonl, write_recipe
+from training_fixtures import (
+    REPO,
+    run_fit_cli,
+    save_tiny_target,
+    subprocess_env,
+    tiny_recipe,
+    write_chat_jsonl,
+    write_recipe,
+)
 
 TOL = 2e-5
 
@@ -55,12 +72,69 @@ def _assert_same_training(tmp, run):
         torch.testing.assert_close(b[k], a[k], atol=TOL, rtol=0)
 
 
+def _consolidate(*args):
+    return subprocess.run([sys.executable, "-m", "eagle3_zoo.cli", "consolidate", *map(str, args)],
+                          capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=REPO)
+
+
 def test_fsdp_two_processes_match_one(single):
+    """Also: the target was read shard by shard, the checkpoint is sharded (one DCP file per rank), and
+    `eagle3-zoo consolidate` turns it into the very drafter folder the run wrote (bitwise), equal to the unsharded
+    run's to tolerance."""
     tmp, recipe = single
     run = _run_parallel(tmp, recipe, "fsdp")
     _assert_same_training(tmp, run)
-    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    assert ckpt["global_step"] == 4 and all(k.startswith("objective.drafter.") for k in ckpt["state_dict"])
+    last = run / "checkpoints" / "last.ckpt"
+    assert last.is_dir() and sorted(p.name for p in last.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert torch.load(last / "meta.pt", weights_only=True)["global_step"] == 4
+    r = _consolidate(last, tmp / "consolidated")
+    assert r.returncode == 0, r.stderr[-4000:]
+    written, consolidated = run / "drafter", tmp / "consolidated"
+    assert sorted(p.name for p in consolidated.iterdir()) == sorted(p.name for p in written.iterdir())
+    for name in ("model.safetensors", "config.json", "recipe.yaml"):
+        assert (consolidated / name).read_bytes() == (written / name).read_bytes(), name
+    a = load_file(tmp / "single" / "drafter" / "model.safetensors")
+    b = load_file(consolidated / "model.safetensors")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=TOL, rtol=0)
+
+
+def test_consolidate_refuses_what_is_not_a_checkpoint_of_fit(tmp_path):
+    r = _consolidate(tmp_path / "missing", tmp_path / "out")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: checkpoint {tmp_path / 'missing'} does not exist (pass a run's checkpoints/last.ckpt)"]
+    torch.save({"state_dict": {}}, tmp_path / "foreign.ckpt")
+    r = _consolidate(tmp_path / "foreign.ckpt", tmp_path / "out")
+    assert r.returncode == 2 and "was not written by an eagle3-zoo fit" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_fsdp_resumes_under_another_world_size(single):
+    """2 processes x batch 1 for 4 steps, resumed by 1 process x batch 2 to step 6 (DCP reshards the drafter and
+    its optimizer state), ends where one process resumed the same way ends; 1 process x batch 1 (another global
+    batch) is refused."""
+    tmp, recipe = single
+    run = tmp / "fsdp-world"
+    r = run_fit_cli(recipe, "trainer.strategy=fsdp", "trainer.devices=2", "trainer.batch_size=1", f"output_dir={run}",
+                    timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    r = run_fit_cli(recipe, "trainer.strategy=fsdp", "trainer.devices=1", "trainer.batch_size=1",
+                    "trainer.max_steps=6", f"output_dir={run}")
+    assert r.returncode == 2 and "global batch (trainer.batch_size x devices x num_nodes): 2 -> 1" in r.stderr
+    r = run_fit_cli(recipe, "trainer.strategy=fsdp", "trainer.devices=1", "trainer.max_steps=6", f"output_dir={run}")
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert sorted(_losses(run, version=1)) == [4, 5]
+    ref = tmp / "single-resumed"
+    shutil.copytree(tmp / "single", ref)
+    r = run_fit_cli(recipe, "trainer.max_steps=6", f"output_dir={ref}")
+    assert r.returncode == 0, r.stderr[-4000:]
+    got, want = _losses(run, version=1), _losses(ref, version=1)
+    for step in want:
+        assert got[step] == pytest.approx(want[step], abs=TOL), step
+    a, b = load_file(ref / "drafter" / "model.safetensors"), load_file(run / "drafter" / "model.safetensors")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=TOL, rtol=0)
 
 
 @pytest.mark.slow
@@ -71,7 +145,7 @@ def test_fsdp_checkpoint_resumes(single):
         run = _run_parallel(tmp, recipe, "fsdp")
     _run_parallel(tmp, recipe, "fsdp", "trainer.max_steps=6")
     assert sorted(_losses(run, version=1)) == [4, 5]
-    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
+    assert torch.load(run / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == 6
 
 
 @pytest.mark.slow
@@ -82,3 +156,77 @@ def test_ddp_two_processes_match_one_and_resume(single):
     _run_parallel(tmp, recipe, "ddp", "trainer.max_steps=6")
     assert sorted(_losses(run, version=1)) == [4, 5]
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _shard_worker(rank: int, world: int, port: int, target_dir: str, out: str) -> None:
+    """One rank: skeleton target -> FSDP2 on a flat mesh (num_nodes=1) and on a 2-D one (num_nodes=2) -> this rank's
+    slices; results (bytes read, equality with the plain load, mesh, mixed precision) saved to `out/rank{r}-*.pt`."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # the ranks share the CPU cores
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from eagle3_zoo.adapters.loading import load_target, load_target_skeleton
+        from eagle3_zoo.training.strategies import fsdp_mesh, shard_fsdp2
+
+        plain, _, _ = load_target(target_dir)
+        ids = torch.randint(0, plain.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+        lightning_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        for num_nodes in (1, 2):
+            model, _, adapter = load_target_skeleton(target_dir)
+            on_meta = sorted({n.split(".")[1] for n, p in model.named_parameters() if p.is_meta})
+            real = sorted(n for n, p in model.named_parameters() if not p.is_meta)
+            mesh = fsdp_mesh(lightning_mesh, num_nodes)
+            objective = torch.nn.Linear(8, 8)
+            read = shard_fsdp2(model, adapter, objective, mesh, precision="bf16-mixed")
+            equal = all(torch.equal(p.full_tensor() if hasattr(p, "full_tensor") else p, q)
+                        for p, q in zip(model.parameters(), plain.parameters()))
+            logits_equal = torch.equal(model(ids).logits, plain(ids).logits)
+            policy = fully_shard.state(objective)._mp_policy
+            torch.save({"read": read, "on_meta": on_meta, "real": real, "equal": equal, "logits_equal": logits_equal,
+                        "mesh": (tuple(mesh.shape), mesh.mesh_dim_names), "param_dtype": policy.param_dtype,
+                        "reduce_dtype": policy.reduce_dtype}, f"{out}/rank{rank}-nodes{num_nodes}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_shards(tmp_path, world, expected):
+    """Spawn `world` ranks of `_shard_worker`; `expected[num_nodes]` = (mesh shape and names, share of the decoder
+    weights each rank reads)."""
+    target = save_tiny_target(tmp_path / "target")
+    plain = load_file(target / "model.safetensors")
+    layer_bytes = sum(v.numel() * v.element_size() for k, v in plain.items() if ".layers." in k)
+    layer_tensors = sum(".layers." in k for k in plain)
+    mp.spawn(_shard_worker, args=(world, _free_port(), str(target), str(tmp_path)), nprocs=world)
+    for rank in range(world):
+        for num_nodes, (mesh, share) in expected.items():
+            got = torch.load(tmp_path / f"rank{rank}-nodes{num_nodes}.pt", weights_only=True)
+            assert got["on_meta"] == ["layers"] and got["real"] == ["lm_head.weight", "model.embed_tokens.weight",
+                                                                    "model.norm.weight"]
+            assert got["equal"] and got["logits_equal"], (rank, num_nodes)
+            assert got["mesh"] == mesh
+            assert got["read"] == {"tensors": layer_tensors, "bytes": layer_bytes // share}, (rank, num_nodes)
+            assert (got["param_dtype"], got["reduce_dtype"]) == (torch.bfloat16, torch.float32)
+
+
+def test_fsdp_target_from_meta_reads_only_each_ranks_slices(tmp_path):
+    """2 gloo ranks: a skeleton target (decoder layers on meta) sharded by FSDP2 and filled per rank equals the plain
+    load bitwise, and each rank reads half the decoder weights (2 nodes of one rank each: still a flat mesh, a
+    2-D one would replicate everything). The drafter gets bf16 params and fp32 gradient reduction (bf16-mixed)."""
+    flat = ((2,), ("data_parallel",))
+    _check_shards(tmp_path, 2, {1: (flat, 2), 2: (flat, 2)})
+
+
+@pytest.mark.slow
+def test_fsdp_hsdp_mesh_across_nodes(tmp_path):
+    """4 gloo ranks as 2 nodes x 2: HSDP (replicated across nodes, sharded within), so each rank reads half the
+    decoder weights; as one node each reads a quarter."""
+    _check_shards(tmp_path, 4, {1: (((4,), ("data_parallel",)), 4), 2: (((2, 2), ("replicate", "shard")), 2)})

@@ -128,7 +128,7 @@ def test_stale_checkpoint_temporaries_are_removed(env):
 
 def test_run_identity_ignores_only_resumable_keys():
     base = {"optim": {"lr": 0.001}, "trainer": {"max_steps": 4, "precision": "32-true"}, "output_dir": "a"}
-    ident = dict(data_fingerprint="f", d2t=torch.arange(3), target={"model_type": "llama"})
+    ident = dict(data_fingerprint="f", d2t=torch.arange(3), target={"model_type": "llama"}, world_size=1)
     a = run_identity(base, **ident)
     assert identity_differences(a, run_identity({**base, "trainer": {"max_steps": 9, "precision": "32-true"},
                                                   "output_dir": "b"}, **ident)) == []
@@ -137,6 +137,20 @@ def test_run_identity_ignores_only_resumable_keys():
     assert identity_differences(a, run_identity(base, **{**ident, "d2t": torch.tensor([0, 1, 5])}))
     assert identity_differences(a, run_identity(base, **{**ident, "data_fingerprint": "g"}))
     assert "trainer.max_steps" in RESUMABLE_KEYS and "optim.lr" not in RESUMABLE_KEYS
+
+
+def test_run_identity_allows_another_world_size_with_the_same_global_batch():
+    """2 processes x batch 1 resume as 1 process x batch 2 (the same global batches, resharded state); a change of
+    the global batch (2 x 1 -> 1 x 1) is refused."""
+    ident = dict(data_fingerprint="f", d2t=torch.arange(3), target={"model_type": "llama"})
+    two = run_identity({"trainer": {"devices": 2, "num_nodes": 1, "batch_size": 1}}, **ident, world_size=2)
+    one = run_identity({"trainer": {"devices": 1, "num_nodes": 1, "batch_size": 2}}, **ident, world_size=1)
+    assert identity_differences(two, one) == []
+    nodes = run_identity({"trainer": {"devices": 1, "num_nodes": 2, "batch_size": 1}}, **ident, world_size=2)
+    assert identity_differences(two, nodes) == []
+    smaller = run_identity({"trainer": {"devices": 1, "num_nodes": 1, "batch_size": 1}}, **ident, world_size=1)
+    assert identity_differences(two, smaller) == [
+        "global batch (trainer.batch_size x devices x num_nodes): 2 -> 1"]
 
 
 def test_provenance_is_strict_json():

@@ -197,3 +197,85 @@ def _merge_lora(model: PreTrainedModel, lora_path: str | os.PathLike) -> PreTrai
 
     logger.info("merging LoRA adapter %s into the target", lora_path)
     return PeftModel.from_pretrained(model, str(lora_path)).merge_and_unload()
+
+
+class ShardedLoadUnsupported(ValueError):
+    """The target cannot be read shard by shard (no safetensors files, a LoRA to merge, or parameter names that
+    transformers renames/fuses on load); the caller loads it whole instead."""
+
+
+def target_weight_files(path: str | os.PathLike, local_only: bool = False) -> dict[str, Path]:
+    """`{tensor name: safetensors file}` of a target folder or Hub repo (only the file headers are read).
+
+    Raises:
+        ShardedLoadUnsupported: the target has no `*.safetensors` files.
+    """
+    from safetensors import safe_open
+
+    folder = Path(path)
+    if not folder.is_dir():  # a Hub id: the safetensors files only, from the cache or the Hub
+        folder = Path(huggingface_hub.snapshot_download(str(path), allow_patterns=["*.safetensors", "*.json"],
+                                                        local_files_only=local_only))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ShardedLoadUnsupported(f"target {path} has no *.safetensors files")
+    out: dict[str, Path] = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            out.update(dict.fromkeys(f.keys(), file))
+    return out
+
+
+def load_target_skeleton(
+    name_or_path: str | os.PathLike,
+    dtype: torch.dtype | str = torch.float32,
+    trust_remote_code: bool = False,
+) -> tuple[PreTrainedModel, Any, TargetAdapter]:
+    """The frozen target with its decoder layers' parameters on the meta device: only the embedding, final norm,
+    lm_head (and anything else outside the decoder layers) are read, so no process holds the whole target.
+
+    FSDP then shards the layers and each rank reads only its own slices (`eagle3_zoo.training.strategies.
+    load_target_shards`, from `model.eagle3_weight_files`). Buffers are built as usual (e.g. rotary frequencies).
+
+    Returns:
+        ``(model, tokenizer, adapter)`` as `load_target` (on the CPU, every parameter ``requires_grad=False``).
+
+    Raises:
+        ShardedLoadUnsupported: no safetensors files, or a parameter whose name is not in them (transformers converts
+            the checkpoint on load for that model, e.g. fused MoE experts): load it whole with `load_target`.
+    """
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+
+    path, local_only = resolve_target(name_or_path)
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": local_only}
+    config = AutoConfig.from_pretrained(path, **kwargs)
+    adapter = adapter_for(config)
+    _refuse_fp8(config, name_or_path)
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
+    if torch_dtype == "auto":
+        torch_dtype = getattr(config, "dtype", None) or torch.float32
+    files = target_weight_files(path, local_only)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    aliases: dict[int, list[str]] = {}  # tied weights: one parameter under several names
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    unreadable = [names[0] for names in aliases.values() if not any(n in files for n in names)]
+    if unreadable:
+        raise ShardedLoadUnsupported(f"target {path}: {len(unreadable)} parameters are not stored under their own "
+                                     f"names in the safetensors files (e.g. {unreadable[:3]})")
+    layers = {id(p) for p in adapter.decoder_layers(model).parameters()}
+    for pid, names in aliases.items():
+        if pid in layers:
+            continue
+        key = next(n for n in names if n in files)
+        with safe_open(files[key], "pt") as f:
+            value = torch.nn.Parameter(f.get_tensor(key).to(torch_dtype), requires_grad=False)
+        for name in names:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, value)
+    model.requires_grad_(False)
+    model.eval()
+    model.eagle3_weight_files = files
+    return model, AutoTokenizer.from_pretrained(path, **kwargs), adapter

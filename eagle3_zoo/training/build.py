@@ -108,10 +108,13 @@ def build_run(recipe: Any, source: str = "recipe") -> TrainingRun:
     from eagle3_zoo.data.datamodule import Eagle3DataModule
     from eagle3_zoo.data.prepare import prepare_data
     from eagle3_zoo.training.module import Eagle3Module
-    from eagle3_zoo.training.strategies import enable_activation_checkpointing
+    from eagle3_zoo.training.strategies import enable_activation_checkpointing, target_skeleton_reason
 
     L.seed_everything(recipe.trainer.seed, workers=True, verbose=False)
-    target, tokenizer, adapter = load_recipe_target(recipe, source)
+    whole = target_skeleton_reason(recipe)  # FSDP reads the decoder layers shard by shard unless this says why not
+    if whole and recipe.trainer.strategy == "fsdp":
+        logger.info("every rank loads the whole target: %s", whole)
+    target, tokenizer, adapter = load_recipe_target(recipe, source, skeleton=whole is None)
     data = prepare_data(recipe, tokenizer, adapter, target=target, target_id=recipe.target.name_or_path,
                         vocab_size=target.config.vocab_size)
     aux_ids = aux_layer_ids_for(recipe, target, adapter)

@@ -35,8 +35,8 @@ from eagle3_zoo.training import resume
 from eagle3_zoo.training.build import build_run
 from eagle3_zoo.training.callbacks import ProgressLogCallback, StepProgressBar, TTTScheduleCallback
 from eagle3_zoo.training.module import NonFiniteError, all_finite
-from eagle3_zoo.training.outputs import build_provenance, full_drafter, git_info, write_drafter_folder
-from eagle3_zoo.training.strategies import build_strategy
+from eagle3_zoo.training.outputs import build_provenance, drafter_info, full_drafter, git_info, write_drafter_folder
+from eagle3_zoo.training.strategies import build_strategy, recover_replaced_directory, world_size_of
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +168,7 @@ def fit(recipe: Any, source: str = "recipe") -> Path:
     output_dir = Path(recipe.output_dir)
     last = output_dir / CHECKPOINT_DIR / LAST_CHECKPOINT
     resume.remove_stale_temporaries(last.parent)
+    recover_replaced_directory(last)  # a sharded checkpoint whose replacement was cut short
     if last.exists():  # a corrupt or foreign checkpoint fails here, before the target and the data are loaded
         resume.read_checkpoint_identity(last)
     run = build_run(recipe, source)
@@ -177,24 +178,32 @@ def fit(recipe: Any, source: str = "recipe") -> Path:
                    "dtype": recipe.target.dtype, "lora_path": recipe.target.lora_path,
                    "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
                    "vocab_size": cfg.vocab_size}
+    t = recipe.trainer
     identity = resume.run_identity(recipe_to_dict(recipe), data_fingerprint=data.fingerprint,
-                                   d2t=run.module.drafter.d2t, target=target_info)
+                                   d2t=run.module.drafter.d2t, target=target_info,
+                                   world_size=world_size_of(t.devices, t.num_nodes, t.accelerator))
     if last.exists():
         resume.check_resume(last, identity)
         logger.info("resuming from %s (same run settings)", last)
-    trainer = build_trainer(recipe, adapter, [resume.RunIdentityCallback(identity),
+    data_summary = {**data.summary(), "draft_vocab_coverage": draft_vocab_coverage(data.counts, run.module.drafter.t2d),
+                    "mode": recipe.data.mode, "features": run.features}
+    # what `eagle3-zoo consolidate` needs to write the drafter folder from a checkpoint alone
+    info = drafter_info(run.module.drafter, recipe_to_dict(recipe), build_provenance(
+        recipe_dict=recipe_to_dict(recipe), target=target_info, data=data_summary, drafter=run.module.drafter,
+        training={"strategy": t.strategy, "precision": t.precision}, git=git))
+    trainer = build_trainer(recipe, adapter, [resume.RunIdentityCallback(identity, info),
                                               *_tau_eval_callbacks(recipe, run.tokenizer)], has_val=bool(data.val))
     for lg in trainer.loggers:  # the resolved recipe as the run's hyperparameters (hparams.yaml, TensorBoard)
         lg.log_hyperparams(recipe_to_dict(recipe))
     trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=str(last) if last.exists() else None)
-    trained = full_drafter(run.module)  # collective under FSDP: every rank takes part
-    bad = [k for k, v in trained.state_dict().items() if v.is_floating_point() and not all_finite(v)]
-    if bad:
-        raise NonFiniteError(f"the trained drafter has non-finite weights ({', '.join(bad[:4])}); nothing written")
+    trained = full_drafter(run.module)  # collective under FSDP: every rank takes part, rank 0 gets the weights
+    bad = [] if trained is None else [k for k, v in trained.state_dict().items()
+                                      if v.is_floating_point() and not all_finite(v)]
+    if trainer.strategy.broadcast(bool(bad)):
+        raise NonFiniteError(f"the trained drafter has non-finite weights ({', '.join(bad[:4]) or 'see rank 0'}); "
+                             "nothing written")
     out = output_dir / DRAFTER_DIR
     if trainer.is_global_zero:
-        data_summary = {**data.summary(), "draft_vocab_coverage": draft_vocab_coverage(data.counts, trained.t2d),
-                        "mode": recipe.data.mode, "features": run.features}
         training = {"global_step": trainer.global_step, "epochs": trainer.current_epoch,
                     "strategy": recipe.trainer.strategy, "world_size": trainer.world_size,
                     "precision": recipe.trainer.precision, "wall_time_s": round(time.time() - start, 1),

@@ -12,6 +12,7 @@ the Trainer, and never wrapped by DDP. FSDP shards its decoder layers explicitly
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, NamedTuple
 
@@ -23,6 +24,8 @@ from typing_extensions import override
 from eagle3_zoo.modeling import Eagle3Drafter
 from eagle3_zoo.training.loss import TTTLossOutput, default_step_weights, ttt_loss
 from eagle3_zoo.training.metrics import StepMetrics, acceptance_length_estimate
+
+logger = logging.getLogger(__name__)
 
 DECAYS = ("cosine", "linear", "constant")
 
@@ -183,10 +186,14 @@ class Eagle3Module(L.LightningModule):
     def configure_model(self) -> None:
         if self.device_mesh is None or self._sharded:
             return
-        from eagle3_zoo.training.strategies import shard_fsdp2
+        from eagle3_zoo.training.strategies import fsdp_mesh, shard_fsdp2
 
-        shard_fsdp2(self.target if self.mode == "online" else None, self.adapter, self.objective,
-                    self.device_mesh["data_parallel"])
+        read = shard_fsdp2(self.target if self.mode == "online" else None, self.adapter, self.objective,
+                           fsdp_mesh(self.device_mesh, self.trainer.num_nodes), precision=str(self.trainer.precision),
+                           device=self.trainer.strategy.root_device)
+        if read:
+            logger.info("rank %d read its target shards: %d slices, %.1f MB", self.global_rank, read["tensors"],
+                        read["bytes"] / 2**20)
         self._sharded = True
 
     @override

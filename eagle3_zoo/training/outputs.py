@@ -153,16 +153,94 @@ def write_drafter_folder(drafter: Eagle3Drafter, out_dir: str | Path, recipe: An
     return out_dir
 
 
-def full_drafter(module: Any) -> Eagle3Drafter:
-    """A plain (unsharded, CPU, fp32) copy of the trained drafter. Collective under FSDP: call on every rank."""
+def drafter_from_state(config: Any, state: dict[str, torch.Tensor],
+                       fc_input_scale: torch.Tensor | None = None) -> Eagle3Drafter:
+    """The drafter to write (fp32, CPU) from a full state dict of its weights; a training-time fc preconditioning
+    scale is folded into fc.weight."""
+    drafter = Eagle3Drafter(config)
+    drafter.load_state_dict(state)
+    drafter = drafter.to(torch.float32)
+    if fc_input_scale is not None:
+        drafter.set_fc_input_scale(fc_input_scale.detach().cpu().float())
+        drafter.fold_fc_input_scale()
+    return drafter
+
+
+def full_drafter(module: Any) -> Eagle3Drafter | None:
+    """A plain (unsharded, CPU, fp32) copy of the trained drafter. Under FSDP the full weights are gathered onto
+    rank 0 only, shard by shard (`get_model_state_dict(full_state_dict=True, cpu_offload=True)`); every rank must
+    call it, and the others get None."""
     from torch.distributed.tensor import DTensor
 
     src = module.drafter
-    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in src.state_dict().items()}
-    drafter = Eagle3Drafter(src.config)
-    drafter.load_state_dict(state)
-    drafter = drafter.to(torch.float32)
-    if src._fc_scaled:  # training-time preconditioning: the written drafter carries it inside fc.weight
-        drafter.set_fc_input_scale(src.fc_input_scale.detach().cpu().float())
-        drafter.fold_fc_input_scale()
-    return drafter
+    if any(isinstance(p, DTensor) for p in src.parameters()):
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(src, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.get_rank() != 0:
+            return None
+    else:
+        state = src.state_dict()
+    # a one-rank mesh hands back its (complete) DTensors as they are
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()}
+    return drafter_from_state(src.config, state, src.fc_input_scale if src._fc_scaled else None)
+
+
+DRAFTER_INFO_KEY = "eagle3_zoo_drafter"
+"""Checkpoint entry with what `consolidate_checkpoint` needs besides the weights: the drafter config, its fc
+preconditioning scale (not a checkpointed buffer), the resolved recipe, and the provenance known at the start."""
+_STATE_PREFIX = "state_dict.objective.drafter."  # DCP keys of the drafter in a Lightning checkpoint of `fit`
+
+
+def drafter_info(drafter: Eagle3Drafter, recipe_dict: dict[str, Any], provenance: dict[str, Any]) -> dict[str, Any]:
+    """The `DRAFTER_INFO_KEY` entry for `drafter` (see there)."""
+    return {"config": json.dumps(drafter.config.to_json_dict()), "recipe": json.dumps(recipe_dict, default=str),
+            "provenance": provenance_json(provenance),
+            "fc_input_scale": drafter.fc_input_scale.detach().cpu().float() if drafter._fc_scaled else None}
+
+
+def consolidate_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Write the canonical drafter folder (`write_drafter_folder`: the same files a finished run writes) from a
+    checkpoint of `fit`: a sharded (DCP) `last.ckpt` directory of an FSDP run, or a single-file checkpoint.
+
+    Runs in one process: DCP reads every rank's shards into full tensors (`no_dist=True`).
+
+    Raises:
+        FileNotFoundError: `checkpoint` does not exist.
+        ValueError: not a checkpoint written by `fit` (no drafter entry), or unreadable.
+    """
+    import torch.distributed.checkpoint as dcp
+    from omegaconf import OmegaConf
+
+    from eagle3_zoo.modeling import Eagle3Config
+
+    checkpoint = Path(checkpoint)
+    if not checkpoint.exists():
+        raise FileNotFoundError(f"checkpoint {checkpoint} does not exist (pass a run's checkpoints/last.ckpt)")
+    sharded = checkpoint.is_dir()
+    meta_file = checkpoint / "meta.pt" if sharded else checkpoint
+    try:
+        meta = torch.load(meta_file, map_location="cpu", weights_only=True, mmap=not sharded)
+    except Exception as e:
+        raise ValueError(f"{meta_file} is not a readable checkpoint ({type(e).__name__}: "
+                         f"{next(iter(str(e).splitlines()), '')})") from None
+    info = meta.get(DRAFTER_INFO_KEY) if isinstance(meta, dict) else None
+    if not isinstance(info, dict):
+        raise ValueError(f"{checkpoint} was not written by an eagle3-zoo fit that records its drafter "
+                         f"({DRAFTER_INFO_KEY} is missing)")
+    config = Eagle3Config.from_json_dict(json.loads(info["config"]), source=f"{checkpoint} drafter config")
+    if sharded:
+        metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+        state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
+                 if k.startswith(_STATE_PREFIX)}
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    else:
+        state = {f"state_dict.{k}": v for k, v in meta["state_dict"].items()}
+    state = {k.removeprefix(_STATE_PREFIX): v for k, v in state.items() if k.startswith(_STATE_PREFIX)}
+    drafter = drafter_from_state(config, state, info.get("fc_input_scale"))
+    provenance = json.loads(info["provenance"])
+    provenance.setdefault("training", {}).update(global_step=meta.get("global_step"),
+                                                 consolidated_from=str(checkpoint.resolve()))
+    recipe = OmegaConf.create(json.loads(info["recipe"]))
+    return write_drafter_folder(drafter, out_dir, recipe, provenance)

@@ -9,7 +9,12 @@ Without this a rerun of `fit` with another dataset or learning rate in the same 
 run (0 steps left to train) and writes the old weights under the new recipe's provenance: a silently wrong drafter.
 The identity is the resolved recipe minus the keys that may change on resume (`RESUMABLE_KEYS`), plus what the
 recipe does not pin down by itself: the prepared data (its fingerprint covers file contents, tokenizer and every
-token-stream setting), the draft vocabulary and the target's shape.
+token-stream setting), the draft vocabulary, the target's shape, and the global batch.
+
+World size: `trainer.devices`, `trainer.num_nodes` and `trainer.batch_size` may change on resume as long as their
+product, the global batch of one optimizer step, stays the same: the sampler cuts the same global batches for any
+number of ranks (`eagle3_zoo.data.datamodule`), DDP/single-file checkpoints hold the full state, and FSDP's sharded
+(DCP) checkpoints are resharded on load. A different global batch would change every later step, so it is refused.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ IDENTITY_KEY = "eagle3_zoo_run_identity"
 RESUMABLE_KEYS = (
     "output_dir", "demo", "trainer.max_steps", "trainer.max_epochs", "trainer.checkpoint_every_n_steps",
     "trainer.val_check_interval", "trainer.log_every_n_steps", "trainer.logger", "trainer.tau_eval",
-    "trainer.activation_checkpointing", "data.num_workers", "data.cache_dir", "data.features_dir",
+    "trainer.activation_checkpointing", "trainer.devices", "trainer.num_nodes", "trainer.batch_size",
+    "data.num_workers", "data.cache_dir", "data.features_dir",
     "data.features_shard_size", "data.regenerate.output", "data.regenerate.batch_size",
 )
 
@@ -70,12 +76,15 @@ def tensor_digest(*tensors: torch.Tensor) -> str:
 
 
 def run_identity(recipe_dict: dict[str, Any], *, data_fingerprint: str, d2t: torch.Tensor,
-                 target: dict[str, Any]) -> dict[str, str]:
+                 target: dict[str, Any], world_size: int) -> dict[str, str]:
     """The settings that define a run, flattened to `{"optim.lr": "0.001", ..., "data fingerprint": ...}`.
 
+    `world_size`: the processes the trainer settings resolve to (with `trainer.batch_size`, the global batch).
     Values are strings so that the identity survives `torch.load(weights_only=True)` and compares exactly.
     """
     identity = {k: repr(v) for k, v in sorted(_flatten(recipe_dict).items()) if not _resumable(k)}
+    batch = recipe_dict.get("trainer", {}).get("batch_size", 1)
+    identity["global batch (trainer.batch_size x devices x num_nodes)"] = repr(batch * world_size)
     identity["prepared data (fingerprint of files, tokenizer and token settings)"] = data_fingerprint
     identity["draft vocabulary (d2t digest)"] = tensor_digest(d2t)
     for key in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size"):
@@ -104,13 +113,16 @@ def _fresh_hint(checkpoint: Path) -> str:
 
 
 def read_checkpoint_identity(checkpoint: Path) -> dict[str, str]:
-    """The run identity stored in a Lightning checkpoint of `fit`.
+    """The run identity stored in a Lightning checkpoint of `fit` (a file, or a sharded checkpoint's directory,
+    whose `meta.pt` holds everything but the weights and optimizer states).
 
     Raises:
         ResumeError: the file is not a readable checkpoint, or was not written by an eagle3-zoo `fit`.
     """
+    sharded = checkpoint.is_dir()
     try:  # mmap: only the pickled header is read, not the tensors (a 70B drafter's optimizer state is large)
-        state = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(checkpoint / "meta.pt" if sharded else checkpoint, map_location="cpu",
+                           weights_only=True, mmap=not sharded)
     except Exception as e:  # truncated zip, foreign pickle (weights_only refuses it), not a torch file at all
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ResumeError(f"{checkpoint} is not a readable checkpoint of this run ({type(e).__name__}: "
@@ -154,11 +166,12 @@ def remove_stale_temporaries(directory: Path, older_than_s: float = _STALE_AFTER
 
 
 class RunIdentityCallback(L.Callback):
-    """Writes the run identity into every checkpoint, and refuses to save one whose drafter weights are not finite
-    (so `last.ckpt` always holds the last finite state of a run that diverged)."""
+    """Writes the run identity (and `info`: `outputs.drafter_info`, for `consolidate_checkpoint`) into every
+    checkpoint, and refuses to save one whose drafter weights are not finite (so `last.ckpt` always holds the last
+    finite state of a run that diverged)."""
 
-    def __init__(self, identity: dict[str, str]):
-        self.identity = identity
+    def __init__(self, identity: dict[str, str], info: dict[str, Any] | None = None):
+        self.identity, self.info = identity, info
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -173,3 +186,7 @@ class RunIdentityCallback(L.Callback):
                                  f"({', '.join(bad[:4]) or 'on another rank'}); no checkpoint was written, the last "
                                  "finite one is kept. Lower optim.lr, keep optim.grad_clip set, or train in fp32")
         checkpoint[IDENTITY_KEY] = dict(self.identity)
+        if self.info is not None:
+            from eagle3_zoo.training.outputs import DRAFTER_INFO_KEY
+
+            checkpoint[DRAFTER_INFO_KEY] = dict(self.info)

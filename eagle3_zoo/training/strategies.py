@@ -3,11 +3,20 @@
 The drafter and adapter files import nothing distributed; `Eagle3Module.configure_model` calls `shard_fsdp2`
 here when the strategy is FSDP.
 
-FSDP = FSDP2 (`torch.distributed.fsdp.fully_shard`) under Lightning's `ModelParallelStrategy` with a 1-D
-data-parallel mesh (tensor_parallel_size=1). Lightning 2.6.6's ModelParallelStrategy has no CUDA-only code path:
-the mesh is built on the root device's type and the process group backend follows the device (gloo on CPU), so
-the same strategy runs the CPU tests and multi-GPU jobs. Checkpoints are saved consolidated
-(`save_distributed_checkpoint=False`): one `last.ckpt` file that resumes under any world size.
+FSDP = FSDP2 (`torch.distributed.fsdp.fully_shard`) under Lightning's `ModelParallelStrategy`
+(tensor_parallel_size=1). Lightning 2.6's ModelParallelStrategy has no CUDA-only code path: the mesh is built on
+the root device's type and the process group backend follows the device (gloo on CPU), so the same strategy runs
+the CPU tests and multi-GPU jobs. The sharding mesh is flat on one node and 2-D across nodes (HSDP: replicate
+across nodes, shard within a node; `fsdp_mesh`). Under `trainer.precision: bf16-mixed` the drafter computes with
+bf16 parameters and reduces gradients in fp32 (`MixedPrecisionPolicy`); the frozen target stays in its own dtype.
+
+Checkpoints are sharded (torch.distributed.checkpoint, DCP): `last.ckpt` is a directory in which every rank writes
+its own shards (`ShardedCheckpointStrategy`, staged and renamed into place); DCP reshards on load, so it resumes
+under another world size. `eagle3_zoo.training.outputs.consolidate_checkpoint` turns one into a drafter folder.
+
+A target loaded as a skeleton (`eagle3_zoo.adapters.loading.load_target_skeleton`: decoder layers on the meta
+device) is filled after sharding by `load_target_shards`: each rank reads only the slices it owns from the
+safetensors files, so no process ever holds the whole target.
 
 What is sharded: every decoder layer of the frozen target (online mode; `adapter.decoder_layers`) and the
 drafter's objective as one unit. The target's embedding, final norm and lm_head stay replicated: the training step
@@ -18,6 +27,10 @@ forward, where sharded parameters would not be gathered.
 from __future__ import annotations
 
 import functools
+import logging
+import os
+import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +39,8 @@ from torch.utils.checkpoint import checkpoint
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
+
+logger = logging.getLogger(__name__)
 
 # DeepSpeed is not offered: nothing here tested it working, and FSDP2 covers what ZeRO would do for a drafter
 STRATEGIES = ("auto", "ddp", "fsdp")
@@ -70,31 +85,176 @@ def build_strategy(
         # every drafter parameter receives a gradient at every step (ttt_loss keeps them all in the graph)
         return DDPStrategy(find_unused_parameters=False)
     if name == "fsdp":
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
         world = _num_devices(devices, accelerator) * num_nodes
-        return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1,
-                                     save_distributed_checkpoint=False)
+        return _sharded_checkpoint_strategy()(data_parallel_size=world, tensor_parallel_size=1)
     raise ValueError(f"unknown strategy {name!r} (recipe trainer.strategy); valid: {', '.join(STRATEGIES)}")
 
 
-def shard_fsdp2(target: nn.Module | None, adapter: Any, objective: nn.Module, mesh: Any) -> None:
-    """Apply FSDP2 in place: each target decoder layer, then the drafter objective as one unit.
+def target_skeleton_reason(recipe: Any) -> str | None:
+    """Why the recipe's target must be loaded whole before training (None: FSDP can load it shard by shard).
+
+    Only FSDP in online mode shards the target; the data stage must not run the target before it is sharded
+    (in-process regeneration, `optim.precondition_fc`'s feature statistics), and a LoRA is merged into full weights.
+    """
+    if recipe.trainer.strategy != "fsdp" or recipe.data.mode != "online":
+        return "only FSDP in online mode shards the target"
+    if recipe.target.lora_path:
+        return "target.lora_path is merged into the full weights"
+    if recipe.data.regenerate.enabled and recipe.data.regenerate.backend == "hf":
+        return "data.regenerate runs the target in this process (backend hf) before training"
+    if recipe.optim.precondition_fc and not recipe.drafter.init_from:
+        return "optim.precondition_fc runs the target on training samples before training"
+    return None
+
+
+def world_size_of(devices: int | str, num_nodes: int, accelerator: str) -> int:
+    """The number of processes a recipe's trainer settings resolve to."""
+    return _num_devices(devices, accelerator) * num_nodes
+
+
+def _sharded_checkpoint_strategy() -> type:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    class ShardedCheckpointStrategy(ModelParallelStrategy):
+        """`ModelParallelStrategy` whose DCP checkpoint directory is written next to its destination and renamed
+        into place once every rank has written its shards, so a crash mid-save leaves the previous checkpoint."""
+
+        def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+            path = Path(self.broadcast(filepath))
+            staged = path.with_name(f".{path.name}.staged")
+            if self.global_rank == 0:
+                shutil.rmtree(staged, ignore_errors=True)  # left by a save that was killed
+            self.barrier("dcp-staged-clean")
+            super().save_checkpoint(checkpoint, staged, storage_options)
+            self.barrier("dcp-staged-written")
+            if self.global_rank == 0:
+                replace_directory(staged, path)
+            self.barrier("dcp-renamed")
+
+    return ShardedCheckpointStrategy
+
+
+def replace_directory(staged: Path, path: Path) -> None:
+    """Rename `staged` to `path`, replacing a file or directory there (the old one is moved aside first and then
+    deleted; `recover_replaced_directory` puts it back if a crash came between the two renames)."""
+    old = path.with_name(f".{path.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.is_dir():
+        os.rename(path, old)
+    elif path.exists():
+        path.unlink()
+    os.rename(staged, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_replaced_directory(path: Path) -> None:
+    """Undo a `replace_directory` cut short between its renames: the moved-aside checkpoint becomes `path` again."""
+    old = path.with_name(f".{path.name}.old")
+    if old.is_dir() and not path.exists():
+        os.rename(old, path)
+        logger.info("restored %s from an interrupted checkpoint replacement", path)
+
+
+def fsdp_mesh(mesh: Any, num_nodes: int) -> Any:
+    """The FSDP sharding mesh from the strategy's mesh: flat (`data_parallel`) on one node; 2-D across nodes
+    (`("replicate", "shard")`, HSDP: parameters sharded within a node, replicated across nodes, so the slow
+    inter-node links carry one gradient all-reduce instead of every all-gather)."""
+    world = mesh.size()
+    if num_nodes <= 1 or world % num_nodes or world == num_nodes:
+        return mesh["data_parallel"]
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(mesh.device_type, (num_nodes, world // num_nodes), mesh_dim_names=("replicate", "shard"))
+
+
+def drafter_mixed_precision(precision: str) -> Any:
+    """FSDP2's mixed-precision policy of the drafter: bf16 parameters in forward/backward and fp32 gradient
+    reduction under `bf16-mixed`; None otherwise (fp32 throughout, or Lightning's fp16 autocast). Inputs are not
+    cast: the target's features and logits keep their precision, autocast handles the drafter's matmuls."""
+    if precision != "bf16-mixed":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def shard_fsdp2(target: nn.Module | None, adapter: Any, objective: nn.Module, mesh: Any,
+                precision: str = "32-true", device: torch.device | str = "cpu") -> dict[str, int]:
+    """Apply FSDP2 in place: each target decoder layer, then the drafter objective as one unit. A skeleton target
+    (`load_target_skeleton`) is then filled with this rank's slices (`load_target_shards`).
 
     Args:
         target: the frozen target (None in offline mode: only the drafter is sharded).
         adapter: its adapter (`decoder_layers(model)` lists the wrap units).
         objective: the module whose `forward` runs the drafter and its loss (parameters gathered around it).
-        mesh: a 1-D data-parallel `DeviceMesh`.
+        mesh: the sharding `DeviceMesh` (`fsdp_mesh`).
+        precision: `trainer.precision` (bf16-mixed gives the drafter `drafter_mixed_precision`).
+        device: where a skeleton target's shards are placed.
 
-    Mixed precision stays Lightning's (autocast from `trainer.precision`), as with the other strategies.
+    Returns:
+        What `load_target_shards` read (empty for a target that was already loaded).
     """
     from torch.distributed.fsdp import fully_shard
 
+    stats: dict[str, int] = {}
     if target is not None:
         for layer in adapter.decoder_layers(target):
-            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    fully_shard(objective, mesh=mesh)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True)  # the target keeps its dtype: no policy
+        if getattr(target, "eagle3_weight_files", None) is not None:
+            stats = load_target_shards(target, adapter, device)
+    policy = drafter_mixed_precision(precision)
+    fully_shard(objective, mesh=mesh, **({"mp_policy": policy} if policy is not None else {}))
+    return stats
+
+
+@torch.no_grad()
+def load_target_shards(target: nn.Module, adapter: Any, device: torch.device | str) -> dict[str, int]:
+    """Fill the sharded (DTensor) meta parameters of a skeleton target's decoder layers with this rank's slices,
+    read from the safetensors files (`safe_open(...).get_slice`): each rank reads only the rows it owns.
+
+    Returns:
+        `{"tensors": slices read, "bytes": bytes read}` for this rank (the decoder layers' share).
+    """
+    from contextlib import ExitStack
+
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    files: dict[str, Path] = target.eagle3_weight_files
+    layers = adapter.decoder_layers(target)
+    prefix = next(n for n, m in target.named_modules() if m is layers) + "."
+    read = {"tensors": 0, "bytes": 0}
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def slice_of(key: str, index: tuple[slice, ...]) -> torch.Tensor:
+            if files[key] not in handles:
+                handles[files[key]] = stack.enter_context(safe_open(files[key], "pt"))
+            value = handles[files[key]].get_slice(key)[index]
+            read["tensors"] += 1
+            read["bytes"] += value.numel() * value.element_size()
+            return value
+
+        for i, layer in enumerate(layers):
+            buffers = {n: b.clone() for n, b in layer.named_buffers() if not b.is_meta}
+            layer.to_empty(device=device)
+            for name, buf in layer.named_buffers():  # to_empty leaves real buffers uninitialised: put them back
+                if name in buffers:
+                    buf.copy_(buffers[name])
+            for name, param in layer.named_parameters():
+                key = f"{prefix}{i}.{name}"
+                if isinstance(param, DTensor):
+                    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                                          param.placements)
+                    local = param.to_local()
+                else:
+                    shape, offset, local = tuple(param.shape), (0,) * param.dim(), param
+                if 0 in shape:
+                    continue  # this rank owns no rows of it
+                local.copy_(slice_of(key, tuple(slice(o, o + n) for o, n in zip(offset, shape))))
+    target.eagle3_weight_files = None
+    return read
 
 
 def enable_activation_checkpointing(drafter: nn.Module) -> None:
