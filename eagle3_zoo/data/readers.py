@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
+from eagle3_zoo.recipe import EMBEDDED_SHAREGPT
+
 logger = logging.getLogger(__name__)
 
-EMBEDDED_SHAREGPT = "sharegpt-embedded"
 FORMATS = ("auto", "sharegpt", "messages", "jsonl")
 ROLE_ALIASES = {
     "human": "user", "user": "user",
