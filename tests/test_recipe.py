@@ -299,3 +299,43 @@ def test_save_resolved_recipe_round_trip(tmp_path):
     assert "${" not in out.read_text()
     assert [p.name for p in out.parent.iterdir()] == ["recipe.yaml"]  # no temp file left behind
     assert load_recipe(out) == r
+
+
+def _ruled_fields(cls=Recipe, prefix=""):
+    """(dotted key, section path, field name) of every field with a `> 0` rule, nested sections included."""
+    import dataclasses
+
+    for f in dataclasses.fields(cls):
+        tp = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            yield from _ruled_fields(tp, f"{prefix}{f.name}.")
+        elif f.metadata.get("check") is recipe_mod.GT0:
+            yield prefix + f.name
+
+
+RULED = list(_ruled_fields())
+
+
+def test_rules_sit_on_their_fields():
+    """Each `> 0` rule declared on a field is applied to that key, in every section (nested ones too)."""
+    assert {"drafter.draft_vocab_size", "optim.lr", "trainer.tau_eval.num_prompts",
+            "data.regenerate.batch_size"} <= set(RULED)
+    for key in RULED:
+        r = Recipe()
+        *parents, leaf = key.split(".")
+        section = r
+        for p in parents:
+            section = getattr(section, p)
+        setattr(section, leaf, 0)
+        with pytest.raises(RecipeError) as exc:
+            validate_recipe(r)
+        assert [(p.key, p.message) for p in exc.value.problems] == [(key, "must be > 0")], key
+
+
+def test_recipe_module_does_not_import_torch():
+    """The recipe (and the embedded names that adapters and data import from it) loads without torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, eagle3_zoo.recipe; sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1]).returncode == 0
