@@ -6,11 +6,11 @@ assistant turn keeps its ``reasoning`` (read from ``reasoning_content``, ``reaso
 `eagle3_zoo.adapters.chat` for how templates render them); the record's tool definitions (``tools``: a list of
 OpenAI function schemas, or that list as a JSON string; ``bad_tools`` otherwise) are kept on the `Conversation` for
 the template. Rendering with the chat template and tokenisation happen in the target adapter. Bad records either
-stop the read with a `DataError` naming the file, record index and line (`on_error="raise"`), or are skipped and counted per reason
-in `ReadStats`, which is logged (`on_error="skip"`). Nothing is dropped silently. A record holding bytes that are
-not UTF-8 (`invalid_utf8`), text with a lone surrogate escape such as "\\ud83d" (`lone_surrogate`: no tokenizer
-takes it) or nesting too deep to decode (`too_deeply_nested`) is one bad record like any other; the rest of the file
-is still read.
+stop the read with a `DataError` naming the file, record index and line (`on_error="raise"`), or are skipped and
+counted per reason in `ReadStats`, which is logged (`on_error="skip"`). Nothing is dropped silently. A record
+holding bytes that are not UTF-8 (`invalid_utf8`), text with a lone surrogate escape such as "\\ud83d"
+(`lone_surrogate`: no tokenizer takes it) or nesting too deep to decode (`too_deeply_nested`) is one bad record like
+any other; the rest of the file is still read.
 """
 
 from __future__ import annotations
