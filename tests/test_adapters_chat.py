@@ -288,6 +288,7 @@ GENERATED = {
     "deepseek_v3": lambda reply, *_: f"{reply}<｜end▁of▁sentence｜>",
     "gemma3": lambda reply, *_: f"{reply}<end_of_turn>",
     "mistral-small": lambda reply, *_: f"{reply}</s>",
+    "mistral-small-2501": lambda reply, *_: f"{reply}</s>",
     "qwen3": _qwen3,
     "harmony": _harmony,
 }
@@ -297,7 +298,12 @@ GENERATED_CALL = {
              f'{CALL_JSON}}}\n</tool_call><|im_end|>',
     "harmony": f" to=functions.get_weather<|channel|>commentary json<|message|>{CALL_JSON}<|call|>",
     "mistral-small": f"[TOOL_CALLS]get_weather[CALL_ID]abcDEF123[ARGS]{CALL_JSON}</s>",
+    "llama3": f'{{"name": "get_weather", "parameters": {CALL_JSON}}}<|eot_id|>',
+    "chatml-qwen2.5": f'<tool_call>\n{{"name": "get_weather", "arguments": {CALL_JSON}}}\n</tool_call><|im_end|>',
 }
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 
 
 @pytest.fixture(scope="module", params=FORMATS)
@@ -321,10 +327,11 @@ def _runs_oracle(tokenizer, ids, runs):
     return expected
 
 
-def _check(fmt, tokenizer, messages, runs, kwargs=None, prompts=(), reference=None):
-    example = build_chat_example(tokenizer, messages, 4096, fmt, template_kwargs=kwargs)
+def _check(fmt, tokenizer, messages, runs, kwargs=None, prompts=(), reference=None, tools=None):
+    example = build_chat_example(tokenizer, messages, 4096, fmt, template_kwargs=kwargs, tools=tools)
     ids, mask = example["input_ids"].tolist(), example["loss_mask"].tolist()
-    rendered = tokenizer.apply_chat_template(reference or messages, tokenize=True, **(kwargs or {}))["input_ids"]
+    rendered = tokenizer.apply_chat_template(reference or messages, tokenize=True, tools=tools,
+                                             **(kwargs or {}))["input_ids"]
     assert ids == rendered
     assert mask == _runs_oracle(tokenizer, ids, runs)  # token by token
     assert [tokenizer.decode(r) for r in _supervised_runs(ids, mask)] == runs
@@ -403,3 +410,77 @@ def test_reasoning_split_of_generated_replies():
     reply = "<|channel|>analysis<|message|>hmm<|end|><|start|>assistant<|channel|>final<|message|>Paris."
     assert harmony.split(reply) == ("hmm", "Paris.")
     assert harmony.split("<|channel|>final<|message|>Paris.") == ("", "Paris.")
+
+
+def test_tool_definitions_reach_the_template_and_earlier_turns_still_map(fmt_tokenizer):
+    """A greeting turn before the tool turns: Mistral 3.2 then moves [AVAILABLE_TOOLS] past it (region mapping with
+    no generation prompt); the others put the definitions in the system or first user turn."""
+    fmt, tokenizer = fmt_tokenizer
+    if "tools" not in fmt.features:
+        pytest.skip(f"{fmt.name} declares no tool turns")
+    thinking = "thinking" in fmt.features
+    messages = [{"role": "user", "content": "Hello, how are you today?"},
+                {"role": "assistant", "content": "Hello! Thanks."}, *TOOL_CONVERSATION]
+    runs = [GENERATED[fmt.name]("Hello! Thanks.", "", False, thinking), GENERATED_CALL[fmt.name],
+            GENERATED[fmt.name]("Sunny and 21 C.", "The tool says sunny." if thinking else "", True, thinking)]
+    ids, _ = _check(fmt, tokenizer, messages, runs, tools=TOOLS,
+                    prompts=["Current weather of a city.", "Hello, how are you today?", "sunny, 21 C"])
+    without = build_chat_example(tokenizer, messages, 4096, fmt)["input_ids"].tolist()
+    assert "Current weather of a city." not in tokenizer.decode(without) and len(without) < len(ids)
+
+
+def test_formats_without_tool_turns_refuse_tool_conversations(fmt_tokenizer):
+    """No silent mask for a call the template drops (DeepSeek-V3 needs content=None, which transformers removes;
+    Mistral 2501 has no tool calls; Gemma 3 no tool role)."""
+    fmt, tokenizer = fmt_tokenizer
+    if "tools" in fmt.features:
+        pytest.skip(f"{fmt.name} renders tool turns")
+    with pytest.raises(TemplateMappingError, match="renders none of the tool calls|failed to render"):
+        build_chat_example(tokenizer, TOOL_CONVERSATION, 4096, fmt)
+
+
+def test_deepseek_v3_drops_tool_calls_so_they_are_refused():
+    adapter = get_adapter("deepseek_v3")
+    with pytest.raises(TemplateMappingError, match="'deepseek_v3' renders none of the tool calls of assistant turn 1"):
+        adapter.build_example(adapter.tiny_tokenizer(), TOOL_CONVERSATION, 4096)
+
+
+def test_llama3_tool_rules_single_call_ipython_and_builtin_tools():
+    fmt = load_chat_format("llama3")
+    tokenizer = get_adapter("llama").tiny_tokenizer()
+    two_calls = [dict(m) for m in TOOL_CONVERSATION]
+    two_calls[1]["tool_calls"] = [CALL, CALL]
+    with pytest.raises(TemplateMappingError, match="only supports single tool-calls"):
+        build_chat_example(tokenizer, two_calls, 4096, fmt)
+    # the tool result is an ipython turn; with built-in tools (ipython mode) a call ends with <|eom_id|>
+    search = {"function": {"name": "brave_search", "arguments": {"query": "weather Paris"}}}
+    messages = [TOOL_CONVERSATION[0], {"role": "assistant", "content": None, "tool_calls": [search]},
+                {"role": "tool", "content": "sunny"},
+                {"role": "assistant", "content": "Sunny."}]
+    kwargs = {"builtin_tools": ["brave_search"]}
+    _check(fmt, tokenizer, messages, ['<|python_tag|>brave_search.call(query="weather Paris")<|eom_id|>',
+                                      "Sunny.<|eot_id|>"],
+           kwargs=kwargs,
+           prompts=["Environment: ipython\nTools: brave_search", "<|start_header_id|>ipython<|end_header_id|>"])
+
+
+def test_mistral_tokenizers_resolve_to_their_own_template():
+    adapter = get_adapter("mistral")
+    assert [f.name for f in adapter.chat_formats] == ["mistral-small-2501", "mistral-small"]
+    tokenizer = adapter.tiny_tokenizer()
+    assert tokenizer.chat_template == load_chat_format("mistral-small-2501").template
+    assert adapter.chat_format(tokenizer).name == "mistral-small-2501"
+    tokenizer.chat_template = load_chat_format("mistral-small").template
+    assert adapter.chat_format(tokenizer).name == "mistral-small"
+    assert "You are Mistral Small 3" in load_chat_format("mistral-small-2501").template
+
+
+def test_bad_tool_definitions_are_rejected():
+    tokenizer = get_adapter("qwen3").tiny_tokenizer()
+    fmt = load_chat_format("qwen3")
+    for tools, match in [({"name": "f"}, "tools must be a list of function schemas, got dict"),
+                         ([{"type": "function", "function": {"description": "x"}}], r"tools\[0\] needs a function")]:
+        with pytest.raises(ValueError, match=match):
+            build_chat_example(tokenizer, CONVERSATION, 4096, fmt, tools=tools)
+    plain = build_chat_example(tokenizer, CONVERSATION, 4096, fmt)["input_ids"].tolist()
+    assert build_chat_example(tokenizer, CONVERSATION, 4096, fmt, tools=[])["input_ids"].tolist() == plain

@@ -289,3 +289,24 @@ def test_reasoning_tool_calls_and_tool_turns_are_kept(tmp_path):
     path.write_text(json.dumps(bad) + "\n")
     with pytest.raises(DataError, match=r"tool_calls must be a list of objects \[bad_tool_calls\]"):
         read_conversations(path)
+
+
+def test_tool_definitions_and_ipython_turns_are_kept(tmp_path):
+    tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}]
+    turns = [{"role": "user", "content": "q"},
+             {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+             {"role": "ipython", "content": "42"}, {"role": "assistant", "content": "a"}]
+    records = [{"messages": turns, "tools": tools}, {"messages": turns, "tools": json.dumps(tools)},
+               {"messages": turns, "tools": []}, {"messages": turns}]
+    path = _write_jsonl(tmp_path / "t.jsonl", records)
+    convs, _ = read_conversations(path)
+    assert [c.tools for c in convs] == [tools, tools, None, None]
+    assert convs[0].messages[2] == {"role": "tool", "content": "42"}
+    for bad, match in [("not json", r"'tools' is a string but not JSON"),
+                       ({"name": "f"}, r"'tools': tools must be a list"),
+                       ([{"type": "function"}], r"'tools': tools\[0\] needs a function name")]:
+        _write_jsonl(path, [{"messages": turns, "tools": bad}])
+        with pytest.raises(DataError, match=rf"record 0 \(line 1\): {match}.*\[bad_tools\]"):
+            read_conversations(path)
+    _, stats = read_conversations(path, on_error="skip")
+    assert dict(stats.skipped) == {"bad_tools": 1}

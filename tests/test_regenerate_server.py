@@ -163,3 +163,19 @@ def test_regeneration_renders_with_the_template_kwargs_and_keeps_the_reasoning(n
         plain = tok("Paris.", add_special_tokens=False)["input_ids"]
         assert decode_reply(tok, adapter, plain, dict(fmt.thinking_off)) == {"role": "assistant", "content": "Paris."}
     assert not _to_answer({"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]})
+
+
+def test_served_prompts_carry_the_conversations_tool_definitions(tiny, tmp_path):
+    model, tok, adapter = tiny
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city.",
+                                               "parameters": {"type": "object"}}}]
+    convs = [Conversation(id="t0", source="data.jsonl", index=0, tools=tools,
+                          messages=[{"role": "user", "content": "Weather in Paris?"},
+                                    {"role": "assistant", "content": "old"}])]
+    hf, _ = regenerate_conversations(convs, model, tok, adapter, tmp_path / "hf.jsonl", batch_size=1, **KW)
+    with _served(model, tok) as server:
+        served, _ = regenerate_with_client(convs, OpenAIClient(server.url, retries=0), tok, adapter,
+                                           tmp_path / "api.jsonl", **KW)
+        prompt = server.completions[0]["prompt"]
+    assert "Current weather of a city." in tok.decode(prompt)
+    assert [c.messages for c in served] == [c.messages for c in hf] and served[0].tools == tools

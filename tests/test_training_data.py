@@ -337,3 +337,28 @@ def test_reading_rules_version_keys_the_token_stream_not_the_regenerated_answers
     assert prepare.regeneration_key(recipe, tok, "tiny") == answers
     monkeypatch.setattr(prepare, "REGENERATION_KEY_VERSION", prepare.REGENERATION_KEY_VERSION + 1)
     assert prepare.regeneration_key(recipe, tok, "tiny") != answers
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_tool_definitions_reach_tokenisation_regeneration_and_the_answers_key(tiny, tmp_path, monkeypatch):
+    from eagle3_zoo.data import regenerate
+    from eagle3_zoo.data.prepare import answers_digest
+
+    model, tok, adapter = tiny
+    messages = _chat("What is the capital of France?", "The capital of France is Paris.")
+    plain, tooled = _conv(0, messages), Conversation(id="c0", source="data.jsonl", index=0, messages=messages,
+                                                     tools=TOOLS)
+    (with_tools,), _ = tokenize_conversations([tooled], tok, adapter, max_length=1000)
+    (without,), _ = tokenize_conversations([plain], tok, adapter, max_length=1000)
+    assert with_tools["input_ids"].tolist() == tok.apply_chat_template(messages, tools=TOOLS)["input_ids"]
+    assert with_tools["input_ids"].numel() > without["input_ids"].numel()
+    assert with_tools["loss_mask"].sum() == without["loss_mask"].sum() > 0  # the definitions are prompt
+    assert answers_digest([tooled]) != answers_digest([plain])
+    prompts = []
+    monkeypatch.setattr(regenerate, "generate_replies", lambda model, p, **kw: prompts.extend(p) or [[]] * len(p))
+    regenerate.regenerate_conversations([tooled], model, tok, adapter, tmp_path / "r.jsonl", max_new_tokens=2)
+    assert "Current weather of a city." in tok.decode(prompts[0])

@@ -193,6 +193,7 @@ class TargetAdapter:
         max_length: int,
         system_prompt: str | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Tokenise a conversation with the target's chat template and mark the supervised assistant tokens.
 
@@ -200,7 +201,7 @@ class TargetAdapter:
         """
         fmt = self.chat_format(tokenizer)
         return build_chat_example(tokenizer, messages, max_length, fmt, system_prompt=system_prompt,
-                                  template_kwargs=template_kwargs)
+                                  template_kwargs=template_kwargs, tools=tools)
 
     def forward_features(
         self,

@@ -35,7 +35,15 @@ message may add ``"reasoning": str`` (the thinking the target generated before i
 dict | str}}]`` (``{"name", "arguments"}`` without ``function`` is accepted; a JSON-object string of arguments is
 decoded); a tool message may add ``"tool_call_id"`` and ``"name"``. Reasoning reaches the template under the field
 the format declares (``reasoning_content`` for Qwen3, ``thinking`` for harmony) and is dropped for formats that
-declare none, and when the template kwargs turn thinking off (the target would not have written it).
+declare none, and when the template kwargs turn thinking off (the target would not have written it). Tool calls
+reach the template as transformers documents them (arguments as an object); a template that renders none of an
+assistant message's calls (DeepSeek-V3's needs ``content=None``, which transformers drops; Mistral Small 3 2501
+has no tool calls) raises `TemplateMappingError`: the target's call cannot be supervised. A conversation's tool
+definitions (OpenAI function schemas, ``tools=``) reach the template as ``apply_chat_template(..., tools=...)``, as
+they do at inference; templates place them in the system prompt (Qwen; Llama-3.1 in the first user turn) or before
+the last user turn (Mistral Small 3.2: earlier turns then shift, and are mapped by region like the rewriting
+templates above; with no generation prompt, a reply starts right after what the prompt renders after the message
+before it).
 """
 
 from __future__ import annotations
@@ -231,12 +239,13 @@ def resolve_chat_format(tokenizer: Any, formats: Sequence[ChatFormat]) -> ChatFo
 
 def render_prompt(
     tokenizer: Any, messages: Sequence[Mapping[str, Any]], chat_format: ChatFormat,
-    template_kwargs: Mapping[str, Any] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
-    """The generation prompt for `messages` (validated as in `build_chat_example`) as the target sees it."""
+    """The generation prompt for `messages` and `tools` (validated as in `build_chat_example`) as the target sees it."""
     template = getattr(tokenizer, "chat_template", None) or chat_format.template
     messages = _validated(messages, None, chat_format, template_kwargs)
-    return _Renderer(tokenizer, template, template_kwargs).render(messages, add_generation_prompt=True)
+    renderer = _Renderer(tokenizer, template, template_kwargs, validate_tools(tools))
+    return renderer.render(messages, add_generation_prompt=True)
 
 
 def build_chat_example(
@@ -246,6 +255,7 @@ def build_chat_example(
     chat_format: ChatFormat,
     system_prompt: str | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Render `messages` with the chat template and mark the tokens the target generated.
 
@@ -257,6 +267,8 @@ def build_chat_example(
         system_prompt: Inserted as a leading system message when `messages` has none; ``None`` keeps the
             template's own default (e.g. Qwen-2.5's "You are Qwen, ...").
         template_kwargs: Extra template variables (recipe ``data.chat_template_kwargs``, e.g. ``enable_thinking``).
+        tools: The conversation's tool definitions (OpenAI function schemas), passed to the template as ``tools``;
+            ``None`` or empty: none (templates render no tool section then).
 
     Returns:
         ``{"input_ids": LongTensor[T], "loss_mask": LongTensor[T]}`` with ``loss_mask`` 1 exactly on what the
@@ -266,7 +278,7 @@ def build_chat_example(
         nothing but "stop at once".
 
     Raises:
-        ValueError: malformed messages or `max_length` < 1.
+        ValueError: malformed messages or tools, or `max_length` < 1.
         TemplateMappingError: the template cannot be mapped (texts rendered out of order, no generation prompt or
             end-of-turn token around a reply, rendering error, tokenizer without offsets).
     """
@@ -274,7 +286,8 @@ def build_chat_example(
         raise ValueError(f"max_length must be >= 1, got {max_length}")
     messages = _validated(messages, system_prompt, chat_format, template_kwargs)
     template = getattr(tokenizer, "chat_template", None) or chat_format.template
-    mapper = _TurnMapper(_Renderer(tokenizer, template, template_kwargs), messages, chat_format)
+    renderer = _Renderer(tokenizer, template, template_kwargs, validate_tools(tools))
+    mapper = _TurnMapper(renderer, messages, chat_format)
     spans = [mapper.span(i) for i, m in enumerate(messages) if m["role"] == "assistant" and _has_output(m)]
     ids, offsets = _tokenize_with_offsets(tokenizer, mapper.full)
     mask = _mask_from_spans(offsets, [s for s in spans if s is not None])
@@ -287,6 +300,25 @@ def thinking_enabled(chat_format: ChatFormat, template_kwargs: Mapping[str, Any]
     off = chat_format.thinking_off
     kwargs = template_kwargs or {}
     return chat_format.reasoning is not None and not (off and all(kwargs.get(k) == v for k, v in off.items()))
+
+
+def validate_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """`tools` as templates read them: a list of OpenAI function schemas (``{"type": "function", "function":
+    {"name", "description", "parameters"}}``, or the bare ``{"name", ...}``), kept as given; ``None`` when empty.
+
+    Raises:
+        ValueError: not a list of objects that each name a function.
+    """
+    if tools is None or (isinstance(tools, Sequence) and not isinstance(tools, str) and not tools):
+        return None
+    if not isinstance(tools, Sequence) or isinstance(tools, str):
+        raise ValueError(f"tools must be a list of function schemas, got {type(tools).__name__}")
+    for j, tool in enumerate(tools):
+        function = tool.get("function", tool) if isinstance(tool, Mapping) else None
+        if not (isinstance(function, Mapping) and isinstance(function.get("name"), str) and function["name"]):
+            raise ValueError(f"tools[{j}] needs a function name ({{'type': 'function', 'function': {{'name': str, "
+                             f"'description': str, 'parameters': dict}}}}), got {tool!r:.80}")
+    return [dict(tool) for tool in tools]
 
 
 def _validated(
@@ -303,7 +335,7 @@ def _validated(
         if unknown := set(message) - _MESSAGE_KEYS:
             raise ValueError(f"message {i} ({role}): unknown keys {sorted(unknown)}; valid: {sorted(_MESSAGE_KEYS)}")
         if content is None and role == "assistant" and message.get("tool_calls"):
-            content = ""  # OpenAI records: a pure tool call has content null
+            content = ""  # OpenAI records: a pure tool call has content null (transformers drops None keys anyway)
         if not isinstance(content, str):
             raise ValueError(f"message {i} ({role}): content must be a str, got {type(content).__name__}")
         rendered: dict[str, Any] = {"role": role, "content": content}
@@ -364,16 +396,22 @@ def _with_sentinels(message: dict[str, Any], mark: str) -> dict[str, Any]:
     out = {k: (mark if k not in ("role", "tool_call_id", "name") and isinstance(v, str) and v else v)
            for k, v in message.items()}
     if "tool_calls" in message:
-        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": {mark: mark}}}
-                             for c in message["tool_calls"]]
+        out["tool_calls"] = _marked_calls(message["tool_calls"], mark)
     return out
 
 
-class _Renderer:
-    """`apply_chat_template` to text with fixed template and kwargs; errors become `TemplateMappingError`."""
+def _marked_calls(calls: list[dict[str, Any]], mark: str) -> list[dict[str, Any]]:
+    return [{**c, "function": {**c["function"], "arguments": {mark: mark}}} for c in calls]
 
-    def __init__(self, tokenizer: Any, template: str, kwargs: Mapping[str, Any] | None) -> None:
+
+class _Renderer:
+    """`apply_chat_template` to text with fixed template, kwargs and tools; errors become `TemplateMappingError`."""
+
+    def __init__(self, tokenizer: Any, template: str, kwargs: Mapping[str, Any] | None,
+                 tools: list[dict[str, Any]] | None = None) -> None:
         self.tokenizer, self.template, self.kwargs = tokenizer, template, dict(kwargs or {})
+        if tools:
+            self.kwargs["tools"] = tools
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         try:
@@ -398,6 +436,14 @@ class _TurnMapper:
         """Character span [start, end) of what the target generated for assistant message i; None if not rendered."""
         if i == 0:  # templates cannot render the empty prompt before it (HF refuses empty conversations)
             raise TemplateMappingError("message 0 is a leading assistant turn with no prompt to answer: drop it")
+        if calls := self.messages[i].get("tool_calls"):
+            marked = {**self.messages[i], "tool_calls": _marked_calls(calls, _SENTINELS[0])}
+            if self.renderer.render([*self.messages[:i], marked, *self.messages[i + 1 :]], False) == self.full:
+                raise TemplateMappingError(
+                    f"chat format '{self.fmt.name}' renders none of the tool calls of assistant turn {i} (the template "
+                    "has no tool calls, or reads them from a layout transformers does not pass), so the call the "
+                    "target generated cannot be supervised"
+                )
         prompt = self.renderer.render(self.messages[:i], add_generation_prompt=True)
         through = self.renderer.render(self.messages[: i + 1], add_generation_prompt=False)
         if self.full.startswith(prompt) and self.full.startswith(through) and len(through) > len(prompt):
@@ -415,7 +461,8 @@ class _TurnMapper:
         region = self.region(i)
         if region is None:
             return None  # the template renders none of this message's texts here
-        before = next((r for r in map(self.region, range(i - 1, -1, -1)) if r is not None), (0, 0))
+        prev = next((k for k in range(i - 1, -1, -1) if self.region(k) is not None), None)
+        before = (0, 0) if prev is None else self.region(prev)
         after = next((r for r in map(self.region, range(i + 1, len(self.messages))) if r is not None),
                      (len(self.full), len(self.full)))
         if not before[1] <= region[0] <= region[1] <= after[0]:
@@ -423,7 +470,7 @@ class _TurnMapper:
                 f"chat format '{self.fmt.name}': the texts of messages {i - 1}..{i + 1} render out of order or "
                 f"overlap, so assistant turn {i} cannot be located"
             )
-        start = self._generation_start(i, prompt, before[1], region[0])
+        start = self._generation_start(i, prompt, before[1], region[0], prev)
         tail = self.full[region[1] : after[0]]
         ends = [(tail.find(token), token) for token in self.fmt.ends if token in tail]
         if not ends:
@@ -434,13 +481,20 @@ class _TurnMapper:
         at, token = min(ends)
         return start, region[1] + at + len(token)
 
-    def _generation_start(self, i: int, prompt: str, lo: int, hi: int) -> int:
-        """Where the target starts writing turn i, between the previous message's text (lo) and its own (hi)."""
+    def _generation_start(self, i: int, prompt: str, lo: int, hi: int, prev: int | None) -> int:
+        """Where the target starts writing turn i, between the text of message `prev` (ending at lo) and its own
+        (hi)."""
         if self.full.startswith(prompt) and lo <= len(prompt) <= hi:
             return len(prompt)
         history = self.renderer.render(self.messages[:i], add_generation_prompt=False)
         header = prompt[len(history) :] if prompt.startswith(history) else ""
         gap = self.full[lo:hi]
+        if not header and prompt == history and prev is not None:
+            # no generation prompt (Mistral): the target starts right after what the prompt renders after `prev`'s
+            # text (its closing "[/INST]", "[/TOOL_RESULTS]"), which must open the gap alike
+            closing = history[len(history) - self._tail_after(prev, i, history) :]
+            if gap.startswith(closing):
+                return lo + len(closing)
         # the whole generation prompt, else its longest head (whole tokens) that the template renders in history:
         # Qwen3 without thinking puts an empty <think> block into the prompt of the last turn only
         cuts = sorted({end for _, end in _tokenize_with_offsets(self.renderer.tokenizer, header)[1]}, reverse=True)
@@ -451,6 +505,15 @@ class _TurnMapper:
             f"chat format '{self.fmt.name}': the generation prompt {header!r} of assistant turn {i} is not rendered "
             f"before it (between {gap!r}), so where the target starts writing cannot be located"
         )
+
+    def _tail_after(self, k: int, i: int, history: str) -> int:
+        """Length of what `history` (the rendering of messages[:i]) renders after message k's texts."""
+        tails = []
+        for mark in _SENTINELS:
+            changed = [*self.messages[:k], _with_sentinels(self.messages[k], mark), *self.messages[k + 1 : i]]
+            other = self.renderer.render(changed, add_generation_prompt=False)
+            tails.append(_common_prefix(history[::-1], other[::-1]))
+        return min(tails)
 
     def region(self, k: int) -> tuple[int, int] | None:
         """[start, end) of the characters of the full rendering that depend on message k's texts; None if none do."""

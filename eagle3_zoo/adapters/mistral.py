@@ -9,7 +9,8 @@ from eagle3_zoo.adapters.base import TargetAdapter, register_adapter
 
 @register_adapter("mistral")
 class MistralAdapter(TargetAdapter):
-    """Mistral Small 3.x text models: Llama-like layers, ``[INST]``/``[SYSTEM_PROMPT]`` chat format (Tekken).
+    """Mistral Small 3.x text models: Llama-like layers, ``[INST]``/``[SYSTEM_PROMPT]`` chat formats (Tekken): the
+    2501 template (no tools) and the 3.2 (2506) one (``[TOOL_CALLS]``/``[TOOL_RESULTS]``, tool definitions).
 
     Mistral Small 3 has no sliding window (``sliding_window: null``); older Mistral-7B v0.1 slides every layer
     (``sliding_window: 4096``), which `attention_windows` reads from the config (all layers one window).
@@ -19,7 +20,9 @@ class MistralAdapter(TargetAdapter):
     """
 
     decoder_layer_class = "MistralDecoderLayer"
-    chat_format_names = ("mistral-small",)
+    # 2501 (the recipe's target, and the tiny tokenizer's) first: its signature is absent from the 3.2 template,
+    # while 3.2's ([SYSTEM_PROMPT]) is in both, so the order makes each tokenizer resolve to its own format
+    chat_format_names = ("mistral-small-2501", "mistral-small")
     sliding_window_layers = True  # only in checkpoints whose config sets sliding_window
 
     def tiny_config(self) -> MistralConfig:

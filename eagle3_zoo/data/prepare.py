@@ -38,12 +38,13 @@ logger = logging.getLogger(__name__)
 # instead of being reused silently. 2: location-independent source keys and conversation uids. 3: conversations
 # whose first user turn is blank are skipped (`empty_user_turn`). (Regenerated data keyed by the answers' content,
 # `answers_digest`, changed only the keys of regenerated data, by construction, so it needed no bump.) 4: tool turns,
-# reasoning and tool calls are read, and masks follow templates that rewrite earlier turns (Qwen3, gpt-oss).
-DATA_KEY_VERSION = 4
+# reasoning and tool calls are read, and masks follow templates that rewrite earlier turns (Qwen3, gpt-oss). 5: records'
+# tool definitions reach the template; Llama-3.1, Qwen-2.5 tool turns supervised; unrenderable tool calls are skipped.
+DATA_KEY_VERSION = 5
 # Part of the key of the regenerated answers (a per-conversation cache, see `regeneration_key`): bump it only when
 # a change alters the answer the target gives to one conversation, not which conversations are read. 3: answers keep
-# the target's reasoning; turns with tool calls are kept as recorded.
-REGENERATION_KEY_VERSION = 3
+# the target's reasoning; turns with tool calls are kept as recorded. 4: prompts carry the records' tool definitions.
+REGENERATION_KEY_VERSION = 4
 
 
 @dataclass
@@ -136,8 +137,9 @@ def data_fingerprint(recipe: Any, tokenizer: Any, target_id: str, answers: str |
 
 
 def answers_digest(conversations: list[Any]) -> str:
-    """sha256 of the conversations' content (uid, pinned split, messages), in order."""
-    return _sha([[c.uid, c.split, c.messages] for c in conversations])
+    """sha256 of the conversations' content (uid, pinned split, messages, tool definitions when any), in order."""
+    return _sha([[c.uid, c.split, c.messages, *([c.tools] if getattr(c, "tools", None) else [])]
+                 for c in conversations])
 
 
 def regeneration_key(recipe: Any, tokenizer: Any, target_id: str) -> str:

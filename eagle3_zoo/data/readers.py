@@ -3,13 +3,14 @@
 Output is a `Conversation` with `messages=[{"role": "user"|"assistant"|"system"|"tool", "content": str}]`; an
 assistant turn keeps its ``reasoning`` (read from ``reasoning_content``, ``reasoning`` or ``thinking``) and
 ``tool_calls`` (OpenAI layout; ``content`` may then be null), a tool turn its ``tool_call_id``/``name`` (see
-`eagle3_zoo.adapters.chat` for how templates render them). Rendering with the chat template and tokenisation happen
-in the target adapter. Bad records either stop the read with a
-`DataError` naming the file, record index and line (`on_error="raise"`), or are skipped and counted per reason
-in `ReadStats`, which is logged (`on_error="skip"`). Nothing is dropped silently. A record holding bytes that are
-not UTF-8 (`invalid_utf8`), text with a lone surrogate escape such as "\\ud83d" (`lone_surrogate`: no tokenizer
-takes it) or nesting too deep to decode (`too_deeply_nested`) is one bad record like any other; the rest of the file
-is still read.
+`eagle3_zoo.adapters.chat` for how templates render them); the record's tool definitions (``tools``: a list of
+OpenAI function schemas, or that list as a JSON string; ``bad_tools`` otherwise) are kept on the `Conversation` for
+the template. Rendering with the chat template and tokenisation happen in the target adapter. Bad records either
+stop the read with a `DataError` naming the file, record index and line (`on_error="raise"`), or are skipped and
+counted per reason in `ReadStats`, which is logged (`on_error="skip"`). Nothing is dropped silently. A record
+holding bytes that are not UTF-8 (`invalid_utf8`), text with a lone surrogate escape such as "\\ud83d"
+(`lone_surrogate`: no tokenizer takes it) or nesting too deep to decode (`too_deeply_nested`) is one bad record like
+any other; the rest of the file is still read.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ ROLE_ALIASES = {
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
     "model": "assistant",
     "system": "system",
-    "tool": "tool",
+    "tool": "tool", "ipython": "tool",  # Llama-3.1 records name tool results "ipython"
 }
 _REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 _TURN_KEYS = (("from", "value"), ("role", "content"))  # either spelling is accepted in any record layout
@@ -70,6 +71,8 @@ class Conversation:
     """"train"/"val" when its source is pinned to one split; None = split by fraction."""
     source_key: str | None = None
     """The file as the recipe names it (see `source_files`), independent of where it lies; None = `source`."""
+    tools: list[dict[str, Any]] | None = None
+    """The tool definitions the conversation was held with (OpenAI function schemas); None = none."""
 
     @property
     def uid(self) -> str:
@@ -310,6 +313,22 @@ def _to_messages(record: Any, fmt: str) -> list[dict[str, str]]:
     return _drop_leading_non_user(messages)
 
 
+def _tools(record: dict) -> list[dict[str, Any]] | None:
+    """The record's tool definitions (a list, or a JSON string of one, as some tool datasets store them)."""
+    from eagle3_zoo.adapters.chat import validate_tools
+
+    tools = record.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError as e:
+            raise _BadRecord("bad_tools", f"'tools' is a string but not JSON: {e.msg}") from None
+    try:
+        return validate_tools(tools)
+    except ValueError as e:
+        raise _BadRecord("bad_tools", f"'tools': {e}") from None
+
+
 def _extra_fields(turn: dict, role: str, j: int) -> dict[str, Any]:
     """An assistant turn's reasoning and tool calls, a tool turn's call id and name."""
     out: dict[str, Any] = {}
@@ -390,6 +409,7 @@ def iter_conversations(path: str | Path, *, format: str = "auto", on_error: str 
             if isinstance(record, _BadRecord):
                 raise record
             messages = _to_messages(record, fmt)
+            tools = _tools(record)
         except _BadRecord as bad:
             if on_error == "raise":
                 raise DataError(f"{path}: record {index} (line {line}): {bad} [{bad.reason}]; set "
@@ -401,7 +421,7 @@ def iter_conversations(path: str | Path, *, format: str = "auto", on_error: str 
         stats.kept += 1
         kept_here += 1
         yield Conversation(id=rid, source=str(path), index=index, messages=messages, split=split,
-                           source_key=source_key)
+                           source_key=source_key, tools=tools)
         if max_samples is not None and kept_here >= max_samples:
             return  # stop reading: the rest of a large file is never decoded
 

@@ -1,7 +1,8 @@
 """Regenerate assistant turns with the target itself (EAGLE-3 trains on the target's own answers).
 
 Each assistant turn is replaced, in order, by the target's reply to the conversation so far (user turns kept,
-earlier assistant turns already regenerated), rendered with the recipe's chat-template kwargs (`enable_thinking`...).
+earlier assistant turns already regenerated), rendered with the recipe's chat-template kwargs (`enable_thinking`...)
+and the conversation's tool definitions.
 A target that thinks keeps its reasoning in the answer (``{"role": "assistant", "content", "reasoning"}``), so the
 loss mask covers the thinking it generated. Assistant turns that call tools are kept as recorded (the tool results
 that follow answer those calls; a tool cannot be run here); with `max_turns`, the conversation ends after that many answers (the
@@ -92,8 +93,9 @@ def _end_ids(tokenizer: Any, adapter: Any) -> list[int]:
 
 
 def _render_prompt(tokenizer: Any, adapter: Any, messages: list[dict[str, Any]],
-                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    text = render_prompt(tokenizer, messages, adapter.chat_format(tokenizer), template_kwargs)
+                   template_kwargs: dict[str, Any] | None = None,
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:
+    text = render_prompt(tokenizer, messages, adapter.chat_format(tokenizer), template_kwargs, tools)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -250,7 +252,7 @@ def _regenerate_batch(batch: Sequence[Conversation], model: Any, tokenizer: Any,
             if not pending[i]:
                 open_.discard(i)
                 continue
-            prompt = _render_prompt(tokenizer, adapter, new[i], template_kwargs)
+            prompt = _render_prompt(tokenizer, adapter, new[i], template_kwargs, batch[i].tools)
             if max_length is not None and len(prompt) >= max_length:
                 pending[i] = []  # the rest of the conversation would be truncated away in training
                 while new[i] and new[i][-1]["role"] != "assistant":

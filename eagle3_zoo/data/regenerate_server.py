@@ -145,7 +145,7 @@ def _answer(conv: Conversation, client: OpenAIClient, model: str, tokenizer: Any
             new.append(pending.pop(0))
         if not pending:
             break
-        prompt = _render_prompt(tokenizer, adapter, new, template_kwargs)
+        prompt = _render_prompt(tokenizer, adapter, new, template_kwargs, conv.tools)
         thinking = thinking_enabled(adapter.chat_format(tokenizer), template_kwargs)
         if max_length is not None and len(prompt) >= max_length:
             while new and new[-1]["role"] != "assistant":  # the rest would be truncated away in training

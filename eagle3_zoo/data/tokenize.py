@@ -71,7 +71,7 @@ def tokenize_conversations(
     """Build `{"id", "input_ids", "loss_mask"}` examples with `adapter.build_example`.
 
     Args:
-        conversations: `Conversation`s (from `eagle3_zoo.data.readers`).
+        conversations: `Conversation`s (from `eagle3_zoo.data.readers`); their ``tools`` reach the template.
         tokenizer: the target tokenizer.
         adapter: the target adapter.
         max_length: maximum tokens per example.
@@ -95,7 +95,7 @@ def tokenize_conversations(
         try:
             # one token past the limit tells "fits" from "was cut" without tokenising everything twice
             ex = adapter.build_example(tokenizer, conv.messages, max_length + 1, system_prompt=system_prompt,
-                                       template_kwargs=template_kwargs)
+                                       template_kwargs=template_kwargs, tools=getattr(conv, "tools", None))
         except ValueError as e:  # TemplateMappingError is a ValueError, as are malformed messages
             if on_error == "raise":
                 raise DataError(f"{_where(conv)}: cannot build a training example: {e}; set data.on_error=skip to "
