@@ -269,38 +269,24 @@ def _thinking_conversation():
     return out
 
 
-# What each format's target generates per assistant turn, written out by hand from the template (independent of the
-# mapping code): (reply, reasoning or "", is the last turn, thinking on) -> generated text.
-def _qwen3(reply, reasoning, last, thinking):
-    if last and thinking:
-        return f"<think>\n{reasoning}\n</think>\n\n{reply}<|im_end|>"
-    return f"{reply}<|im_end|>"
+def generated(fmt, reply, reasoning, last, thinking):
+    """What `fmt`'s target generates for one assistant message: the hand-written `expected` texts of its resource
+    file (independent of the mapping code)."""
+    e = fmt.expected
+    if last and thinking and "last_turn_thinking" in e:
+        empty = e.get("last_turn_thinking_empty", e.get("last_turn", e["turn"]))
+        text = e["last_turn_thinking"] if reasoning else empty
+    else:
+        text = e.get("last_turn", e["turn"]) if last else e["turn"]
+    return text.format(reply=reply, reasoning=reasoning)
 
 
-def _harmony(reply, reasoning, last, thinking):
-    analysis = f"<|channel|>analysis<|message|>{reasoning}<|end|><|start|>assistant" if last and reasoning else ""
-    return f"{analysis}<|channel|>final<|message|>{reply}{'<|return|>' if last else '<|end|>'}"
+def generated_call(fmt, reasoning=""):
+    """The tool-call turn of TOOL_CONVERSATION as `fmt`'s target generates it."""
+    return fmt.expected["tool_call"].format(name="get_weather", arguments=CALL_JSON, call_id="abcDEF123",
+                                            reasoning=reasoning)
 
 
-GENERATED = {
-    "chatml-qwen2.5": lambda reply, *_: f"{reply}<|im_end|>",
-    "llama3": lambda reply, *_: f"{reply}<|eot_id|>",
-    "deepseek_v3": lambda reply, *_: f"{reply}<｜end▁of▁sentence｜>",
-    "gemma3": lambda reply, *_: f"{reply}<end_of_turn>",
-    "mistral-small": lambda reply, *_: f"{reply}</s>",
-    "mistral-small-2501": lambda reply, *_: f"{reply}</s>",
-    "qwen3": _qwen3,
-    "harmony": _harmony,
-}
-# the tool-call turn of TOOL_CONVERSATION (its reasoning kept by Qwen3: it follows the last user query)
-GENERATED_CALL = {
-    "qwen3": f'<think>\nI should call the tool.\n</think>\n\n<tool_call>\n{{"name": "get_weather", "arguments": '
-             f'{CALL_JSON}}}\n</tool_call><|im_end|>',
-    "harmony": f" to=functions.get_weather<|channel|>commentary json<|message|>{CALL_JSON}<|call|>",
-    "mistral-small": f"[TOOL_CALLS]get_weather[CALL_ID]abcDEF123[ARGS]{CALL_JSON}</s>",
-    "llama3": f'{{"name": "get_weather", "parameters": {CALL_JSON}}}<|eot_id|>',
-    "chatml-qwen2.5": f'<tool_call>\n{{"name": "get_weather", "arguments": {CALL_JSON}}}\n</tool_call><|im_end|>',
-}
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -342,16 +328,18 @@ def _check(fmt, tokenizer, messages, runs, kwargs=None, prompts=(), reference=No
 
 
 def test_every_shipped_format_has_a_hand_written_expectation():
-    assert set(FORMATS) <= set(GENERATED), "write the generated text of the new format into GENERATED"
     for name in FORMATS:
+        e = load_chat_format(name).expected
+        assert "turn" in e, f"{name}.yaml: write what the target generates into 'expected' (see chat.EXPECTED_KEYS)"
         fmt = load_chat_format(name)
-        assert ("tools" in fmt.features) == (name in GENERATED_CALL), name
+        assert ("tools" in fmt.features) == ("tool_call" in e), name
+        assert ("thinking" in fmt.features) == ("last_turn_thinking" in e), name
 
 
 def test_multi_turn_mask_every_format(fmt_tokenizer):
     fmt, tokenizer = fmt_tokenizer
     last = len(REPLIES) - 1
-    runs = [GENERATED[fmt.name](r, "", k == last, "thinking" in fmt.features) for k, r in enumerate(REPLIES)]
+    runs = [generated(fmt, r, "", k == last, "thinking" in fmt.features) for k, r in enumerate(REPLIES)]
     _check(fmt, tokenizer, CONVERSATION, runs, prompts=[SYSTEM, "What is the capital of France?", "And of Italy?"])
 
 
@@ -360,7 +348,7 @@ def test_thinking_mask_keeps_the_last_turns_reasoning(fmt_tokenizer):
     if "thinking" not in fmt.features:
         pytest.skip(f"{fmt.name} has no reasoning")
     last = len(REPLIES) - 1
-    runs = [GENERATED[fmt.name](r, THOUGHTS[k], k == last, True) for k, r in enumerate(REPLIES)]
+    runs = [generated(fmt, r, THOUGHTS[k], k == last, True) for k, r in enumerate(REPLIES)]
     ids, _ = _check(fmt, tokenizer, _thinking_conversation(), runs)
     rendered = tokenizer.decode(ids)
     assert THOUGHTS[-1] in rendered and not any(t in rendered for t in THOUGHTS[:-1])  # earlier thinking dropped
@@ -370,7 +358,7 @@ def test_thinking_off_supervises_no_reasoning_and_not_the_prompts_empty_block(fm
     fmt, tokenizer = fmt_tokenizer
     if not fmt.thinking_off:
         pytest.skip(f"{fmt.name} cannot turn thinking off")
-    runs = [GENERATED[fmt.name](r, "", k == len(REPLIES) - 1, False) for k, r in enumerate(REPLIES)]
+    runs = [generated(fmt, r, "", k == len(REPLIES) - 1, False) for k, r in enumerate(REPLIES)]
     ids, mask = _check(fmt, tokenizer, _thinking_conversation(), runs, kwargs=dict(fmt.thinking_off),
                        reference=CONVERSATION)
     rendered = tokenizer.decode(ids)
@@ -386,8 +374,8 @@ def test_tool_turns_supervise_calls_not_results(fmt_tokenizer):
     if "tools" not in fmt.features:
         pytest.skip(f"{fmt.name} declares no tool turns")
     thinking = "thinking" in fmt.features
-    runs = [GENERATED_CALL[fmt.name],
-            GENERATED[fmt.name]("Sunny and 21 C.", "The tool says sunny." if thinking else "", True, thinking)]
+    runs = [generated_call(fmt, "I should call the tool." if thinking else ""),
+            generated(fmt, "Sunny and 21 C.", "The tool says sunny." if thinking else "", True, thinking)]
     _check(fmt, tokenizer, TOOL_CONVERSATION, runs, prompts=["What is the weather in Paris?", "sunny, 21 C"])
 
 
@@ -421,8 +409,9 @@ def test_tool_definitions_reach_the_template_and_earlier_turns_still_map(fmt_tok
     thinking = "thinking" in fmt.features
     messages = [{"role": "user", "content": "Hello, how are you today?"},
                 {"role": "assistant", "content": "Hello! Thanks."}, *TOOL_CONVERSATION]
-    runs = [GENERATED[fmt.name]("Hello! Thanks.", "", False, thinking), GENERATED_CALL[fmt.name],
-            GENERATED[fmt.name]("Sunny and 21 C.", "The tool says sunny." if thinking else "", True, thinking)]
+    runs = [generated(fmt, "Hello! Thanks.", "", False, thinking),
+            generated_call(fmt, "I should call the tool." if thinking else ""),
+            generated(fmt, "Sunny and 21 C.", "The tool says sunny." if thinking else "", True, thinking)]
     ids, _ = _check(fmt, tokenizer, messages, runs, tools=TOOLS,
                     prompts=["Current weather of a city.", "Hello, how are you today?", "sunny, 21 C"])
     without = build_chat_example(tokenizer, messages, 4096, fmt)["input_ids"].tolist()

@@ -119,6 +119,9 @@ class ChatFormat:
             results).
         reasoning: How the target's reasoning is carried (``None``: the format has none).
         thinking_off: Template kwargs that turn thinking off (e.g. ``{"enable_thinking": False}``); empty if it cannot.
+        expected: What the target generates for one assistant message, written by hand from the template
+            (`EXPECTED_KEYS`, str.format templates): the family-wide mask tests check the supervised tokens against
+            it, so a new format is tested from its own resource file.
     """
 
     name: str
@@ -131,6 +134,7 @@ class ChatFormat:
     features: tuple[str, ...] = ()
     reasoning: ReasoningFormat | None = None
     thinking_off: Mapping[str, Any] = field(default_factory=dict)
+    expected: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def ends(self) -> tuple[str, ...]:
@@ -140,7 +144,8 @@ class ChatFormat:
 
 CHAT_FORMATS_PACKAGE = "eagle3_zoo.resources"
 _FORMAT_KEYS = {"name", "end_of_turn", "source", "tokenizer", "turn_ends", "signature", "features", "reasoning",
-                "thinking_off"}
+                "thinking_off", "expected"}
+EXPECTED_KEYS = ("turn", "last_turn", "last_turn_thinking", "last_turn_thinking_empty", "tool_call")
 
 
 @functools.cache
@@ -192,11 +197,15 @@ def load_chat_format(name: str) -> ChatFormat:
     thinking_off = meta.get("thinking_off", {})
     if not isinstance(thinking_off, dict):
         raise ValueError(f"{where}: 'thinking_off' must be a mapping of template kwargs, got {thinking_off!r}")
+    expected = meta.get("expected", {})
+    if not (isinstance(expected, dict) and set(expected) <= set(EXPECTED_KEYS)
+            and all(isinstance(v, str) for v in expected.values())):
+        raise ValueError(f"{where}: 'expected' must map some of {', '.join(EXPECTED_KEYS)} to strings")
     template = template_file.read_text(encoding="utf-8")
     return ChatFormat(
         name, template, meta["end_of_turn"], source=str(meta.get("source", "")), tokenizer=spec,
         turn_ends=tuple(turn_ends), signature=str(meta.get("signature", "")), features=tuple(features),
-        reasoning=reasoning, thinking_off=thinking_off,
+        reasoning=reasoning, thinking_off=thinking_off, expected=expected,
     )
 
 
