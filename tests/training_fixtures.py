@@ -114,3 +114,43 @@ def run_fit_cli(recipe: Path, *overrides: str, timeout: float = 300, use_cli: bo
     """`python -m eagle3_zoo.training.fit RECIPE overrides...` in a subprocess (1 thread, no GPU)."""
     return subprocess.run([sys.executable, *cli_entry(use_cli), str(recipe), *overrides], capture_output=True,
                           text=True, timeout=timeout, env=subprocess_env(), cwd=cwd or REPO)
+
+
+def regen_conversations(n: int = 5) -> list[Any]:
+    """`n` two-turn conversations of varied first-prompt lengths, for the regeneration tests."""
+    from eagle3_zoo.data.readers import Conversation
+
+    return [Conversation(id=f"c{i}", source="data.jsonl", index=i, messages=[
+        {"role": "user", "content": _SENTENCES[i % len(_SENTENCES)] * (1 + i % 3)},
+        {"role": "assistant", "content": "old"}, {"role": "user", "content": "And of Italy?"},
+        {"role": "assistant", "content": "old"}]) for i in range(n)]
+
+
+def regenerate_share(rank: int, world_size: int, out: str, n: int = 5, batch_size: int = 2) -> int:
+    """Rank `rank` of `world_size` regenerating `regen_conversations(n)` into `out` (a process of the rank-split
+    tests); returns the conversations it generated."""
+    from eagle3_zoo.data.ranks import RankSplit
+    from eagle3_zoo.data.regenerate import regenerate_conversations
+
+    torch.set_num_threads(1)
+    model, tok, adapter = tiny_llama_target()
+    _, stats = regenerate_conversations(regen_conversations(n), model, tok, adapter, out, max_new_tokens=5,
+                                        batch_size=batch_size, split=RankSplit(rank, world_size))
+    return stats.generated
+
+
+def feature_examples(n: int = 11) -> list[dict[str, Any]]:
+    g = torch.Generator().manual_seed(0)
+    return [{"id": f"s{i}", "input_ids": torch.randint(512, (int(k),), generator=g),
+             "loss_mask": torch.ones(int(k), dtype=torch.long)} for i, k in enumerate(torch.randint(4, 30, (n,)))]
+
+
+def write_feature_share(rank: int, world_size: int, out: str) -> None:
+    """Rank `rank` of `world_size` of the feature job over `feature_examples()` into `out`, waiting for the others."""
+    from eagle3_zoo.data.extract import write_features
+    from eagle3_zoo.data.ranks import RankSplit
+
+    torch.set_num_threads(1)
+    model, _, adapter = tiny_llama_target()
+    write_features(feature_examples(), model, adapter, out, aux_layer_ids=(1, 2, 3), batch_size=2, shard_size=3,
+                   dtype="float32", meta={"k": 1}, split=RankSplit(rank, world_size))
