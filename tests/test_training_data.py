@@ -183,7 +183,10 @@ def test_feature_job_resumes_to_the_same_store(tiny, tmp_path):
             write_features(examples, model, adapter, tmp_path / "resumed", **kw)
     finally:
         del adapter.forward_features
-    manifests = lambda d: {p.parent.name: json.loads(p.read_text()) for p in sorted(d.glob("part-*/manifest.json"))}
+
+    def manifests(d):
+        return {p.parent.name: json.loads(p.read_text()) for p in sorted(d.glob("part-*/manifest.json"))}
+
     partial = manifests(tmp_path / "resumed")
     # one batch per part (shard_size // batch_size): parts 0-2 done, the fourth not written
     assert sorted(partial) == ["part-00000", "part-00001", "part-00002"]

@@ -8,16 +8,17 @@ store of an uninterrupted run. The writer itself guarantees no corrupt or duplic
 `eagle3_zoo.data.features`).
 
 The work is cut into parts of whole batches (`features_shard_size // batch_size` batches, at least one), the same
-way for any number of processes; part k is its own store `<features_dir>/part-<k>`. Rank r of W extracts parts r, r + W, ...
-(`eagle3_zoo.data.ranks`); a restarted rank skips its finished parts and resumes the one it was filling. Under `fit`
-the ranks then wait (polling the manifests) until every part is done. The parts are merged in order into the
-top-level `manifest.json` (their shards listed as `part-<k>/shard-*.safetensors`), which `FeatureReader` reads:
-files, manifest and sample order are identical for any world size and for one process.
+way for any number of processes; part k is its own store `<features_dir>/part-<k>`. Rank r of W extracts parts
+r, r + W, ... (`eagle3_zoo.data.ranks`); a restarted rank skips its finished parts and resumes the one it was
+filling. Under `fit` the ranks then wait (polling the manifests) until every part is done. The parts are merged
+in order into the top-level `manifest.json` (their shards listed as `part-<k>/shard-*.safetensors`), which
+`FeatureReader` reads: files, manifest and sample order are identical for any world size and for one process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -114,7 +115,8 @@ def write_features(examples: list[dict[str, Any]], target: Any, adapter: Any, ou
     all); damaged shards are extracted again and counted in the log. `features_fn(list of input_ids) -> (aux
     [B, T, 3H], final [B, T, H])` right-padded replaces the in-process forward (the `vllm` backend:
     `eagle3_zoo.targets.vllm_features.VLLMFeatureExtractor.batch`). `split`: this process's share (default: all);
-    `wait`: return only when the other ranks' parts are done too.
+    `wait`: return only when the other ranks' parts are done too. `target` may be a function that loads it, called
+    only when a part of this rank's share needs extracting.
 
     Returns:
         The store directory `out_dir`.
@@ -137,6 +139,8 @@ def write_features(examples: list[dict[str, Any]], target: Any, adapter: Any, ou
             if _is_complete(store, ids[k], verify):
                 continue
             if features_fn is None and device is None:
+                if not isinstance(target, torch.nn.Module):
+                    target = target()  # loaded only now that a part needs it
                 device = next(target.parameters()).device
             _write_part(examples, parts[k], target, adapter, store, aux_layer_ids, shard_size, dtype, meta, verify,
                         features_fn, device)
@@ -192,7 +196,8 @@ def extract_features(recipe: Any, *, target: Any = None, tokenizer: Any = None, 
 
     Args:
         recipe: a loaded `Recipe`.
-        target, tokenizer, adapter: an already loaded target (default: `load_target` from the recipe).
+        target, tokenizer, adapter: an already loaded target (default: `load_target` from the recipe); one loaded
+            heads-only (`load_recipe_target(heads_only=True)`) is loaded whole only if features must be extracted.
         data: already prepared data (`eagle3_zoo.data.prepare.PreparedData`); default: prepared here.
         rank, world_size: this process's share of a feature job started by hand (`prepare --rank --world-size`;
             it does not wait for the other ranks). Default: the share among the ranks of a torch.distributed run
@@ -204,7 +209,7 @@ def extract_features(recipe: Any, *, target: Any = None, tokenizer: Any = None, 
         The feature-store directory (`data.features_dir` or a keyed directory under `data.cache_dir`).
     """
     from eagle3_zoo.data.prepare import prepare_data
-    from eagle3_zoo.targets.loading import aux_layer_ids_for, load_recipe_target
+    from eagle3_zoo.targets.loading import aux_layer_ids_for, is_heads_only, load_recipe_target
 
     check_rank(rank, world_size)  # before the target is loaded
     if target is None:
@@ -216,6 +221,9 @@ def extract_features(recipe: Any, *, target: Any = None, tokenizer: Any = None, 
     aux_ids = aux_layer_ids_for(recipe, target, adapter)
     out_dir = features_dir_for(recipe, data.fingerprint, target_id, aux_ids)
     split = RankSplit(rank, world_size) if world_size > 1 else split_for(out_dir)
+    model: Any = target
+    if is_heads_only(target):  # the whole target is loaded only if this rank has features to extract
+        model = functools.partial(_whole_target, recipe, target.get_input_embeddings().weight.device)
     with contextlib.ExitStack() as stack:
         features_fn = None
         if recipe.data.features_backend == "vllm":  # a server started at the first batch that needs features
@@ -224,11 +232,17 @@ def extract_features(recipe: Any, *, target: Any = None, tokenizer: Any = None, 
             features_fn = stack.enter_context(VLLMFeatureExtractor(
                 target_id, aux_ids, dtype=recipe.target.dtype, log_path=out_dir.parent / f"{out_dir.name}.vllm.log"
             )).batch
-        write_features(data.train + data.val, target, adapter, out_dir, aux_layer_ids=aux_ids,
+        write_features(data.train + data.val, model, adapter, out_dir, aux_layer_ids=aux_ids,
                        batch_size=recipe.trainer.batch_size, shard_size=recipe.data.features_shard_size,
                        dtype=recipe.data.features_dtype, meta=store_meta(target_id, aux_ids, data.fingerprint),
                        split=split, wait=world_size == 1, verify=verify, features_fn=features_fn)
     return out_dir
+
+
+def _whole_target(recipe: Any, device: Any) -> Any:
+    from eagle3_zoo.targets.loading import load_recipe_target
+
+    return load_recipe_target(recipe, device=device)[0]
 
 
 def prepare_recipe(recipe: Any, *, rank: int = 0, world_size: int = 1) -> dict[str, Any]:

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from eagle3_zoo.data.readers import Conversation
 from eagle3_zoo.data.ranks import RankSplit, wait_until
+from eagle3_zoo.data.readers import Conversation
 from eagle3_zoo.modeling.io import atomic_write_bytes, exclusive_lock
 from eagle3_zoo.progress import Progress
 
@@ -173,7 +173,7 @@ def regenerate_conversations(
     seed: int = 0,
     split: RankSplit | None = None,
 ) -> tuple[list[Conversation], RegenerateStats]:
-    """Replace every assistant turn by the target's own reply; resumable and split across ranks (see the module docstring).
+    """Replace every assistant turn by the target's own reply; resumable, split across ranks (module docstring).
 
     Args:
         conversations: normalised conversations (user/assistant/system messages).
