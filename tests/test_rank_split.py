@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
+import torch
+
 from training_fixtures import regenerate_share, write_feature_share
 
 
@@ -41,3 +43,51 @@ def test_rank_split_feature_job_equals_one_process(tmp_path):
     assert one == two  # shards, part manifests and the merged manifest, byte for byte
     a, b = FeatureReader(tmp_path / "one", verify="hash"), FeatureReader(tmp_path / "two", verify="hash")
     assert a.sample_ids == b.sample_ids and len(a) == 11
+
+
+def test_offline_fit_reads_only_the_target_heads(tmp_path, monkeypatch):
+    """Training on stored features reads the embedding, final norm and lm_head tensors of the target, no other
+    (and never builds the whole model); the feature job loaded the whole target while it had features to extract."""
+    from safetensors.torch import load_file
+    from training_fixtures import save_tiny_target, tiny_recipe, write_chat_jsonl, write_recipe
+
+    from eagle3_zoo.adapters import loading
+    from eagle3_zoo.data.extract import prepare_recipe
+    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.training.build import build_run
+
+    target = save_tiny_target(tmp_path / "target")
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", n=8)
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path, target, data)), ["data.mode=offline"])
+    prepare_recipe(recipe)  # the feature job, with the whole target
+
+    read, real_open = [], loading.safe_open
+
+    class CountingOpen:
+        def __init__(self, *args, **kwargs):
+            self.f = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self.f.get_tensor(key)
+
+    def no_whole_model(*args, **kwargs):
+        raise AssertionError("the whole target was loaded")
+
+    monkeypatch.setattr(loading, "safe_open", CountingOpen)
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", no_whole_model)
+    run = build_run(recipe)
+    assert sorted(read) == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
+    saved = load_file(target / "model.safetensors")
+    assert torch.equal(run.module._frozen.embed_tokens.weight, saved["model.embed_tokens.weight"])
+    assert torch.equal(run.module._frozen.lm_head.weight, saved["lm_head.weight"])
+    assert run.module.target is None and run.target.model.layers[0].mlp.up_proj.weight.is_meta
