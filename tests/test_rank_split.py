@@ -91,3 +91,24 @@ def test_offline_fit_reads_only_the_target_heads(tmp_path, monkeypatch):
     assert torch.equal(run.module._frozen.embed_tokens.weight, saved["model.embed_tokens.weight"])
     assert torch.equal(run.module._frozen.lm_head.weight, saved["lm_head.weight"])
     assert run.module.target is None and run.target.model.layers[0].mlp.up_proj.weight.is_meta
+
+
+def test_tau_eval_under_two_process_ddp_equals_one_process(tmp_path):
+    """Each rank decodes its share of the prompts and the results are gathered: every rank logs the figure of one
+    process. The same group finds which ranks share a cache directory (`split_for`): both share `shared`, each alone
+    sees its node-local `local-<rank>`."""
+    from training_fixtures import TAU_PROMPTS, tau_eval_rank
+
+    def timeless(summary):
+        return {k: v for k, v in summary.items() if "second" not in k and "per_s" not in k and "tok_s" not in k}
+
+    one = tau_eval_rank(0, 1, "", [str(tmp_path / "alone")])
+    assert one["splits"] == [(0, 1)] and one["summary"]["requests"] == len(TAU_PROMPTS)
+    assert one["summary"]["tau_per_request_mean"] != one["summary"]["tau"]  # acceptance varies by prompt
+    shared, local = str(tmp_path / "shared"), str(tmp_path / "local-{rank}")
+    with mp.get_context("fork").Pool(2) as pool:
+        ranks = pool.starmap(tau_eval_rank, [(r, 2, str(tmp_path / "pg"), [shared, local.format(rank=r)])
+                                             for r in range(2)], chunksize=1)
+    for r, got in enumerate(ranks):
+        assert timeless(got["summary"]) == timeless(one["summary"])
+        assert got["splits"] == [(r, 2), (0, 1)]

@@ -154,3 +154,42 @@ def write_feature_share(rank: int, world_size: int, out: str) -> None:
     model, _, adapter = tiny_llama_target()
     write_features(feature_examples(), model, adapter, out, aux_layer_ids=(1, 2, 3), batch_size=2, shard_size=3,
                    dtype="float32", meta={"k": 1}, split=RankSplit(rank, world_size))
+
+
+TAU_PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [14, 15, 16, 17, 18], [19]]
+
+
+def tau_eval_rank(rank: int, world_size: int, init_file: str, dirs: list[str]) -> dict[str, Any]:
+    """Rank `rank` of a `world_size`-process gloo group (1 = no group): the tau-eval callback's summary over
+    `TAU_PROMPTS` with a tiny target and a "noisy" oracle drafter (per-prompt acceptance varies), and the
+    `split_for` of each of `dirs`."""
+    import torch.distributed as dist
+    from test_speculative_support import OracleDraftModel, tiny_target
+
+    from eagle3_zoo.data.ranks import split_for
+    from eagle3_zoo.speculative import TauEvalCallback
+
+    class Drafter(OracleDraftModel):  # what the callback asks of a drafter module
+        training = False
+
+        def parameters(self):
+            return iter(())
+
+        def train(self, mode=True):
+            return self
+
+        def eval(self):
+            return self
+
+    torch.set_num_threads(1)
+    if world_size > 1:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        target = tiny_target("llama")
+        module = type("Module", (), {"drafter": Drafter(target, kind="noisy"), "target": target})()
+        summary = TauEvalCallback(TAU_PROMPTS, max_new_tokens=8, depth=3, top_k=2, total_tokens=6).measure(module)
+        splits = [split_for(d) for d in dirs]
+        return {"summary": summary, "splits": [(s.rank, s.world_size) for s in splits]}
+    finally:
+        if world_size > 1:
+            dist.destroy_process_group()
