@@ -56,9 +56,16 @@ class RankSplit:
 
 def _coordination_group() -> Any:
     global _group
-    if _group is None:  # collective: every rank reaches it at the same point of the data stage
+    if _group is None:  # collective: every rank reaches it at the same point (`start_coordination`)
         _group = dist.new_group(backend="gloo", timeout=DATA_TIMEOUT)
     return _group
+
+
+def start_coordination() -> None:
+    """Create the data stage's gloo group right after the process group starts, before any other group is created
+    (groups must be created in the same order on every rank)."""
+    if distributed():
+        _coordination_group()
 
 
 def distributed() -> bool:

@@ -163,20 +163,28 @@ def start_ranks(recipe: Any) -> torch.device:
     itself, torchrun or SLURM); `trainer.fit` later finds the processes and the group there and starts neither again.
     """
     from lightning.fabric.utilities.distributed import _init_dist_connection
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    from eagle3_zoo.data.ranks import start_coordination
 
     t = recipe.trainer
     strategy = L.Trainer(accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, logger=False,
                          strategy=build_strategy(t.strategy, devices=t.devices, num_nodes=t.num_nodes,
                                                  accelerator=t.accelerator),
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).strategy
-    if not isinstance(strategy.launcher, _SubprocessScriptLauncher):
+    if isinstance(strategy.launcher, _SubprocessScriptLauncher):
+        strategy.launcher.launch(lambda: None)  # the main process starts the others (a no-op in those)
+    if not isinstance(strategy, (DDPStrategy, ModelParallelStrategy)) or strategy.cluster_environment is None or \
+            not strategy.cluster_environment.creates_processes_externally:
         return target_device(recipe)
-    strategy.launcher.launch(lambda: None)
     strategy.set_world_ranks()
+    if strategy.world_size < 2:
+        return target_device(recipe, strategy.local_rank)
     root = strategy.root_device
     _init_dist_connection(strategy.cluster_environment, strategy._get_process_group_backend(),
                           timeout=strategy._timeout, device_id=root if root.type != "cpu" else None)
+    start_coordination()
     return target_device(recipe, strategy.local_rank)
 
 
