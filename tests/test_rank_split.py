@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
+import pytest
 import torch
-
 from training_fixtures import regenerate_share, write_feature_share
 
 
@@ -112,3 +112,24 @@ def test_tau_eval_under_two_process_ddp_equals_one_process(tmp_path):
     for r, got in enumerate(ranks):
         assert timeless(got["summary"]) == timeless(one["summary"])
         assert got["splits"] == [(r, 2), (0, 1)]
+
+
+@pytest.mark.slow
+def test_ddp_fit_splits_regeneration_and_features_like_one_process(tmp_path):
+    """`fit` with ddp on 2 processes starts both ranks before the data stage: they split the regeneration and the
+    feature job (both ranks write a part) and the cache ends up byte-identical to a one-process fit's."""
+    from training_fixtures import run_fit_cli, save_tiny_target, tiny_recipe, write_chat_jsonl, write_recipe
+
+    target = save_tiny_target(tmp_path / "target")
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", n=12)
+    for name, extra in (("one", []), ("two", ["trainer.strategy=ddp", "trainer.devices=2"])):
+        recipe = tiny_recipe(tmp_path / name, target, data, trainer={"max_steps": 2})
+        recipe["data"].update(mode="offline", regenerate={"enabled": True, "max_new_tokens": 4, "batch_size": 2})
+        r = run_fit_cli(write_recipe(tmp_path / f"{name}.yaml", recipe), f"output_dir={tmp_path / name / 'run'}",
+                        *extra, timeout=600)
+        assert r.returncode == 0, r.stderr[-4000:]
+    two = tmp_path / "two" / "cache"
+    assert sorted(p.name for p in (two / "regenerated").glob("*.part-*.lock")) == [
+        f"{next((two / 'regenerated').glob('*.jsonl')).name}.part-0000{r}.lock" for r in (0, 1)]  # both ranks wrote
+    for sub in ("regenerated", "features"):
+        assert _files(two / sub) == _files(tmp_path / "one" / "cache" / sub) != {}
