@@ -122,9 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", help="recipe YAML (see recipes/)")
     p.add_argument("overrides", nargs="*", default=[], help="OmegaConf dotlist overrides (the same ones `fit` will "
                    "get), before or after the options")
-    p.add_argument("--rank", type=int, default=0, help="this process's share of a distributed feature job "
-                   "(0 <= rank < world size)")
-    p.add_argument("--world-size", type=int, default=1, help="processes of a distributed feature job (>= 1)")
+    p.add_argument("--rank", type=int, default=0, help="this process's share of a distributed data stage: "
+                   "regeneration (the ranks wait for each other) and feature job (0 <= rank < world size; all ranks "
+                   "must share data.cache_dir)")
+    p.add_argument("--world-size", type=int, default=1, help="processes of a distributed data stage (>= 1)")
     p.add_argument("--print-config", action="store_true",
                    help="print the fully resolved recipe (defaults + file + overrides) and exit")
     p.set_defaults(func=_cmd_prepare)

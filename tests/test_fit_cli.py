@@ -167,7 +167,8 @@ def test_prepare_redoes_a_damaged_feature_shard(setup, caplog, capsys):
     assert main(["prepare", str(recipe), *overrides]) == 0
     assert "nothing to extract" not in caplog.text
     assert f"{shard}: size {len(original) - 100} bytes, manifest says {len(original)}" in caplog.text
-    assert "redid 1 damaged shard(s) (4 samples): shard-00002.safetensors" in caplog.text
+    assert manifest["shards"][2]["file"] == "part-00002/shard-00000.safetensors"  # one shard per part here
+    assert "part-00002: redid 1 damaged shard(s) (4 samples): shard-00000.safetensors" in caplog.text
     assert shard.read_bytes() == original and json.loads((store / "manifest.json").read_text()) == manifest
 
     corrupt = bytearray(original)

@@ -183,12 +183,17 @@ def test_feature_job_resumes_to_the_same_store(tiny, tmp_path):
             write_features(examples, model, adapter, tmp_path / "resumed", **kw)
     finally:
         del adapter.forward_features
-    partial = json.loads((tmp_path / "resumed" / "manifest.json").read_text())
-    assert not partial["complete"] and len(partial["shards"]) == 2
+
+    def manifests(d):
+        return {p.parent.name: json.loads(p.read_text()) for p in sorted(d.glob("part-*/manifest.json"))}
+
+    partial = manifests(tmp_path / "resumed")
+    # one batch per part (shard_size // batch_size): parts 0-2 done, the fourth not written
+    assert sorted(partial) == ["part-00000", "part-00001", "part-00002"]
+    assert all(m["complete"] and len(m["shards"]) == 1 for m in partial.values())
     write_features(examples, model, adapter, tmp_path / "resumed", **kw)
-    a = json.loads((whole / "manifest.json").read_text())
-    b = json.loads((tmp_path / "resumed" / "manifest.json").read_text())
-    assert a == b
+    assert manifests(whole) == manifests(tmp_path / "resumed") and len(manifests(whole)) == 6
+    assert (whole / "manifest.json").read_bytes() == (tmp_path / "resumed" / "manifest.json").read_bytes()
     reader = FeatureReader(tmp_path / "resumed", verify="hash")
     assert sorted(reader.sample_ids) == sorted(e["id"] for e in examples)
     sample = reader[reader.index_of("s3")]

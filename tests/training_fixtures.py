@@ -114,3 +114,82 @@ def run_fit_cli(recipe: Path, *overrides: str, timeout: float = 300, use_cli: bo
     """`python -m eagle3_zoo.training.fit RECIPE overrides...` in a subprocess (1 thread, no GPU)."""
     return subprocess.run([sys.executable, *cli_entry(use_cli), str(recipe), *overrides], capture_output=True,
                           text=True, timeout=timeout, env=subprocess_env(), cwd=cwd or REPO)
+
+
+def regen_conversations(n: int = 5) -> list[Any]:
+    """`n` two-turn conversations of varied first-prompt lengths, for the regeneration tests."""
+    from eagle3_zoo.data.readers import Conversation
+
+    return [Conversation(id=f"c{i}", source="data.jsonl", index=i, messages=[
+        {"role": "user", "content": _SENTENCES[i % len(_SENTENCES)] * (1 + i % 3)},
+        {"role": "assistant", "content": "old"}, {"role": "user", "content": "And of Italy?"},
+        {"role": "assistant", "content": "old"}]) for i in range(n)]
+
+
+def regenerate_share(rank: int, world_size: int, out: str, n: int = 5, batch_size: int = 2) -> int:
+    """Rank `rank` of `world_size` regenerating `regen_conversations(n)` into `out` (a process of the rank-split
+    tests); returns the conversations it generated."""
+    from eagle3_zoo.data.ranks import RankSplit
+    from eagle3_zoo.data.regenerate import regenerate_conversations
+
+    torch.set_num_threads(1)
+    model, tok, adapter = tiny_llama_target()
+    _, stats = regenerate_conversations(regen_conversations(n), model, tok, adapter, out, max_new_tokens=5,
+                                        batch_size=batch_size, split=RankSplit(rank, world_size))
+    return stats.generated
+
+
+def feature_examples(n: int = 11) -> list[dict[str, Any]]:
+    g = torch.Generator().manual_seed(0)
+    return [{"id": f"s{i}", "input_ids": torch.randint(512, (int(k),), generator=g),
+             "loss_mask": torch.ones(int(k), dtype=torch.long)} for i, k in enumerate(torch.randint(4, 30, (n,)))]
+
+
+def write_feature_share(rank: int, world_size: int, out: str) -> None:
+    """Rank `rank` of `world_size` of the feature job over `feature_examples()` into `out`, waiting for the others."""
+    from eagle3_zoo.data.extract import write_features
+    from eagle3_zoo.data.ranks import RankSplit
+
+    torch.set_num_threads(1)
+    model, _, adapter = tiny_llama_target()
+    write_features(feature_examples(), model, adapter, out, aux_layer_ids=(1, 2, 3), batch_size=2, shard_size=3,
+                   dtype="float32", meta={"k": 1}, split=RankSplit(rank, world_size))
+
+
+TAU_PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [14, 15, 16, 17, 18], [19]]
+
+
+def tau_eval_rank(rank: int, world_size: int, init_file: str, dirs: list[str]) -> dict[str, Any]:
+    """Rank `rank` of a `world_size`-process gloo group (1 = no group): the tau-eval callback's summary over
+    `TAU_PROMPTS` with a tiny target and a "noisy" oracle drafter (per-prompt acceptance varies), and the
+    `split_for` of each of `dirs`."""
+    import torch.distributed as dist
+    from test_speculative_support import OracleDraftModel, tiny_target
+
+    from eagle3_zoo.data.ranks import split_for
+    from eagle3_zoo.speculative import TauEvalCallback
+
+    class Drafter(OracleDraftModel):  # what the callback asks of a drafter module
+        training = False
+
+        def parameters(self):
+            return iter(())
+
+        def train(self, mode=True):
+            return self
+
+        def eval(self):
+            return self
+
+    torch.set_num_threads(1)
+    if world_size > 1:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        target = tiny_target("llama")
+        module = type("Module", (), {"drafter": Drafter(target, kind="noisy"), "target": target})()
+        summary = TauEvalCallback(TAU_PROMPTS, max_new_tokens=8, depth=3, top_k=2, total_tokens=6).measure(module)
+        splits = [split_for(d) for d in dirs]
+        return {"summary": summary, "splits": [(s.rank, s.world_size) for s in splits]}
+    finally:
+        if world_size > 1:
+            dist.destroy_process_group()

@@ -24,7 +24,7 @@ from eagle3_zoo.adapters.capture import (
 )
 from eagle3_zoo.adapters.chat import ChatFormat, TemplateMappingError, build_chat_example
 from eagle3_zoo.adapters.embedded import EMBEDDED_NAMES, embedded_target_dir, load_embedded_tokenizer
-from eagle3_zoo.adapters.loading import load_target
+from eagle3_zoo.adapters.loading import load_target, load_target_heads
 
 for _module in pkgutil.iter_modules(__path__):
     if not _module.name.startswith("_"):
@@ -46,6 +46,7 @@ __all__ = [
     "get_adapter",
     "load_embedded_tokenizer",
     "load_target",
+    "load_target_heads",
     "output_cache",
     "register_adapter",
     "target_logits",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -12,6 +13,8 @@ import huggingface_hub
 import torch
 from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
 from huggingface_hub.errors import HTTPError as HubHTTPError  # its HTTP client's base error: transport and status
+from safetensors import safe_open
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from eagle3_zoo.adapters.base import TargetAdapter, adapter_for
@@ -132,9 +135,7 @@ def load_target(
         UnknownAdapterError: the config's ``model_type`` has no adapter (checked before any weight is read).
         ValueError: the checkpoint lacks weights of the model (they would silently stay random).
     """
-    torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) and dtype != "auto" else dtype
-    if not (isinstance(torch_dtype, torch.dtype) or torch_dtype == "auto"):
-        raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. 'float32', 'bfloat16') or 'auto'")
+    torch_dtype = _torch_dtype(dtype)
     path, local_only = resolve_target(name_or_path)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": local_only}
     config = AutoConfig.from_pretrained(path, **kwargs)
@@ -151,6 +152,84 @@ def load_target(
     model.requires_grad_(False)
     model.eval()
     return model.to(device), tokenizer, adapter
+
+
+def load_target_heads(
+    name_or_path: str | os.PathLike,
+    dtype: torch.dtype | str = torch.float32,
+    trust_remote_code: bool = False,
+    device: str | torch.device = "cpu",
+) -> tuple[PreTrainedModel, Any, TargetAdapter]:
+    """The target's input embedding, final norm and lm_head (and config, tokenizer, adapter) without its layers:
+    what training on stored features needs. Only those tensors are read from the checkpoint's safetensors files
+    (`safe_open`, keys chosen through the adapter's attribute paths and the index json); everything else of the
+    returned model stays on the meta device, so it cannot run a forward.
+
+    Raises:
+        TargetNotFoundError, UnknownAdapterError: as `load_target`.
+        ValueError: a bad dtype, an FP8 checkpoint, or a checkpoint without safetensors files or one of the tensors.
+    """
+    torch_dtype = _torch_dtype(dtype)
+    path, local_only = resolve_target(name_or_path)
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": local_only}
+    config = AutoConfig.from_pretrained(path, **kwargs)
+    adapter = adapter_for(config)
+    _refuse_fp8(config, name_or_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    names = {id(m): name for name, m in model.named_modules()}
+    embed, norm, head = adapter.embed_tokens(model), adapter.final_norm(model), adapter.lm_head(model)
+    tied = head.weight is embed.weight
+    modules = (embed, norm) if tied else (embed, norm, head)
+    wanted = {f"{names[id(module)]}.{name}": (module, name) for module in modules
+              for name, _ in module.named_parameters(recurse=False)}
+    for key, file in _checkpoint_files(path, list(wanted), local_only).items():
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            tensor = f.get_tensor(key)
+        module, name = wanted[key]
+        if torch_dtype != "auto" and tensor.is_floating_point():
+            tensor = tensor.to(torch_dtype)
+        setattr(module, name, nn.Parameter(tensor, requires_grad=False))
+    if tied:
+        head.weight = embed.weight
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    model.requires_grad_(False)
+    model.eval()
+    return model, tokenizer, adapter
+
+
+def _checkpoint_files(path: str | Path, keys: list[str], local_only: bool) -> dict[str, str]:
+    """Which local safetensors file holds each of `keys` (`model.safetensors.index.json`, else `model.safetensors`);
+    from a Hub repo only the index and the files holding `keys` are fetched."""
+    def fetch(name: str) -> str | None:
+        if Path(path).is_dir():
+            file = Path(path) / name
+            return str(file) if file.is_file() else None
+        try:
+            return huggingface_hub.hf_hub_download(str(path), name, local_files_only=local_only)
+        except huggingface_hub.errors.EntryNotFoundError:
+            return None
+
+    index = fetch("model.safetensors.index.json")
+    if index is not None:
+        weight_map = json.loads(Path(index).read_text())["weight_map"]
+    elif fetch("model.safetensors") is not None:
+        weight_map = dict.fromkeys(keys, "model.safetensors")
+    else:
+        raise ValueError(f"target {path}: no model.safetensors(.index.json) to read the embedding, norm and lm_head "
+                         "from; offline training reads them from safetensors files")
+    missing = [k for k in keys if k not in weight_map]
+    if missing:
+        raise ValueError(f"target {path}: the safetensors index has no {missing}; expected the tensors of the "
+                         "adapter's embedding, final norm and lm_head")
+    return {k: fetch(weight_map[k]) for k in keys}
+
+
+def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
+    torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) and dtype != "auto" else dtype
+    if not (isinstance(torch_dtype, torch.dtype) or torch_dtype == "auto"):
+        raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. 'float32', 'bfloat16') or 'auto'")
+    return torch_dtype
 
 
 def _refuse_fp8(config: Any, name_or_path: str | os.PathLike) -> None:

@@ -144,9 +144,10 @@ def answers_digest(conversations: list[Any]) -> str:
 
 def regeneration_key(recipe: Any, tokenizer: Any, target_id: str) -> str:
     """Key of the regenerated-answers file: what an answer depends on (the source files and their format, the
-    prompt-length limit, the generation settings and chat-template kwargs, the target and its tokenizer), not which records a recipe selects
-    (`max_samples`, `split`, `val_fraction`, `on_error`) nor `batch_size`. The file is a per-conversation cache
-    (`eagle3_zoo.data.regenerate`), so growing `max_samples` generates only the conversations not answered yet."""
+    prompt-length limit, the generation settings and chat-template kwargs, the target and its tokenizer), not which
+    records a recipe selects (`max_samples`, `split`, `val_fraction`, `on_error`) nor `batch_size`. The file is a
+    per-conversation cache (`eagle3_zoo.data.regenerate`), so growing `max_samples` generates only the
+    conversations not answered yet."""
     d, r = recipe.data, recipe.data.regenerate
     settings = {"max_length": d.max_length, "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
                 "max_turns": r.max_turns, "seed": d.seed if r.temperature > 0 else None, "target": target_id,
@@ -165,7 +166,7 @@ def regenerated_path(recipe: Any, tokenizer: Any, target_id: str) -> Path:
 
 
 def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, target_id: str = "",
-                 vocab_size: int | None = None) -> PreparedData:
+                 vocab_size: int | None = None, split: Any = None) -> PreparedData:
     """Run the data stage of `recipe` (see the module docstring).
 
     Args:
@@ -174,6 +175,8 @@ def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, 
         target: the target model (needed only when `data.regenerate.enabled`).
         target_id: the target's name or path (part of the regeneration key).
         vocab_size: the target vocabulary size (default `len(tokenizer)`).
+        split: this process's share of the regeneration (`eagle3_zoo.data.ranks.RankSplit`); default: found among
+            the ranks of a torch.distributed run that share the cache (`split_for`), else all of it.
 
     Raises:
         DataError: bad records with `data.on_error=raise`, or no usable example left.
@@ -182,9 +185,12 @@ def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, 
     conversations, read_stats = read_sources(d.sources, on_error=d.on_error, max_samples=d.max_samples)
     regen: dict[str, Any] = {}
     if d.regenerate.enabled:
+        from eagle3_zoo.data.ranks import split_for
         from eagle3_zoo.data.regenerate import regenerate_conversations
 
         path = regenerated_path(recipe, tokenizer, target_id)
+        if split is None:
+            split = split_for(path.parent)  # collective under torch.distributed: before any early return
         if d.regenerate.backend != "hf":  # an OpenAI-compatible server: same file, same key
             from eagle3_zoo.data.regenerate_server import regenerate_for_recipe
 
@@ -195,7 +201,8 @@ def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, 
             conversations, rstats = regenerate_conversations(
                 conversations, target, tokenizer, adapter, path, max_new_tokens=d.regenerate.max_new_tokens,
                 temperature=d.regenerate.temperature, batch_size=d.regenerate.batch_size, max_length=d.max_length,
-                max_turns=d.regenerate.max_turns, seed=d.seed, template_kwargs=d.chat_template_kwargs)
+                max_turns=d.regenerate.max_turns, seed=d.seed, template_kwargs=d.chat_template_kwargs,
+                split=split)
         regen = {"path": str(path), **rstats.to_dict()}
     answers = answers_digest(conversations) if d.regenerate.enabled else None
     fingerprint = data_fingerprint(recipe, tokenizer, target_id, answers)

@@ -5,21 +5,26 @@ earlier assistant turns already regenerated), rendered with the recipe's chat-te
 and the conversation's tool definitions.
 A target that thinks keeps its reasoning in the answer (``{"role": "assistant", "content", "reasoning"}``), so the
 loss mask covers the thinking it generated. Assistant turns that call tools are kept as recorded (the tool results
-that follow answer those calls; a tool cannot be run here); with `max_turns`, the conversation ends after that many answers (the
-cost of regeneration grows with every turn). Conversations are processed `batch_size` at a time, batched by the
-length of their first prompt (less padding, rows finishing together); prompts are left-padded so one `generate`
-call serves the whole batch. Greedy when `temperature == 0`, sampling otherwise.
+that follow answer those calls; a tool cannot be run here); with `max_turns`, the conversation ends after that many
+answers (the cost of regeneration grows with every turn). Conversations are processed `batch_size` at a time,
+batched by the length of their first prompt (less padding, rows finishing together); prompts are left-padded so one
+`generate` call serves the whole batch. Greedy when `temperature == 0`, sampling otherwise.
 
-Resumable: every finished conversation is appended to a JSONL file (`{"id", "source", "index", "messages"}`) with
-one `write()` per line on an `O_APPEND` descriptor, fsynced per batch. A rerun reads the ids already there and
-only generates the rest; a torn last line (killed mid-write) is cut off first. An exclusive lock on the file keeps
-concurrent processes (ranks of a launcher that starts them all at once) from generating the same data twice.
+Resumable and split across ranks (`eagle3_zoo.data.ranks`): the conversations the file does not hold yet are cut
+into batches the same way for any number of processes; rank r of W generates batches r, r + W, ... and appends
+each finished conversation to its own part file `<file>.part-<r>` (`{"id", "source", "index", "messages"}`, one
+`write()` per line on an `O_APPEND` descriptor, fsynced per batch). A rerun skips what any part already holds; a
+torn last line (killed mid-write) is cut off first. When every conversation is in some part, the new records are
+appended to the file in input order (one atomic rewrite, under a lock; whichever rank gets there first) and the
+parts are removed: the file is byte-identical for any world size and for one process. A rank that finishes early
+waits for the others' parts by polling the files.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import json
 import logging
 import os
@@ -32,8 +37,9 @@ from typing import Any
 import torch
 
 from eagle3_zoo.adapters.chat import render_prompt, thinking_enabled
+from eagle3_zoo.data.ranks import RankSplit, wait_until
 from eagle3_zoo.data.readers import Conversation
-from eagle3_zoo.modeling.io import exclusive_lock
+from eagle3_zoo.modeling.io import atomic_write_bytes, exclusive_lock
 from eagle3_zoo.progress import Progress
 
 logger = logging.getLogger(__name__)
@@ -56,9 +62,10 @@ class RegenerateStats:
                 "generated": self.generated, "turns": self.turns, "skipped": dict(self.skipped)}
 
 
-def _load_done(path: Path) -> dict[str, list[dict[str, str]]]:
-    """Finished records by id; cuts a torn trailing line (no newline or invalid JSON) off the file."""
-    done: dict[str, list[dict[str, str]]] = {}
+def _load_records(path: Path, repair: bool = True) -> dict[str, tuple[bytes, list[dict[str, str]]]]:
+    """Finished records of a JSONL file by id: (line, messages). A torn trailing line (no newline or invalid JSON)
+    is cut off the file with `repair` (its writer is gone) and ignored without (another rank may be writing it)."""
+    done: dict[str, tuple[bytes, list[dict[str, str]]]] = {}
     if not path.exists():
         return done
     data = path.read_bytes()
@@ -70,17 +77,54 @@ def _load_done(path: Path) -> dict[str, list[dict[str, str]]]:
             record = json.loads(line)
         except json.JSONDecodeError:
             break
-        done[str(record["id"])] = record["messages"]
+        done[str(record["id"])] = (line, record["messages"])
         good += len(line)
-    if good != len(data):
+    if good != len(data) and repair:
         logger.warning("%s: cutting %d bytes of a torn last record left by an interrupted run", path, len(data) - good)
         with open(path, "rb+") as f:
             f.truncate(good)
     return done
 
 
+def _load_done(path: Path) -> dict[str, list[dict[str, str]]]:
+    """Finished records by id; cuts a torn trailing line (no newline or invalid JSON) off the file."""
+    return {uid: messages for uid, (_, messages) in _load_records(path).items()}
+
+
 def _locked(path: Path) -> contextlib.AbstractContextManager[None]:
     return exclusive_lock(path.with_name(path.name + ".lock"))  # blocks while another process regenerates this file
+
+
+def part_path(out_path: Path, rank: int) -> Path:
+    """Rank `rank`'s part file of the regenerated-answers file `out_path`."""
+    return out_path.with_name(f"{out_path.name}.part-{rank:05d}")
+
+
+def _part_records(out_path: Path) -> tuple[list[Path], dict[str, tuple[bytes, list[dict[str, str]]]]]:
+    parts = sorted(out_path.parent.glob(glob.escape(out_path.name) + ".part-[0-9]*[0-9]"))
+    records: dict[str, tuple[bytes, list[dict[str, str]]]] = {}
+    for part in parts:
+        records.update(_load_records(part, repair=False))
+    return parts, records
+
+
+def merge_parts(out_path: Path, uids: Sequence[str]) -> tuple[int, int]:
+    """Once the file and its parts hold every id of `uids`, append the parts' records to the file (ids of `uids`
+    in that order, then any other part record by id) and remove the parts. Returns (ids held, len(uids))."""
+    with _locked(out_path):
+        main = _load_records(out_path)
+        parts, records = _part_records(out_path)
+        held = sum(uid in main or uid in records for uid in uids)
+        if held < len(uids):
+            return held, len(uids)
+        new = [uid for uid in uids if uid not in main and uid in records]
+        new += sorted(set(records) - set(main) - set(new))
+        if new:
+            old = b"".join(line for line, _ in main.values())
+            atomic_write_bytes(out_path, old + b"".join(records[uid][0] for uid in new))
+        for part in parts:
+            part.unlink(missing_ok=True)
+        return held, len(uids)
 
 
 def _end_ids(tokenizer: Any, adapter: Any) -> list[int]:
@@ -163,8 +207,9 @@ def regenerate_conversations(
     max_turns: int | None = None,
     seed: int = 0,
     template_kwargs: dict[str, Any] | None = None,
+    split: RankSplit | None = None,
 ) -> tuple[list[Conversation], RegenerateStats]:
-    """Replace every assistant turn by the target's own reply; resumable (see the module docstring).
+    """Replace every assistant turn by the target's own reply; resumable, split across ranks (module docstring).
 
     Args:
         conversations: normalised conversations (user/assistant/system messages).
@@ -179,43 +224,57 @@ def regenerate_conversations(
         max_turns: answer at most this many assistant turns per conversation and drop what follows; None = all.
         seed: sampling seed (per batch, so a rerun samples the remaining batches reproducibly).
         template_kwargs: chat-template variables (recipe `data.chat_template_kwargs`, e.g. ``enable_thinking``).
+        split: this process's share (`eagle3_zoo.data.ranks.RankSplit`); default: all of it. Every rank returns
+            once all shares are done.
 
     Returns:
         The regenerated conversations in input order (same ids/sources/indices), and stats.
     """
     out_path = Path(out_path)
+    split = split or RankSplit()
     stats = RegenerateStats()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     end_ids = _end_ids(tokenizer, adapter)
-    with _locked(out_path):
-        done = _load_done(out_path)
-        todo = [c for c in conversations if c.uid not in done]
+    part = part_path(out_path, split.rank)
+    with exclusive_lock(part.with_name(part.name + ".lock")):  # one writer per part (another run of this rank)
+        with _locked(out_path):
+            main = _load_records(out_path)
+        _load_records(part)  # cut a torn line of this rank's own part before appending to it
+        _, in_parts = _part_records(out_path)
+        todo = [c for c in conversations if c.uid not in main]
         # similar prompt lengths share a batch; a stable sort keeps the order (and so resumption) deterministic
         todo.sort(key=lambda c: len(next((m["content"] for m in c.messages if m["role"] != "assistant"), "")))
-        stats.reused = len(conversations) - len(todo)
-        if todo:
-            logger.info("regenerating %d conversations with the target (%d already in %s)", len(todo), stats.reused,
-                        out_path)
-        fd = os.open(out_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        progress = Progress(len(todo), "regenerating", "conv", logger=logger)
-        try:
-            for start in range(0, len(todo), batch_size):
-                batch = todo[start : start + batch_size]
-                turns_before = stats.turns
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(seed + start)
-                    results = _regenerate_batch(batch, model, tokenizer, adapter, max_new_tokens, temperature,
-                                                max_length, max_turns, pad_id, end_ids, stats, template_kwargs)
-                for conv, messages in zip(batch, results):
-                    record = {"id": conv.uid, "source": conv.source, "index": conv.index, "messages": messages}
-                    os.write(fd, (json.dumps(record, ensure_ascii=False) + "\n").encode())
-                    done[conv.uid] = messages
-                os.fsync(fd)
-                stats.generated += len(batch)
-                progress.update(len(batch), turns=stats.turns - turns_before)
-        finally:
-            progress.close()
-            os.close(fd)
+        batches = split.share([(start, todo[start : start + batch_size]) for start in range(0, len(todo), batch_size)])
+        batches = [(start, [c for c in batch if c.uid not in in_parts]) for start, batch in batches]
+        batches = [(start, batch) for start, batch in batches if batch]
+        stats.reused = sum(c.uid in main or c.uid in in_parts for c in conversations)
+        mine = sum(len(batch) for _, batch in batches)
+        if mine:
+            logger.info("regenerating %d conversations with the target (rank %d of %d; %d already in %s)", mine,
+                        split.rank, split.world_size, stats.reused, out_path)
+            fd = os.open(part, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            progress = Progress(mine, "regenerating", "conv", logger=logger)
+            try:
+                for start, batch in batches:
+                    turns_before = stats.turns
+                    with torch.random.fork_rng(devices=[]):
+                        torch.manual_seed(seed + start)
+                        results = _regenerate_batch(batch, model, tokenizer, adapter, max_new_tokens, temperature,
+                                                    max_length, max_turns, pad_id, end_ids, stats,
+                                                    template_kwargs)
+                    for conv, messages in zip(batch, results):
+                        record = {"id": conv.uid, "source": conv.source, "index": conv.index, "messages": messages}
+                        os.write(fd, (json.dumps(record, ensure_ascii=False) + "\n").encode())
+                    os.fsync(fd)
+                    stats.generated += len(batch)
+                    progress.update(len(batch), turns=stats.turns - turns_before)
+            finally:
+                progress.close()
+                os.close(fd)
+    uids = [c.uid for c in conversations]
+    wait_until(lambda: merge_parts(out_path, uids), f"regenerated conversations ({out_path})")
+    with _locked(out_path):
+        done = _load_done(out_path)
     return collect_regenerated(conversations, done, stats), stats
 
 

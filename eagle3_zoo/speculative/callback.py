@@ -6,9 +6,10 @@ The TTT accuracies estimate acceptance; this measures it, with the same generato
 
 It reads from the LightningModule: ``.drafter`` (an `Eagle3Drafter`), ``.target`` (the frozen target, so online
 mode or any module that keeps the target), optionally ``.adapter`` and ``.tokenizer`` (needed for text prompts
-unless a tokenizer is given to the callback). It runs greedily on every rank (the same prompts give the same
-result on each rank, and every rank then holds the logged metric); an FSDP-sharded drafter is skipped with a
-warning, because its parameters are only gathered inside the training forward.
+unless a tokenizer is given to the callback). It runs greedily; under torch.distributed (ddp) rank r of W decodes
+prompts r, r + W, ... and the per-prompt results are gathered on every rank, so every rank logs exactly the figure
+one process would measure. An FSDP-sharded drafter is skipped with a warning, because its parameters are only
+gathered inside the training forward.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from typing_extensions import override
 
 from eagle3_zoo.speculative.benchmarks import chat_input_ids, completion_input_ids
@@ -81,11 +83,18 @@ class TauEvalCallback(L.Callback):
         drafter.eval()
         try:
             generator = SpeculativeGenerator(target, drafter, self.tree, getattr(pl_module, "adapter", None))
-            stats = BenchStats()
-            for i, ids in enumerate(self._input_ids(pl_module)):
-                stats.add(generator.generate(ids, self.max_new_tokens), request_id=str(i))
+            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+            outputs = {i: generator.generate(ids, self.max_new_tokens)
+                       for i, ids in enumerate(self._input_ids(pl_module)) if i % world == rank}
         finally:
             drafter.train(was_training)
+        if world > 1:
+            shares: list[Any] = [None] * world
+            dist.all_gather_object(shares, outputs)
+            outputs = {i: out for share in shares for i, out in share.items()}
+        stats = BenchStats()
+        for i in sorted(outputs):  # prompt order, as one process adds them
+            stats.add(outputs[i], request_id=str(i))
         return stats.summary()
 
     def _run(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

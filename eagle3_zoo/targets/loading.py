@@ -6,37 +6,61 @@ Moved here from `training/build.py` so that `data/` (the feature job) does not i
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
+
+import torch
 
 logger = logging.getLogger(__name__)
 
 
-def load_recipe_target(recipe: Any, source: str = "recipe", skeleton: bool = False) -> tuple[Any, Any, Any]:
+def target_device(recipe: Any, local_rank: int | None = None) -> torch.device:
+    """Where this rank's target lives for everything it does (regeneration, feature job, training forward, tau
+    eval): `cuda:<local rank>` when the recipe trains on GPUs (`trainer.accelerator` gpu or auto) and CUDA is
+    available, else the CPU. `local_rank` defaults to the launcher's `LOCAL_RANK` (0 without one)."""
+    if recipe.trainer.accelerator in ("gpu", "auto") and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank)
+    return torch.device("cpu")
+
+
+def load_recipe_target(recipe: Any, source: str = "recipe", device: str | torch.device | None = None,
+                       heads_only: bool = False, skeleton: bool = False) -> tuple[Any, Any, Any]:
     """Load the recipe's frozen target and check the recipe against its config.
 
-    With `skeleton`, the decoder layers stay on the meta device for FSDP to fill shard by shard
-    (`load_target_skeleton`); a target that cannot be read that way is loaded whole (with a warning).
+    Args:
+        device: where the target is placed (default `target_device(recipe)`).
+        heads_only: read only the embedding, final norm and lm_head (`load_target_heads`; the rest stays on the
+            meta device), for training on stored features.
+        skeleton: the decoder layers stay on the meta device for FSDP to fill shard by shard
+            (`load_target_skeleton`); a target that cannot be read that way is loaded whole (with a warning).
 
     Returns:
-        `(model, tokenizer, adapter)` on the CPU (the Trainer moves it).
+        `(model, tokenizer, adapter)` on `device`.
 
     Raises:
         ValueError: `target.family` names another family than the target's `model_type`.
         RecipeError: draft vocab larger than the target vocab, aux layer ids out of range, wrong drafter width.
     """
-    from eagle3_zoo.adapters import load_target
+    from eagle3_zoo.adapters import load_target, load_target_heads
     from eagle3_zoo.adapters.loading import ShardedLoadUnsupported, load_target_skeleton
     from eagle3_zoo.recipe import validate_against_target
 
     t = recipe.target
+    device = target_device(recipe) if device is None else device
     loaded = None
     if skeleton:
         try:
             loaded = load_target_skeleton(t.name_or_path, dtype=t.dtype, trust_remote_code=t.trust_remote_code)
         except ShardedLoadUnsupported as e:
             logger.warning("%s; every rank loads the whole target before FSDP shards it", e)
-    model, tokenizer, adapter = loaded or load_target(t.name_or_path, dtype=t.dtype, lora_path=t.lora_path,
-                                                      trust_remote_code=t.trust_remote_code)
+    if loaded is not None:
+        model, tokenizer, adapter = loaded
+    elif heads_only:
+        model, tokenizer, adapter = load_target_heads(t.name_or_path, dtype=t.dtype,
+                                                      trust_remote_code=t.trust_remote_code, device=device)
+    else:
+        model, tokenizer, adapter = load_target(t.name_or_path, dtype=t.dtype, lora_path=t.lora_path,
+                                                trust_remote_code=t.trust_remote_code, device=device)
     if t.family not in ("auto", adapter.model_type):
         raise ValueError(f"{source}: target.family = {t.family!r} but {t.name_or_path} is a {adapter.model_type!r} "
                          f"model (config.json model_type); set target.family to {adapter.model_type!r} or 'auto'")
@@ -50,3 +74,9 @@ def aux_layer_ids_for(recipe: Any, target: Any, adapter: Any) -> tuple[int, ...]
     if recipe.drafter.aux_layer_ids is not None:
         return tuple(int(i) for i in recipe.drafter.aux_layer_ids)
     return tuple(adapter.aux_layer_ids(target.config.num_hidden_layers))
+
+
+def is_heads_only(model: Any) -> bool:
+    """Whether `model` was loaded heads-only (`load_recipe_target(heads_only=True)`): its layers are on the meta
+    device and it cannot run a forward."""
+    return any(p.is_meta for p in model.parameters())

@@ -13,6 +13,7 @@ from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab
 from eagle3_zoo.targets.loading import (  # noqa: F401  moved below data/ and training/; re-exported
     aux_layer_ids_for,
     load_recipe_target,
+    target_device,
 )
 
 logger = logging.getLogger(__name__)
@@ -100,21 +101,36 @@ class TrainingRun:
     features: dict[str, Any] = field(default_factory=dict)  # offline: store directory, bytes per token, dtype
 
 
-def build_run(recipe: Any, source: str = "recipe") -> TrainingRun:
+def build_run(recipe: Any, source: str = "recipe", device: Any = None) -> TrainingRun:
     """Seed, load the target, prepare the data, build the drafter, (offline) extract features, build the module and
-    the DataModule."""
+    the DataModule.
+
+    The target is loaded on `device` (default `target_device(recipe)`: this rank's GPU, else the CPU) and does all
+    its work there. Offline without tau eval (and without in-process regeneration or a LoRA) only its embedding,
+    final norm and lm_head are read (`load_recipe_target(heads_only=True)`); the feature job loads the whole target
+    only if features are missing. Under torch.distributed the data stage is split across the ranks that share the
+    cache (`eagle3_zoo.data.ranks`), and every rank waits for all of them before returning (no rank starts training
+    collectives while another still prepares data).
+    """
     import lightning as L
 
     from eagle3_zoo.data.datamodule import Eagle3DataModule
     from eagle3_zoo.data.prepare import prepare_data
+    from eagle3_zoo.data.ranks import data_barrier
     from eagle3_zoo.training.module import Eagle3Module
     from eagle3_zoo.training.strategies import enable_activation_checkpointing, target_skeleton_reason
 
     L.seed_everything(recipe.trainer.seed, workers=True, verbose=False)
+    d = recipe.data
+    # offline mode keeps the full target only when tau is measured during training (speculative decoding needs it)
+    keep_target = d.mode == "online" or bool(recipe.trainer.tau_eval.every_n_steps)
+    heads_only = not keep_target and not recipe.target.lora_path and not (
+        d.regenerate.enabled and d.regenerate.backend == "hf")
     whole = target_skeleton_reason(recipe)  # FSDP reads the decoder layers shard by shard unless this says why not
     if whole and recipe.trainer.strategy == "fsdp":
         logger.info("every rank loads the whole target: %s", whole)
-    target, tokenizer, adapter = load_recipe_target(recipe, source, skeleton=whole is None)
+    target, tokenizer, adapter = load_recipe_target(recipe, source, device=device, heads_only=heads_only,
+                                                    skeleton=whole is None and not heads_only)
     data = prepare_data(recipe, tokenizer, adapter, target=target, target_id=recipe.target.name_or_path,
                         vocab_size=target.config.vocab_size)
     aux_ids = aux_layer_ids_for(recipe, target, adapter)
@@ -127,8 +143,6 @@ def build_run(recipe: Any, source: str = "recipe") -> TrainingRun:
     train_set, val_set, features = _datasets(recipe, data, target, tokenizer, adapter, aux_ids)
     if recipe.optim.precondition_fc and not recipe.drafter.init_from:
         drafter.set_fc_input_scale(fc_input_scale(train_set, target, adapter, aux_ids))
-    # offline mode keeps the full target only when tau is measured during training (speculative decoding needs it)
-    keep_target = recipe.data.mode == "online" or bool(recipe.trainer.tau_eval.every_n_steps)
     t, o = recipe.ttt, recipe.optim
     module = Eagle3Module(
         drafter, adapter, target if keep_target else None, embed_tokens=adapter.embed_tokens(target),
@@ -138,6 +152,7 @@ def build_run(recipe: Any, source: str = "recipe") -> TrainingRun:
         min_lr_ratio=o.min_lr_ratio)
     datamodule = Eagle3DataModule(train_set, val_set, batch_size=recipe.trainer.batch_size, seed=recipe.data.seed,
                                   num_workers=recipe.data.num_workers, pad_id=tokenizer.pad_token_id or 0)
+    data_barrier()
     return TrainingRun(recipe, target, tokenizer, adapter, data, module, datamodule, features)
 
 

@@ -9,7 +9,9 @@ settings (`eagle3_zoo.training.resume`) -> write `output_dir/drafter/`. A non-fi
 (finite) checkpoint stays.
 
 Multi-process strategies (ddp, fsdp) relaunch the *command line* for the other ranks (Lightning's subprocess
-launcher), so run them through this module's CLI (or `eagle3-zoo fit`), not from an interactive session.
+launcher), so run them through this module's CLI (or `eagle3-zoo fit`), not from an interactive session. The ranks
+are started before the data stage (`start_ranks`): the target sits on each rank's own GPU from the start, and
+regeneration and the feature job are split across the ranks (`eagle3_zoo.data.ranks`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from eagle3_zoo.data.tokenize import draft_vocab_coverage
 from eagle3_zoo.modeling.io import atomic_write
 from eagle3_zoo.recipe import recipe_to_dict
 from eagle3_zoo.training import resume
-from eagle3_zoo.training.build import build_run
+from eagle3_zoo.training.build import build_run, target_device
 from eagle3_zoo.training.callbacks import ProgressLogCallback, StepProgressBar, TTTScheduleCallback
 from eagle3_zoo.training.module import NonFiniteError, all_finite
 from eagle3_zoo.training.outputs import build_provenance, drafter_info, full_drafter, git_info, write_drafter_folder
@@ -152,6 +154,40 @@ def require_accelerator(recipe: Any, source: str = "recipe") -> None:
                          "in useful time)")
 
 
+def start_ranks(recipe: Any) -> torch.device:
+    """Start this run's other processes and its process group now, before the data stage (Lightning would start
+    them only in `trainer.fit`), so that regeneration and the feature job split across the ranks
+    (`eagle3_zoo.data.ranks`); returns this rank's target device (`target_device`).
+
+    Only Lightning's subprocess launcher is started early (ddp, fsdp; also a launcher that started the processes
+    itself, torchrun or SLURM); `trainer.fit` later finds the processes and the group there and starts neither again.
+    """
+    from lightning.fabric.utilities.distributed import _init_dist_connection
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    from eagle3_zoo.data.ranks import start_coordination
+
+    t = recipe.trainer
+    strategy = L.Trainer(accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, logger=False,
+                         strategy=build_strategy(t.strategy, devices=t.devices, num_nodes=t.num_nodes,
+                                                 accelerator=t.accelerator),
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).strategy
+    if isinstance(strategy.launcher, _SubprocessScriptLauncher):
+        strategy.launcher.launch(lambda: None)  # the main process starts the others (a no-op in those)
+    if not isinstance(strategy, (DDPStrategy, ModelParallelStrategy)) or strategy.cluster_environment is None or \
+            not strategy.cluster_environment.creates_processes_externally:
+        return target_device(recipe)
+    strategy.set_world_ranks()
+    if strategy.world_size < 2:
+        return target_device(recipe, strategy.local_rank)
+    root = strategy.root_device
+    _init_dist_connection(strategy.cluster_environment, strategy._get_process_group_backend(),
+                          timeout=strategy._timeout, device_id=root if root.type != "cpu" else None)
+    start_coordination()
+    return target_device(recipe, strategy.local_rank)
+
+
 def fit(recipe: Any, source: str = "recipe") -> Path:
     """Train a drafter as `recipe` says; resumes from `output_dir/checkpoints/last.ckpt` when it exists.
 
@@ -171,7 +207,8 @@ def fit(recipe: Any, source: str = "recipe") -> Path:
     recover_replaced_directory(last)  # a sharded checkpoint whose replacement was cut short
     if last.exists():  # a corrupt or foreign checkpoint fails here, before the target and the data are loaded
         resume.read_checkpoint_identity(last)
-    run = build_run(recipe, source)
+    device = start_ranks(recipe)
+    run = build_run(recipe, source, device=device)
     data, target, adapter = run.data, run.target, run.adapter
     cfg = target.config
     target_info = {"name_or_path": recipe.target.name_or_path, "model_type": adapter.model_type,
