@@ -169,10 +169,16 @@ def start_ranks(recipe: Any) -> torch.device:
     from eagle3_zoo.data.ranks import start_coordination
 
     t = recipe.trainer
-    strategy = L.Trainer(accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, logger=False,
-                         strategy=build_strategy(t.strategy, devices=t.devices, num_nodes=t.num_nodes,
-                                                 accelerator=t.accelerator),
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).strategy
+    quiet = logging.getLogger("lightning.pytorch")  # this throwaway Trainer would print the real one's banner too
+    level, quiet.level = quiet.level, logging.WARNING
+    try:
+        strategy = L.Trainer(accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, logger=False,
+                             strategy=build_strategy(t.strategy, devices=t.devices, num_nodes=t.num_nodes,
+                                                     accelerator=t.accelerator),
+                             enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False).strategy
+    finally:
+        quiet.setLevel(level)
     if isinstance(strategy.launcher, _SubprocessScriptLauncher):
         strategy.launcher.launch(lambda: None)  # the main process starts the others (a no-op in those)
     if not isinstance(strategy, (DDPStrategy, ModelParallelStrategy)) or strategy.cluster_environment is None or \
