@@ -141,9 +141,10 @@ def load_target(
     config = AutoConfig.from_pretrained(path, **kwargs)
     adapter = adapter_for(config)
     _refuse_fp8(config, name_or_path)
+    # weights go straight to `device` (a rank's GPU), never through a full copy in host memory
     model, info = AutoModelForCausalLM.from_pretrained(
-        path, config=config, dtype=torch_dtype, output_loading_info=True, **_dequantize_kwargs(config, adapter),
-        **kwargs
+        path, config=config, dtype=torch_dtype, output_loading_info=True, device_map=str(torch.device(device)),
+        **_dequantize_kwargs(config, adapter), **kwargs
     )
     _check_loading_info(info, adapter, path)
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
