@@ -19,6 +19,11 @@ from eagle3_zoo.adapters.capture import cache_kwargs, capture_aux_hidden
 from eagle3_zoo.adapters.chat import ChatFormat, build_chat_example, load_chat_formats, resolve_chat_format
 from eagle3_zoo.adapters.testing import build_tiny_tokenizer
 
+# The shape every family's tiny test config starts from (vocab 512 fits the tiny tokenizers); adapters change it
+# with `tiny_config_fields`.
+TINY_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+
 
 class UnknownAdapterError(ValueError):
     """No adapter is registered for a `model_type`."""
@@ -41,6 +46,7 @@ class TargetAdapter:
         keys_to_ignore_on_load: Regexes of checkpoint keys that are expected to be unused (e.g. MTP layers).
         chat_format_names: The family's chat formats, shipped as data in ``resources/chat_formats/`` (template +
             metadata, see `eagle3_zoo.adapters.chat.load_chat_format`); the one matching the tokenizer is used.
+        tiny_config_fields: The family's fields over `TINY_SHAPE` for its tiny random test config (`tiny_config`).
         sliding_window_layers: The family has sliding-window attention layers (which ones, and the window, come
             from each model's config: `attention_windows`). Speculative verification builds their window masks.
         attention_sinks: The attention adds learned per-head sink logits to the softmax (gpt-oss); they need no
@@ -61,6 +67,7 @@ class TargetAdapter:
     final_norm_attr: ClassVar[str] = "norm"
     keys_to_ignore_on_load: ClassVar[tuple[str, ...]] = ()
     chat_format_names: ClassVar[tuple[str, ...]] = ()
+    tiny_config_fields: ClassVar[Mapping[str, Any] | None] = None
     sliding_window_layers: ClassVar[bool] = False
     attention_sinks: ClassVar[bool] = False
     quantized_formats: ClassVar[tuple[str, ...]] = ()
@@ -118,8 +125,13 @@ class TargetAdapter:
         return tuple(window if kind == "sliding_attention" else None for kind in kinds[:n])
 
     def tiny_config(self) -> PretrainedConfig:
-        """A small random-weight config of this family for tests (2-4 layers, small dims)."""
-        raise NotImplementedError(f"{type(self).__name__} declares no tiny_config()")
+        """A small random-weight config of this family for tests: `TINY_SHAPE` updated with the adapter's
+        `tiny_config_fields` (its family's own fields: head_dim, experts, sliding windows, RoPE, tied head...)."""
+        if self.tiny_config_fields is None:
+            raise NotImplementedError(f"{type(self).__name__} declares no tiny_config_fields")
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(self.model_type, **{**TINY_SHAPE, **self.tiny_config_fields})
 
     def tiny_tokenizer(self) -> Any:
         """A byte-level BPE tokenizer with the family's special tokens and first chat format (ids < 512), for tests."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from transformers import DeepseekV3Config
-
 from eagle3_zoo.adapters.base import TargetAdapter, register_adapter
 
 
@@ -16,28 +14,21 @@ class DeepseekV3Adapter(TargetAdapter):
     keys_to_ignore_on_load = (r"model\.layers\.61\.",)
     chat_format_names = ("deepseek_v3",)
 
-    def tiny_config(self) -> DeepseekV3Config:
-        """4 layers (first dense, then MoE with 4 routed + 1 shared expert, top-2 of 2 groups), small MLA dims."""
-        return DeepseekV3Config(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            n_shared_experts=1,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_group=2,
-            topk_group=1,
-            first_k_dense_replace=1,
-            kv_lora_rank=16,
-            q_lora_rank=32,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=16,
-            max_position_embeddings=256,
-            num_mtp_layers=0,
-            tie_word_embeddings=False,
-        )
+    # 4 layers (first dense, then MoE with 4 routed + 1 shared expert, top-2 of 2 groups), small MLA dims.
+    tiny_config_fields = dict(  # over TINY_SHAPE
+        moe_intermediate_size=32,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        num_mtp_layers=0,
+        tie_word_embeddings=False,
+    )

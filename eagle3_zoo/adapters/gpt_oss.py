@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from transformers import GptOssConfig
-
 from eagle3_zoo.adapters.base import TargetAdapter, register_adapter
 
 
@@ -27,21 +25,14 @@ class GptOssAdapter(TargetAdapter):
     quantized_formats = ("mxfp4",)
     drafter_defaults = {"intermediate_size": 17280, "draft_vocab_size": 32000}
 
-    def tiny_config(self) -> GptOssConfig:
-        """4 layers (sliding window 8 / full alternating), hidden 64, GQA 4/2 heads of 16, 4 experts (top-2)."""
-        return GptOssConfig(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=64,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            sliding_window=8,
-            max_position_embeddings=256,
-            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 8},
-            tie_word_embeddings=False,
-        )
+    # 4 layers (sliding window 8 / full alternating), hidden 64, GQA 4/2 heads of 16, 4 experts (top-2).
+    tiny_config_fields = dict(  # over TINY_SHAPE
+        intermediate_size=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=16,
+        sliding_window=8,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 8},
+        tie_word_embeddings=False,
+    )

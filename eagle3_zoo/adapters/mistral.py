@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from transformers import MistralConfig
-
 from eagle3_zoo.adapters.base import TargetAdapter, register_adapter
 
 
@@ -25,18 +23,10 @@ class MistralAdapter(TargetAdapter):
     chat_format_names = ("mistral-small-2501", "mistral-small")
     sliding_window_layers = True  # only in checkpoints whose config sets sliding_window
 
-    def tiny_config(self) -> MistralConfig:
-        """4 layers, hidden 64, GQA 4/2 heads of 16, no sliding window (as Mistral Small 3)."""
-        return MistralConfig(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=256,
-            sliding_window=None,
-            rope_parameters={"rope_type": "default", "rope_theta": 100000000.0},
-            tie_word_embeddings=False,
-        )
+    # 4 layers, hidden 64, GQA 4/2 heads of 16, no sliding window (as Mistral Small 3).
+    tiny_config_fields = dict(  # over TINY_SHAPE
+        head_dim=16,
+        sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000000.0},
+        tie_word_embeddings=False,
+    )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from transformers import Qwen3MoeConfig
-
 from eagle3_zoo.adapters.base import TargetAdapter, register_adapter
 
 
@@ -19,22 +17,14 @@ class Qwen3MoeAdapter(TargetAdapter):
     decoder_layer_class = "Qwen3MoeDecoderLayer"
     chat_format_names = ("qwen3",)
 
-    def tiny_config(self) -> Qwen3MoeConfig:
-        """4 layers, hidden 64, GQA 4/2 heads of 16, 4 experts of width 64 (top-2, renormalised as
-        Qwen3-30B-A3B) in every layer."""
-        return Qwen3MoeConfig(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            moe_intermediate_size=64,
-            norm_topk_prob=True,
-            num_experts=4,
-            num_experts_per_tok=2,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=256,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-            tie_word_embeddings=False,
-        )
+    # 4 layers, hidden 64, GQA 4/2 heads of 16, 4 experts of width 64 (top-2, renormalised as
+    # Qwen3-30B-A3B) in every layer.
+    tiny_config_fields = dict(  # over TINY_SHAPE
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+        num_experts=4,
+        num_experts_per_tok=2,
+        head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=False,
+    )
