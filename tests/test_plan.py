@@ -34,7 +34,7 @@ def test_every_shipped_recipe_is_planned_offline_and_fits(recipe, monkeypatch):
 def test_plan_cli_llama3_70b(capsys):
     assert main(["plan", "recipes/llama3_70b.yaml"]) == 0
     out = capsys.readouterr().out
-    assert "16 device(s)" in out and "sharded over 16" in out and "training: fits:" in out
+    assert "16 device(s)" in out and "sharded over 8, replicated over 2 nodes" in out and "training: fits:" in out
     assert main(["plan", "recipes/llama3_8b.yaml", "trainer.gpu_memory_gb=16"]) == 1  # a full 8B copy per GPU
     assert "training: does NOT fit" in capsys.readouterr().out
 

@@ -163,7 +163,9 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     adapter = get_adapter(target_config.model_type)
     world = (tr.devices if isinstance(tr.devices, int) and tr.devices > 0 else 1) * tr.num_nodes
     fsdp = tr.strategy == "fsdp"
-    shard = world if fsdp else 1
+    per_node = world // tr.num_nodes
+    # FSDP shards within a node and replicates across nodes (HSDP, `strategies.fsdp_mesh`) when there are several
+    shard = (per_node if tr.num_nodes > 1 and per_node > 1 else world) if fsdp else 1
     tbytes = torch_dtype(t.dtype).itemsize
     half = not tr.precision.startswith(("32", "64"))
     act_bytes = 2 if half else 4
@@ -180,7 +182,8 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     keep_target = recipe.data.mode == "online" or bool(tr.tau_eval.every_n_steps)
     if keep_target:
         why = "online features" if recipe.data.mode == "online" else "tau evaluation during training"
-        where = f"sharded over {shard}" if fsdp else "a full copy per GPU"
+        where = (f"sharded over {shard}" + (f", replicated over {tr.num_nodes} nodes" if shard < world else "")
+                 if fsdp else "a full copy per GPU")
         plan.lines.append(PlanLine("target weights", counts["total"] * tbytes / shard,
                                    f"{counts['total'] / 1e9:.2f}B params in {t.dtype}, {where} ({why}){dequant}"))
         if fsdp:
