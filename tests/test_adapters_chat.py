@@ -316,8 +316,10 @@ def _runs_oracle(tokenizer, ids, runs):
 def _check(fmt, tokenizer, messages, runs, kwargs=None, prompts=(), reference=None, tools=None):
     example = build_chat_example(tokenizer, messages, 4096, fmt, template_kwargs=kwargs, tools=tools)
     ids, mask = example["input_ids"].tolist(), example["loss_mask"].tolist()
-    rendered = tokenizer.apply_chat_template(reference or messages, tokenize=True, tools=tools,
-                                             **(kwargs or {}))["input_ids"]
+    reference = reference or messages
+    if fmt.reasoning:  # the template reads reasoning under its own field (transformers >= 5.2x maps `reasoning` too)
+        reference = [{(fmt.reasoning.field if k == "reasoning" else k): v for k, v in m.items()} for m in reference]
+    rendered = tokenizer.apply_chat_template(reference, tokenize=True, tools=tools, **(kwargs or {}))["input_ids"]
     assert ids == rendered
     assert mask == _runs_oracle(tokenizer, ids, runs)  # token by token
     assert [tokenizer.decode(r) for r in _supervised_runs(ids, mask)] == runs
