@@ -144,18 +144,18 @@ def test_tau_eval_under_two_process_fsdp_equals_one_process(tmp_path):
     def timeless(summary):
         return {k: v for k, v in summary.items() if "second" not in k and "per_s" not in k and "tok_s" not in k}
 
+    def two_ranks(*args):  # ranks whose collectives do not pair up would wait forever: fail instead
+        with mp.get_context("fork").Pool(2) as pool:
+            return pool.starmap_async(fsdp_tau_eval_rank, [(r, 2, *args) for r in range(2)], chunksize=1).get(120)
+
     one = fsdp_tau_eval_rank(0, 1, "")
     assert one["summary"]["tau"] > 1 and one["summary"]["tau_per_request_mean"] != one["summary"]["tau"]
-    with mp.get_context("fork").Pool(2) as pool:
-        ranks = pool.starmap(fsdp_tau_eval_rank, [(r, 2, str(tmp_path / "pg")) for r in range(2)], chunksize=1)
-    for got in ranks:
+    for got in two_ranks(str(tmp_path / "pg")):
         assert timeless(got["summary"]) == timeless(one["summary"])
         assert got["held"] == torch.bfloat16  # the root kept the policy's compute copy after the validation forward
         assert got["fc_scaled"] and torch.equal(got["fc_input_scale"], one["fc_input_scale"])
         assert got["state"].keys() == one["state"].keys()
         for k, v in one["state"].items():  # the decode copy: the fp32 weights, bitwise
             assert got["state"][k].dtype == v.dtype and torch.equal(got["state"][k], v), k
-    with mp.get_context("fork").Pool(2) as pool:
-        ranks = pool.starmap(fsdp_tau_eval_rank, [(r, 2, str(tmp_path / "pg2"), True) for r in range(2)], chunksize=1)
-    for got in ranks:
+    for got in two_ranks(str(tmp_path / "pg2"), True):
         assert "the ranks decoded differently under FSDP at target forward 1" in got["error"], got
