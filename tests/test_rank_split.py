@@ -138,7 +138,8 @@ def test_ddp_fit_splits_regeneration_and_features_like_one_process(tmp_path):
 def test_tau_eval_under_two_process_fsdp_equals_one_process(tmp_path):
     """FSDP (drafter and target decoder layers sharded, bf16-mixed policy on the drafter): every rank decodes every
     prompt in lockstep with a plain copy of the drafter's fp32 weights and logs the figure of one process; ranks that
-    decode differently all raise at the first target forward that differs instead of hanging."""
+    decode differently all raise at the first target forward that differs instead of hanging. With only the drafter
+    sharded (offline mode) the ranks split the prompts."""
     from training_fixtures import fsdp_tau_eval_rank
 
     def timeless(summary):
@@ -157,5 +158,8 @@ def test_tau_eval_under_two_process_fsdp_equals_one_process(tmp_path):
         assert got["state"].keys() == one["state"].keys()
         for k, v in one["state"].items():  # the decode copy: the fp32 weights, bitwise
             assert got["state"][k].dtype == v.dtype and torch.equal(got["state"][k], v), k
-    for got in two_ranks(str(tmp_path / "pg2"), True):
+    for got in two_ranks(str(tmp_path / "pg2"), False, False):  # a whole target: the ranks split the prompts
+        assert timeless(got["summary"]) == timeless(one["summary"]) and torch.equal(got["state"]["fc.weight"],
+                                                                                     one["state"]["fc.weight"])
+    for got in two_ranks(str(tmp_path / "pg3"), True):
         assert "the ranks decoded differently under FSDP at target forward 1" in got["error"], got

@@ -195,13 +195,15 @@ def tau_eval_rank(rank: int, world_size: int, init_file: str, dirs: list[str]) -
             dist.destroy_process_group()
 
 
-def fsdp_tau_eval_rank(rank: int, world_size: int, init_file: str, diverge: bool = False) -> dict[str, Any]:
+def fsdp_tau_eval_rank(rank: int, world_size: int, init_file: str, diverge: bool = False,
+                       shard_target: bool = True) -> dict[str, Any]:
     """Rank `rank` of a `world_size`-process gloo group (1 = one process, nothing sharded): the tau-eval summary over
     `TAU_PROMPTS` of an online `Eagle3Module` whose drafter and target decoder layers are FSDP2-sharded (bf16-mixed
     policy on the drafter), and the drafter it decoded with (weights, fc preconditioning). Vocabulary 24, so the
     random drafter (fc preconditioned, a real 12-token draft vocab) accepts some drafts. Before measuring: one
     training forward/backward and a validation forward, after which the FSDP root holds its gathered bf16
-    parameters (returned as `held`). `diverge`: rank 1 decodes the prompts reversed; returns the error then."""
+    parameters (returned as `held`). `diverge`: rank 1 decodes the prompts reversed; returns the error then.
+    `shard_target=False`: only the drafter is sharded (as in offline mode, where the target stays whole)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -235,7 +237,7 @@ def fsdp_tau_eval_rank(rank: int, world_size: int, init_file: str, diverge: bool
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("data_parallel",))
-            shard_fsdp2(target, adapter, module.objective, mesh, precision="bf16-mixed")
+            shard_fsdp2(target if shard_target else None, adapter, module.objective, mesh, precision="bf16-mixed")
         ids = torch.randint(24, (1, 12), generator=torch.Generator().manual_seed(4))
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
         module.loss(batch, 2).loss.backward()  # no optimizer step: the weights stay those of one process
