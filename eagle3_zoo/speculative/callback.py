@@ -10,17 +10,17 @@ unless a tokenizer is given to the callback). It runs greedily; under torch.dist
 prompts r, r + W, ... and the per-prompt results are gathered on every rank, so every rank logs exactly the figure
 one process would measure.
 
-Under FSDP the drafter's shards are gathered into a plain copy on every rank (`unsharded_drafter`: its stored fp32
-weights, not the bf16 compute copy of the mixed-precision policy). A target whose decoder layers are sharded (online
-mode) all-gathers each layer in every forward, a collective every rank must enter in the same order: then every rank
-decodes every prompt in lockstep (greedy decoding takes the same steps on the same weights), and before each target
-forward the ranks compare a fingerprint of its inputs (`Lockstep`), so ranks that decoded differently fail together
-with an error instead of waiting on each other forever. A whole target (offline mode) splits the prompts as under ddp.
+Under FSDP the drafter's shards are gathered into a plain copy on every rank (`unsharded_drafter`: its stored
+weights, fp32 under bf16-mixed, not the policy's bf16 compute copy). A target whose decoder layers are sharded
+(online mode) all-gathers each layer in every forward, a collective every rank must enter in the same order: then
+every rank decodes every prompt in lockstep (greedy decoding takes the same steps on the same weights), and before
+each target forward the ranks compare a fingerprint of its inputs (`Lockstep`), so ranks that decoded differently
+fail together with an error instead of waiting on each other forever. A whole target (offline mode) splits the
+prompts as under ddp.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -34,8 +34,6 @@ from eagle3_zoo.speculative.benchmarks import chat_input_ids, completion_input_i
 from eagle3_zoo.speculative.generate import SpeculativeGenerator, tree_spec
 from eagle3_zoo.speculative.metrics import BenchStats
 from eagle3_zoo.training.strategies import is_sharded, reshard, unsharded_drafter
-
-log = logging.getLogger(__name__)
 
 
 class TauEvalCallback(L.Callback):
@@ -129,7 +127,6 @@ class TauEvalCallback(L.Callback):
         # with gradient accumulation several micro-batches end on the same optimizer step: evaluate once
         if step > 0 and step % self.every_n_steps == 0 and step != self._last_step:
             self._run(trainer, pl_module)
-
 
 
 class Lockstep:
