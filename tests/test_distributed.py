@@ -230,3 +230,34 @@ def test_fsdp_hsdp_mesh_across_nodes(tmp_path):
     """4 gloo ranks as 2 nodes x 2: HSDP (replicated across nodes, sharded within), so each rank reads half the
     decoder weights; as one node each reads a quarter."""
     _check_shards(tmp_path, 4, {1: (((4,), ("data_parallel",)), 4), 2: (((2, 2), ("replicate", "shard")), 2)})
+
+
+@pytest.mark.slow
+def test_fsdp_fit_logs_the_tau_of_its_drafter(tmp_path):
+    """`fit` under fsdp on 2 processes (bf16-mixed) with trainer.tau_eval measures tau during training: the figure
+    logged at the last step equals one process decoding the same MT-bench prompts with the drafter the run wrote
+    (the weights of that step), exactly."""
+    import types
+
+    from eagle3_zoo.adapters.loading import load_target
+    from eagle3_zoo.modeling import Eagle3Drafter
+    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.training.fit import _tau_eval_callbacks
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", n=12)
+    tau_eval = {"every_n_steps": 2, "num_prompts": 2, "max_new_tokens": 8}
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path, target_dir, data, trainer={
+        "max_steps": 2, "batch_size": 1, "precision": "bf16-mixed", "tau_eval": tau_eval}))
+    run = tmp_path / "run"
+    r = run_fit_cli(recipe, "trainer.strategy=fsdp", "trainer.devices=2", f"output_dir={run}", timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = (run / "logs/version_0/metrics.csv").read_text().splitlines()
+    logged = [dict(zip(rows[0].split(","), row.split(","))) for row in rows[1:]]
+    taus = {int(row["step"]): float(row["val/tau"]) for row in logged if row.get("val/tau")}
+    assert list(taus) == [1]  # global step 2, logged as step index 1
+    target, tokenizer, adapter = load_target(target_dir)
+    callback, = _tau_eval_callbacks(load_recipe(recipe), tokenizer)
+    drafter = Eagle3Drafter.from_pretrained(run / "drafter", dtype=torch.float32)
+    summary = callback.measure(types.SimpleNamespace(drafter=drafter, target=target, adapter=adapter))
+    assert taus[1] == pytest.approx(summary["tau"], rel=1e-6)

@@ -133,3 +133,33 @@ def test_ddp_fit_splits_regeneration_and_features_like_one_process(tmp_path):
         f"{next((two / 'regenerated').glob('*.jsonl')).name}.part-0000{r}.lock" for r in (0, 1)]  # both ranks wrote
     for sub in ("regenerated", "features"):
         assert _files(two / sub) == _files(tmp_path / "one" / "cache" / sub) != {}
+
+
+def test_tau_eval_under_two_process_fsdp_equals_one_process(tmp_path):
+    """FSDP (drafter and target decoder layers sharded, bf16-mixed policy on the drafter): every rank decodes every
+    prompt in lockstep with a plain copy of the drafter's fp32 weights and logs the figure of one process; ranks that
+    decode differently all raise at the first target forward that differs instead of hanging. With only the drafter
+    sharded (offline mode) the ranks split the prompts."""
+    from training_fixtures import fsdp_tau_eval_rank
+
+    def timeless(summary):
+        return {k: v for k, v in summary.items() if "second" not in k and "per_s" not in k and "tok_s" not in k}
+
+    def two_ranks(*args):  # ranks whose collectives do not pair up would wait forever: fail instead
+        with mp.get_context("fork").Pool(2) as pool:
+            return pool.starmap_async(fsdp_tau_eval_rank, [(r, 2, *args) for r in range(2)], chunksize=1).get(120)
+
+    one = fsdp_tau_eval_rank(0, 1, "")
+    assert one["summary"]["tau"] > 1 and one["summary"]["tau_per_request_mean"] != one["summary"]["tau"]
+    for got in two_ranks(str(tmp_path / "pg")):
+        assert timeless(got["summary"]) == timeless(one["summary"])
+        assert got["held"] == torch.bfloat16  # the root kept the policy's compute copy after the validation forward
+        assert got["fc_scaled"] and torch.equal(got["fc_input_scale"], one["fc_input_scale"])
+        assert got["state"].keys() == one["state"].keys()
+        for k, v in one["state"].items():  # the decode copy: the fp32 weights, bitwise
+            assert got["state"][k].dtype == v.dtype and torch.equal(got["state"][k], v), k
+    for got in two_ranks(str(tmp_path / "pg2"), False, False):  # a whole target: the ranks split the prompts
+        assert timeless(got["summary"]) == timeless(one["summary"]) and torch.equal(got["state"]["fc.weight"],
+                                                                                     one["state"]["fc.weight"])
+    for got in two_ranks(str(tmp_path / "pg3"), True):
+        assert "the ranks decoded differently under FSDP at target forward 1" in got["error"], got

@@ -193,3 +193,64 @@ def tau_eval_rank(rank: int, world_size: int, init_file: str, dirs: list[str]) -
     finally:
         if world_size > 1:
             dist.destroy_process_group()
+
+
+def fsdp_tau_eval_rank(rank: int, world_size: int, init_file: str, diverge: bool = False,
+                       shard_target: bool = True) -> dict[str, Any]:
+    """Rank `rank` of a `world_size`-process gloo group (1 = one process, nothing sharded): the tau-eval summary over
+    `TAU_PROMPTS` of an online `Eagle3Module` whose drafter and target decoder layers are FSDP2-sharded (bf16-mixed
+    policy on the drafter), and the drafter it decoded with (weights, fc preconditioning). Vocabulary 24, so the
+    random drafter (fc preconditioned, a real 12-token draft vocab) accepts some drafts. Before measuring: one
+    training forward/backward and a validation forward, after which the FSDP root holds its gathered bf16
+    parameters (returned as `held`). `diverge`: rank 1 decodes the prompts reversed; returns the error then.
+    `shard_target=False`: only the drafter is sharded (as in offline mode, where the target stays whole)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from test_speculative_support import random_drafter, tiny_target
+
+    from eagle3_zoo.adapters import get_adapter
+    from eagle3_zoo.speculative import TauEvalCallback, callback
+    from eagle3_zoo.training.module import Eagle3Module
+    from eagle3_zoo.training.strategies import shard_fsdp2
+
+    decoded_with: dict[str, Any] = {}
+
+    class Recording(callback.SpeculativeGenerator):
+        def __init__(self, target, drafter, *args, **kwargs):
+            decoded_with.update(state={k: v.clone() for k, v in drafter.state_dict().items()},
+                                fc_input_scale=drafter.fc_input_scale.clone(), fc_scaled=drafter._fc_scaled)
+            super().__init__(target, drafter, *args, **kwargs)
+
+    torch.set_num_threads(1)
+    if world_size > 1:  # a hang becomes an error after a minute
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=60))
+    generator_class, callback.SpeculativeGenerator = callback.SpeculativeGenerator, Recording
+    try:
+        target, adapter = tiny_target("llama", vocab_size=24), get_adapter("llama")
+        drafter = random_drafter(target, seed=2, draft_vocab_size=12).requires_grad_(True)
+        hidden = target.config.hidden_size
+        drafter.set_fc_input_scale(torch.rand(3 * hidden, generator=torch.Generator().manual_seed(3)) + 0.5)
+        module = Eagle3Module(drafter, adapter, target, ttt_steps=2)
+        if world_size > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("data_parallel",))
+            shard_fsdp2(target if shard_target else None, adapter, module.objective, mesh, precision="bf16-mixed")
+        ids = torch.randint(24, (1, 12), generator=torch.Generator().manual_seed(4))
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+        module.loss(batch, 2).loss.backward()  # no optimizer step: the weights stay those of one process
+        with torch.no_grad():
+            module.loss(batch, 2)
+        held = module.drafter.fc.weight.dtype
+        prompts = TAU_PROMPTS[::-1] if diverge and rank == 1 else TAU_PROMPTS
+        try:
+            summary = TauEvalCallback(prompts, max_new_tokens=8, depth=3, top_k=2, total_tokens=6).measure(module)
+        except RuntimeError as e:
+            return {"error": str(e)}
+        return {"summary": summary, "held": held, **decoded_with}
+    finally:
+        callback.SpeculativeGenerator = generator_class
+        if world_size > 1:
+            dist.destroy_process_group()

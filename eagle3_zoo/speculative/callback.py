@@ -8,14 +8,21 @@ It reads from the LightningModule: ``.drafter`` (an `Eagle3Drafter`), ``.target`
 mode or any module that keeps the target), optionally ``.adapter`` and ``.tokenizer`` (needed for text prompts
 unless a tokenizer is given to the callback). It runs greedily; under torch.distributed (ddp) rank r of W decodes
 prompts r, r + W, ... and the per-prompt results are gathered on every rank, so every rank logs exactly the figure
-one process would measure. An FSDP-sharded drafter is skipped with a warning, because its parameters are only
-gathered inside the training forward.
+one process would measure.
+
+Under FSDP the drafter's shards are gathered into a plain copy on every rank (`unsharded_drafter`: its stored
+weights, fp32 under bf16-mixed, not the policy's bf16 compute copy). A target whose decoder layers are sharded
+(online mode) all-gathers each layer in every forward, a collective every rank must enter in the same order: then
+every rank decodes every prompt in lockstep (greedy decoding takes the same steps on the same weights), and before
+each target forward the ranks compare a fingerprint of its inputs (`Lockstep`), so ranks that decoded differently
+fail together with an error instead of waiting on each other forever. A whole target (offline mode) splits the
+prompts as under ddp.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import lightning as L
@@ -26,8 +33,7 @@ from typing_extensions import override
 from eagle3_zoo.speculative.benchmarks import chat_input_ids, completion_input_ids
 from eagle3_zoo.speculative.generate import SpeculativeGenerator, tree_spec
 from eagle3_zoo.speculative.metrics import BenchStats
-
-log = logging.getLogger(__name__)
+from eagle3_zoo.training.strategies import is_sharded, reshard, unsharded_drafter
 
 
 class TauEvalCallback(L.Callback):
@@ -70,25 +76,31 @@ class TauEvalCallback(L.Callback):
         return ids
 
     @torch.no_grad()
-    def measure(self, pl_module: L.LightningModule) -> dict[str, Any] | None:
-        """Decode the prompts with the module's drafter and target; the `BenchStats` summary (None if skipped)."""
+    def measure(self, pl_module: L.LightningModule) -> dict[str, Any]:
+        """Decode the prompts with the module's drafter and target; the `BenchStats` summary. Under
+        torch.distributed every rank must call it at the same point."""
         drafter, target = pl_module.drafter, getattr(pl_module, "target", None)
         if target is None:
             raise ValueError("TauEvalCallback needs the target model on the module (.target); offline-feature "
                              "training without a target cannot decode")
-        if any(type(p).__name__ == "DTensor" for p in drafter.parameters()):
-            log.warning("TauEvalCallback: the drafter is FSDP-sharded; skipping speculative evaluation")
-            return None
+        adapter = getattr(pl_module, "adapter", None)
+        if isinstance(pl_module, torch.nn.Module):
+            reshard(pl_module)
+        if is_sharded(drafter):
+            drafter = unsharded_drafter(drafter)
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        lockstep = world > 1 and is_sharded(target)  # every target forward is a collective: all decode all prompts
+        prompts = self._input_ids(pl_module)
         was_training = drafter.training
         drafter.eval()
         try:
-            generator = SpeculativeGenerator(target, drafter, self.tree, getattr(pl_module, "adapter", None))
-            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-            outputs = {i: generator.generate(ids, self.max_new_tokens)
-                       for i, ids in enumerate(self._input_ids(pl_module)) if i % world == rank}
+            generator = SpeculativeGenerator(target, drafter, self.tree, adapter)
+            with Lockstep(generator.runner.adapter.base_model(target)) if lockstep else nullcontext():
+                outputs = {i: generator.generate(ids, self.max_new_tokens)
+                           for i, ids in enumerate(prompts) if lockstep or i % world == rank}
         finally:
             drafter.train(was_training)
-        if world > 1:
+        if world > 1 and not lockstep:
             shares: list[Any] = [None] * world
             dist.all_gather_object(shares, outputs)
             outputs = {i: out for share in shares for i, out in share.items()}
@@ -100,7 +112,7 @@ class TauEvalCallback(L.Callback):
     def _run(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._last_step = trainer.global_step
         summary = self.measure(pl_module)
-        if summary is None or summary["tau"] is None:
+        if summary["tau"] is None:
             return
         self.last = summary
         acc = summary["acceptance_per_depth"]
@@ -116,3 +128,45 @@ class TauEvalCallback(L.Callback):
         if step > 0 and step % self.every_n_steps == 0 and step != self._last_step:
             self._run(trainer, pl_module)
 
+
+class Lockstep:
+    """While active, every rank checks before each forward of `model` (the sharded target's base model) that all
+    ranks run the same forward: an all-reduce of a fingerprint of its inputs (token ids, positions, cached length),
+    and one more when decoding ends. Ranks whose decoding diverged (nondeterministic kernels) all raise at the first
+    forward that differs, where they would otherwise pair mismatched collectives and hang."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.forwards, self._handle = model, 0, None
+
+    def __enter__(self) -> Lockstep:
+        self._handle = self.model.register_forward_pre_hook(self._check, with_kwargs=True)
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self._handle.remove()
+        if exc_type is None:  # a rank still decoding is caught here too
+            self._agree(torch.zeros(4, dtype=torch.long, device=self._device), "the end of decoding")
+
+    @property
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _check(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None).reshape(-1).long()
+        pos = kwargs.get("position_ids")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # the name depends on the transformers version
+        past = cache.get_seq_length() if cache is not None else 0
+        weights = torch.arange(1, ids.numel() + 1, device=ids.device)
+        self.forwards += 1
+        self._agree(torch.stack([ids.new_tensor(ids.numel()), ids.sum(), (ids * weights).sum(),
+                                 ids.new_tensor(past) + (0 if pos is None else pos.long().sum())]),
+                    f"target forward {self.forwards}")
+
+    def _agree(self, fingerprint: torch.Tensor, where: str) -> None:
+        both = torch.cat([fingerprint, -fingerprint]).to(self._device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)  # max and -min of every entry
+        if not torch.equal(both[:4], -both[4:]):
+            raise RuntimeError(f"TauEvalCallback: the ranks decoded differently under FSDP at {where} (inputs "
+                               f"[tokens, sum, weighted sum, positions] range from {(-both[4:]).tolist()} to "
+                               f"{both[:4].tolist()}); lockstep decoding needs deterministic target and drafter "
+                               "forwards on every rank")
