@@ -141,12 +141,15 @@ def load_target(
     config = AutoConfig.from_pretrained(path, **kwargs)
     adapter = adapter_for(config)
     _refuse_fp8(config, name_or_path)
+    dequantize = _dequantize_kwargs(config, adapter)
     # weights go straight to `device` (a rank's GPU), never through a full copy in host memory
     model, info = AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=torch_dtype, output_loading_info=True, device_map=str(torch.device(device)),
-        **_dequantize_kwargs(config, adapter), **kwargs
+        **dequantize, **kwargs
     )
     _check_loading_info(info, adapter, path)
+    if dequantize:  # transformers 5.17 dequantises MXFP4 to bf16 whatever dtype is asked (exact: FP4 x 2^k fits bf16)
+        model = model.to(torch_dtype)
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     if lora_path is not None:
         model = _merge_lora(model, lora_path)
