@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -93,3 +95,25 @@ def exclusive_lock(path: str | Path, blocking: bool = True) -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+def replace_directory(staged: Path, path: Path) -> None:
+    """Rename `staged` to `path`, replacing a file or directory there: the old one is moved aside first and then
+    deleted, so `path` is never half written (`recover_replaced_directory` puts the old one back if a crash came
+    between the two renames)."""
+    old = path.with_name(f".{path.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.is_dir():
+        os.rename(path, old)
+    elif path.exists():
+        path.unlink()
+    os.rename(staged, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_replaced_directory(path: Path) -> None:
+    """Undo a `replace_directory` cut short between its renames: the moved-aside checkpoint becomes `path` again."""
+    old = path.with_name(f".{path.name}.old")
+    if old.is_dir() and not path.exists():
+        os.rename(old, path)
+        logging.getLogger(__name__).info("restored %s from an interrupted replacement", path)

@@ -31,14 +31,14 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from eagle3_zoo.data.tokenize import draft_vocab_coverage
-from eagle3_zoo.modeling.io import atomic_write
+from eagle3_zoo.modeling.io import atomic_write, recover_replaced_directory
 from eagle3_zoo.recipe import recipe_to_dict
 from eagle3_zoo.training import resume
 from eagle3_zoo.training.build import build_run, target_device
 from eagle3_zoo.training.callbacks import ProgressLogCallback, StepProgressBar, TTTScheduleCallback
 from eagle3_zoo.training.module import NonFiniteError, all_finite
 from eagle3_zoo.training.outputs import build_provenance, drafter_info, full_drafter, git_info, write_drafter_folder
-from eagle3_zoo.training.strategies import build_strategy, recover_replaced_directory, world_size_of
+from eagle3_zoo.training.strategies import build_strategy, world_size_of
 
 logger = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from eagle3_zoo.modeling import Eagle3Drafter
+from eagle3_zoo.modeling.io import replace_directory
 
 PACKAGES = ("eagle3-zoo", "torch", "lightning", "transformers", "torchmetrics", "safetensors", "omegaconf", "peft")
 
@@ -139,14 +140,9 @@ def write_drafter_folder(drafter: Eagle3Drafter, out_dir: str | Path, recipe: An
         save_resolved_recipe(recipe, tmp / "recipe.yaml")
         (tmp / "provenance.json").write_text(provenance_json(provenance))
         _finish_tree(tmp)
-        old = None
         if out_dir.exists():
             _carry_over(out_dir, tmp)
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_directory(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from eagle3_zoo.modeling.io import replace_directory
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
@@ -132,27 +133,6 @@ def _sharded_checkpoint_strategy() -> type:
             self.barrier("dcp-renamed")
 
     return ShardedCheckpointStrategy
-
-
-def replace_directory(staged: Path, path: Path) -> None:
-    """Rename `staged` to `path`, replacing a file or directory there (the old one is moved aside first and then
-    deleted; `recover_replaced_directory` puts it back if a crash came between the two renames)."""
-    old = path.with_name(f".{path.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if path.is_dir():
-        os.rename(path, old)
-    elif path.exists():
-        path.unlink()
-    os.rename(staged, path)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def recover_replaced_directory(path: Path) -> None:
-    """Undo a `replace_directory` cut short between its renames: the moved-aside checkpoint becomes `path` again."""
-    old = path.with_name(f".{path.name}.old")
-    if old.is_dir() and not path.exists():
-        os.rename(old, path)
-        logger.info("restored %s from an interrupted checkpoint replacement", path)
 
 
 def fsdp_mesh(mesh: Any, num_nodes: int) -> Any:
