@@ -33,7 +33,19 @@ start=$(date +%s)
 mkdir -p "$RUN"
 eagle3-zoo prepare "$RECIPE" "${OVERRIDES[@]}" > "$RUN/data_summary.json"
 prepared=$(date +%s)
-eagle3-zoo fit "$RECIPE" "${OVERRIDES[@]}"
+# a run left by an earlier version or other overrides is never resumed under these settings (fit refuses): the
+# quickstart moves it aside (nothing is deleted) and trains afresh
+fit_log="$RUN/fit_attempt.log"
+if ! eagle3-zoo fit "$RECIPE" "${OVERRIDES[@]}" 2>&1 | tee "$fit_log"; then
+  grep -q "belongs to a run with other settings" "$fit_log" || exit 1
+  old="$RUN.previous-$(date +%Y%m%d-%H%M%S)"
+  echo "quickstart: $RUN was trained with other settings; moved it to $old, training afresh" >&2
+  mv "$RUN" "$old"
+  mkdir -p "$RUN"
+  cp "$old/data_summary.json" "$RUN/"
+  eagle3-zoo fit "$RECIPE" "${OVERRIDES[@]}"
+fi
+rm -f "$fit_log"
 trained=$(date +%s)
 DRAFTER=$RUN/drafter
 eagle3-zoo eval "$DRAFTER" --target smollm2-135m-instruct --bench mtbench,humaneval --mode tree \

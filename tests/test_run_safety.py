@@ -180,3 +180,18 @@ def test_check_flags_non_finite_weights(tmp_path):
     assert "2 weight tensor(s)" in found[0].message
     fine = load_file(src / "model.safetensors")
     assert not torch.isfinite(fine["norm.weight"]).all()  # the file really holds the poisoned values
+
+
+def test_identity_saved_before_world_size_became_resumable_compares_by_global_batch():
+    base = {"optim": {"lr": 0.001}, "trainer": {"batch_size": 2, "precision": "32-true"}}
+    ident = dict(data_fingerprint="f", d2t=torch.arange(3), target={"model_type": "llama"})
+    current = run_identity(base, world_size=2, **ident)  # global batch 4
+    old = {k: v for k, v in current.items() if not k.startswith("global batch")}
+    old |= {"trainer.batch_size": "4", "trainer.devices": "1", "trainer.num_nodes": "1"}  # the old format
+    assert identity_differences(old, current) == []  # 4 x 1 x 1 == 2 x 2: resumable, and no "<unset>" noise
+    old["trainer.batch_size"] = "2"
+    assert identity_differences(old, current) == [
+        "global batch (trainer.batch_size x devices x num_nodes): 2 -> 4"]
+    old["trainer.devices"] = "'auto'"  # cannot be resolved from the old identity: refused, said plainly
+    assert identity_differences(old, current) == [
+        "global batch (trainer.batch_size x devices x num_nodes): <unset> -> 4"]

@@ -32,6 +32,7 @@ from typing_extensions import override
 logger = logging.getLogger(__name__)
 
 IDENTITY_KEY = "eagle3_zoo_run_identity"
+GLOBAL_BATCH = "global batch (trainer.batch_size x devices x num_nodes)"
 
 # Recipe keys that do not change what is trained, only how long, where from/to, or what is logged: they may differ
 # between the run that wrote a checkpoint and the run that resumes it.
@@ -84,7 +85,7 @@ def run_identity(recipe_dict: dict[str, Any], *, data_fingerprint: str, d2t: tor
     """
     identity = {k: repr(v) for k, v in sorted(_flatten(recipe_dict).items()) if not _resumable(k)}
     batch = recipe_dict.get("trainer", {}).get("batch_size", 1)
-    identity["global batch (trainer.batch_size x devices x num_nodes)"] = repr(batch * world_size)
+    identity[GLOBAL_BATCH] = repr(batch * world_size)
     identity["prepared data (fingerprint of files, tokenizer and token settings)"] = data_fingerprint
     identity["draft vocabulary (d2t digest)"] = tensor_digest(d2t)
     for key in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size"):
@@ -97,7 +98,18 @@ def _short(value: str, limit: int = 80) -> str:
 
 
 def identity_differences(saved: dict[str, str], current: dict[str, str]) -> list[str]:
-    """`key: saved -> current` for every setting that differs (missing on one side shown as `<unset>`)."""
+    """`key: saved -> current` for every setting that differs (missing on one side shown as `<unset>`).
+
+    An identity saved before devices, num_nodes and batch_size became resumable holds those keys instead of the
+    global batch: it is compared by the global batch they give (unknown for devices "auto"/-1: then it differs)."""
+    if GLOBAL_BATCH not in saved:
+        try:
+            sizes = [int(saved[f"trainer.{k}"]) for k in ("batch_size", "devices", "num_nodes")]
+        except (KeyError, ValueError):
+            sizes = []
+        if sizes and min(sizes) > 0:
+            saved = {**saved, GLOBAL_BATCH: repr(sizes[0] * sizes[1] * sizes[2])}
+    saved = {k: v for k, v in saved.items() if not _resumable(k)}
     out = []
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key, "<unset>"), current.get(key, "<unset>")
