@@ -136,11 +136,7 @@ def load_target(
         ValueError: the checkpoint lacks weights of the model (they would silently stay random).
     """
     torch_dtype = _torch_dtype(dtype)
-    path, local_only = resolve_target(name_or_path)
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": local_only}
-    config = AutoConfig.from_pretrained(path, **kwargs)
-    adapter = adapter_for(config)
-    _refuse_fp8(config, name_or_path)
+    path, kwargs, config, adapter = _target_config(name_or_path, trust_remote_code)
     dequantize = _dequantize_kwargs(config, adapter)
     # weights go straight to `device` (a rank's GPU), never through a full copy in host memory
     model, info = AutoModelForCausalLM.from_pretrained(
@@ -174,11 +170,7 @@ def load_target_heads(
         ValueError: a bad dtype, an FP8 checkpoint, or a checkpoint without safetensors files or one of the tensors.
     """
     torch_dtype = _torch_dtype(dtype)
-    path, local_only = resolve_target(name_or_path)
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": local_only}
-    config = AutoConfig.from_pretrained(path, **kwargs)
-    adapter = adapter_for(config)
-    _refuse_fp8(config, name_or_path)
+    path, kwargs, config, adapter = _target_config(name_or_path, trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     names = {id(m): name for name, m in model.named_modules()}
@@ -187,7 +179,7 @@ def load_target_heads(
     modules = (embed, norm) if tied else (embed, norm, head)
     wanted = {f"{names[id(module)]}.{name}": (module, name) for module in modules
               for name, _ in module.named_parameters(recurse=False)}
-    for key, file in _checkpoint_files(path, list(wanted), local_only).items():
+    for key, file in _checkpoint_files(path, list(wanted), kwargs["local_files_only"]).items():
         with safe_open(file, framework="pt", device=str(device)) as f:
             tensor = f.get_tensor(key)
         module, name = wanted[key]
@@ -235,6 +227,18 @@ def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
         raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. 'float32', 'bfloat16') or 'auto'")
     return torch_dtype
 
+
+
+def _target_config(name_or_path: str | os.PathLike, trust_remote_code: bool) -> tuple[Any, dict[str, Any], Any,
+                                                                                        TargetAdapter]:
+    """`(path, from_pretrained kwargs, config, adapter)` of a target, before any weight is read (resolved fast and
+    offline-aware by `resolve_target`; FP8 checkpoints refused)."""
+    path, local_only = resolve_target(name_or_path)
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": local_only}
+    config = AutoConfig.from_pretrained(path, **kwargs)
+    adapter = adapter_for(config)
+    _refuse_fp8(config, name_or_path)
+    return path, kwargs, config, adapter
 
 def _refuse_fp8(config: Any, name_or_path: str | os.PathLike) -> None:
     """FP8 block-quantised checkpoints (DeepSeek-V3/R1's) are not dequantised in-process: refuse before any weight
@@ -330,15 +334,11 @@ def load_target_skeleton(
     from accelerate import init_empty_weights
     from safetensors import safe_open
 
-    path, local_only = resolve_target(name_or_path)
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": local_only}
-    config = AutoConfig.from_pretrained(path, **kwargs)
-    adapter = adapter_for(config)
-    _refuse_fp8(config, name_or_path)
+    path, kwargs, config, adapter = _target_config(name_or_path, trust_remote_code)
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
     if torch_dtype == "auto":
         torch_dtype = getattr(config, "dtype", None) or torch.float32
-    files = target_weight_files(path, local_only)
+    files = target_weight_files(path, kwargs["local_files_only"])
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     aliases: dict[int, list[str]] = {}  # tied weights: one parameter under several names
