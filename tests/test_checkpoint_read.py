@@ -45,7 +45,7 @@ def test_checkpoint_header_is_read_from_a_file_and_a_sharded_directory(tmp_path,
     assert training["consolidated_from"] == str(checkpoint.resolve())
 
 
-@pytest.mark.parametrize("kind", ["garbage", "garbage_sharded", "foreign", "not_a_dict"])
+@pytest.mark.parametrize("kind", ["garbage", "garbage_sharded", "foreign", "not_a_dict", "entries_not_dicts"])
 def test_unreadable_or_foreign_checkpoint_is_refused_in_one_line(tmp_path, kind):
     checkpoint = tmp_path / "last.ckpt"
     header = checkpoint / "meta.pt" if kind == "garbage_sharded" else checkpoint
@@ -53,7 +53,8 @@ def test_unreadable_or_foreign_checkpoint_is_refused_in_one_line(tmp_path, kind)
     if kind.startswith("garbage"):
         header.write_bytes(b"PK\x03\x04 this is not a checkpoint")
     else:
-        torch.save({"state_dict": {"w": torch.zeros(2)}} if kind == "foreign" else [1, 2], header)
+        torch.save({"foreign": {"state_dict": {"w": torch.zeros(2)}}, "not_a_dict": [1, 2],
+                    "entries_not_dicts": {DRAFTER_INFO_KEY: "x", IDENTITY_KEY: "x"}}[kind], header)
 
     with pytest.raises(ValueError) as consolidate_error:
         consolidate_checkpoint(checkpoint, tmp_path / "out")

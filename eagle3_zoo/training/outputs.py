@@ -196,6 +196,37 @@ def drafter_info(drafter: Eagle3Drafter, recipe_dict: dict[str, Any], provenance
             "fc_input_scale": drafter.fc_input_scale.detach().cpu().float() if drafter._fc_scaled else None}
 
 
+class UnreadableCheckpointError(ValueError):
+    """A checkpoint whose header torch cannot load (truncated, foreign pickle, not a torch file); `error_type` and
+    `first_line` say what torch said. The message names the file that failed (a sharded checkpoint's meta.pt)."""
+
+    def __init__(self, file: Path, cause: Exception):
+        self.error_type = type(cause).__name__
+        self.first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else self.error_type
+        super().__init__(f"{file} is not a readable checkpoint ({self.error_type}: {self.first_line})")
+
+
+def read_checkpoint_header(checkpoint: Path, key: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The header of a Lightning checkpoint of `fit` (a file, or a sharded checkpoint's directory, whose `meta.pt`
+    holds everything but the weights and optimizer states) and its entry `key` (None where it has no such dict).
+
+    A file is memory-mapped: only the pickled header is read, not the tensors (a 70B drafter's optimizer state is
+    large); its `state_dict` entry stays lazy until used.
+
+    Raises:
+        UnreadableCheckpointError: torch cannot load it (`weights_only`: a foreign pickle is refused, never run).
+    """
+    sharded = checkpoint.is_dir()
+    file = checkpoint / "meta.pt" if sharded else checkpoint
+    try:
+        header = torch.load(file, map_location="cpu", weights_only=True, mmap=not sharded)
+    except Exception as e:  # truncated zip, foreign pickle (weights_only refuses it), not a torch file at all
+        raise UnreadableCheckpointError(file, e) from None
+    header = header if isinstance(header, dict) else {}
+    entry = header.get(key)
+    return header, entry if isinstance(entry, dict) else None
+
+
 def consolidate_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     """Write the canonical drafter folder (`write_drafter_folder`: the same files a finished run writes) from a
     checkpoint of `fit`: a sharded (DCP) `last.ckpt` directory of an FSDP run, or a single-file checkpoint.
@@ -214,19 +245,12 @@ def consolidate_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     checkpoint = Path(checkpoint)
     if not checkpoint.exists():
         raise FileNotFoundError(f"checkpoint {checkpoint} does not exist (pass a run's checkpoints/last.ckpt)")
-    sharded = checkpoint.is_dir()
-    meta_file = checkpoint / "meta.pt" if sharded else checkpoint
-    try:
-        meta = torch.load(meta_file, map_location="cpu", weights_only=True, mmap=not sharded)
-    except Exception as e:
-        raise ValueError(f"{meta_file} is not a readable checkpoint ({type(e).__name__}: "
-                         f"{next(iter(str(e).splitlines()), '')})") from None
-    info = meta.get(DRAFTER_INFO_KEY) if isinstance(meta, dict) else None
-    if not isinstance(info, dict):
+    meta, info = read_checkpoint_header(checkpoint, DRAFTER_INFO_KEY)
+    if info is None:
         raise ValueError(f"{checkpoint} was not written by an eagle3-zoo fit that records its drafter "
                          f"({DRAFTER_INFO_KEY} is missing)")
     config = Eagle3Config.from_json_dict(json.loads(info["config"]), source=f"{checkpoint} drafter config")
-    if sharded:
+    if checkpoint.is_dir():
         metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
         state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
                  if k.startswith(_STATE_PREFIX)}

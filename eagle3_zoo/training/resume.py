@@ -29,6 +29,8 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from eagle3_zoo.training.outputs import DRAFTER_INFO_KEY, UnreadableCheckpointError, read_checkpoint_header
+
 logger = logging.getLogger(__name__)
 
 IDENTITY_KEY = "eagle3_zoo_run_identity"
@@ -131,16 +133,12 @@ def read_checkpoint_identity(checkpoint: Path) -> dict[str, str]:
     Raises:
         ResumeError: the file is not a readable checkpoint, or was not written by an eagle3-zoo `fit`.
     """
-    sharded = checkpoint.is_dir()
-    try:  # mmap: only the pickled header is read, not the tensors (a 70B drafter's optimizer state is large)
-        state = torch.load(checkpoint / "meta.pt" if sharded else checkpoint, map_location="cpu",
-                           weights_only=True, mmap=not sharded)
-    except Exception as e:  # truncated zip, foreign pickle (weights_only refuses it), not a torch file at all
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ResumeError(f"{checkpoint} is not a readable checkpoint of this run ({type(e).__name__}: "
-                          f"{_short(first, 160)}). {_fresh_hint(checkpoint)}") from None
-    identity = state.get(IDENTITY_KEY) if isinstance(state, dict) else None
-    if not isinstance(identity, dict):
+    try:
+        _, identity = read_checkpoint_header(checkpoint, IDENTITY_KEY)
+    except UnreadableCheckpointError as e:
+        raise ResumeError(f"{checkpoint} is not a readable checkpoint of this run ({e.error_type}: "
+                          f"{_short(e.first_line, 160)}). {_fresh_hint(checkpoint)}") from None
+    if identity is None:
         raise ResumeError(f"{checkpoint} was not written by an eagle3-zoo fit (it has no run identity). "
                           f"{_fresh_hint(checkpoint)}")
     return identity
@@ -199,6 +197,4 @@ class RunIdentityCallback(L.Callback):
                                  "finite one is kept. Lower optim.lr, keep optim.grad_clip set, or train in fp32")
         checkpoint[IDENTITY_KEY] = dict(self.identity)
         if self.info is not None:
-            from eagle3_zoo.training.outputs import DRAFTER_INFO_KEY
-
             checkpoint[DRAFTER_INFO_KEY] = dict(self.info)
