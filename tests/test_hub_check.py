@@ -92,6 +92,27 @@ def test_wrong_architectures(tmp_path):
     assert report.ok and only(report, "ARCHITECTURE_NONCANONICAL").severity == "warning"
 
 
+def test_unreadable_config_or_missing_weights_stop_the_check(tmp_path):
+    """One problem (its own code) for each way the config cannot be read or translated; the architecture is
+    still judged when only the translation fails."""
+    src, _ = canonical_dir(tmp_path)
+    (src / "model.safetensors").rename(tmp_path / "weights")
+    assert codes(check_drafter(src)) == {"WEIGHTS_MISSING"}
+    (tmp_path / "weights").rename(src / "model.safetensors")
+    config = (src / "config.json").read_text()
+    edit_config(src, lambda c: c.update(speculators_model_type="eagle"))
+    assert "only 'eagle3'" in only(check_drafter(src), "CONFIG_INVALID").message
+    (src / "config.json").write_text(config)
+    edit_config(src, lambda c: (c.pop("hidden_size"), c.update(architectures=["Qwen2ForCausalLM"])))
+    report = check_drafter(src)
+    assert codes(report) == {"ARCHITECTURE", "CONFIG_INVALID"} and report.config is None
+    assert "missing required keys ['hidden_size']" in only(report, "CONFIG_INVALID").message
+    (src / "config.json").write_text("{not json")
+    assert "not valid JSON" in only(check_drafter(src), "CONFIG_INVALID").message
+    (src / "config.json").unlink()
+    assert codes(check_drafter(src)) == {"CONFIG_MISSING"}
+
+
 def test_hidden_size_mismatch(tmp_path):
     src, _ = canonical_dir(tmp_path)
     report = check_drafter(src, target_config=tiny_target_config(hidden_size=48, num_attention_heads=4))

@@ -195,18 +195,14 @@ def check_drafter(path_or_dir: str | Path, target_config: Any = None) -> CheckRe
     try:
         raw = read_config(folder)
         report.format = fmt = detect_format(folder)
+        _architecture_problems(raw, fmt, report)  # reported even when the config cannot be translated
+        report.config = cfg = drafter_config(raw, fmt, source=str(folder / "config.json"))
     except FileNotFoundError as e:
         report.add("CONFIG_MISSING", str(e), "point at the folder holding config.json and the weights")
         return report
     except CheckpointError as e:
         report.add("WEIGHTS_MISSING", str(e), "download the weights too (model.safetensors or pytorch_model.bin)")
         return report
-    except ValueError as e:
-        report.add("CONFIG_INVALID", str(e), "fix config.json (compare with an `eagle3-zoo export` output)")
-        return report
-    _architecture_problems(raw, fmt, report)
-    try:
-        report.config = cfg = drafter_config(raw, fmt, source=str(folder / "config.json"))
     except NonCanonicalDrafterError as e:
         report.add("NON_CANONICAL_VARIANT", str(e), "serve it with vLLM as is, or train a canonical EAGLE-3 drafter")
         return report
