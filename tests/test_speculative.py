@@ -360,13 +360,31 @@ def test_max_new_tokens_inside_an_accepted_draft(mode, max_new):
     assert out.stop_reason == "length" and out.cycles == (max_new - 1 + 4) // 5
 
 
-def test_generator_rejects_bad_inputs():
+def test_speculative_and_plain_decoding_take_a_request_alike():
+    """Both decoders: greedy and the model's generation_config EOS by default, a `[1, n]` prompt as `[n]`, and the
+    same refusals."""
     target = tiny_target("llama")
-    gen = SpeculativeGenerator(target, random_drafter(target))
-    with pytest.raises(ValueError, match="batch size 1"):
-        gen.generate(torch.ones(2, 3, dtype=torch.long), 5)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        gen.generate(torch.ones(3, dtype=torch.long), 0)
+    gen = SpeculativeGenerator(target, OracleDraftModel(target, "right"), tree_spec("chain", depth=3),
+                               layer_ids=(1, 2, 3))
+    prompt = torch.arange(100, 112)
+    free = reference(target, prompt, 20, None)
+    saved, target.generation_config.eos_token_id = target.generation_config.eos_token_id, free[7]
+    try:
+        for decode in (gen.generate, lambda *a: plain_generate(target, *a)):
+            out = decode(prompt.view(1, -1), 20)
+            assert out.tokens == free[: free.index(free[7]) + 1] and out.stop_reason == "eos"
+            with pytest.raises(ValueError, match="batch size 1"):
+                decode(torch.ones(2, 3, dtype=torch.long), 5)
+            with pytest.raises(ValueError, match="input_ids is empty"):
+                decode(torch.ones(0, dtype=torch.long), 5)
+            with pytest.raises(ValueError, match="max_new_tokens"):
+                decode(torch.ones(3, dtype=torch.long), 0)
+    finally:
+        target.generation_config.eos_token_id = saved
+
+
+def test_generator_rejects_a_drafter_of_another_target():
+    target = tiny_target("llama")
     other = tiny_target("llama", hidden_size=32, head_dim=8)
     with pytest.raises(ValueError, match="does not fit the target"):
         SpeculativeGenerator(other, random_drafter(target))

@@ -89,7 +89,10 @@ def _emit(out: list[int], new: Sequence[int], max_new_tokens: int, stop: set[int
     return None
 
 
-def _check_args(input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+def _request_args(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, sampling: SamplingParams | None,
+                  eos_token_id: int | Iterable[int] | None) -> tuple[torch.Tensor, SamplingParams, set[int]]:
+    """The prompt as `[n]`, the sampling params (greedy by default) and the stop ids of one request: the same for
+    speculative and plain decoding."""
     ids = input_ids.reshape(-1) if input_ids.dim() == 1 or input_ids.shape[0] == 1 else None
     if ids is None:
         raise ValueError(f"batch size 1 only: input_ids has shape {tuple(input_ids.shape)}")
@@ -97,7 +100,7 @@ def _check_args(input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         raise ValueError("input_ids is empty: a prompt needs at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    return ids
+    return ids, sampling or SamplingParams(), eos_ids(model, eos_token_id)
 
 
 class SpeculativeGenerator:
@@ -147,9 +150,7 @@ class SpeculativeGenerator:
             eos_token_id: Stop id(s); default the target's ``generation_config.eos_token_id``.
             generator: RNG for sampling, on the target's device.
         """
-        sampling = sampling or SamplingParams()
-        ids = _check_args(input_ids, max_new_tokens)
-        stop = eos_ids(self.target, eos_token_id)
+        ids, sampling, stop = _request_args(self.target, input_ids, max_new_tokens, sampling, eos_token_id)
         start = time.perf_counter()
         self.draft.reset()
         logits, aux = self.runner.prefill(ids)
@@ -199,9 +200,7 @@ def plain_generate(
     generator: torch.Generator | None = None,
 ) -> GenerationOutput:
     """The baseline: plain target decoding with a `DynamicCache`, one token per forward, same stop rules."""
-    sampling = sampling or SamplingParams()
-    ids = _check_args(input_ids, max_new_tokens)
-    stop = eos_ids(target, eos_token_id)
+    ids, sampling, stop = _request_args(target, input_ids, max_new_tokens, sampling, eos_token_id)
     device = next(target.parameters()).device
     start = time.perf_counter()
     cache = DynamicCache(config=target.config)
