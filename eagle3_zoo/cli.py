@@ -98,6 +98,12 @@ class _SubcommandParser(argparse.ArgumentParser):
             self._in_intermixed = False
 
 
+def _add_recipe_arguments(p: argparse.ArgumentParser, overrides_help: str) -> None:
+    """The recipe YAML and its dotlist overrides, the positionals of `fit`, `prepare` and `plan`."""
+    p.add_argument("recipe", help="recipe YAML (see recipes/)")
+    p.add_argument("overrides", nargs="*", default=[], help=overrides_help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from eagle3_zoo import __version__
 
@@ -109,8 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_SubcommandParser)
 
     p = sub.add_parser("fit", help="train a drafter from a recipe", description="Train a drafter from a recipe.")
-    p.add_argument("recipe", help="recipe YAML (see recipes/)")
-    p.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides, e.g. trainer.max_steps=2000")
+    _add_recipe_arguments(p, "OmegaConf dotlist overrides, e.g. trainer.max_steps=2000")
     p.add_argument("--print-config", action="store_true",
                    help="print the fully resolved recipe (defaults + file + overrides) and exit without training")
     p.set_defaults(func=_cmd_fit)
@@ -119,9 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the data stage of a recipe as `fit` would (read, regenerate with the target, "
                        "tokenise, draft-vocab counts; offline recipes: the feature job) and cache it, so that `fit` "
                        "starts training at once. Resumable: rerun after an interruption.", intermixed=True)
-    p.add_argument("recipe", help="recipe YAML (see recipes/)")
-    p.add_argument("overrides", nargs="*", default=[], help="OmegaConf dotlist overrides (the same ones `fit` will "
-                   "get), before or after the options")
+    _add_recipe_arguments(p, "OmegaConf dotlist overrides (the same ones `fit` will get), before or after the options")
     p.add_argument("--rank", type=int, default=0, help="this process's share of a distributed data stage: "
                    "regeneration (the ranks wait for each other) and feature job (0 <= rank < world size; all ranks "
                    "must share data.cache_dir)")
@@ -135,8 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "grads + AdamW, TTT activations, loss buffers, reserve) and whether it fits "
                        "trainer.gpu_memory_gb; exit 1 when it does not. Offline: uses the target configs shipped in "
                        "the package for zoo targets.")
-    p.add_argument("recipe", help="recipe YAML (see recipes/)")
-    p.add_argument("overrides", nargs="*", help="OmegaConf dotlist overrides, e.g. trainer.devices=4")
+    _add_recipe_arguments(p, "OmegaConf dotlist overrides, e.g. trainer.devices=4")
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("consolidate", help="write the drafter folder of a training checkpoint (e.g. FSDP sharded)",
