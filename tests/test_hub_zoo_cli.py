@@ -53,6 +53,34 @@ def test_zoo_entries_are_consistent():
         assert any("source:" in c for c in comments), entry.name
 
 
+def test_a_bad_registry_names_every_problem_by_entry():
+    """zoo.yaml is read with the recipe's schema checker: every problem at once, each naming its entry and field."""
+    from eagle3_zoo.hub.zoo import FORMATS as ZOO_FORMATS
+    from eagle3_zoo.hub.zoo import ZooRegistryError, read_registry
+
+    assert ZOO_FORMATS == FORMATS  # the registry's copy of the drafter formats (hub.formats loads torch)
+    ok = dict(name="a", repo_id="org/a", target="org/t", family="llama", format="sglang", recipe=None,
+              status="published", verified=True, source="https://example.org")
+    text = json.dumps({"targets": {}, "drafters": [
+        {**ok, "status": "publishd", "extra": 1}, {**ok, "name": "b", "format": "sglng"},
+        {**ok, "name": "c", "verified": 1, "source": None}, {k: v for k, v in ok.items() if k != "source"}]})
+    with pytest.raises(ZooRegistryError) as exc:
+        read_registry(text, "zoo.yaml")
+    assert [str(p) for p in exc.value.problems] == [
+        "zoo.yaml: drafters[0].status = 'publishd': expected one of published, not-yet-published, recipe-only; "
+        "did you mean 'published'?",
+        "zoo.yaml: drafters[0].extra: unknown key; valid keys here: name, repo_id, target, family, format, recipe, "
+        "status, verified, source, notes",
+        "zoo.yaml: drafters[1].format = 'sglng': expected one of sglang, official, speculators; did you mean 'sglang'?",
+        "zoo.yaml: drafters[2].verified = 1: expected true or false",
+        "zoo.yaml: drafters[2].source = None: expected a string",
+        "zoo.yaml: drafters[3].source: required key missing (expected a string)"]
+    with pytest.raises(ZooRegistryError, match=r"zoo.yaml: drafters\[1\].name = 'a': used by an earlier entry too"):
+        read_registry(json.dumps({"drafters": [ok, ok]}), "zoo.yaml")
+    assert [e["name"] for e in read_registry(json.dumps({"drafters": [ok, {**ok, "name": "b"}]}))["drafters"]] == \
+        ["a", "b"]
+
+
 def test_show_zoo_by_repo_and_unknown_names():
     assert show_zoo("YUHUILI/eagle3-llama3.1-instruct-8b").name == "eagle3-llama3.1-instruct-8b"
     with pytest.raises(KeyError, match="did you mean"):

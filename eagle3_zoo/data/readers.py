@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from eagle3_zoo.recipe import EMBEDDED_SHAREGPT
+from eagle3_zoo.locations import EMBEDDED_SHAREGPT, is_hub_id
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def source_files(path: str | Path) -> list[tuple[Path, str]]:
             raise DataError(f"{p}: directory has no .json/.jsonl(.gz) files")
         return [(f, f"{str(path).rstrip('/')}/{f.relative_to(p).as_posix()}") for f in files]
     hint = ""
-    if len(str(path).split("/")) == 2 and not str(path).startswith((".", "/")):
+    if is_hub_id(str(path)):
         hint = (f"; Hub datasets are not downloaded by the reader: `huggingface-cli download --repo-type dataset "
                 f"{path} --local-dir DIR` and point the source at the file")
     raise DataError(f"{path}: data file not found{hint}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -21,13 +20,12 @@ import eagle3_zoo
 from eagle3_zoo.hub.convert import extra_files
 from eagle3_zoo.hub.formats import load_drafter_config
 from eagle3_zoo.hub.weights import FLOAT_DTYPES, read_infos
+from eagle3_zoo.locations import is_hub_id
 
 log = logging.getLogger(__name__)
 
 TEMPLATE = "model_card.md.j2"
 _UNSHOWN_SETTINGS = ("eos_token_ids", "drafter", "drafter_weights_sha256")  # local paths and digests
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-_DATA_SUFFIXES = (".json", ".jsonl", ".gz", ".parquet")
 BASE_TAGS = ("eagle3", "speculative-decoding", "draft-model", "eagle3-zoo")
 _FORMAT_NOTES = {
     "sglang": ("SGLang / canonical EAGLE-3 layout (`model.safetensors`, `midlayer.*` keys)",
@@ -304,7 +302,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _datasets(recipe_text: str) -> list[str]:
     recipe = (yaml.safe_load(recipe_text) if recipe_text else None) or {}
     paths = [str(s.get("path")) for s in (recipe.get("data") or {}).get("sources") or [] if isinstance(s, dict)]
-    return [p for p in paths if _HUB_ID.fullmatch(p) and not p.endswith(_DATA_SUFFIXES) and not Path(p).exists()]
+    return [p for p in paths if is_hub_id(p)]
 
 
 def render_card(

@@ -6,16 +6,18 @@ The zoo is data (as litgpt's config hub): a new drafter is one YAML entry with i
 from __future__ import annotations
 
 import difflib
-import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
+from eagle3_zoo import schema
+from eagle3_zoo.locations import looks_like_hub_id
+
 STATUSES = ("published", "not-yet-published", "recipe-only")
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+FORMATS = ("sglang", "official", "speculators")  # eagle3_zoo.hub.formats.FORMATS (not imported: it loads torch)
 
 
 @dataclass(frozen=True)
@@ -26,25 +28,45 @@ class ZooEntry:
     repo_id: str | None  # None: not on the Hub
     target: str
     family: str
-    format: str  # sglang | official | speculators
+    format: Literal[FORMATS]
     recipe: str | None  # path from the repository root
-    status: str
+    status: Literal[STATUSES]
     verified: bool  # the repo name was confirmed in the cited source
     source: str
     notes: str = ""
 
 
+@dataclass
+class _Registry:
+    """The layout of zoo.yaml."""
+    targets: dict = field(default_factory=dict)  # local target name -> Hub id
+    drafters: list[ZooEntry] = field(default_factory=list)
+
+
+class ZooRegistryError(schema.ConfigError):
+    """All problems of a zoo registry file, reported at once."""
+    what = "zoo registry"
+
+
+def read_registry(text: str, source: str = "zoo.yaml") -> dict[str, Any]:
+    """The registry in `text` (zoo.yaml), checked against `ZooEntry`: every unknown or missing field, wrong type and
+    unknown status or format is raised at once (`ZooRegistryError`), each naming its entry (`drafters[3].status`)."""
+    data, problems = yaml.safe_load(text), []
+    schema.check_types(data, _Registry, "", problems)
+    names = [e.get("name") for e in (data or {}).get("drafters") or [] if isinstance(e, dict)] if not problems else []
+    problems += [schema.ConfigProblem(f"drafters[{i}].name", "used by an earlier entry too", name)
+                 for i, name in enumerate(names) if name in names[:i]]
+    for p in problems:
+        p.source = source
+    if problems:
+        raise ZooRegistryError(problems)
+    return data
+
+
 @lru_cache(maxsize=1)
 def _registry() -> dict[str, Any]:
-    text = resources.files("eagle3_zoo").joinpath("resources", "zoo.yaml").read_text(encoding="utf-8")
-    data = yaml.safe_load(text)
-    known = {f.name for f in fields(ZooEntry)}
-    for i, entry in enumerate(data["drafters"]):
-        unknown, missing = set(entry) - known, known - set(entry) - {"notes"}
-        if unknown or missing or entry["status"] not in STATUSES:
-            raise ValueError(f"zoo.yaml drafters[{i}] ({entry.get('name')}): unknown fields {sorted(unknown)}, missing "
-                             f"{sorted(missing)}, status {entry.get('status')!r} (valid: {', '.join(STATUSES)})")
-    return data
+    path = resources.files("eagle3_zoo").joinpath("resources", "zoo.yaml")
+    return read_registry(path.read_text(encoding="utf-8"), str(path))
 
 
 def list_zoo(family: str | None = None, target: str | None = None) -> list[ZooEntry]:
@@ -110,7 +132,7 @@ def target_hub_id(target: str | None) -> str | None:
     mapped = (_registry().get("targets") or {}).get(target)
     if mapped:
         return mapped
-    return target if _HUB_ID.fullmatch(target) else None
+    return target if looks_like_hub_id(target) else None
 
 
 def resolve_repo_id(name: str) -> str:
