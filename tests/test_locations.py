@@ -28,3 +28,25 @@ def test_path_problem_kinds(tmp_path):
         f"cannot be created: '{tmp_path / 'f'}' is a file; expected a directory"
     assert path_problem(str(tmp_path), False, "a file") == "is a directory; expected a file"
     assert path_problem(str(tmp_path / "f"), False, "a file") is None
+
+
+def test_safetensors_codes_match_what_safetensors_writes(tmp_path):
+    """`dtypes.safetensors_code` / `SAFETENSORS_ITEMSIZE` (the one dtype-code table, used to read headers without
+    loading tensors) agree with the headers the safetensors library itself writes."""
+    import json
+    import struct
+
+    import torch
+    from safetensors.torch import save_file
+
+    from eagle3_zoo.dtypes import SAFETENSORS_FLOATS, SAFETENSORS_ITEMSIZE, safetensors_code
+
+    dtypes = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+              torch.int8, torch.uint8, torch.bool]
+    save_file({str(d): torch.zeros(3, dtype=d) for d in dtypes}, tmp_path / "w.safetensors")
+    raw = (tmp_path / "w.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    for d in dtypes:
+        code = header[str(d)]["dtype"]
+        assert safetensors_code(d) == code and SAFETENSORS_ITEMSIZE[code] == d.itemsize, d
+        assert (code in SAFETENSORS_FLOATS) == d.is_floating_point, d

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3_zoo.adapters.chat import load_chat_format
 from eagle3_zoo.locations import EMBEDDED_NAMES, EMBEDDED_TARGET
-from eagle3_zoo.modeling.io import exclusive_lock
+from eagle3_zoo.modeling.io import exclusive_lock, replace_directory
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +97,7 @@ def embedded_target_dir(cache_dir: str | os.PathLike | None = None) -> Path:
             tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary directory once renamed
             _convert_gguf(gguf, tmp)
             (tmp / MANIFEST).write_text(json.dumps(_manifest(gguf), indent=2))
-            if final.exists():  # stale conversion (other GGUF or transformers major): replace it
-                shutil.rmtree(final)
-            os.rename(tmp, final)
+            replace_directory(tmp, final)  # a stale conversion (other GGUF or transformers major) is replaced
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -17,21 +17,13 @@ from pathlib import Path
 
 import torch
 
+from eagle3_zoo.dtypes import SAFETENSORS_FLOATS, SAFETENSORS_ITEMSIZE, safetensors_code
+
 SAFETENSORS_NAME = "model.safetensors"
 PICKLE_NAME = "pytorch_model.bin"
 _INDEX_SUFFIX = ".index.json"
 
-# safetensors dtype code -> bytes per element (the codes the format defines that drafters can hold)
-_ST_ITEMSIZE = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
-}
-_TORCH_TO_ST = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+FLOAT_DTYPES = SAFETENSORS_FLOATS
 
 
 class CheckpointError(ValueError):
@@ -49,7 +41,8 @@ class TensorInfo:
 
 
 def st_dtype(dtype: torch.dtype) -> str:
-    return _TORCH_TO_ST.get(dtype, str(dtype))
+    """The safetensors code of a torch dtype (`eagle3_zoo.dtypes`)."""
+    return safetensors_code(dtype)
 
 
 def find_weight_files(folder: str | Path) -> tuple[str, list[Path]]:
@@ -130,9 +123,9 @@ def _tensor_info(path: Path, name: str, entry: object, data_size: int) -> Tensor
         dtype, shape, (begin, end) = entry["dtype"], tuple(int(s) for s in entry["shape"]), entry["data_offsets"]
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: corrupt header entry for {name!r} ({e!r})") from e
-    if dtype not in _ST_ITEMSIZE:
+    if dtype not in SAFETENSORS_ITEMSIZE:
         raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
-    if not 0 <= begin <= end or end - begin != math.prod(shape) * _ST_ITEMSIZE[dtype]:
+    if not 0 <= begin <= end or end - begin != math.prod(shape) * SAFETENSORS_ITEMSIZE[dtype]:
         raise CheckpointError(f"{path}: corrupt header: tensor {name!r} ({dtype}, shape {list(shape)}) has byte "
                               f"range [{begin}, {end})")
     if end > data_size:
