@@ -157,6 +157,23 @@ def test_eval_cli_end_to_end(tmp_path, capsys):
     assert "unknown benchmark 'nope'" in capsys.readouterr().err
 
 
+def test_eval_reads_a_drafter_in_the_speculators_format_as_its_canonical_twin(tmp_path):
+    """`eval` takes any drafter format `check` accepts: the same weights exported for vLLM (speculators) decode
+    exactly as the canonical folder (the same cycles, drafts and acceptances)."""
+    from eagle3_zoo.hub import export_drafter
+
+    _, drafter_dir = _saved_target_and_drafter(tmp_path)
+    spec_dir = export_drafter(drafter_dir, "speculators", tmp_path / "speculators")
+    runs = {}
+    for name, folder in (("canonical", drafter_dir), ("speculators", spec_dir)):
+        out = tmp_path / f"{name}.json"
+        assert eval_main([str(folder), "--bench", "mtbench", "--limit", "1", "--max-new-tokens", "8", "--out",
+                          str(out), "--no-progress", "--strict", "--no-baseline"]) == 0
+        runs[name] = json.loads(out.read_text())["benchmarks"]["mtbench"]
+    keys = ("requests", "new_tokens", "cycles", "tau", "depth_attempts", "depth_accepts")
+    assert {k: runs["speculators"][k] for k in keys} == {k: runs["canonical"][k] for k in keys}
+
+
 def test_draft_shape_text_and_serving_flags():
     assert TreeSpec.parse("chain:3") == TreeSpec.chain(3) and TreeSpec.parse(" tree:8/10/60 ") == TreeSpec()
     assert TreeSpec.chain(3).label == "chain:3" and TreeSpec().label == "tree:8/10/60"

@@ -95,8 +95,8 @@ def run_eval_cli(args: argparse.Namespace) -> dict[str, Any]:
 
     from eagle3_zoo.adapters import load_target
     from eagle3_zoo.hub.check import require_valid_drafter
+    from eagle3_zoo.hub.convert import import_drafter
     from eagle3_zoo.hub.weights import weights_digest
-    from eagle3_zoo.modeling import Eagle3Drafter
     from eagle3_zoo.speculative.evaluation import evaluate, evaluate_shapes, format_shapes_table, format_table
 
     single = {k: getattr(args, k) for k in _SHAPE_DEFAULTS if getattr(args, k) is not None}
@@ -117,7 +117,7 @@ def run_eval_cli(args: argparse.Namespace) -> dict[str, Any]:
                          f"pass --target")
     target, tokenizer, adapter = load_target(target_name, dtype=dtype, device=device)
     require_valid_drafter(args.drafter, target.config, purpose=f"evaluate with target {target_name}")
-    drafter = Eagle3Drafter.from_pretrained(args.drafter, dtype=dtype, device=device).eval()
+    drafter = import_drafter(args.drafter, dtype=dtype, device=device).eval()  # any format `check` accepts
     common = dict(
         temperature=args.temperature, max_new_tokens=args.max_new_tokens, limit=args.limit, spread=args.spread,
         sample_top_k=args.sample_top_k, sample_top_p=args.sample_top_p, baseline=not args.no_baseline,
