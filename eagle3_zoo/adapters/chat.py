@@ -122,7 +122,7 @@ class ChatFormat:
         reasoning: How the target's reasoning is carried (``None``: the format has none).
         thinking_off: Template kwargs that turn thinking off (e.g. ``{"enable_thinking": False}``); empty if it cannot.
         expected: What the target generates for one assistant message, written by hand from the template
-            (`EXPECTED_KEYS`, str.format templates): the family-wide mask tests check the supervised tokens against
+            (`ExpectedTexts`, str.format templates): the family-wide mask tests check the supervised tokens against
             it, so a new format is tested from its own resource file.
     """
 
@@ -149,22 +149,14 @@ CHAT_FORMATS_PACKAGE = "eagle3_zoo.resources"
 
 @dataclass(frozen=True)
 class ExpectedTexts:
-    """What the target generates for one assistant message (`ChatFormat.expected`), as str.format templates with
-    the fields ``{reply}``, ``{reasoning}`` and, for a tool call, ``{name}``, ``{arguments}`` (JSON), ``{call_id}``.
+    """`ChatFormat.expected`: what the target generates for one assistant message, as str.format templates with the
+    fields ``{reply}``, ``{reasoning}`` and, for a tool call, ``{name}``, ``{arguments}`` (JSON), ``{call_id}``."""
 
-    Attributes:
-        turn: An earlier turn, or any turn without thinking.
-        last_turn: The last turn (default: `turn`).
-        last_turn_thinking: The last turn with thinking on and reasoning given (default: `last_turn`).
-        last_turn_thinking_empty: The last turn with thinking on and no reasoning (default: `last_turn`).
-        tool_call: A turn that calls the tool ``get_weather``.
-    """
-
-    turn: str | None = None
-    last_turn: str | None = None
-    last_turn_thinking: str | None = None
-    last_turn_thinking_empty: str | None = None
-    tool_call: str | None = None
+    turn: str | None = None  # an earlier turn, or any turn without thinking
+    last_turn: str | None = None  # the last turn (default: turn)
+    last_turn_thinking: str | None = None  # the last turn with thinking on and reasoning (default: last_turn)
+    last_turn_thinking_empty: str | None = None  # the last turn with thinking on, no reasoning (default: last_turn)
+    tool_call: str | None = None  # a turn that calls a tool
 
 
 EXPECTED_KEYS = tuple(f.name for f in dataclasses.fields(ExpectedTexts))
