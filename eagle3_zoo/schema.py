@@ -1,13 +1,15 @@
 """Typed YAML configs: dataclass schemas whose fields carry their own value rules, read with every problem at once.
 
-The recipe (`eagle3_zoo.recipe`) and the zoo registry (`resources/zoo.yaml`) are read this way. A schema is a
-dataclass tree; types and choices come from the annotations (`Literal[...]`, `X | None`, `list[X]`, nested
-dataclasses) and a value rule sits on its field (`ruled(default, check)`):
+The recipe (`eagle3_zoo.recipe`), the zoo registry (`resources/zoo.yaml`) and the chat formats
+(`resources/chat_formats/*.yaml`) are read this way. A schema is a dataclass tree; types and choices come from the
+annotations (`Literal[...]`, `X | None`, `list[X]`, `tuple[X, ...]`, nested dataclasses) and a value rule sits on
+its field (`ruled(default, check)`):
 
     problems = []
     raw = check_types(yaml.safe_load(text), MySchema, "", problems)  # unknown keys, missing keys, wrong types
     if not problems:
         problems = value_problems(MySchema(**raw))  # each field's own rule
+    problems += unechoed(cross_field_problems, problems)  # rules over several fields, unless they read a bad key
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def describe(tp: Any) -> str:
         return "one of " + ", ".join(map(str, args))
     if origin in (typing.Union, types.UnionType):
         return " or ".join("null" if a is type(None) else describe(a) for a in args)
-    if origin is list:
+    if origin is list or (origin is tuple and args[1:] == (...,)):
         plural = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}.get(args[0])
         plural = "mappings" if dataclasses.is_dataclass(args[0]) else plural
         return f"a list of {plural or 'values, each ' + describe(args[0])}"
@@ -102,7 +104,8 @@ def _leaf_keys(cls: type, prefix: str = "") -> dict[str, str]:
 def check_types(raw: Any, tp: Any, key: str, problems: list[ConfigProblem], root: type | None = None) -> Any:
     """The part of `raw` that has type `tp` (`BAD`: none), each mismatch added to `problems`: unknown keys with a
     "did you mean" (over the whole schema `root`), missing required keys, bad list items one by one (a bad mapping
-    in a list is left out, the others kept). Types are strict: no "4" for an integer, no true for 1."""
+    in a list is left out, the others kept). Types are strict: no "4" for an integer, no true for 1. A
+    `tuple[X, ...]` is read from a list; a mapping for a `Section | None` is checked as that section."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if dataclasses.is_dataclass(tp) and isinstance(raw, dict):
         hints, clean, section = typing.get_type_hints(tp), {}, f"{key}." if key else ""
@@ -120,11 +123,13 @@ def check_types(raw: Any, tp: Any, key: str, problems: list[ConfigProblem], root
         problems += [ConfigProblem(section + n, f"required key missing (expected {describe(hints[n])})")
                      for n in missing]
         return BAD if missing else clean
-    if origin is list and isinstance(raw, list):
+    if (origin is list or (origin is tuple and args[1:] == (...,))) and isinstance(raw, list):  # YAML: lists
         items = [check_types(v, args[0], f"{key}[{i}]", problems, root) for i, v in enumerate(raw)]
         good = [v for v in items if v is not BAD]
-        return good if len(good) == len(items) or dataclasses.is_dataclass(args[0]) else BAD
+        return origin(good) if len(good) == len(items) or dataclasses.is_dataclass(args[0]) else BAD
     if origin in (typing.Union, types.UnionType):
+        if isinstance(raw, dict) and (section := next((a for a in args if dataclasses.is_dataclass(a)), None)):
+            return check_types(raw, section, key, problems, root)  # an optional section given: checked as one
         ok = any(check_types(raw, a, key, [], root) is not BAD for a in args)
     elif origin is Literal:
         ok = isinstance(raw, str) and raw in args
@@ -150,3 +155,11 @@ def value_problems(obj: Any, prefix: str = "") -> list[ConfigProblem]:
             if dataclasses.is_dataclass(sub):
                 out += value_problems(sub, f"{key}." if i is None else f"{key}[{i}].")
     return out
+
+
+def unechoed(checks: list[ConfigProblem], problems: list[ConfigProblem]) -> list[ConfigProblem]:
+    """The `checks` that read (`key`, `related`) no key with a problem in `problems`, nor a key or item under it: a
+    check over a badly typed value would only echo that problem."""
+    bad = {p.key for p in problems}
+    return [c for c in checks if not any(
+        b == k or b.startswith((k + ".", k + "[")) for b in bad for k in (c.key, *c.related))]

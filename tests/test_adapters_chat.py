@@ -1,5 +1,7 @@
 """Assistant loss masks for each family's real chat template (tiny offline tokenizers; SmolLM2's real GGUF one)."""
 
+import sys
+
 import pytest
 
 from eagle3_zoo.adapters import TemplateMappingError, available_adapters, get_adapter, load_embedded_tokenizer
@@ -215,22 +217,77 @@ def test_every_family_declares_shipped_chat_formats_with_source_and_tokenizer(fa
     assert formats[0].tokenizer is not None and formats[0].end_of_turn in formats[0].tokenizer.special_tokens
 
 
-def test_chat_format_resource_errors_name_the_file_and_what_is_valid(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match=r"no chat format 'nope' .*shipped: .*chatml-qwen2.5"):
-        load_chat_format("nope")
+@pytest.fixture
+def bad_format(tmp_path, monkeypatch):
+    """Write ``bad.yaml`` (+ a template) into a throwaway resource package and load it as chat format ``bad``."""
     pkg = tmp_path / "fakepkg"
     (pkg / "chat_formats").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "chat_formats" / "bad.jinja").write_text("{{ messages }}")
-    (pkg / "chat_formats" / "bad.yaml").write_text("name: bad\nend_of_turn: '</s>'\nsrc: typo\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(chat_module, "CHAT_FORMATS_PACKAGE", "fakepkg")
-    load_chat_format.cache_clear()
-    try:
-        with pytest.raises(ValueError, match=r"bad.yaml: unknown keys \['src'\]; valid: "):
-            load_chat_format("bad")
-    finally:
+    monkeypatch.delitem(sys.modules, "fakepkg", raising=False)  # another test's
+
+    def load(text):
+        monkeypatch.setattr(chat_module, "CHAT_FORMATS_PACKAGE", "fakepkg")
+        (pkg / "chat_formats" / "bad.yaml").write_text(text)
         load_chat_format.cache_clear()
+        return load_chat_format("bad")
+
+    yield load
+    load_chat_format.cache_clear()
+
+
+def test_chat_format_resource_errors_name_the_file_and_what_is_valid(bad_format):
+    with pytest.raises(ValueError, match=r"no chat format 'nope' .*shipped: .*chatml-qwen2.5"):
+        load_chat_format("nope")
+    with pytest.raises(ValueError, match=r"bad.yaml: src: unknown key; did you mean 'source'\?"):
+        bad_format("name: bad\nend_of_turn: '</s>'\nsrc: typo\n")
+
+
+BAD_FORMATS = {  # bad.yaml after "name: bad\nend_of_turn: '</s>'\n" -> the one problem it has
+    "feature": ("features: [tools, tool]",
+                "features[1] = 'tool': expected one of thinking, tools; did you mean 'tools'?"),
+    "no_eos": ("tokenizer: {special_tokens: ['</s>']}",
+               "tokenizer.eos_token: required key missing (expected a string)"),
+    "thinking_only": ("features: [thinking]",
+                      "reasoning: required with the 'thinking' feature (field, start, end)"),
+    "reasoning_only": ("reasoning: {field: thinking, start: <t>, end: </t>}",
+                       "features: needs 'thinking': the file declares a reasoning mapping"),
+    "expected_key": ("expected: {turns: '{reply}</s>'}", "expected.turns: unknown key; did you mean 'expected.turn'?"),
+    "empty_end": ("turn_ends: ['</s>', '']", "turn_ends = ('</s>', ''): tokens must not be empty strings"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_FORMATS)
+def test_chat_format_file_problem_names_the_file_and_key(bad_format, tmp_path, case):
+    text, problem = BAD_FORMATS[case]
+    with pytest.raises(chat_module.ChatFormatError) as err:
+        bad_format(f"name: bad\nend_of_turn: '</s>'\n{text}\n")
+    assert [str(p) for p in err.value.problems] == [f"{tmp_path}/fakepkg/chat_formats/bad.yaml: {problem}"]
+    assert str(err.value).startswith("invalid chat format (1 problem):\n  - ")
+
+
+def test_chat_format_file_problems_are_raised_at_once(bad_format):
+    with pytest.raises(ValueError) as err:  # ChatFormatError stays a ValueError for callers
+        bad_format("name: good\nend_of_turn: 3\nfeatures: [thinking, tool]\ntokenizer: {special_tokens: [x]}\n"
+                   "reasoning: {field: f, start: a, end: b, ends: c}\nthinking_off: [enable_thinking]\n")
+    assert [(p.key, p.source.endswith("bad.yaml")) for p in err.value.problems] == [
+        ("end_of_turn", True), ("features[1]", True), ("tokenizer.eos_token", True), ("reasoning.ends", True),
+        ("thinking_off", True), ("name", True)]
+    assert "reasoning.ends: unknown key; did you mean 'reasoning.end'?" in str(err.value)
+    assert "name = 'good': must be the file's name, bad" in str(err.value)
+
+
+def test_chat_format_file_round_trips_every_field(bad_format):
+    fmt = bad_format("name: bad\nend_of_turn: '</s>'\nsource: here\nturn_ends: ['</s>', '<e>']\nsignature: sig\n"
+                     "features: [thinking, tools]\nreasoning: {field: thinking, start: <t>, end: </t>}\n"
+                     "thinking_off: {think: false}\ntokenizer: {special_tokens: ['</s>', '<t>'], eos_token: '</s>'}\n"
+                     "expected: {turn: '{reply}</s>', tool_call: null}\n")
+    assert fmt == ChatFormat("bad", "{{ messages }}", "</s>", source="here", turn_ends=("</s>", "<e>"), signature="sig",
+                             features=("thinking", "tools"),
+                             reasoning=chat_module.ReasoningFormat("thinking", "<t>", "</t>"),
+                             thinking_off={"think": False}, expected={"turn": "{reply}</s>"},
+                             tokenizer=chat_module.TinyTokenizerSpec(("</s>", "<t>"), "</s>"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -48,16 +48,18 @@ before it).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import yaml
 
+from eagle3_zoo import schema
 from eagle3_zoo.adapters.testing import TinyTokenizerSpec
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -120,7 +122,7 @@ class ChatFormat:
         reasoning: How the target's reasoning is carried (``None``: the format has none).
         thinking_off: Template kwargs that turn thinking off (e.g. ``{"enable_thinking": False}``); empty if it cannot.
         expected: What the target generates for one assistant message, written by hand from the template
-            (`EXPECTED_KEYS`, str.format templates): the family-wide mask tests check the supervised tokens against
+            (`ExpectedTexts`, str.format templates): the family-wide mask tests check the supervised tokens against
             it, so a new format is tested from its own resource file.
     """
 
@@ -143,22 +145,58 @@ class ChatFormat:
 
 
 CHAT_FORMATS_PACKAGE = "eagle3_zoo.resources"
-_FORMAT_KEYS = {"name", "end_of_turn", "source", "tokenizer", "turn_ends", "signature", "features", "reasoning",
-                "thinking_off", "expected"}
-EXPECTED_KEYS = ("turn", "last_turn", "last_turn_thinking", "last_turn_thinking_empty", "tool_call")
+
+
+@dataclass(frozen=True)
+class ExpectedTexts:
+    """`ChatFormat.expected`: what the target generates for one assistant message, as str.format templates with the
+    fields ``{reply}``, ``{reasoning}`` and, for a tool call, ``{name}``, ``{arguments}`` (JSON), ``{call_id}``."""
+
+    turn: str | None = None  # an earlier turn, or any turn without thinking
+    last_turn: str | None = None  # the last turn (default: turn)
+    last_turn_thinking: str | None = None  # the last turn with thinking on and reasoning (default: last_turn)
+    last_turn_thinking_empty: str | None = None  # the last turn with thinking on, no reasoning (default: last_turn)
+    tool_call: str | None = None  # a turn that calls a tool
+
+
+EXPECTED_KEYS = tuple(f.name for f in dataclasses.fields(ExpectedTexts))
+
+
+@dataclass(frozen=True)
+class ChatFormatFile:
+    """The layout of a chat format's ``<name>.yaml``: `ChatFormat`'s fields but the template (read by
+    `load_chat_format`)."""
+
+    name: str
+    end_of_turn: str
+    source: str = ""
+    tokenizer: TinyTokenizerSpec | None = None
+    turn_ends: tuple[str, ...] = schema.ruled((), schema.rule(all, "tokens must not be empty strings"))
+    signature: str = ""
+    features: tuple[Literal[FEATURES], ...] = ()
+    reasoning: ReasoningFormat | None = None
+    thinking_off: dict = field(default_factory=dict)
+    expected: ExpectedTexts = field(default_factory=ExpectedTexts)
+
+
+class ChatFormatError(schema.ConfigError):
+    """All problems of a chat format file, reported at once."""
+    what = "chat format"
 
 
 @functools.cache
 def load_chat_format(name: str) -> ChatFormat:
     """The chat format shipped as ``resources/chat_formats/<name>.jinja`` (template) + ``<name>.yaml`` (metadata).
 
-    The YAML declares ``name``, ``end_of_turn``, ``source`` and optionally ``tokenizer`` (``special_tokens``,
-    ``eos_token``, ``bos_token``, ``pad_token``), ``turn_ends`` (list), ``signature``, ``features`` (subset of
-    thinking, tools), ``reasoning`` (``field``, ``start``, ``end``, optional ``answer_start``; required with the
-    thinking feature) and ``thinking_off`` (template kwargs); see `ChatFormat`.
+    The YAML declares ``name`` (= ``<name>``), ``end_of_turn``, ``source`` and optionally ``tokenizer``
+    (``special_tokens``, ``eos_token``, ``bos_token``, ``pad_token``), ``turn_ends`` (list), ``signature``,
+    ``features`` (subset of thinking, tools), ``reasoning`` (``field``, ``start``, ``end``, optional
+    ``answer_start``; present exactly with the thinking feature), ``thinking_off`` (template kwargs) and
+    ``expected`` (`ExpectedTexts`); see `ChatFormatFile` and `ChatFormat`.
 
     Raises:
-        ValueError: if the files are missing or the metadata is malformed (naming the file and the valid keys).
+        ValueError: if the files are missing (naming the shipped formats).
+        ChatFormatError: every problem of the metadata at once (each naming the file, the key and what is valid).
     """
     folder = resources.files(CHAT_FORMATS_PACKAGE).joinpath("chat_formats")
     meta_file, template_file = folder.joinpath(f"{name}.yaml"), folder.joinpath(f"{name}.jinja")
@@ -167,46 +205,30 @@ def load_chat_format(name: str) -> ChatFormat:
         raise ValueError(
             f"no chat format '{name}' in {folder} ({name}.yaml + {name}.jinja); shipped: {', '.join(known)}"
         )
-    meta = yaml.safe_load(meta_file.read_text(encoding="utf-8"))
-    where = f"chat format file {meta_file}"
-    if not isinstance(meta, dict) or meta.get("name") != name or not isinstance(meta.get("end_of_turn"), str):
-        raise ValueError(f"{where}: needs 'name: {name}' and a string 'end_of_turn'")
-    if unknown := set(meta) - _FORMAT_KEYS:
-        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; valid: {sorted(_FORMAT_KEYS)}")
-    spec = meta.get("tokenizer")
-    if spec is not None:
-        try:
-            spec = TinyTokenizerSpec(**{**spec, "special_tokens": tuple(spec["special_tokens"])})
-        except (TypeError, KeyError) as err:
-            raise ValueError(
-                f"{where}: 'tokenizer' needs special_tokens and eos_token (optional bos_token, pad_token): {err}"
-            ) from err
-    turn_ends, features = meta.get("turn_ends", []), meta.get("features", [])
-    if not (isinstance(turn_ends, list) and all(isinstance(t, str) and t for t in turn_ends)):
-        raise ValueError(f"{where}: 'turn_ends' must be a list of tokens, got {turn_ends!r}")
-    if not (isinstance(features, list) and set(features) <= set(FEATURES)):
-        raise ValueError(f"{where}: 'features' must be a list of {', '.join(FEATURES)}; got {features!r}")
-    reasoning = meta.get("reasoning")
-    if reasoning is not None:
-        try:
-            reasoning = ReasoningFormat(**reasoning)
-        except TypeError as err:
-            raise ValueError(f"{where}: 'reasoning' needs field, start, end (optional answer_start): {err}") from err
-    if ("thinking" in features) != (reasoning is not None):
-        raise ValueError(f"{where}: the 'thinking' feature and a 'reasoning' mapping go together")
-    thinking_off = meta.get("thinking_off", {})
-    if not isinstance(thinking_off, dict):
-        raise ValueError(f"{where}: 'thinking_off' must be a mapping of template kwargs, got {thinking_off!r}")
-    expected = meta.get("expected", {})
-    if not (isinstance(expected, dict) and set(expected) <= set(EXPECTED_KEYS)
-            and all(isinstance(v, str) for v in expected.values())):
-        raise ValueError(f"{where}: 'expected' must map some of {', '.join(EXPECTED_KEYS)} to strings")
-    template = template_file.read_text(encoding="utf-8")
-    return ChatFormat(
-        name, template, meta["end_of_turn"], source=str(meta.get("source", "")), tokenizer=spec,
-        turn_ends=tuple(turn_ends), signature=str(meta.get("signature", "")), features=tuple(features),
-        reasoning=reasoning, thinking_off=thinking_off, expected=expected,
-    )
+    problems: list[schema.ConfigProblem] = []
+    meta = schema.check_types(yaml.safe_load(meta_file.read_text(encoding="utf-8")), ChatFormatFile, "", problems)
+    if meta is not schema.BAD:  # a required key with a type problem is left out of `meta`: a stand-in fills it
+        file = ChatFormatFile(**{"name": name, "end_of_turn": "", **meta})
+        thinking, reasoned = "thinking" in file.features, file.reasoning is not None
+        checks = schema.value_problems(file)
+        if file.name != name:
+            checks.append(schema.ConfigProblem("name", f"must be the file's name, {name}", file.name))
+        if thinking and not reasoned:
+            checks.append(schema.ConfigProblem(
+                "reasoning", "required with the 'thinking' feature (field, start, end)", related=("features",)))
+        if reasoned and not thinking:
+            checks.append(schema.ConfigProblem(
+                "features", "needs 'thinking': the file declares a reasoning mapping", related=("reasoning",)))
+        problems += schema.unechoed(checks, problems)
+    for p in problems:
+        p.source = str(meta_file)
+    if problems:
+        raise ChatFormatError(problems)
+    tokenizer, reasoning, expected = meta.get("tokenizer"), meta.get("reasoning"), meta.get("expected", {})
+    return ChatFormat(**{**meta, "template": template_file.read_text(encoding="utf-8"),
+                         "tokenizer": tokenizer and TinyTokenizerSpec(**tokenizer),
+                         "reasoning": reasoning and ReasoningFormat(**reasoning),
+                         "expected": {k: v for k, v in expected.items() if v is not None}})
 
 
 def load_chat_formats(*names: str) -> tuple[ChatFormat, ...]:
