@@ -323,10 +323,7 @@ def load_recipe(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -
         recipe = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Recipe), clean))
     except OmegaConfBaseException:  # only after a schema problem
         recipe = None
-    bad_keys = {p.key for p in problems}
-    # a check that read a key with a schema problem (or an item under it) would only echo that problem
-    problems += [p for p in (_problems(recipe) if recipe else []) if not any(
-        bad == k or bad.startswith((k + ".", k + "[")) for bad in bad_keys for k in (p.key, *p.related))]
+    problems += schema.unechoed(_problems(recipe) if recipe else [], problems)
     _raise_if(problems, source_of)
     return recipe
 
