@@ -95,3 +95,80 @@ def test_ttt_activation_estimate_matches_saved_tensors(t):
     estimate = 4 * (est["activations"] + est["loss_rows_fp32"] + est["fc_input"])  # fp32
     assert 0.9 < measured / estimate < 1.1, (measured, estimate)
     assert head_buffers == drafter.config.draft_vocab_size * drafter.config.hidden_size * 4  # one buffer, all steps
+
+
+def _tiny_plan(*overrides: str):
+    """The plan of the llama3_8b recipe with `overrides`, on the tiny Llama config (fast, offline)."""
+    from eagle3_zoo.adapters import get_adapter
+
+    r = load_recipe("recipes/llama3_8b.yaml", ["drafter.draft_vocab_size=256", *overrides])
+    return plan_recipe(r, target_config=get_adapter("llama").tiny_config())
+
+
+def _by_name(plan) -> dict:
+    return {line.what: line for line in plan.lines}
+
+
+def test_tau_eval_transient_only_with_tau_eval_and_the_copy_only_under_fsdp():
+    off = _by_name(_tiny_plan("trainer.tau_eval.every_n_steps=null"))
+    assert "decode buffers" not in off and "gathered drafter copy" not in off
+    ddp = _by_name(_tiny_plan("trainer.strategy=ddp"))  # the drafter decodes in place: no copy
+    assert ddp["decode buffers"].phase == "tau evaluation" and "gathered drafter copy" not in ddp
+    fsdp = _tiny_plan("trainer.strategy=fsdp")  # every rank gathers the sharded drafter (fp32 under bf16-mixed)
+    copy = _by_name(fsdp)["gathered drafter copy"]
+    n_drafter = _by_name(fsdp)["drafter weights+grads+AdamW"].bytes * fsdp.world_size / 16  # 16 B / param, sharded
+    assert copy.phase == "tau evaluation" and copy.bytes == pytest.approx(n_drafter * 4)
+    assert _by_name(_tiny_plan("trainer.strategy=fsdp", "trainer.precision=bf16-true"))[
+        "gathered drafter copy"].bytes == pytest.approx(copy.bytes / 2)  # stored in bf16 there
+    # offline, FSDP shards only the drafter: the target tau evaluation decodes on is whole on every GPU
+    offline = _by_name(_tiny_plan("trainer.strategy=fsdp", "data.mode=offline"))
+    assert "a full copy per GPU" in offline["target weights"].note and "target all-gather" not in offline
+    assert offline["target weights"].bytes == ddp["target weights"].bytes and "gathered drafter copy" in offline
+
+
+def _held_and_phases(plan) -> tuple[float, dict[str, float]]:
+    phases: dict[str, float] = {}
+    for line in plan.lines:
+        if line.phase:
+            phases[line.phase] = phases.get(line.phase, 0.0) + line.bytes
+    return sum(line.bytes for line in plan.lines if not line.phase), phases
+
+
+@pytest.mark.parametrize("case", ["tau", "training"])
+def test_the_peak_is_the_larger_phase(case):
+    if case == "tau":  # a short training sequence, a long decode: the tau evaluation sets the peak
+        plan = _tiny_plan("trainer.strategy=fsdp", "data.max_length=16", "trainer.batch_size=1", "ttt.steps=1",
+                          "trainer.tau_eval.max_new_tokens=100000")
+    else:  # a long training batch, a short decode: the training step does
+        plan = _tiny_plan("trainer.strategy=fsdp", "trainer.batch_size=8", "trainer.tau_eval.max_new_tokens=1")
+    held, phases = _held_and_phases(plan)
+    top = "tau evaluation" if case == "tau" else "training step"
+    other = "training step" if case == "tau" else "tau evaluation"
+    assert phases[top] > 2 * phases[other] > 0
+    assert plan.peak_phase == top and plan.total == pytest.approx(held + phases[top])  # not held + both phases
+    assert f"{top}:" in plan.table() and "sets the peak" in next(
+        row for row in plan.table().splitlines() if row.strip().startswith(f"{top}:"))
+
+
+def test_target_kv_estimate_matches_a_real_decode():
+    from transformers import LlamaForCausalLM
+
+    from eagle3_zoo.adapters import get_adapter
+    from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter
+    from eagle3_zoo.speculative.generate import SpeculativeGenerator, tree_spec
+    from eagle3_zoo.training.plan import kv_elements_per_token
+
+    config = get_adapter("llama").tiny_config()
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(config).eval()
+    drafter = Eagle3Drafter(Eagle3Config.from_target_config(config, draft_vocab_size=config.vocab_size,
+                                                            aux_layer_ids=(0, 1, 2)))
+    tree = tree_spec("tree", depth=3, top_k=2, total_tokens=5)
+    gen = SpeculativeGenerator(target, drafter, tree)
+    prompt, new = 20, 12
+    gen.generate(torch.arange(1, prompt + 1), new, eos_token_id=-1)
+    layers = [layer for layer in gen.runner.cache.layers if layer.is_initialized]
+    held = sum(layer.keys.numel() + layer.values.numel() for layer in layers)
+    length = layers[0].keys.shape[-2]
+    assert prompt + new <= length <= prompt + new + tree.total_tokens + 1  # the bound the plan uses
+    assert held == kv_elements_per_token(config) * length
