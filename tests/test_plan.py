@@ -1,5 +1,7 @@
 """`eagle3-zoo plan`: every shipped recipe is planned offline (shipped target configs) and fits its declared GPU
-memory; parameter counts equal the built models'; the TTT activation estimate matches what a real TTT loss saves."""
+memory; parameter counts equal the built models'; the TTT activation estimate matches what a real TTT loss saves;
+the tau evaluation's transient (a gathered drafter under FSDP, decode buffers) is a phase of its own, and the peak
+is the persistent part plus the larger of it and the training step; KV cache widths equal real caches'."""
 
 from __future__ import annotations
 
@@ -8,10 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3_zoo.adapters import available_adapters, get_adapter
 from eagle3_zoo.cli import main
 from eagle3_zoo.recipe import load_recipe
 from eagle3_zoo.training.loss import ttt_loss
-from eagle3_zoo.training.plan import drafter_parameter_count, plan_recipe, target_parameter_counts, ttt_saved_elements
+from eagle3_zoo.training.plan import (
+    drafter_parameter_count,
+    kv_elements_per_token,
+    plan_recipe,
+    target_parameter_counts,
+    ttt_saved_elements,
+)
 from tests.tiny import tiny_drafter
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").rglob("*.yaml"))
@@ -99,8 +108,6 @@ def test_ttt_activation_estimate_matches_saved_tensors(t):
 
 def _tiny_plan(*overrides: str):
     """The plan of the llama3_8b recipe with `overrides`, on the tiny Llama config (fast, offline)."""
-    from eagle3_zoo.adapters import get_adapter
-
     r = load_recipe("recipes/llama3_8b.yaml", ["drafter.draft_vocab_size=256", *overrides])
     return plan_recipe(r, target_config=get_adapter("llama").tiny_config())
 
@@ -153,10 +160,8 @@ def test_the_peak_is_the_larger_phase(case):
 def test_target_kv_estimate_matches_a_real_decode():
     from transformers import LlamaForCausalLM
 
-    from eagle3_zoo.adapters import get_adapter
     from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter
     from eagle3_zoo.speculative.generate import SpeculativeGenerator, tree_spec
-    from eagle3_zoo.training.plan import kv_elements_per_token
 
     config = get_adapter("llama").tiny_config()
     torch.manual_seed(0)
@@ -172,3 +177,19 @@ def test_target_kv_estimate_matches_a_real_decode():
     length = layers[0].keys.shape[-2]
     assert prompt + new <= length <= prompt + new + tree.total_tokens + 1  # the bound the plan uses
     assert held == kv_elements_per_token(config) * length
+
+
+@pytest.mark.parametrize("family", available_adapters())
+def test_kv_elements_per_token_match_a_real_cache(family):
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from eagle3_zoo.adapters.capture import cache_kwargs
+
+    config = get_adapter(family).tiny_config()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    cache = DynamicCache()  # full-length layers, as the tau evaluation's target runner keeps them
+    with torch.no_grad():
+        model(input_ids=torch.arange(1, 11).view(1, -1), **cache_kwargs(model, {"cache": cache, "use_cache": True}))
+    held = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers if layer.is_initialized)
+    assert held == kv_elements_per_token(config) * 10  # MLA (deepseek_v3): the compressed latent + RoPE key

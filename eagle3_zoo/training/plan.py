@@ -7,7 +7,8 @@ Lines held for the whole run add up; lines of a phase (the training step's activ
 transient buffers, which `TauEvalCallback` allocates between training steps, after the step's activations are
 freed) only count for the phase that needs more: the peak is the persistent part plus the larger phase.
 Parameter counts come from the models themselves, built on the meta device from the target's config (shipped in
-the package for every zoo/recipe target, so this runs offline): no arithmetic per family. Activation sizes are an
+the package for every zoo/recipe target, so this runs offline): no arithmetic per family (but the KV cache width of
+MLA targets, for the tau evaluation). Activation sizes are an
 estimate from the drafter's shapes (what the TTT rollout saves for backward per token and step), checked in the
 tests against the tensors a real TTT loss saves. Nothing is allocated.
 """
@@ -180,10 +181,11 @@ def ttt_saved_elements(config: Any, tokens: int, steps: int, supervised: int | N
 
 def kv_elements_per_token(config: Any) -> int:
     """Elements a transformers `DynamicCache` keeps per token over all layers of a target with this config (keys
-    and values; MLA models cache full per-head keys and values, not the compressed latent)."""
+    and values; MLA models (transformers 5.x DeepSeek-V3) cache the compressed latent and the shared RoPE key).
+    Checked against a real cache in tests/test_plan.py."""
     heads = config.num_attention_heads
-    if getattr(config, "qk_rope_head_dim", None) is not None:  # MLA (DeepSeek-V3)
-        per_layer = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
+    if getattr(config, "kv_lora_rank", None) is not None:  # MLA
+        per_layer = config.kv_lora_rank + config.qk_rope_head_dim
     else:
         d = getattr(config, "head_dim", None) or config.hidden_size // heads
         per_layer = 2 * (getattr(config, "num_key_value_heads", None) or heads) * d
