@@ -1,5 +1,7 @@
 """`eagle3-zoo plan`: every shipped recipe is planned offline (shipped target configs) and fits its declared GPU
-memory; parameter counts equal the built models'; the TTT activation estimate matches what a real TTT loss saves."""
+memory; parameter counts equal the built models'; the TTT activation estimate matches what a real TTT loss saves;
+the tau evaluation's transient (a gathered drafter under FSDP, decode buffers) is a phase of its own, and the peak
+is the persistent part plus the larger of it and the training step; KV cache widths equal real caches'."""
 
 from __future__ import annotations
 
@@ -8,10 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3_zoo.adapters import available_adapters, get_adapter
 from eagle3_zoo.cli import main
 from eagle3_zoo.recipe import load_recipe
 from eagle3_zoo.training.loss import ttt_loss
-from eagle3_zoo.training.plan import drafter_parameter_count, plan_recipe, target_parameter_counts, ttt_saved_elements
+from eagle3_zoo.training.plan import (
+    drafter_parameter_count,
+    kv_elements_per_token,
+    plan_recipe,
+    target_parameter_counts,
+    ttt_saved_elements,
+)
 from tests.tiny import tiny_drafter
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").rglob("*.yaml"))
@@ -95,3 +104,92 @@ def test_ttt_activation_estimate_matches_saved_tensors(t):
     estimate = 4 * (est["activations"] + est["loss_rows_fp32"] + est["fc_input"])  # fp32
     assert 0.9 < measured / estimate < 1.1, (measured, estimate)
     assert head_buffers == drafter.config.draft_vocab_size * drafter.config.hidden_size * 4  # one buffer, all steps
+
+
+def _tiny_plan(*overrides: str):
+    """The plan of the llama3_8b recipe with `overrides`, on the tiny Llama config (fast, offline)."""
+    r = load_recipe("recipes/llama3_8b.yaml", ["drafter.draft_vocab_size=256", *overrides])
+    return plan_recipe(r, target_config=get_adapter("llama").tiny_config())
+
+
+def _by_name(plan) -> dict:
+    return {line.what: line for line in plan.lines}
+
+
+def test_tau_eval_transient_only_with_tau_eval_and_the_copy_only_under_fsdp():
+    off = _by_name(_tiny_plan("trainer.tau_eval.every_n_steps=null"))
+    assert "decode buffers" not in off and "gathered drafter copy" not in off
+    ddp = _by_name(_tiny_plan("trainer.strategy=ddp"))  # the drafter decodes in place: no copy
+    assert ddp["decode buffers"].phase == "tau evaluation" and "gathered drafter copy" not in ddp
+    fsdp = _tiny_plan("trainer.strategy=fsdp")  # every rank gathers the sharded drafter (fp32 under bf16-mixed)
+    copy = _by_name(fsdp)["gathered drafter copy"]
+    n_drafter = _by_name(fsdp)["drafter weights+grads+AdamW"].bytes * fsdp.world_size / 16  # 16 B / param, sharded
+    assert copy.phase == "tau evaluation" and copy.bytes == pytest.approx(n_drafter * 4)
+    assert _by_name(_tiny_plan("trainer.strategy=fsdp", "trainer.precision=bf16-true"))[
+        "gathered drafter copy"].bytes == pytest.approx(copy.bytes / 2)  # stored in bf16 there
+    # offline, FSDP shards only the drafter: the target tau evaluation decodes on is whole on every GPU
+    offline = _by_name(_tiny_plan("trainer.strategy=fsdp", "data.mode=offline"))
+    assert "a full copy per GPU" in offline["target weights"].note and "target all-gather" not in offline
+    assert offline["target weights"].bytes == ddp["target weights"].bytes and "gathered drafter copy" in offline
+
+
+def _held_and_phases(plan) -> tuple[float, dict[str, float]]:
+    phases: dict[str, float] = {}
+    for line in plan.lines:
+        if line.phase:
+            phases[line.phase] = phases.get(line.phase, 0.0) + line.bytes
+    return sum(line.bytes for line in plan.lines if not line.phase), phases
+
+
+@pytest.mark.parametrize("case", ["tau", "training"])
+def test_the_peak_is_the_larger_phase(case):
+    if case == "tau":  # a short training sequence, a long decode: the tau evaluation sets the peak
+        plan = _tiny_plan("trainer.strategy=fsdp", "data.max_length=16", "trainer.batch_size=1", "ttt.steps=1",
+                          "trainer.tau_eval.max_new_tokens=100000")
+    else:  # a long training batch, a short decode: the training step does
+        plan = _tiny_plan("trainer.strategy=fsdp", "trainer.batch_size=8", "trainer.tau_eval.max_new_tokens=1")
+    held, phases = _held_and_phases(plan)
+    top = "tau evaluation" if case == "tau" else "training step"
+    other = "training step" if case == "tau" else "tau evaluation"
+    assert phases[top] > 2 * phases[other] > 0
+    assert plan.peak_phase == top and plan.total == pytest.approx(held + phases[top])  # not held + both phases
+    assert f"{top}:" in plan.table() and "sets the peak" in next(
+        row for row in plan.table().splitlines() if row.strip().startswith(f"{top}:"))
+
+
+def test_target_kv_estimate_matches_a_real_decode():
+    from transformers import LlamaForCausalLM
+
+    from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter
+    from eagle3_zoo.speculative.generate import SpeculativeGenerator, tree_spec
+
+    config = get_adapter("llama").tiny_config()
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(config).eval()
+    drafter = Eagle3Drafter(Eagle3Config.from_target_config(config, draft_vocab_size=config.vocab_size,
+                                                            aux_layer_ids=(0, 1, 2)))
+    tree = tree_spec("tree", depth=3, top_k=2, total_tokens=5)
+    gen = SpeculativeGenerator(target, drafter, tree)
+    prompt, new = 20, 12
+    gen.generate(torch.arange(1, prompt + 1), new, eos_token_id=-1)
+    layers = [layer for layer in gen.runner.cache.layers if layer.is_initialized]
+    held = sum(layer.keys.numel() + layer.values.numel() for layer in layers)
+    length = layers[0].keys.shape[-2]
+    assert prompt + new <= length <= prompt + new + tree.total_tokens + 1  # the bound the plan uses
+    assert held == kv_elements_per_token(config) * length
+
+
+@pytest.mark.parametrize("family", available_adapters())
+def test_kv_elements_per_token_match_a_real_cache(family):
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from eagle3_zoo.adapters.capture import cache_kwargs
+
+    config = get_adapter(family).tiny_config()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    cache = DynamicCache()  # full-length layers, as the tau evaluation's target runner keeps them
+    with torch.no_grad():
+        model(input_ids=torch.arange(1, 11).view(1, -1), **cache_kwargs(model, {"cache": cache, "use_cache": True}))
+    held = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers if layer.is_initialized)
+    assert held == kv_elements_per_token(config) * 10  # MLA (deepseek_v3): the compressed latent + RoPE key

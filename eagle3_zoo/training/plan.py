@@ -1,10 +1,14 @@
 """`eagle3-zoo plan RECIPE`: what one GPU holds when the recipe trains, and whether it fits the declared GPU memory.
 
     plan = plan_recipe(load_recipe("recipes/llama3_70b.yaml"))
-    print(plan.table())          # target shard, drafter + grads + AdamW, TTT activations, loss buffers, reserve
+    print(plan.table())          # target shard, drafter + grads + AdamW, reserve; training step; tau evaluation
 
+Lines held for the whole run add up; lines of a phase (the training step's activations, the tau evaluation's
+transient buffers, which `TauEvalCallback` allocates between training steps, after the step's activations are
+freed) only count for the phase that needs more: the peak is the persistent part plus the larger phase.
 Parameter counts come from the models themselves, built on the meta device from the target's config (shipped in
-the package for every zoo/recipe target, so this runs offline): no arithmetic per family. Activation sizes are an
+the package for every zoo/recipe target, so this runs offline): no arithmetic per family (but the KV cache width of
+MLA targets, for the tau evaluation). Activation sizes are an
 estimate from the drafter's shapes (what the TTT rollout saves for backward per token and step), checked in the
 tests against the tensors a real TTT loss saves. Nothing is allocated.
 """
@@ -29,6 +33,7 @@ class PlanLine:
     what: str
     bytes: float
     note: str = ""
+    phase: str = ""  # "" = held throughout; else the phase that holds it (only the largest phase counts)
 
 
 @dataclass
@@ -45,7 +50,13 @@ class MemoryPlan:
 
     @property
     def total(self) -> float:
-        return sum(line.bytes for line in self.lines)
+        """The peak: the persistent lines plus the largest phase."""
+        return peak(self.lines)[0]
+
+    @property
+    def peak_phase(self) -> str | None:
+        """The phase that sets the peak (None without phases)."""
+        return peak(self.lines)[1]
 
     @property
     def fits(self) -> bool | None:
@@ -55,7 +66,7 @@ class MemoryPlan:
     def feature_job_fits(self) -> bool | None:
         if not self.feature_job or self.gpu_memory_gb is None:
             return None
-        return sum(line.bytes for line in self.feature_job) <= self.gpu_memory_gb * 1e9
+        return peak(self.feature_job)[0] <= self.gpu_memory_gb * 1e9
 
     def table(self) -> str:
         """The plan as a text table with a verdict line."""
@@ -66,7 +77,7 @@ class MemoryPlan:
         if self.feature_job:
             out += ["", "feature job (`eagle3-zoo prepare`, one target per process, data split by rank); per device:"]
             out += _rows(self.feature_job)
-            job = sum(line.bytes for line in self.feature_job)
+            job = peak(self.feature_job)[0]
             out.append(_verdict(job, self.gpu_memory_gb, "feature job"))
             if self.feature_job_fits is False:
                 out.append("  -> the target does not fit one process: extract its features with an inference engine "
@@ -74,10 +85,38 @@ class MemoryPlan:
         return "\n".join(out)
 
 
+def peak(lines: list[PlanLine]) -> tuple[float, str | None]:
+    """Bytes of the persistent lines plus the largest phase, and that phase (None without phases)."""
+    phases: dict[str, float] = {}
+    for line in lines:
+        if line.phase:
+            phases[line.phase] = phases.get(line.phase, 0.0) + line.bytes
+    held = sum(line.bytes for line in lines if not line.phase)
+    if not phases:
+        return held, None
+    top = max(phases, key=phases.__getitem__)
+    return held + phases[top], top
+
+
 def _rows(lines: list[PlanLine]) -> list[str]:
-    width = max(len(line.what) for line in lines)
-    rows = [f"  {line.what.ljust(width)}  {line.bytes / 1e9:9.2f} GB  {line.note}".rstrip() for line in lines]
-    rows.append(f"  {'total'.ljust(width)}  {sum(line.bytes for line in lines) / 1e9:9.2f} GB")
+    """One row per line, each phase's lines under a header row with the phase's sum, then the peak."""
+    total, top = peak(lines)
+    phases = {line.phase for line in lines if line.phase}
+    width = max(len(line.what) + (2 if line.phase else 0) for line in lines)
+    width = max([width, *(len(p) + 1 for p in phases)])
+
+    def row(what: str, size: float, note: str = "") -> str:
+        return f"  {what.ljust(width)}  {size / 1e9:9.2f} GB  {note}".rstrip()
+
+    rows, seen = [], set()
+    for line in lines:
+        if line.phase and line.phase not in seen:
+            seen.add(line.phase)
+            size = sum(x.bytes for x in lines if x.phase == line.phase)
+            note = ("sets the peak" if line.phase == top else "smaller, not counted") if len(phases) > 1 else ""
+            rows.append(row(f"{line.phase}:", size, note))
+        rows.append(row(f"  {line.what}" if line.phase else line.what, line.bytes, line.note))
+    rows.append(row("total", total, f"peak: the lines held throughout + the {top}" if len(phases) > 1 else ""))
     return rows
 
 
@@ -140,6 +179,54 @@ def ttt_saved_elements(config: Any, tokens: int, steps: int, supervised: int | N
             "fc_input": n_aux * config.target_hidden_size * tokens}
 
 
+def kv_elements_per_token(config: Any) -> int:
+    """Elements a transformers `DynamicCache` keeps per token over all layers of a target with this config (keys
+    and values; MLA models (transformers 5.x DeepSeek-V3) cache the compressed latent and the shared RoPE key).
+    Checked against a real cache in tests/test_plan.py."""
+    heads = config.num_attention_heads
+    if getattr(config, "kv_lora_rank", None) is not None:  # MLA
+        per_layer = config.kv_lora_rank + config.qk_rope_head_dim
+    else:
+        d = getattr(config, "head_dim", None) or config.hidden_size // heads
+        per_layer = 2 * (getattr(config, "num_key_value_heads", None) or heads) * d
+    return config.num_hidden_layers * per_layer
+
+
+def tau_eval_lines(recipe: Any, target_config: Any, dcfg: Any, n_drafter: int, gathers: bool) -> list[PlanLine]:
+    """The transient buffers of one tau evaluation (`TauEvalCallback.measure`, between training steps).
+
+    Under FSDP every rank gathers the drafter into a plain copy in the parameters' stored dtype
+    (`strategies.unsharded_drafter`; fp32 under bf16-mixed); under ddp/auto the drafter decodes in place. Then one
+    prompt at a time (freed before the next): the target's and the drafter's KV caches over the prompt,
+    `max_new_tokens` and the draft tree, the prompt's target pass (one layer's activations, the aux features and
+    final hidden it returns) and the drafter's pass over the prompt (at most what a TTT step saves, a causal mask),
+    and the fp32 logits rows of the verified path and the drafted frontier. Prompts are bounded by
+    `data.max_length` (MT-bench first turns are far shorter)."""
+    from eagle3_zoo.speculative.callback import TauEvalCallback
+
+    cfg = recipe.trainer.tau_eval
+    tree = TauEvalCallback(["plan"], every_n_steps=cfg.every_n_steps, max_new_tokens=cfg.max_new_tokens).tree
+    tbytes = torch_dtype(recipe.target.dtype).itemsize
+    wbytes = {"64-true": 8, "bf16-true": 2, "16-true": 2}.get(recipe.trainer.precision, 4)  # stored drafter dtype
+    p, n = recipe.data.max_length, cfg.max_new_tokens
+    h, inter = target_config.hidden_size, target_config.intermediate_size
+    target_kv = kv_elements_per_token(target_config) * (p + n + tree.total_tokens + 1) * tbytes
+    draft_kv = 2 * dcfg.num_key_value_heads * dcfg.head_dim * (p + n + tree.depth * tree.top_k) * wbytes
+    prompt = (p * (6 * h + 3 * inter) + p * (len(dcfg.aux_layer_ids) * dcfg.target_hidden_size + h)) * tbytes
+    draft_pass = sum(ttt_saved_elements(dcfg, p, 1).values()) * wbytes + p * p * (wbytes + 1)
+    logits = (tree.depth + 2) * target_config.vocab_size * 4 + tree.top_k * dcfg.draft_vocab_size * 4
+    phase = "tau evaluation"
+    lines = []
+    if gathers:
+        lines.append(PlanLine("gathered drafter copy", n_drafter * wbytes,
+                              f"{n_drafter / 1e6:.0f}M params x {wbytes} B, whole on every GPU (unsharded_drafter)",
+                              phase))
+    lines.append(PlanLine("decode buffers", target_kv + draft_kv + prompt + draft_pass + logits,
+                          f"KV caches (target {target_kv / 1e9:.2f} GB) for a {p}-token prompt + {n} new tokens + "
+                          f"a {tree.total_tokens}-node tree, prompt passes, logits rows", phase))
+    return lines
+
+
 def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") -> MemoryPlan:
     """The per-GPU memory plan of a recipe.
 
@@ -179,26 +266,33 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
                       tr.gpu_memory_gb)
     quant = (getattr(target_config, "quantization_config", None) or {}).get("quant_method")
     dequant = f"; its {quant} checkpoint dequantised to {t.dtype}" if quant else ""
-    keep_target = recipe.data.mode == "online" or bool(tr.tau_eval.every_n_steps)
+    tau = bool(tr.tau_eval.every_n_steps)
+    keep_target = recipe.data.mode == "online" or tau
+    shard_target = fsdp and recipe.data.mode == "online"  # offline, FSDP shards the drafter only (`shard_fsdp2`)
+    train = "training step"
     if keep_target:
         why = "online features" if recipe.data.mode == "online" else "tau evaluation during training"
         where = (f"sharded over {shard}" + (f", replicated over {tr.num_nodes} nodes" if shard < world else "")
-                 if fsdp else "a full copy per GPU")
-        plan.lines.append(PlanLine("target weights", counts["total"] * tbytes / shard,
+                 if shard_target else "a full copy per GPU")
+        plan.lines.append(PlanLine("target weights", counts["total"] * tbytes / (shard if shard_target else 1),
                                    f"{counts['total'] / 1e9:.2f}B params in {t.dtype}, {where} ({why}){dequant}"))
-        if fsdp:
+        if shard_target:
             plan.lines.append(PlanLine("target all-gather", 2 * counts["largest_layer"] * tbytes,
                                        "two decoder layers unsharded at a time (prefetch)"))
-        h, inter = target_config.hidden_size, target_config.intermediate_size
-        plan.lines.append(PlanLine("target forward", tokens * (6 * h + 3 * inter) * tbytes
-                                   + LOGITS_CHUNK * target_config.vocab_size * 4,
-                                   "one layer's activations (no grad) + a chunk of fp32 logits"))
     else:
         plan.lines.append(PlanLine("target embed + lm_head", (counts["embed"] + counts["lm_head"]) * tbytes,
                                    "offline: features come from the store"))
     state = 8 if tr.precision in ("bf16-true", "16-true") else 16  # weights + grads + AdamW (m, v)
     plan.lines.append(PlanLine("drafter weights+grads+AdamW", n_drafter * state / shard,
                                f"{n_drafter / 1e6:.0f}M params x {state} B{f' / {shard}' if fsdp else ''}"))
+    if recipe.data.mode == "online":
+        h, inter = target_config.hidden_size, target_config.intermediate_size
+        plan.lines.append(PlanLine("target forward", tokens * (6 * h + 3 * inter) * tbytes
+                                   + LOGITS_CHUNK * target_config.vocab_size * 4,
+                                   "one layer's activations (no grad) + a chunk of fp32 logits", train))
+    else:
+        plan.lines.append(PlanLine("target logits chunk", LOGITS_CHUNK * target_config.vocab_size * 4,
+                                   "fp32 lm_head logits of the stored final hidden, a chunk at a time", train))
     saved = ttt_saved_elements(dcfg, tokens, steps)
     if tr.activation_checkpointing:
         act = (2 * dcfg.hidden_size * tokens * steps + saved["activations"] / steps) * act_bytes
@@ -207,10 +301,13 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
         act = saved["activations"] * act_bytes
         note = f"{steps} TTT steps x {tokens} tokens (batch {tr.batch_size} x {recipe.data.max_length})"
     act += saved["loss_rows_fp32"] * 4 + saved["fc_input"] * tbytes
-    plan.lines.append(PlanLine("TTT activations", act, note))
+    plan.lines.append(PlanLine("TTT activations", act, note, train))
     vd = dcfg.draft_vocab_size
     plan.lines.append(PlanLine("loss buffers", tokens * vd * 4 + vd * dcfg.hidden_size * 4,
-                               f"target probabilities over {vd} draft tokens + one lm_head gradient buffer (fp32)"))
+                               f"target probabilities over {vd} draft tokens + one lm_head gradient buffer (fp32)",
+                               train))
+    if tau:
+        plan.lines += tau_eval_lines(recipe, target_config, dcfg, n_drafter, gathers=fsdp)
     subtotal = plan.total
     plan.lines.append(PlanLine("reserve", RESERVE_FIXED_GIB * GIB + RESERVE_FRACTION * subtotal,
                                f"{RESERVE_FIXED_GIB:g} GiB CUDA context + {RESERVE_FRACTION:.0%} fragmentation"))
