@@ -1,7 +1,9 @@
 """`eagle3-zoo plan`: every shipped recipe is planned offline (shipped target configs) and fits its declared GPU
 memory; parameter counts equal the built models'; the TTT activation estimate matches what a real TTT loss saves;
 the tau evaluation's transient (a gathered drafter under FSDP, decode buffers) is a phase of its own, and the peak
-is the persistent part plus the larger of it and the training step; KV cache widths equal real caches'."""
+is the persistent part plus the larger of it and the training step; KV cache widths equal real caches'; under FSDP
+the training step counts the drafter's gathered parameters, unsharded gradients and reduce-scatter input, whose
+sizes and dtypes equal the buffers FSDP2 allocates for a real sharded drafter."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from eagle3_zoo.recipe import load_recipe
 from eagle3_zoo.training.loss import ttt_loss
 from eagle3_zoo.training.plan import (
     drafter_parameter_count,
+    fsdp_drafter_lines,
     kv_elements_per_token,
     plan_recipe,
     target_parameter_counts,
@@ -193,3 +196,67 @@ def test_kv_elements_per_token_match_a_real_cache(family):
         model(input_ids=torch.arange(1, 11).view(1, -1), **cache_kwargs(model, {"cache": cache, "use_cache": True}))
     held = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers if layer.is_initialized)
     assert held == kv_elements_per_token(config) * 10  # MLA (deepseek_v3): the compressed latent + RoPE key
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_fsdp_drafter_lines_match_the_buffers_fsdp2_allocates(precision, monkeypatch):
+    """`shard_fsdp2` on a tiny drafter over 3 ranks (a fake process group in this process: collectives are no-ops,
+    shapes and dtypes are real; 3 pads dims that 3 does not divide): the drafter is one FSDP unit, still gathered
+    after forward, and the gathered, gradient and reduce-scatter buffers are the plan's lines."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from eagle3_zoo.training.module import DrafterObjective
+    from eagle3_zoo.training.strategies import shard_fsdp2
+
+    drafter, embed = tiny_drafter(draft_vocab_size=80, hidden_size=40, head_dim=12, intermediate_size=104)
+    cfg, world = drafter.config, 3
+    expected = {line.what: line.bytes for line in fsdp_drafter_lines(cfg, precision, world)}
+    seen = {}
+    reduce = _fsdp_param_group.foreach_reduce
+
+    def spy(params, grads, *args, **kwargs):  # the post-backward reduce of the unit's whole gradients
+        seen["grads"] = sum(g.numel() * g.element_size() for g in grads)
+        out = reduce(params, grads, *args, **kwargs)
+        seen["reduce-scatter input"] = out[0].numel() * out[0].element_size()
+        return out
+
+    monkeypatch.setattr(_fsdp_param_group, "foreach_reduce", spy)
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        objective = DrafterObjective(drafter)
+        shard_fsdp2(None, None, objective, init_device_mesh("cpu", (world,)), precision=precision)
+        assert [m for m in objective.modules() if isinstance(m, FSDPModule)] == [objective]  # one unit
+        group = objective._get_fsdp_state()._fsdp_param_group
+        t = 16
+        ids = torch.randint(0, cfg.vocab_size, (1, t))
+        out = objective(embed, ids, torch.randn(1, t, 3 * cfg.target_hidden_size),
+                        torch.randn(1, t, cfg.draft_vocab_size), torch.ones(1, t), torch.ones(1, t, dtype=torch.bool),
+                        2, [1.0, 0.8])
+        assert group.is_unsharded  # not resharded after forward: gathered once, kept through backward
+        gathered = sum(o.numel() * o.element_size() for p in group.fsdp_params for o in p.all_gather_outputs)
+        out[0].backward()
+        assert not group.is_unsharded
+    finally:
+        dist.destroy_process_group()
+    assert gathered == expected["drafter all-gather"]
+    assert seen["grads"] == expected["drafter unsharded grads"]
+    assert seen["reduce-scatter input"] == expected["drafter reduce-scatter input"]
+    assert gathered > drafter_parameter_count(cfg) * (2 if precision == "bf16-mixed" else 4)  # padded over 3
+
+
+def test_fsdp_plan_counts_the_drafter_buffers_in_the_training_step():
+    fsdp = _tiny_plan("trainer.strategy=fsdp", "trainer.devices=8")  # bf16-mixed: gathered in bf16, reduced in fp32
+    lines = _by_name(fsdp)
+    n = lines["drafter weights+grads+AdamW"].bytes * 8 / 16  # 16 B / param, sharded over 8
+    gather, grads, rs = (lines[w] for w in ("drafter all-gather", "drafter unsharded grads",
+                                            "drafter reduce-scatter input"))
+    assert {gather.phase, grads.phase, rs.phase} == {"training step"}
+    assert grads.bytes == 2 * n and 2 * n <= gather.bytes < 2 * n * 1.05 and rs.bytes == 2 * gather.bytes
+    fp32 = _by_name(_tiny_plan("trainer.strategy=fsdp", "trainer.devices=8", "trainer.precision=32-true"))
+    assert fp32["drafter all-gather"].bytes == 2 * gather.bytes and fp32["drafter reduce-scatter input"].bytes == rs.bytes
+    assert "drafter all-gather" not in _by_name(_tiny_plan("trainer.strategy=ddp"))  # DDP keeps whole parameters

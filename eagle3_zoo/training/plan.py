@@ -147,13 +147,59 @@ def target_parameter_counts(config: Any, adapter: Any) -> dict[str, int]:
             "largest_layer": max((sum(p.numel() for p in m.parameters()) for m in layers), default=0)}
 
 
-def drafter_parameter_count(config: Any) -> int:
-    """Trainable parameters of a drafter with this `Eagle3Config` (meta-device build)."""
+def _meta_drafter(config: Any) -> torch.nn.Module:
     from eagle3_zoo.modeling import Eagle3Drafter
 
     with torch.device("meta"):
-        drafter = Eagle3Drafter(config)
-    return sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+        return Eagle3Drafter(config)
+
+
+def drafter_parameter_count(config: Any) -> int:
+    """Trainable parameters of a drafter with this `Eagle3Config` (meta-device build)."""
+    return sum(p.numel() for p in _meta_drafter(config).parameters() if p.requires_grad)
+
+
+def fsdp_padded_numel(config: Any, shard: int) -> int:
+    """Elements of a drafter's parameters as FSDP2 lays them out unsharded over `shard` ranks: each parameter's
+    dim 0 padded to a multiple of `shard` (the all-gather output and the reduce-scatter input have this size)."""
+    return sum(-(-p.shape[0] // shard) * shard * (p.numel() // p.shape[0]) for p in _meta_drafter(config).parameters())
+
+
+def stored_dtype(precision: str) -> torch.dtype:
+    """The dtype of the drafter's stored parameters under a `trainer.precision` (Lightning converts the module
+    under the `*-true` precisions; the mixed precisions keep fp32 weights)."""
+    return {"64-true": torch.float64, "bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision,
+                                                                                                torch.float32)
+
+
+def fsdp_drafter_lines(config: Any, precision: str, shard: int) -> list[PlanLine]:
+    """The drafter's FSDP2 buffers in a training step (`strategies.shard_fsdp2`).
+
+    The drafter objective is one FSDP unit, and the root of its own tree, so FSDP2 does not reshard it after
+    forward: the whole drafter is gathered once per step, in the `MixedPrecisionPolicy`'s param dtype (bf16 under
+    bf16-mixed, else the stored dtype), and kept through backward. Backward leaves every gradient whole (param
+    dtype) until the post-backward hook frees the gathered parameters and copies (casting) the gradients into one
+    reduce-scatter input in the reduce dtype (fp32 under bf16-mixed). The gathered and the reduce-scatter buffers
+    have FSDP2's padded size (`fsdp_padded_numel`). The lines add up with the step's activations: an upper bound,
+    since the reduce-scatter input is allocated after backward freed the activations and the gathered parameters.
+    Checked against the buffers FSDP2 allocates in tests/test_plan.py.
+    """
+    from eagle3_zoo.training.strategies import drafter_mixed_precision
+
+    policy = drafter_mixed_precision(precision)
+    pdt = policy.param_dtype if policy is not None and policy.param_dtype is not None else stored_dtype(precision)
+    rdt = policy.reduce_dtype if policy is not None and policy.reduce_dtype is not None else pdt
+    n, padded = drafter_parameter_count(config), fsdp_padded_numel(config, shard)
+    (pb, pname), (rb, rname) = ((d.itemsize, str(d).removeprefix("torch.")) for d in (pdt, rdt))
+    train = "training step"
+    return [PlanLine("drafter all-gather", padded * pb,
+                     f"{padded / 1e6:.0f}M x {pb} B ({pname}): one FSDP unit, gathered whole once per step, kept "
+                     "through backward", train),
+            PlanLine("drafter unsharded grads", n * pb,
+                     f"{n / 1e6:.0f}M x {pb} B ({pname}), whole until the post-backward reduce-scatter", train),
+            PlanLine("drafter reduce-scatter input", padded * rb,
+                     f"{padded / 1e6:.0f}M x {rb} B ({rname}), the grads copied in after backward (upper bound: "
+                     "counted with the activations)", train)]
 
 
 def ttt_saved_elements(config: Any, tokens: int, steps: int, supervised: int | None = None) -> dict[str, int]:
@@ -207,7 +253,7 @@ def tau_eval_lines(recipe: Any, target_config: Any, dcfg: Any, n_drafter: int, g
     cfg = recipe.trainer.tau_eval
     tree = TauEvalCallback(["plan"], every_n_steps=cfg.every_n_steps, max_new_tokens=cfg.max_new_tokens).tree
     tbytes = torch_dtype(recipe.target.dtype).itemsize
-    wbytes = {"64-true": 8, "bf16-true": 2, "16-true": 2}.get(recipe.trainer.precision, 4)  # stored drafter dtype
+    wbytes = stored_dtype(recipe.trainer.precision).itemsize
     p, n = recipe.data.max_length, cfg.max_new_tokens
     h, inter = target_config.hidden_size, target_config.intermediate_size
     target_kv = kv_elements_per_token(target_config) * (p + n + tree.total_tokens + 1) * tbytes
@@ -306,6 +352,8 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     plan.lines.append(PlanLine("loss buffers", tokens * vd * 4 + vd * dcfg.hidden_size * 4,
                                f"target probabilities over {vd} draft tokens + one lm_head gradient buffer (fp32)",
                                train))
+    if fsdp:
+        plan.lines += fsdp_drafter_lines(dcfg, tr.precision, shard)
     if tau:
         plan.lines += tau_eval_lines(recipe, target_config, dcfg, n_drafter, gathers=fsdp)
     subtotal = plan.total
