@@ -258,5 +258,6 @@ def test_fsdp_plan_counts_the_drafter_buffers_in_the_training_step():
     assert {gather.phase, grads.phase, rs.phase} == {"training step"}
     assert grads.bytes == 2 * n and 2 * n <= gather.bytes < 2 * n * 1.05 and rs.bytes == 2 * gather.bytes
     fp32 = _by_name(_tiny_plan("trainer.strategy=fsdp", "trainer.devices=8", "trainer.precision=32-true"))
-    assert fp32["drafter all-gather"].bytes == 2 * gather.bytes and fp32["drafter reduce-scatter input"].bytes == rs.bytes
+    assert fp32["drafter all-gather"].bytes == 2 * gather.bytes  # no policy: gathered in the stored fp32
+    assert fp32["drafter reduce-scatter input"].bytes == rs.bytes
     assert "drafter all-gather" not in _by_name(_tiny_plan("trainer.strategy=ddp"))  # DDP keeps whole parameters
