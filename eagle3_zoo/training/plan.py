@@ -3,9 +3,10 @@
     plan = plan_recipe(load_recipe("recipes/llama3_70b.yaml"))
     print(plan.table())          # target shard, drafter + grads + AdamW, reserve; training step; tau evaluation
 
-Lines held for the whole run add up; lines of a phase (the training step's activations, the tau evaluation's
-transient buffers, which `TauEvalCallback` allocates between training steps, after the step's activations are
-freed) only count for the phase that needs more: the peak is the persistent part plus the larger phase.
+Lines held for the whole run add up; lines of a phase (the training step's activations and, under FSDP, the
+drafter's gathered parameters, unsharded gradients and reduce-scatter input; the tau evaluation's transient
+buffers, which `TauEvalCallback` allocates between training steps, after the step's activations are freed) only
+count for the phase that needs more: the peak is the persistent part plus the larger phase.
 Parameter counts come from the models themselves, built on the meta device from the target's config (shipped in
 the package for every zoo/recipe target, so this runs offline): no arithmetic per family (but the KV cache width of
 MLA targets, for the tau evaluation). Activation sizes are an
