@@ -272,19 +272,20 @@ def validate_against_target(recipe: Recipe, num_layers: int, vocab_size: int, hi
 
 # ------------------------------------------------------------------------------------------------ loading
 def _parse_yaml(text: str, source: str) -> DictConfig:
-    try:  # OmegaConf's own loader: it reads 1e-4 as a float, where PyYAML's YAML 1.1 rules give a string
-        cfg = OmegaConf.create(text)
+    try:
+        parsed = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line, source = (mark.line + 1, f"{source}:{mark.line + 1}:{mark.column + 1}") if mark else ("?", source)
         raise RecipeError([ConfigProblem("<yaml>", f"YAML syntax error at line {line}: "
                                          f"{getattr(e, 'problem', None) or e}", source=source)]) from None
-    except OmegaConfBaseException:  # a scalar at the top level
-        cfg = None
-    if not isinstance(cfg, DictConfig) or not cfg:
-        raise RecipeError([ConfigProblem("<file>", "empty recipe file (no keys)", source=source) if not cfg else
-                           ConfigProblem("<root>", "expected a mapping at the top level", source=source)])
-    return cfg
+    if not isinstance(parsed, dict):
+        raise RecipeError([ConfigProblem("<file>", "empty recipe file (no keys)", source=source) if parsed is None
+                           else ConfigProblem("<root>", "expected a mapping at the top level", parsed, source)])
+    try:  # OmegaConf's own loader: it reads 1e-4 as a float, where PyYAML's YAML 1.1 rules give a string
+        return OmegaConf.create(text)
+    except (yaml.YAMLError, OmegaConfBaseException) as e:
+        raise RecipeError([ConfigProblem("<yaml>", str(e).splitlines()[0], source=source)]) from None
 
 
 def load_recipe(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Recipe:
