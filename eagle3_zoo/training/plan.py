@@ -329,7 +329,7 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     else:
         plan.lines.append(PlanLine("target embed + lm_head", (counts["embed"] + counts["lm_head"]) * tbytes,
                                    "offline: features come from the store"))
-    state = 8 if tr.precision in ("bf16-true", "16-true") else 16  # weights + grads + AdamW (m, v)
+    state = 4 * stored_dtype(tr.precision).itemsize  # weights + grads + AdamW (m, v), all in the stored dtype
     plan.lines.append(PlanLine("drafter weights+grads+AdamW", n_drafter * state / shard,
                                f"{n_drafter / 1e6:.0f}M params x {state} B{f' / {shard}' if fsdp else ''}"))
     if recipe.data.mode == "online":
