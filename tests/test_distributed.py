@@ -189,13 +189,28 @@ def _shard_worker(rank: int, world: int, port: int, target_dir: str, out: str) -
             read = shard_fsdp2(model, adapter, objective, mesh, precision="bf16-mixed")
             equal = all(torch.equal(p.full_tensor() if hasattr(p, "full_tensor") else p, q)
                         for p, q in zip(model.parameters(), plain.parameters()))
-            logits_equal = torch.equal(model(ids).logits, plain(ids).logits)
+            with torch.no_grad():
+                logits_equal = torch.equal(model(ids).logits, plain(ids).logits)
             policy = fully_shard.state(objective)._mp_policy
             torch.save({"read": read, "on_meta": on_meta, "real": real, "equal": equal, "logits_equal": logits_equal,
                         "mesh": (tuple(mesh.shape), mesh.mesh_dim_names), "param_dtype": policy.param_dtype,
-                        "reduce_dtype": policy.reduce_dtype}, f"{out}/rank{rank}-nodes{num_nodes}.pt")
+                        "reduce_dtype": policy.reduce_dtype, **_fsdp_roots(model, adapter)},
+                       f"{out}/rank{rank}-nodes{num_nodes}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _fsdp_roots(model, adapter) -> dict:
+    """After a forward: the target's FSDP roots (by name), whether every decoder layer is resharded, and the
+    module each layer prefetches in forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names = {id(m): n for n, m in model.named_modules()}
+    roots = [names[id(m)] for m in model.modules() if isinstance(m, FSDPModule) and m._get_fsdp_state()._is_root]
+    layers = list(adapter.decoder_layers(model))
+    resharded = all(m._get_fsdp_state()._fsdp_param_group.is_sharded for m in layers)
+    prefetch = [[names[id(s._modules[0])] for s in m._get_fsdp_state()._states_to_forward_prefetch] for m in layers]
+    return {"roots": roots, "resharded": resharded, "prefetch": prefetch}
 
 
 def _check_shards(tmp_path, world, expected):
@@ -212,6 +227,9 @@ def _check_shards(tmp_path, world, expected):
             assert got["on_meta"] == ["layers"] and got["real"] == ["lm_head.weight", "model.embed_tokens.weight",
                                                                     "model.norm.weight"]
             assert got["equal"] and got["logits_equal"], (rank, num_nodes)
+            # one FSDP root for the whole target (every layer a root of its own: no all-gather overlaps compute)
+            assert got["roots"] == ["model"] and got["resharded"], (got["roots"], got["resharded"])
+            assert got["prefetch"] == [["model.layers.1"], ["model.layers.2"], ["model.layers.3"], []]
             assert got["mesh"] == mesh
             assert got["read"] == {"tensors": layer_tensors, "bytes": layer_bytes // share}, (rank, num_nodes)
             assert (got["param_dtype"], got["reduce_dtype"]) == (torch.bfloat16, torch.float32)
@@ -220,7 +238,9 @@ def _check_shards(tmp_path, world, expected):
 def test_fsdp_target_from_meta_reads_only_each_ranks_slices(tmp_path):
     """2 gloo ranks: a skeleton target (decoder layers on meta) sharded by FSDP2 and filled per rank equals the plain
     load bitwise, and each rank reads half the decoder weights (2 nodes of one rank each: still a flat mesh, a
-    2-D one would replicate everything). The drafter gets bf16 params and fp32 gradient reduction (bf16-mixed)."""
+    2-D one would replicate everything). The target has one FSDP root (its base model), its layers are resharded
+    after a forward and each prefetches the next. The drafter gets bf16 params and fp32 gradient reduction
+    (bf16-mixed)."""
     flat = ((2,), ("data_parallel",))
     _check_shards(tmp_path, 2, {1: (flat, 2), 2: (flat, 2)})
 

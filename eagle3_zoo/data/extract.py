@@ -209,11 +209,12 @@ def extract_features(recipe: Any, *, target: Any = None, tokenizer: Any = None, 
         The feature-store directory (`data.features_dir` or a keyed directory under `data.cache_dir`).
     """
     from eagle3_zoo.data.prepare import prepare_data
-    from eagle3_zoo.targets.loading import aux_layer_ids_for, is_heads_only, load_recipe_target
+    from eagle3_zoo.targets.loading import aux_layer_ids_for, hand_started_device, is_heads_only, load_recipe_target
 
     check_rank(rank, world_size)  # before the target is loaded
     if target is None:
-        target, tokenizer, adapter = load_recipe_target(recipe)
+        device = hand_started_device(recipe, rank) if world_size > 1 else None
+        target, tokenizer, adapter = load_recipe_target(recipe, device=device)
     target_id = recipe.target.name_or_path
     if data is None:
         data = prepare_data(recipe, tokenizer, adapter, target=target, target_id=target_id,
@@ -257,10 +258,10 @@ def prepare_recipe(recipe: Any, *, rank: int = 0, world_size: int = 1) -> dict[s
         The data summary of provenance.json, plus `features_dir` for an offline recipe.
     """
     from eagle3_zoo.data.prepare import prepare_data
-    from eagle3_zoo.targets.loading import load_recipe_target
+    from eagle3_zoo.targets.loading import hand_started_device, load_recipe_target
 
     check_rank(rank, world_size)  # before the target is loaded
-    target, tokenizer, adapter = load_recipe_target(recipe)
+    target, tokenizer, adapter = load_recipe_target(recipe, device=hand_started_device(recipe, rank))
     split = RankSplit(rank, world_size) if world_size > 1 else None  # processes started by hand share the cache
     data = prepare_data(recipe, tokenizer, adapter, target=target, target_id=recipe.target.name_or_path,
                         vocab_size=target.config.vocab_size, split=split)

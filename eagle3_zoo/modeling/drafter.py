@@ -33,8 +33,10 @@ WEIGHTS_NAME = "model.safetensors"
 def _in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
     """`x` in autocast's dtype under autocast, else unchanged. An fp32 norm output feeding several projections
     would otherwise be cast (and saved for backward) once per projection: cast once, shared by all of them."""
-    device_type = x.device.type
-    return x.to(torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else x
+    device_type = x.device.type  # (`meta` has no autocast)
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return x.to(torch.get_autocast_dtype(device_type))
+    return x
 
 
 class Eagle3RotaryEmbedding(LlamaRotaryEmbedding):

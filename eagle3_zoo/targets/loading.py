@@ -23,6 +23,24 @@ def target_device(recipe: Any, local_rank: int | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+def use_device(device: torch.device) -> torch.device:
+    """Make `device` this process's current CUDA device (a no-op for the CPU) and return it: anything that allocates
+    on "cuda" without an index (NCCL, kernel workspaces, libraries) then lands on this rank's GPU, not on GPU 0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def hand_started_device(recipe: Any, rank: int) -> torch.device:
+    """The device of rank `rank` of a data job started by hand (`prepare --rank r --world-size N`), made current:
+    the launcher's `LOCAL_RANK` where one set it, else GPU `r mod (GPUs here)`, so the N processes on one machine
+    take one GPU each (all of them on GPU 0 would run one after another, or out of memory)."""
+    local = os.environ.get("LOCAL_RANK")
+    if local is None and torch.cuda.is_available():
+        local = rank % max(torch.cuda.device_count(), 1)
+    return use_device(target_device(recipe, None if local is None else int(local)))
+
+
 def load_recipe_target(recipe: Any, source: str = "recipe", device: str | torch.device | None = None,
                        heads_only: bool = False, skeleton: bool = False) -> tuple[Any, Any, Any]:
     """Load the recipe's frozen target and check the recipe against its config.

@@ -33,8 +33,9 @@ from typing_extensions import override
 from eagle3_zoo.data.tokenize import draft_vocab_coverage
 from eagle3_zoo.modeling.io import atomic_write, recover_replaced_directory
 from eagle3_zoo.recipe import recipe_to_dict
+from eagle3_zoo.targets.loading import target_device, use_device
 from eagle3_zoo.training import resume
-from eagle3_zoo.training.build import build_run, target_device
+from eagle3_zoo.training.build import build_run
 from eagle3_zoo.training.callbacks import ProgressLogCallback, StepProgressBar, TTTScheduleCallback
 from eagle3_zoo.training.module import NonFiniteError, all_finite
 from eagle3_zoo.training.outputs import build_provenance, drafter_info, full_drafter, git_info, write_drafter_folder
@@ -157,7 +158,8 @@ def require_accelerator(recipe: Any, source: str = "recipe") -> None:
 def start_ranks(recipe: Any) -> torch.device:
     """Start this run's other processes and its process group now, before the data stage (Lightning would start
     them only in `trainer.fit`), so that regeneration and the feature job split across the ranks
-    (`eagle3_zoo.data.ranks`); returns this rank's target device (`target_device`).
+    (`eagle3_zoo.data.ranks`); returns this rank's target device (`target_device`), made the current CUDA device
+    before anything runs on it (else every rank's data stage, regeneration included, allocates on GPU 0).
 
     Only Lightning's subprocess launcher is started early (ddp, fsdp; also a launcher that started the processes
     itself, torchrun or SLURM); `trainer.fit` later finds the processes and the group there and starts neither again.
@@ -183,15 +185,16 @@ def start_ranks(recipe: Any) -> torch.device:
         strategy.launcher.launch(lambda: None)  # the main process starts the others (a no-op in those)
     if not isinstance(strategy, (DDPStrategy, ModelParallelStrategy)) or strategy.cluster_environment is None or \
             not strategy.cluster_environment.creates_processes_externally:
-        return target_device(recipe)
+        return use_device(target_device(recipe))
     strategy.set_world_ranks()
+    device = use_device(target_device(recipe, strategy.local_rank))
     if strategy.world_size < 2:
-        return target_device(recipe, strategy.local_rank)
+        return device
     root = strategy.root_device
     _init_dist_connection(strategy.cluster_environment, strategy._get_process_group_backend(),
                           timeout=strategy._timeout, device_id=root if root.type != "cpu" else None)
     start_coordination()
-    return target_device(recipe, strategy.local_rank)
+    return device
 
 
 def fit(recipe: Any, source: str = "recipe") -> Path:

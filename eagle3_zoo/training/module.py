@@ -217,10 +217,13 @@ class Eagle3Module(L.LightningModule):
     def _features(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.mode == "offline":
             return batch["aux_hidden"], batch["final_hidden"]
+        # no attention mask: batches are right-padded (`collate_right_padded`), and causal attention never lets a
+        # real position see a later pad, so every position the loss reads is unchanged; transformers would instead
+        # read the mask on the host (two waits for the GPU) to find out whether SDPA's causal kernel may run
         with torch.no_grad():
             aux_hidden, final_hidden, _ = self.adapter.forward_features(
-                self.target, batch["input_ids"], attention_mask=batch["attention_mask"],
-                layer_ids=self.drafter.config.aux_layer_ids, use_cache=False)
+                self.target, batch["input_ids"], attention_mask=None, layer_ids=self.drafter.config.aux_layer_ids,
+                use_cache=False)
         return aux_hidden, final_hidden
 
     def loss(self, batch: dict[str, torch.Tensor], steps: int, global_norm: bool = False) -> TTTLossOutput:
@@ -256,7 +259,9 @@ class Eagle3Module(L.LightningModule):
         self.log_dict(metrics, batch_size=b)
         self.log("train/acc_0", out.step_acc[0].float(), prog_bar=True, batch_size=b)
         if self._trainer is not None and self.trainer.lr_scheduler_configs:
-            self.log("train/lr", self.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0], batch_size=b)
+            lr = self.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
+            # a tensor filled on the device: Lightning turns a float into a tensor by a blocking host-to-device copy
+            self.log("train/lr", torch.full((), lr, device=out.loss.device), batch_size=b)
         return out.loss
 
     def _raise_if_nonfinite(self, loss: torch.Tensor) -> None:

@@ -21,7 +21,11 @@ safetensors files, so no process ever holds the whole target.
 What is sharded: every decoder layer of the frozen target (online mode; `adapter.decoder_layers`) and the
 drafter's objective as one unit. The target's embedding, final norm and lm_head stay replicated: the training step
 reads their weights directly (embedding of the next tokens, draft-vocab rows of the lm_head) outside any FSDP
-forward, where sharded parameters would not be gathered.
+forward, where sharded parameters would not be gathered. The target's base model (the module whose forward runs
+the layers) is the one FSDP root of the target, its own parameters ignored: a root waits for the compute stream
+before its all-gathers, so with every layer a root of its own no layer's all-gather could overlap the previous
+layer's compute. Each layer also prefetches the next one's all-gather explicitly (issued before its own compute,
+which keeps the target's step and tau evaluation's small decode forwards from waiting on communication).
 """
 
 from __future__ import annotations
@@ -160,7 +164,8 @@ def drafter_mixed_precision(precision: str) -> Any:
 
 def shard_fsdp2(target: nn.Module | None, adapter: Any, objective: nn.Module, mesh: Any,
                 precision: str = "32-true", device: torch.device | str = "cpu") -> dict[str, int]:
-    """Apply FSDP2 in place: each target decoder layer, then the drafter objective as one unit. A skeleton target
+    """Apply FSDP2 in place: each target decoder layer, the target's base model as their one root (its embedding
+    and final norm ignored, i.e. replicated), then the drafter objective as one unit. A skeleton target
     (`load_target_skeleton`) is then filled with this rank's slices (`load_target_shards`).
 
     Args:
@@ -178,13 +183,27 @@ def shard_fsdp2(target: nn.Module | None, adapter: Any, objective: nn.Module, me
 
     stats: dict[str, int] = {}
     if target is not None:
-        for layer in adapter.decoder_layers(target):
+        layers = list(adapter.decoder_layers(target))
+        for layer in layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=True)  # the target keeps its dtype: no policy
+        for layer, after in zip(layers, layers[1:]):
+            layer.set_modules_to_forward_prefetch([after])
+        shard_target_root(adapter.base_model(target), mesh)
         if getattr(target, "eagle3_weight_files", None) is not None:
             stats = load_target_shards(target, adapter, device)
     policy = drafter_mixed_precision(precision)
     fully_shard(objective, mesh=mesh, **({"mp_policy": policy} if policy is not None else {}))
     return stats
+
+
+def shard_target_root(base: nn.Module, mesh: Any) -> None:
+    """Make the target's base model the one FSDP root over its (already sharded) decoder layers, managing none of
+    its own parameters: the embedding and the final norm stay plain tensors that the step reads directly."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    own = {p for p in base.parameters() if not isinstance(p, DTensor)}
+    fully_shard(base, mesh=mesh, reshard_after_forward=True, ignored_params=own)
 
 
 @torch.no_grad()

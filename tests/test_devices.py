@@ -1,0 +1,87 @@
+"""Which GPU each process uses, checked on a CPU with `torch.cuda` faked: `start_ranks` makes the rank's GPU the
+current device before the data stage (regeneration and the feature job run before `trainer.fit`), and a data job
+started by hand (`prepare --rank r --world-size N`) puts rank r on its own GPU, not every rank on GPU 0."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.strategies import DDPStrategy
+from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
+
+from eagle3_zoo.recipe import load_recipe
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """`torch.cuda` says two GPUs; `set_device` calls are recorded (nothing runs on them)."""
+    calls: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(torch.device(d)))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    return calls
+
+
+def _recipe(tmp_path, **trainer):
+    (tmp_path / "target").mkdir()  # validated to exist, never read: the tests stop before the target is loaded
+    data = write_chat_jsonl(tmp_path / "d.jsonl", n=2)
+    return load_recipe(write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path, tmp_path / "target", data,
+                                                                       trainer=trainer)))
+
+
+def test_start_ranks_makes_the_ranks_gpu_current_before_the_data_stage(tmp_path, two_gpus, monkeypatch):
+    """Rank 1 of 2 started by a launcher (LOCAL_RANK=1): cuda:1 is current when start_ranks returns, i.e. before
+    `build_run` prepares data; the process group is started (faked here)."""
+    import lightning.fabric.utilities.distributed as fabric_dist
+
+    from eagle3_zoo.training import fit
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("NODE_RANK", "0")
+    strategy = DDPStrategy(parallel_devices=[torch.device("cpu")] * 2, cluster_environment=LightningEnvironment())
+    monkeypatch.setattr(fit.L, "Trainer", lambda **kw: types.SimpleNamespace(strategy=strategy))
+    started = []
+    monkeypatch.setattr(fabric_dist, "_init_dist_connection", lambda *a, **kw: started.append(a))
+    device = fit.start_ranks(_recipe(tmp_path, accelerator="gpu", devices=2, strategy="ddp"))
+    assert device == torch.device("cuda", 1) and two_gpus == [torch.device("cuda", 1)] and len(started) == 1
+
+
+def test_start_ranks_single_process_uses_gpu_0(tmp_path, two_gpus, monkeypatch):
+    from eagle3_zoo.training import fit
+
+    plain = types.SimpleNamespace(launcher=None)  # the strategy of a one-process run (no launcher, no group)
+    monkeypatch.setattr(fit.L, "Trainer", lambda **kw: types.SimpleNamespace(strategy=plain))
+    assert fit.start_ranks(_recipe(tmp_path, accelerator="gpu", devices=1)) == torch.device("cuda", 0)
+    assert two_gpus == [torch.device("cuda", 0)]
+
+
+class _Loaded(Exception):
+    """Stops `prepare_recipe` where the target would be loaded."""
+
+
+@pytest.mark.parametrize("rank, local_rank, expected", [(1, None, 1), (3, None, 1), (0, None, 0), (1, "0", 0)])
+def test_prepare_by_hand_puts_each_rank_on_its_own_gpu(tmp_path, two_gpus, monkeypatch, rank, local_rank, expected):
+    """`prepare --rank r --world-size 4` on a 2-GPU machine: GPU r mod 2 (a launcher's LOCAL_RANK wins); the same
+    for the feature job's entry point (`python -m eagle3_zoo.data.extract --rank r`)."""
+    import eagle3_zoo.targets.loading as loading
+    from eagle3_zoo.data import extract
+
+    if local_rank is not None:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    placed = []
+
+    def load(recipe, source="recipe", device=None, **kw):
+        placed.append(device)
+        raise _Loaded
+
+    monkeypatch.setattr(loading, "load_recipe_target", load)
+    recipe = _recipe(tmp_path)  # trainer.accelerator auto
+    for job in (extract.prepare_recipe, extract.extract_features):
+        with pytest.raises(_Loaded):
+            job(recipe, rank=rank, world_size=4)
+    assert placed == [torch.device("cuda", expected)] * 2 and two_gpus == [torch.device("cuda", expected)] * 2

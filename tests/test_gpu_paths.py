@@ -1,0 +1,180 @@
+"""The CUDA paths of the training step, checked on a CPU: the host-device sync budget of one training step (a
+dispatch-mode count), RoPE frequencies that move with the drafter, the FlexAttention block mask built once per
+shape and compiled without a recompile per sequence length (dynamo with a CPU backend), `init_head: target` with
+the target on a (fake) CUDA device, and fp16 (16-mixed) gradients of the fused soft cross-entropy at a realistic
+size."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab
+from eagle3_zoo.modeling.attention import _ttt_block_mask, ttt_attention, ttt_attention_reference
+from eagle3_zoo.training.loss import fused_soft_cross_entropy
+from tests.device_checks import DeviceMoves, MixedDevices, SyncCounter, counting_host_reads
+from tests.tiny import tiny_drafter
+
+
+class _CountSteps(L.Callback):
+    """A `SyncCounter` around each training step: after the batch reached the device, through backward."""
+
+    def __init__(self) -> None:
+        self.steps: list[SyncCounter] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.counter = SyncCounter()
+        self.reads = counting_host_reads(self.counter)
+        self.reads.__enter__()
+        self.counter.__enter__()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.counter.__exit__(None, None, None)
+        self.reads.__exit__(None, None, None)
+        self.steps.append(self.counter)
+
+
+def test_one_training_step_waits_for_the_device_three_times():
+    """Online step (target forward, draft-vocab logits, TTT loss over 3 steps, logging, backward). Ours: finding
+    the supervised rows of the target logits, the loss's row counts, the non-finite check. transformers adds one
+    (its packed-sequence check). Before: ~4 per TTT step (nonzero per step, counts copied back, t2d counted,
+    repeat_interleave, the tau estimate and lr copied)."""
+    from transformers import LlamaForCausalLM
+
+    from eagle3_zoo.adapters import get_adapter
+    from eagle3_zoo.data.datamodule import Eagle3DataModule, ExampleDataset
+    from eagle3_zoo.training.module import Eagle3Module
+
+    adapter = get_adapter("llama")
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(adapter.tiny_config()).eval().requires_grad_(False)
+    cfg = Eagle3Config.from_target_config(target.config, draft_vocab_size=64, aux_layer_ids=(1, 2, 3))
+    drafter = Eagle3Drafter(cfg)
+    drafter.set_vocab(*build_draft_vocab(torch.arange(512) % 7, 64))
+    module = Eagle3Module(drafter, adapter, target, ttt_steps=3, lr=1e-3, warmup_steps=1)
+    g = torch.Generator().manual_seed(1)
+    examples = [{"input_ids": torch.randint(512, (int(n),), generator=g), "loss_mask": torch.ones(int(n)).long()}
+                for n in torch.randint(8, 20, (6,), generator=g)]
+    counts = _CountSteps()
+    trainer = L.Trainer(max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[counts], limit_val_batches=0, accelerator="cpu",
+                        log_every_n_steps=1)
+    trainer.fit(module, datamodule=Eagle3DataModule(ExampleDataset(examples), ExampleDataset([]), batch_size=2))
+    assert len(counts.steps) == 3
+    for step in counts.steps[1:]:  # the first step also builds Lightning's logging state (once per fit)
+        ours = sorted((kind, where.split(" ")[-1]) for kind, where in step.events if where.startswith("eagle3_zoo/"))
+        assert ours == [("item", "(_raise_if_nonfinite)"), ("nonzero", "(draft_target_logits)"),
+                        ("to host", "(ttt_loss)")], step.events
+        assert len(step.events) <= 4, step.events
+
+
+def test_rope_frequencies_move_with_the_drafter_stay_fp32_and_are_not_saved(tmp_path):
+    # on the meta device (a stand-in for a GPU) RoPE and the projections copy nothing from the host
+    drafter, _ = tiny_drafter()
+    cfg = drafter.config
+    drafter.to("meta")
+    embeds = torch.randn(1, 10, cfg.hidden_size, device="meta")
+    hidden = drafter.fuse(torch.randn(1, 10, 3 * cfg.target_hidden_size, device="meta"))
+    with DeviceMoves() as moves:
+        x = drafter.midlayer.attn_input(embeds, hidden)
+        cos, sin = drafter._rope(x, torch.arange(10, device="meta")[None] + 2)
+        q, k, v = drafter.midlayer.self_attn.project(x, cos, sin)
+    assert moves.moves == [] and {t.device.type for t in (cos, sin, q, k, v)} == {"meta"}
+    # the frequencies are a buffer that stays fp32 under any cast and is not part of the checkpoint
+    drafter, _ = tiny_drafter()
+    freqs = drafter.rotary_emb.inv_freq.clone()
+    keys = set(drafter.state_dict())
+    assert not any("rotary" in k for k in keys)
+    drafter.to(torch.bfloat16)
+    assert drafter.rotary_emb.inv_freq.dtype == torch.float32 and torch.equal(drafter.rotary_emb.inv_freq, freqs)
+    drafter.save_pretrained(tmp_path)
+    assert set(Eagle3Drafter.from_pretrained(tmp_path).state_dict()) == keys
+    drafter.to_empty(device="cpu")  # uninitialised memory everywhere else; the frequencies are put back
+    assert torch.equal(drafter.rotary_emb.inv_freq, freqs)
+
+
+def _qkv(t: int, steps: int, grad: bool = True):
+    g = torch.Generator().manual_seed(t)
+
+    def rand(heads):
+        return torch.randn(1, heads, t, 8, generator=g).requires_grad_(grad)
+
+    return rand(4), [rand(2) for _ in range(steps)], [rand(2) for _ in range(steps)]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_block_mask_is_built_once_per_shape():
+    q, ks, vs = _qkv(150, 3, grad=False)  # eager FlexAttention on a CPU: dense math, forward only
+    torch.testing.assert_close(ttt_attention(q, ks, vs, backend="flex"), ttt_attention_reference(q, ks, vs),
+                               atol=1e-5, rtol=1e-4)  # (150 -> one padded 256-key segment per step)
+    with SyncCounter() as counter:
+        again = _ttt_block_mask(256, 2, q.device)  # what the call above built
+    assert counter.events == []  # not rebuilt: no `torch.tensor(seg_len, device=...)`, no launches at all
+    assert again is _ttt_block_mask(256, 2, q.device) and again is not _ttt_block_mask(256, 1, q.device)
+
+
+def test_flex_graph_count_stays_below_the_recompile_limit_over_odd_lengths(monkeypatch):
+    """Compiled FlexAttention (dynamo, eager CPU backend; forward only: no CPU backward) over lengths that are not
+    multiples of 128 and 1-3 TTT steps: after the first two lengths (static, then dynamic shapes) no new graph."""
+    import torch._dynamo
+    import torch.nn.attention.flex_attention as flex
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    monkeypatch.setattr(flex, "flex_attention", torch.compile(flex.flex_attention, backend=counter))
+    graphs = []
+    for t in (37, 130, 200, 300, 411, 520):
+        for steps in (1, 2, 3):
+            q, ks, vs = _qkv(t, steps, grad=False)
+            out = ttt_attention(q, ks, vs, backend="flex")
+        torch.testing.assert_close(out, ttt_attention_reference(q, ks, vs), atol=1e-5, rtol=1e-4)
+        graphs.append(counter.frame_count)
+    torch._dynamo.reset()
+    assert graphs[1] == graphs[-1] < torch._dynamo.config.recompile_limit, graphs
+
+
+def test_init_head_from_target_on_a_cuda_target():
+    """The target's lm_head on a (fake) CUDA device, the fresh drafter on the CPU: no op may mix the two."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    drafter, _ = tiny_drafter()
+    cfg = drafter.config
+    with FakeTensorMode(allow_non_fake_inputs=True), MixedDevices():
+        weight = torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        norm = torch.ones(cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        drafter.init_head_from_target(weight, norm)
+    # the same call on real CPU tensors picks the draft vocabulary's rows
+    weight, norm = torch.randn(cfg.vocab_size, cfg.hidden_size), torch.rand(cfg.hidden_size)
+    drafter.init_head_from_target(weight, norm)
+    rows = torch.arange(cfg.draft_vocab_size) + drafter.d2t
+    assert torch.equal(drafter.lm_head.weight, weight[rows]) and torch.equal(drafter.norm.weight, norm)
+
+
+def _fused_grads(n: int, vocab: int, hidden: int, amp: torch.dtype | None):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(n, hidden, generator=g).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * 0.05).requires_grad_()
+    probs = torch.softmax(torch.randn(n, vocab, generator=g) * 3, -1)
+    steps = 7  # the rows of 7 TTT steps, weighted w_k / n_k as `ttt_loss` weights them
+    row_weights = torch.cat([torch.full((n // steps + (k < n % steps),), 0.8**k / (n // steps)) for k in range(steps)])
+    with torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None):
+        fused_soft_cross_entropy(h, w, probs, row_weights=row_weights).loss.backward()
+    return h.grad, w.grad
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("n, vocab", [(2048, 32000)])
+def test_fp16_fused_cross_entropy_gradients_match_fp32(n, vocab):
+    """16-mixed: the row weights (~4e-4 here) applied before the fp16 cast flushed most of the logits gradient
+    (~1/vocab per entry) to zero (5% relative error at this size); applied after, fp16 rounding is all that is
+    left (4e-4). bf16 (same range as fp32) is checked alongside."""
+    ref = _fused_grads(n, vocab, 64, None)
+    for amp, tol in ((torch.float16, 2e-3), (torch.bfloat16, 1e-2)):
+        grads = _fused_grads(n, vocab, 64, amp)
+        errors = [_rel(a, b) for a, b in zip(grads, ref)]
+        assert max(errors) < tol, (amp, errors)
