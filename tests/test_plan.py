@@ -22,7 +22,7 @@ from eagle3_zoo.training.plan import (
     kv_elements_per_token,
     plan_recipe,
     target_parameter_counts,
-    ttt_saved_elements,
+    ttt_saved_bytes,
 )
 from tests.tiny import tiny_drafter
 
@@ -74,8 +74,9 @@ def test_parameter_counts_equal_the_built_models():
     assert drafter_parameter_count(drafter.config) == sum(p.numel() for p in drafter.parameters() if p.requires_grad)
 
 
-def _saved_bytes(drafter, embed, t: int, steps: int) -> tuple[int, int]:
-    """Bytes the TTT loss keeps for backward (activations, and lm_head gradient buffers), parameters excluded."""
+def _saved_bytes(drafter, embed, t: int, steps: int, amp: torch.dtype | None) -> tuple[int, int, int]:
+    """Bytes the TTT loss keeps for backward, each storage once (activations, autocast's weight copies), under CPU
+    autocast in `amp` (None: fp32), parameters excluded; the lm_head gradient buffers apart; the supervised rows."""
     cfg = drafter.config
     torch.manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, t))
@@ -90,22 +91,26 @@ def _saved_bytes(drafter, embed, t: int, steps: int) -> tuple[int, int]:
             seen[ptr] = x.untyped_storage().nbytes()
         return x
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        ttt_loss(drafter, embed, ids, aux, logits, torch.ones(1, t), steps=steps, target_valid=None)
+    with torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = ttt_loss(drafter, embed, ids, aux, logits, torch.ones(1, t), steps=steps, target_valid=None)
     head = cfg.draft_vocab_size * cfg.hidden_size * 4
     heads = sum(n for n in seen.values() if n == head)
-    return sum(seen.values()) - heads, heads
+    return sum(seen.values()) - heads, heads, int(out.num_supervised.sum())
 
 
-@pytest.mark.parametrize("t", [64, 128])
-def test_ttt_activation_estimate_matches_saved_tensors(t):
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("t, steps", [(64, 3), (128, 4)])
+def test_ttt_activation_estimate_matches_saved_tensors(t, steps, amp):
+    """fp32, and bf16 autocast over fp32 weights (DDP/auto under bf16-mixed), where the norms' inputs and the
+    attention's merge stay fp32 and the attention input is cast once for q/k/v (three casts saved three copies)."""
     # widths that differ from each other, so that no saved tensor is mistaken for another
     drafter, embed = tiny_drafter(draft_vocab_size=80, hidden_size=40, head_dim=12, intermediate_size=104)
-    steps = 3
-    measured, head_buffers = _saved_bytes(drafter, embed, t, steps)
-    est = ttt_saved_elements(drafter.config, tokens=t, steps=steps)
-    estimate = 4 * (est["activations"] + est["loss_rows_fp32"] + est["fc_input"])  # fp32
-    assert 0.9 < measured / estimate < 1.1, (measured, estimate)
+    measured, head_buffers, rows = _saved_bytes(drafter, embed, t, steps, amp)
+    est = ttt_saved_bytes(drafter.config, tokens=t, steps=steps, compute=amp or torch.float32,
+                          supervised=rows / steps)
+    estimate = sum(est.values())
+    assert 0.98 < measured / estimate < 1.02, (measured, estimate, est)
     assert head_buffers == drafter.config.draft_vocab_size * drafter.config.hidden_size * 4  # one buffer, all steps
 
 

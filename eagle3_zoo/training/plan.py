@@ -10,8 +10,10 @@ count for the phase that needs more: the peak is the persistent part plus the la
 Parameter counts come from the models themselves, built on the meta device from the target's config (shipped in
 the package for every zoo/recipe target, so this runs offline): no arithmetic per family (but the KV cache width of
 MLA targets, for the tau evaluation). Activation sizes are an
-estimate from the drafter's shapes (what the TTT rollout saves for backward per token and step), checked in the
-tests against the tensors a real TTT loss saves. Nothing is allocated.
+estimate from the drafter's shapes (what the TTT rollout saves for backward per token and step, per dtype: under
+autocast the norms' inputs and the attention's merge stay fp32, and autocast keeps a copy of each matmul weight),
+checked in the tests against the tensors a real TTT loss saves, in fp32 and under CPU bf16 autocast. Nothing is
+allocated.
 """
 
 from __future__ import annotations
@@ -173,6 +175,11 @@ def stored_dtype(precision: str) -> torch.dtype:
                                                                                                 torch.float32)
 
 
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype of the drafter's matmuls under a `trainer.precision` (autocast's under `*-mixed`)."""
+    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision, stored_dtype(precision))
+
+
 def fsdp_drafter_lines(config: Any, precision: str, shard: int) -> list[PlanLine]:
     """The drafter's FSDP2 buffers in a training step (`strategies.shard_fsdp2`).
 
@@ -203,27 +210,43 @@ def fsdp_drafter_lines(config: Any, precision: str, shard: int) -> list[PlanLine
                      "counted with the activations)", train)]
 
 
-def ttt_saved_elements(config: Any, tokens: int, steps: int, supervised: int | None = None) -> dict[str, int]:
-    """Elements the TTT rollout and loss keep for backward (an estimate from the drafter's shapes).
+def ttt_saved_bytes(config: Any, tokens: int, steps: int, compute: torch.dtype = torch.float32,
+                    supervised: float | None = None) -> dict[str, float]:
+    """Bytes the TTT rollout and loss keep for backward (an estimate from the drafter's shapes, per dtype).
 
-    Per token and step: the three RMSNorms' inputs, outputs and scales and the o_proj/MLP inputs (8H), the
-    concatenated attention input being one of them (2H of the 8H); q and the attention output (2 q-widths), k and v
-    (2 kv-widths), RoPE cos/sin and the log-sum-exp (head_dim, heads); the MLP gate, activation, up and product
-    (4I). Per supervised row and step: the gathered hidden and the final norm's output (2H) and the fused loss's
-    hidden gradient (H, fp32). Step 0 adds the fc input (the aux features). Measured against a real TTT loss in
+    `compute` is the matmuls' dtype (autocast's under `*-mixed`, the weights' under `*-true`). Per token and TTT
+    step k, in `compute`: the norm outputs, the one cast attention input (2H) and MLP input, i.e. 6H; q and the
+    attention output (2 q-widths); the MLP gate, activation, up and product (4I); the keys and values the attention
+    reads, k0 and v0 at step 0, the stacked diagonal keys/values (2k kv-widths) and, below fp32, k0 cast again. In
+    fp32 whatever the compute dtype: the two norm inputs that need a gradient (2H) and their scales, RoPE's cos/sin
+    and the log-sum-exp and diagonal weights (heads x (k + 1)). Per supervised row and step: the gathered hidden and
+    the final norm's output (fp32 input below fp32), the fused loss's hidden gradient (fp32) and the row indices.
+    Step 0 adds the fc input; under autocast with fp32 weights, autocast's copy of each matmul weight but fc's and
+    the lm_head's (`autocast_weights`). Checked against the tensors a real TTT loss saves (fp32 and bf16 autocast) in
     tests/test_plan.py.
 
     Returns:
-        `{"activations": ..., "loss_rows_fp32": ..., "fc_input": ...}` element counts.
+        `{"activations", "loss_rows", "fc_input", "autocast_weights"}` in bytes.
     """
-    h, inter, d = config.hidden_size, config.intermediate_size, config.head_dim
-    q = config.num_attention_heads * d
-    kv = config.num_key_value_heads * d
+    h, inter, d, heads = config.hidden_size, config.intermediate_size, config.head_dim, config.num_attention_heads
+    q, kv = heads * d, config.num_key_value_heads * d
     sup = tokens if supervised is None else supervised
-    per_token_step = 8 * h + 2 * q + 2 * kv + 4 * inter + 2 * d + config.num_attention_heads
+    c = compute.itemsize
+    low = c < 4
+    # sum over k of the keys/values: 2 kv at step 0, then 2k kv (+ kv for the recast k0 below fp32)
+    keys = kv * (2 + sum(2 * k + low for k in range(1, steps)))
+    per_token = steps * (6 * h + 2 * q + 4 * inter) * c + keys * c
+    per_token += (steps * (2 * h + 2 + 2 * d) + heads * steps * (steps + 1) // 2) * (4 if low else c)
+    rows = sup * steps * ((h * (c + 4) + 4 if low else 2 * h * c + 4) + 4 * h + 16)
     n_aux = len(config.aux_layer_ids or (0, 0, 0))
-    return {"activations": per_token_step * tokens * steps + 2 * h * sup * steps, "loss_rows_fp32": h * sup * steps,
-            "fc_input": n_aux * config.target_hidden_size * tokens}
+    weights = 0
+    if low:
+        drafter = _meta_drafter(config)
+        # not fc's: the features need no gradient, so its backward needs only its input
+        weights = sum(m.weight.numel() for m in drafter.modules()
+                      if isinstance(m, torch.nn.Linear) and m not in (drafter.lm_head, drafter.fc)) * c
+    return {"activations": per_token * tokens, "loss_rows": rows, "fc_input": n_aux * config.target_hidden_size
+            * tokens * c, "autocast_weights": weights}
 
 
 def kv_elements_per_token(config: Any) -> int:
@@ -260,7 +283,8 @@ def tau_eval_lines(recipe: Any, target_config: Any, dcfg: Any, n_drafter: int, g
     target_kv = kv_elements_per_token(target_config) * (p + n + tree.total_tokens + 1) * tbytes
     draft_kv = 2 * dcfg.num_key_value_heads * dcfg.head_dim * (p + n + tree.depth * tree.top_k) * wbytes
     prompt = (p * (6 * h + 3 * inter) + p * (len(dcfg.aux_layer_ids) * dcfg.target_hidden_size + h)) * tbytes
-    draft_pass = sum(ttt_saved_elements(dcfg, p, 1).values()) * wbytes + p * p * (wbytes + 1)
+    saved = ttt_saved_bytes(dcfg, p, 1, stored_dtype(recipe.trainer.precision))
+    draft_pass = saved["activations"] + saved["loss_rows"] + saved["fc_input"] + p * p * (wbytes + 1)
     logits = (tree.depth + 2) * target_config.vocab_size * 4 + tree.top_k * dcfg.draft_vocab_size * 4
     phase = "tau evaluation"
     lines = []
@@ -286,6 +310,7 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     from eagle3_zoo.adapters import get_adapter
     from eagle3_zoo.adapters.shipped import shipped_target_config
     from eagle3_zoo.training.build import drafter_config
+    from eagle3_zoo.training.strategies import drafter_mixed_precision
 
     t, tr = recipe.target, recipe.trainer
     if target_config is None:
@@ -301,8 +326,8 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     # FSDP shards within a node and replicates across nodes (HSDP, `strategies.fsdp_mesh`) when there are several
     shard = (per_node if tr.num_nodes > 1 and per_node > 1 else world) if fsdp else 1
     tbytes = torch_dtype(t.dtype).itemsize
-    half = not tr.precision.startswith(("32", "64"))
-    act_bytes = 2 if half else 4
+    compute = compute_dtype(tr.precision)
+    compute_name = str(compute).removeprefix("torch.")
     counts = target_parameter_counts(target_config, adapter)
     aux = tuple(recipe.drafter.aux_layer_ids or adapter.aux_layer_ids(target_config.num_hidden_layers))
     dcfg = drafter_config(recipe, target_config, aux)
@@ -340,15 +365,20 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     else:
         plan.lines.append(PlanLine("target logits chunk", LOGITS_CHUNK * target_config.vocab_size * 4,
                                    "fp32 lm_head logits of the stored final hidden, a chunk at a time", train))
-    saved = ttt_saved_elements(dcfg, tokens, steps)
-    if tr.activation_checkpointing:
-        act = (2 * dcfg.hidden_size * tokens * steps + saved["activations"] / steps) * act_bytes
-        note = f"activation checkpointing: step inputs kept, one step recomputed ({steps} steps, {tokens} tokens)"
-    else:
-        act = saved["activations"] * act_bytes
-        note = f"{steps} TTT steps x {tokens} tokens (batch {tr.batch_size} x {recipe.data.max_length})"
-    act += saved["loss_rows_fp32"] * 4 + saved["fc_input"] * tbytes
-    plan.lines.append(PlanLine("TTT activations", act, note, train))
+    saved = ttt_saved_bytes(dcfg, tokens, steps, compute)
+    act = saved["activations"]
+    note = f"{steps} TTT steps x {tokens} tokens (batch {tr.batch_size} x {recipe.data.max_length}), {compute_name}"
+    if tr.activation_checkpointing:  # the MLP's 4 [T, I] tensors are recomputed in backward, one step at a time
+        act -= (steps - 1) * 4 * dcfg.intermediate_size * tokens * compute.itemsize
+        note += "; MLP activations recomputed (activation checkpointing)"
+    plan.lines.append(PlanLine("TTT activations", act + saved["loss_rows"] + saved["fc_input"], note, train))
+    # autocast keeps a compute-dtype copy of each fp32 matmul weight for backward (FSDP's bf16 policy has none)
+    copies = saved["autocast_weights"] if tr.precision.endswith("-mixed") and not (
+        fsdp and drafter_mixed_precision(tr.precision) is not None) else 0
+    if copies:
+        plan.lines.append(PlanLine("autocast weight copies", copies,
+                                   f"{compute_name} copies of the drafter's fp32 matmul weights (kept for backward)",
+                                   train))
     vd = dcfg.draft_vocab_size
     plan.lines.append(PlanLine("loss buffers", tokens * vd * 4 + vd * dcfg.hidden_size * 4,
                                f"target probabilities over {vd} draft tokens + one lm_head gradient buffer (fp32)",
