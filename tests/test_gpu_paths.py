@@ -37,9 +37,10 @@ class _CountSteps(L.Callback):
 
 def test_one_training_step_waits_for_the_device_three_times():
     """Online step (target forward, draft-vocab logits, TTT loss over 3 steps, logging, backward). Ours: finding
-    the supervised rows of the target logits, the loss's row counts, the non-finite check. transformers adds one
-    (its packed-sequence check). Before: ~4 per TTT step (nonzero per step, counts copied back, t2d counted,
-    repeat_interleave, the tau estimate and lr copied)."""
+    the supervised rows of the target logits, the loss's row counts, the non-finite check. transformers adds at most
+    two (one in 5.24: its packed-sequence check). Before: 16 of ours with 3 TTT steps, ~4 more per step (nonzero per
+    step, counts copied back, t2d counted, repeat_interleave, the tau estimate and lr copied), plus two of
+    transformers for the padding mask."""
     from transformers import LlamaForCausalLM
 
     from eagle3_zoo.adapters import get_adapter
@@ -66,7 +67,7 @@ def test_one_training_step_waits_for_the_device_three_times():
         ours = sorted((kind, where.split(" ")[-1]) for kind, where in step.events if where.startswith("eagle3_zoo/"))
         assert ours == [("item", "(_raise_if_nonfinite)"), ("nonzero", "(draft_target_logits)"),
                         ("to host", "(ttt_loss)")], step.events
-        assert len(step.events) <= 4, step.events
+        assert len(step.events) - len(ours) <= 2, step.events
 
 
 def test_rope_frequencies_move_with_the_drafter_stay_fp32_and_are_not_saved(tmp_path):
