@@ -172,8 +172,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("n, vocab", [(2048, 32000)])
 def test_fp16_fused_cross_entropy_gradients_match_fp32(n, vocab):
     """16-mixed: the row weights (~4e-4 here) applied before the fp16 cast flushed most of the logits gradient
-    (~1/vocab per entry) to zero (5% relative error at this size); applied after, fp16 rounding is all that is
-    left (4e-4). bf16 (same range as fp32) is checked alongside."""
+    (~1/vocab per entry) to zero (5.6% relative error of the hidden gradient at this size); applied after, fp16
+    rounding is all that is left (3.5e-4). bf16 (same range as fp32, 2.9e-3) is checked alongside."""
     ref = _fused_grads(n, vocab, 64, None)
     for amp, tol in ((torch.float16, 2e-3), (torch.bfloat16, 1e-2)):
         grads = _fused_grads(n, vocab, 64, amp)
