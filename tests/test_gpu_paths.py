@@ -116,15 +116,25 @@ def test_flex_block_mask_is_built_once_per_shape():
 
 
 def test_flex_graph_count_stays_below_the_recompile_limit_over_odd_lengths(monkeypatch):
-    """Compiled FlexAttention (dynamo, eager CPU backend; forward only: no CPU backward) over lengths that are not
-    multiples of 128 and 1-3 TTT steps: after the first two lengths (static, then dynamic shapes) no new graph."""
+    """The CUDA path's compiled FlexAttention (`_compiled_flex`, built with its own compile options, a CPU dynamo
+    backend swapped in; forward only: no CPU backward) over lengths that are not multiples of 128 and 1-3 TTT steps:
+    after the first two lengths (static, then dynamic shapes) no new graph."""
     import torch._dynamo
     import torch.nn.attention.flex_attention as flex
     from torch._dynamo.testing import CompileCounterWithBackend
 
+    from eagle3_zoo.modeling import attention
+
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("eager")
-    monkeypatch.setattr(flex, "flex_attention", torch.compile(flex.flex_attention, backend=counter))
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": counter}))
+    attention._compiled_flex.cache_clear()
+    try:
+        compiled = attention._compiled_flex()
+    finally:
+        attention._compiled_flex.cache_clear()  # the next CUDA caller compiles with the real backend
+    monkeypatch.setattr(flex, "flex_attention", compiled)  # what the CPU path calls
     graphs = []
     for t in (37, 130, 200, 300, 411, 520):
         for steps in (1, 2, 3):
