@@ -102,7 +102,7 @@ def complete(client: OpenAIClient, model: str, prompt_ids: list[int], *, max_new
     payload = {"model": model, "prompt": prompt_ids, "max_tokens": max_new_tokens, "temperature": 0.0,
                "stop_token_ids": list(stop_ids), "return_token_ids": True, "skip_special_tokens": False}
     start = time.perf_counter()
-    choice = client.post("/v1/completions", payload)["choices"][0]
+    choice = client.completion(payload)
     seconds = time.perf_counter() - start
     ids = choice.get("token_ids")
     if ids is None:
