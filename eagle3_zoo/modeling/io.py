@@ -30,7 +30,7 @@ class DiskFullError(OSError):
 
 def no_room_error(path: Path, error: BaseException) -> DiskFullError | None:
     """A one-line `DiskFullError` naming `path` when `error` means the disk (or the file-size limit) is full."""
-    if not isinstance(error, Exception) or isinstance(error, DiskFullError):
+    if not isinstance(error, Exception):
         return None
     if not ((isinstance(error, OSError) and error.errno in _NO_ROOM_ERRNOS)
             or any(s in str(error) for s in _NO_ROOM_TEXT)):

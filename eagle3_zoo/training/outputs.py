@@ -289,20 +289,22 @@ def consolidate_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
         ValueError: not a checkpoint written by `fit` (no drafter entry), or unreadable.
     """
     from eagle3_zoo.modeling import Eagle3Config
+    from eagle3_zoo.training.checkpoint_io import info_json, sharded_state
 
     checkpoint = Path(checkpoint)
     if not checkpoint.exists():
         raise FileNotFoundError(f"checkpoint {checkpoint} does not exist (pass a run's checkpoints/last.ckpt)")
-    out = drafter_out_dir(out_dir)
+    out = Path(os.path.abspath(out_dir))
     if out == checkpoint.resolve() or out in checkpoint.resolve().parents:
         raise ValueError(f"drafter folder {out} holds the checkpoint {checkpoint}; it would be replaced: name a new "
                          "folder, e.g. the run's drafter/")
+    out = drafter_out_dir(out)
     meta, info = read_checkpoint_header(checkpoint, DRAFTER_INFO_KEY)
     if info is None:
         raise ValueError(f"{checkpoint} was not written by an eagle3-zoo fit that records its drafter "
                          f"({DRAFTER_INFO_KEY} is missing)")
-    config = Eagle3Config.from_json_dict(_info_json(info, "config", checkpoint), source=f"{checkpoint} drafter config")
-    state = _sharded_state(checkpoint) if checkpoint.is_dir() else {
+    config = Eagle3Config.from_json_dict(info_json(info, "config", checkpoint), source=f"{checkpoint} drafter config")
+    state = sharded_state(checkpoint, _STATE_PREFIX) if checkpoint.is_dir() else {
         f"state_dict.{k}": v for k, v in (meta.get("state_dict") or {}).items()}
     state = {k.removeprefix(_STATE_PREFIX): v for k, v in state.items() if k.startswith(_STATE_PREFIX)}
     try:
@@ -310,55 +312,7 @@ def consolidate_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     except (RuntimeError, TypeError) as e:  # missing / unexpected keys, shapes that do not fit the config
         raise ValueError(f"{checkpoint}: its drafter weights do not fit its drafter config "
                          f"({str(e).strip().splitlines()[0]}...)") from None
-    provenance = _info_json(info, "provenance", checkpoint)
+    provenance = info_json(info, "provenance", checkpoint)
     provenance.setdefault("training", {}).update(global_step=meta.get("global_step"),
                                                  consolidated_from=str(checkpoint.resolve()))
-    return write_drafter_folder(drafter, out, _info_json(info, "recipe", checkpoint), provenance)
-
-
-def _info_json(info: dict[str, Any], key: str, checkpoint: Path) -> dict[str, Any]:
-    """The JSON object a checkpoint's drafter entry holds under `key` (config, recipe, provenance), read as data."""
-    text = info.get(key)
-    try:
-        value = json.loads(text) if isinstance(text, str) else None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{checkpoint}: its {DRAFTER_INFO_KEY}.{key} is not valid JSON ({e.msg} at line {e.lineno} "
-                         f"column {e.colno}): the checkpoint is damaged; consolidate another one") from None
-    if not isinstance(value, dict):
-        got = f"JSON {type(value).__name__}" if isinstance(text, str) else type(text).__name__
-        raise ValueError(f"{checkpoint}: its {DRAFTER_INFO_KEY}.{key} is not a JSON object (got {got}): the "
-                         "checkpoint is damaged; consolidate another one")
-    return value
-
-
-def _sharded_state(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The drafter tensors of a sharded (DCP) checkpoint directory, read in this one process. Every shard file they
-    live in is checked first (present, as long as the metadata says), so that a damaged file is named."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata()
-    except Exception as e:  # a truncated or foreign .metadata
-        raise UnreadableCheckpointError(checkpoint / ".metadata", e) from None
-    needed: dict[str, int] = {}
-    for index, where in metadata.storage_data.items():
-        if index.fqn.startswith(_STATE_PREFIX):
-            needed[where.relative_path] = max(needed.get(where.relative_path, 0), where.offset + where.length)
-    for name, size in sorted(needed.items()):
-        file = checkpoint / name
-        if not file.is_file():
-            raise ValueError(f"{file} is missing: the sharded checkpoint {checkpoint} is incomplete (copy it again, or "
-                             "consolidate an earlier checkpoint)")
-        if file.stat().st_size < size:
-            raise ValueError(f"{file} is truncated ({file.stat().st_size} bytes, its metadata needs {size}): the "
-                             f"sharded checkpoint {checkpoint} is damaged (copy it again, or consolidate an earlier "
-                             "checkpoint)")
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
-             if k.startswith(_STATE_PREFIX)}
-    try:
-        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    except CheckpointException as e:  # a BaseException: converted here so that it is one line like the others
-        cause = next((f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()), e)
-        raise UnreadableCheckpointError(checkpoint, cause) from None
-    return state
+    return write_drafter_folder(drafter, out, info_json(info, "recipe", checkpoint), provenance)
