@@ -223,6 +223,10 @@ def publish(
         raise ValueError("no Hugging Face token: log in with `hf auth login` or set HF_TOKEN to a token with write "
                          f"access to {repo_id.split('/')[0]} (`--dry-run` stages the folder without one)")
     report = require_valid_drafter(drafter_dir, purpose="publish")  # its warnings are logged by the export
+    from eagle3_zoo.hub.check import recipe_file_problem
+
+    if problem := recipe_file_problem(drafter_dir):  # the card shows the recipe: say so before staging anything
+        raise ValueError(f"{problem}: the model card shows the recipe; fix or remove recipe.yaml")
     temporary = stage_dir is None
     # a temporary stage is a folder in a temporary root, which also holds what staging keeps next to the stage
     out = Path(tempfile.mkdtemp(prefix="eagle3-zoo-publish-")) / repo_id.split("/")[-1] if temporary else \
