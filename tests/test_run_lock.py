@@ -12,15 +12,7 @@ import sys
 import time
 
 import pytest
-from training_fixtures import (
-    REPO,
-    cli_entry,
-    save_tiny_target,
-    subprocess_env,
-    tiny_recipe,
-    write_chat_jsonl,
-    write_recipe,
-)
+from training_fixtures import REPO, cli_entry, subprocess_env, tiny_run_files
 
 from eagle3_zoo.training.rundir import RUN_HOLDER, RUN_LOCK, RunDirectoryInUseError, hold_run_directory
 
@@ -28,10 +20,7 @@ from eagle3_zoo.training.rundir import RUN_HOLDER, RUN_LOCK, RunDirectoryInUseEr
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lock")
-    target = save_tiny_target(tmp / "target")
-    data = write_chat_jsonl(tmp / "chat.jsonl", n=12)
-    recipe = write_recipe(tmp / "tiny.yaml", tiny_recipe(tmp, target, data, trainer={"max_steps": 2}))
-    return tmp, recipe
+    return tmp, tiny_run_files(tmp, n=12, trainer={"max_steps": 2})
 
 
 def test_a_run_held_elsewhere_is_refused_at_once_naming_the_holder(env):

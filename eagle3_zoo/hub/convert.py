@@ -38,6 +38,7 @@ __all__ = ["CANONICAL_KEYS", "convert_to_canonical", "export_drafter", "extra_fi
 
 log = logging.getLogger(__name__)
 
+
 def extra_files(drafter_dir: str | Path) -> list[Path]:
     """Recipe, provenance, eval results and plots present in a drafter folder (`formats.EXTRA_FILES`, `EXTRA_GLOBS`).
 
