@@ -347,3 +347,19 @@ def test_check_with_the_engine_leaves_no_temporary_folder(tmp_path, monkeypatch)
     monkeypatch.setattr(engine_eval, "evaluate_in_vllm", fake_evaluate_in_vllm)
     assert engine_eval.engine_smoke("drafter")["ok"]
     assert seen and seen[0].name.startswith("eagle3-zoo-check-") and list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_publish_leaves_nothing_in_its_stage_dir(tmp_path, capsys, monkeypatch):
+    import socket
+
+    monkeypatch.setenv("HF_TOKEN", "hf_FAKEtokenForTheStageTest")
+    src, _ = canonical_dir(tmp_path)
+    with socket.socket() as sock:  # bound then closed: connecting is refused at once
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    for stage, existed in ((tmp_path / "new-stage", False), (tmp_path / "empty-stage", True)):
+        if existed:
+            stage.mkdir()
+        code, line = _cli(capsys, "publish", src, "--repo-id", "me/x", "--endpoint", url, "--stage-dir", stage)
+        assert code == 2 and f"Hub endpoint {url} is not reachable" in line  # it failed after staging everything
+        assert (list(stage.iterdir()) == []) if existed else not stage.exists()  # as it was before: nothing staged
