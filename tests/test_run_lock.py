@@ -137,3 +137,30 @@ def test_no_room_errors_name_the_file_whatever_the_writer_says(tmp_path):
         assert isinstance(full, DiskFullError) and str(full).startswith(f"could not write {path}: no space left")
     assert no_room_error(path, OSError(errno.EACCES, "Permission denied")) is None
     assert no_room_error(path, RuntimeError("something else")) is None
+
+
+def test_fit_refuses_a_sharded_checkpoint_with_crafted_metadata_before_dcp_unpickles_it(env, tmp_path):
+    """DCP reads a sharded checkpoint's .metadata with the plain unpickler: `fit` checks it safely first."""
+    import pickle
+
+    import torch
+
+    from eagle3_zoo.training.fit import fit_main
+    from eagle3_zoo.training.resume import IDENTITY_KEY, ResumeError
+
+    _, recipe = env
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    last.mkdir(parents=True)
+    torch.save({"global_step": 1, IDENTITY_KEY: {"optim.lr": "0.001"}}, last / "meta.pt")
+    (last / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(ResumeError) as refused:
+        fit_main(recipe, [f"output_dir={tmp_path / 'run'}"])
+    assert f"{last / '.metadata'} is not a readable checkpoint (UnpicklingError: refused: it holds a reference to " \
+        "posix.system" in str(refused.value) and "set another output_dir" in str(refused.value)
+    assert not marker.exists()

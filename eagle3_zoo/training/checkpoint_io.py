@@ -78,6 +78,18 @@ def _safe_reader(checkpoint: Path) -> Any:
     return SafeReader(str(checkpoint))
 
 
+def read_sharded_metadata(checkpoint: Path) -> Any:
+    """The DCP metadata of a sharded checkpoint directory, read safely (`_MetadataUnpickler`).
+
+    Raises:
+        UnreadableCheckpointError: truncated, foreign or crafted (naming the file).
+    """
+    try:
+        return _safe_reader(checkpoint).read_metadata()
+    except Exception as e:  # truncated, foreign or crafted .metadata
+        raise UnreadableCheckpointError(checkpoint / ".metadata", e) from None
+
+
 def sharded_state(checkpoint: Path, prefix: str) -> dict[str, torch.Tensor]:
     """The tensors under `prefix` of a sharded (DCP) checkpoint directory, read in this one process.
 
@@ -89,10 +101,7 @@ def sharded_state(checkpoint: Path, prefix: str) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.api import CheckpointException
 
     reader = _safe_reader(checkpoint)
-    try:
-        metadata = reader.read_metadata()
-    except Exception as e:  # truncated, foreign or crafted .metadata
-        raise UnreadableCheckpointError(checkpoint / ".metadata", e) from None
+    metadata = read_sharded_metadata(checkpoint)
     needed: dict[str, int] = {}
     for index, where in metadata.storage_data.items():
         if index.fqn.startswith(prefix):

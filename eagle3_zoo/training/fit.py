@@ -225,6 +225,10 @@ def _fit(recipe: Any, source: str) -> Path:
     recover_replaced_directory(last)  # a sharded checkpoint whose replacement was cut short
     if last.exists():  # a corrupt or foreign checkpoint fails here, before the target and the data are loaded
         resume.read_checkpoint_identity(last)
+        if last.is_dir():  # DCP unpickles .metadata with the plain unpickler when it loads: check it safely first
+            from eagle3_zoo.training.checkpoint_io import read_sharded_metadata
+
+            resume.refuse_unreadable(last, read_sharded_metadata)
     device = start_ranks(recipe)
     run = build_run(recipe, source, device=device)
     data, target, adapter = run.data, run.target, run.adapter

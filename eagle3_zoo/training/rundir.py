@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -76,10 +77,10 @@ def hold_run_directory(output_dir: str | Path) -> Iterator[None]:
                 f"{output_dir} is in use by another run ({_holder(output_dir)}); two runs on one output_dir would "
                 "share its checkpoint, logs and drafter folder: wait for that run to finish, or set another "
                 "output_dir") from None
+        command = [os.path.basename(sys.argv[0]), *(re.sub(r"(://)[^/@\s]*@", r"\1***@", a) for a in sys.argv[1:])]
         atomic_write_text(output_dir / RUN_HOLDER, json.dumps({
-            "pid": os.getpid(), "host": socket.gethostname(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": [os.path.basename(sys.argv[0]),
-                                                                          *sys.argv[1:]]}) + "\n")
+            "pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "command": command}) + "\n")
         held.callback((output_dir / RUN_HOLDER).unlink, missing_ok=True)
         remove_leftovers(output_dir)
         yield
