@@ -140,6 +140,19 @@ def require_valid_drafter(path_or_dir: str | Path, target_config: Any = None, *,
     return report
 
 
+def require_valid_stage(staged: str | Path, destination: str | Path, purpose: str = "write") -> None:
+    """`require_valid_drafter` for a folder staged for `destination` (the message names the destination): what a
+    command is about to write must pass the checks too.
+
+    Raises:
+        InvalidDrafterError: the staged folder has errors (nothing has replaced `destination` yet).
+    """
+    report = check_drafter(staged)
+    if report.errors:
+        report.path = str(destination)
+        raise InvalidDrafterError(report, purpose)
+
+
 def vocab_mapping_problems(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab_size: int,
                            check_dtypes: bool = True) -> list[Problem]:
     """Problems of a (d2t, t2d) pair: dtypes, every `i + d2t[i]` inside the target vocab and marked in t2d."""

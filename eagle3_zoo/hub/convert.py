@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3_zoo.dtypes import torch_dtype
-from eagle3_zoo.hub.check import require_valid_drafter
+from eagle3_zoo.hub.check import require_valid_drafter, require_valid_stage
 from eagle3_zoo.hub.formats import (
     CANONICAL_KEYS,
     EXPORT_FORMATS,
@@ -172,6 +172,7 @@ def export_drafter(
             _write_speculators(import_drafter(src), tmp, num_speculative_tokens, verifier_architectures, verifier)
         for extra in extras:
             shutil.copyfile(inside_folder(src, extra), tmp / extra.name)
+        require_valid_stage(tmp, out, purpose="export")  # what serving engines will load passes the checks too
         move_files_into(tmp, out)
     log.info("exported %s -> %s (%s format)", src, out, EXPORT_FORMATS[fmt])
     return out

@@ -160,15 +160,6 @@ def _save_recipe(recipe: Any, path: Path) -> None:
         save_resolved_recipe(recipe, path)
 
 
-def _require_valid(staged: Path, out_dir: Path) -> None:
-    from eagle3_zoo.hub.check import InvalidDrafterError, check_drafter
-
-    report = check_drafter(staged)
-    if report.errors:
-        report.path = str(out_dir)
-        raise InvalidDrafterError(report, "write")
-
-
 def write_drafter_folder(drafter: Eagle3Drafter, out_dir: str | Path, recipe: Any,
                          provenance: dict[str, Any]) -> Path:
     """Stage `drafter` + recipe.yaml + provenance.json in a temp dir with the files of an existing `out_dir` that the
@@ -189,7 +180,9 @@ def write_drafter_folder(drafter: Eagle3Drafter, out_dir: str | Path, recipe: An
         _save_recipe(recipe, tmp / "recipe.yaml")
         (tmp / "provenance.json").write_text(provenance_json(provenance))
         _finish_tree(tmp)
-        _require_valid(tmp, out_dir)
+        from eagle3_zoo.hub.check import require_valid_stage
+
+        require_valid_stage(tmp, out_dir)
         if out_dir.exists():
             _carry_over(out_dir, tmp)
         replace_directory(tmp, out_dir)
