@@ -265,35 +265,49 @@ def test_consolidate_removes_a_killed_writers_stage_but_not_a_live_one(tmp_path,
         ["last.ckpt", "drafter", ".drafter.tmp-w0rk1n", ".drafter.tmp-w0rk1n.lock"])
 
 
-def _limited(argv: list[str], limit: int) -> subprocess.CompletedProcess:
-    """`python -m eagle3_zoo.cli ARGV` with a file-size limit (`ulimit -f`): every larger write fails as on a full
-    disk (Python ignores SIGXFSZ, the write returns EFBIG)."""
+_DRIVER = """
+import contextlib, io, json, sys
+from eagle3_zoo.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    results.append([code, err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def _limited(commands: list[list[str]], limit: int) -> list[tuple[int, str]]:
+    """(exit code, stderr) of each `eagle3-zoo` command, run in one process with a file-size limit (`ulimit -f`):
+    every larger write fails as on a full disk (Python ignores SIGXFSZ, the write returns EFBIG)."""
     import resource
 
     def limit_files() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    return subprocess.run([sys.executable, "-m", "eagle3_zoo.cli", *argv], capture_output=True, text=True,
-                          timeout=300, env=subprocess_env(PYTHONDONTWRITEBYTECODE="1"), cwd=REPO,
-                          preexec_fn=limit_files)
+    r = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(commands)], capture_output=True, text=True,
+                       timeout=300, env=subprocess_env(PYTHONDONTWRITEBYTECODE="1"), cwd=REPO, preexec_fn=limit_files)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [tuple(x) for x in json.loads(r.stdout.splitlines()[-1])]
 
 
-@pytest.mark.parametrize("command", ["consolidate", "export", "export-speculators", "publish"])
-def test_a_full_disk_is_one_line_and_leaves_no_partial_file(tmp_path, command):
+def test_a_full_disk_is_one_line_and_leaves_no_partial_file(tmp_path):
     src, _ = canonical_dir(tmp_path)
-    size = (src / "model.safetensors").stat().st_size
-    out = tmp_path / "out"
-    argv = {"consolidate": ["consolidate", _checkpoint(tmp_path / "last.ckpt"), out],
-            "export": ["export", src, "--out", out],
-            "export-speculators": ["export", src, "--format", "speculators", "--out", out],
-            "publish": ["publish", src, "--repo-id", "me/x", "--dry-run", "--stage-dir", out]}[command]
-    r = _limited([str(a) for a in argv], limit=size // 2)
-    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
-    assert r.returncode in (1, 2) and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert f"could not write {out}: no space left" in lines[0] and "ulimit -f" in lines[0], lines[0]
-    assert "inline_container" not in lines[0] and "unexpected pos" not in lines[0]
-    leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
-    assert not leftovers and not [p for p in out.rglob("*") if p.is_file()] if out.exists() else not leftovers
+    ckpt = _checkpoint(tmp_path / "last.ckpt")
+    commands = {"consolidate": ["consolidate", ckpt], "export": ["export", src, "--out"],
+                "export-speculators": ["export", src, "--format", "speculators", "--out"],
+                "publish": ["publish", src, "--repo-id", "me/x", "--dry-run", "--stage-dir"]}
+    outs = {name: tmp_path / f"out-{name}" for name in commands}
+    results = _limited([[str(a) for a in (*argv, outs[name])] for name, argv in commands.items()],
+                       limit=(src / "model.safetensors").stat().st_size // 2)
+    for (name, out), (code, err) in zip(outs.items(), results):
+        lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+        assert code in (1, 2) and len(lines) == 1 and "Traceback" not in err, (name, err[-3000:])
+        assert f"could not write {out}: no space left" in lines[0] and "ulimit -f" in lines[0], (name, lines[0])
+        assert "inline_container" not in lines[0] and "unexpected pos" not in lines[0]
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(f".{out.name}")], name  # no stage left
+        assert not out.exists() or not [p for p in out.rglob("*") if p.is_file()], name  # no partial file
 
 
 def test_a_killed_export_leaves_nothing_a_rerun_keeps(tmp_path):
