@@ -377,3 +377,16 @@ def test_a_failed_publish_leaves_nothing_in_its_stage_dir(tmp_path, capsys, monk
         code, line = _cli(capsys, "publish", src, "--repo-id", "me/x", "--endpoint", url, "--stage-dir", stage)
         assert code == 2 and f"Hub endpoint {url} is not reachable" in line  # it failed after staging everything
         assert (list(stage.iterdir()) == []) if existed else not stage.exists()  # as it was before: nothing staged
+
+
+def test_export_checks_what_it_staged_before_it_reaches_the_output(tmp_path, monkeypatch):
+    from eagle3_zoo.hub import convert
+    from eagle3_zoo.hub.check import InvalidDrafterError
+
+    src, _ = canonical_dir(tmp_path)
+    real = convert.speculators_config
+    monkeypatch.setattr(convert, "speculators_config", lambda *a, **k: {**real(*a, **k), "draft_vocab_size": 5})
+    out = tmp_path / "out"
+    with pytest.raises(InvalidDrafterError, match=rf"{out}: refusing to export an invalid drafter: "):
+        export_drafter(src, "speculators", out)  # a conversion that went wrong: its result never reaches `out`
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
