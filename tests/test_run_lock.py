@@ -38,34 +38,57 @@ def test_a_run_held_elsewhere_is_refused_at_once_naming_the_holder(env):
     line = str(refused.value)
     assert "\n" not in line and f"{run} is in use by another run (pid {os.getpid()} on {holder['host']}, started " \
         f"{holder['started']}" in line and "set another output_dir" in line
-    assert not (run / RUN_HOLDER).exists() and (run / RUN_LOCK).exists()  # released: the lock file stays, unheld
-    with hold_run_directory(run):
+    assert not run.exists()  # released; the hold created the folder and nothing was written: nothing is left
+    run.mkdir()
+    (run / "mine.txt").write_text("x")
+    with hold_run_directory(run):  # free again; a folder that held something keeps it and the (unheld) lock file
         pass
+    assert sorted(p.name for p in run.iterdir()) == [RUN_LOCK, "mine.txt"]
 
 
-def test_two_runs_at_the_same_instant_one_refuses_and_leftovers_are_removed(env):
-    tmp, recipe = env
-    run = tmp / "race"
+def _leftovers(run):
+    """What a run killed mid-save leaves: a checkpoint temporary written a second ago, a staged drafter folder."""
     checkpoints = run / "checkpoints"
-    checkpoints.mkdir(parents=True)
-    young = checkpoints / ".last.ckpt.k1ll3d.tmp"  # a save killed a second ago: no process holds the run
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    young = checkpoints / ".last.ckpt.k1ll3d.tmp"  # younger than any age rule: only the lock says it is stale
     young.write_bytes(b"half a checkpoint")
-    stage = run / ".drafter.tmp-k1ll3d"  # a drafter folder staged by a killed run
+    stage = run / ".drafter.tmp-k1ll3d"
     stage.mkdir()
     (stage / "model.safetensors").write_bytes(b"half")
+    return young, stage
+
+
+def test_a_second_run_on_a_busy_output_dir_refuses_and_the_holder_cleans_up(env):
+    """Without the lock both runs reported success: they shared logs/version_0 and one drafter was lost."""
+    import signal
+
+    tmp, recipe = env
+    run = tmp / "busy"
+    young, stage = _leftovers(run)
     cmd = [sys.executable, *cli_entry(use_cli=True), str(recipe), f"output_dir={run}"]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
-                              cwd=REPO) for _ in range(2)]
-    results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
-    codes = sorted(code for code, _, _ in results)
-    assert codes == [0, 2], [err[-2000:] for _, _, err in results]
-    (_, out, _), (_, _, refused) = sorted(results, key=lambda r: r[0])
-    lines = [ln for ln in refused.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in refused and f"{run} is in use by another run (pid " in lines[0]
-    assert out.strip().endswith(str(run / "drafter"))
-    assert not young.exists() and not stage.exists()
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]
-    assert len(list((run / "logs").glob("version_*"))) == 1  # one run's logs, not two sharing version_0
+    first = subprocess.Popen([*cmd, "trainer.max_steps=100000", "trainer.checkpoint_every_n_steps=null"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=subprocess_env(), cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / RUN_HOLDER).exists() and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.05)
+        holder = json.loads((run / RUN_HOLDER).read_text())
+        assert holder["pid"] == first.pid and not young.exists() and not stage.exists()  # removed by the holder
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=REPO)
+        assert first.poll() is None  # the first run was training all along
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=60)
+    lines = [ln for ln in second.stderr.splitlines() if ln.startswith("error:")]
+    assert second.returncode == 2 and len(lines) == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
+    assert f"{run} is in use by another run (pid {first.pid} on {holder['host']}, started {holder['started']}" \
+        in lines[0]
+    young, stage = _leftovers(run)  # the killed run's leftovers: the next run removes them, however young
+    third = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=REPO)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert not young.exists() and not stage.exists() and "removed 1 stale temporary" in third.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == [RUN_LOCK]
 
 
 def test_offline_fit_refuses_a_feature_shard_rewritten_at_the_same_size(env, tmp_path, capsys, caplog):

@@ -68,8 +68,11 @@ def hold_run_directory(output_dir: str | Path) -> Iterator[None]:
     if not starts_the_run():
         yield
         return
+    created = not output_dir.exists()
     output_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as held:
+        if created:  # runs last: a run refused before it wrote anything leaves no folder behind
+            held.callback(_remove_if_only_the_lock, output_dir)
         try:
             held.enter_context(exclusive_lock(output_dir / RUN_LOCK, blocking=False))
         except BlockingIOError:
@@ -84,6 +87,13 @@ def hold_run_directory(output_dir: str | Path) -> Iterator[None]:
         held.callback((output_dir / RUN_HOLDER).unlink, missing_ok=True)
         remove_leftovers(output_dir)
         yield
+
+
+def _remove_if_only_the_lock(output_dir: Path) -> None:
+    with contextlib.suppress(OSError):
+        if set(os.listdir(output_dir)) <= {RUN_LOCK}:
+            (output_dir / RUN_LOCK).unlink(missing_ok=True)
+            output_dir.rmdir()
 
 
 def remove_leftovers(output_dir: Path) -> None:
