@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,11 +101,13 @@ class RegenerateConfig:
     # hf = `generate` in this process; openai = any OpenAI-compatible server at base_url (vLLM, SGLang, ...);
     # vllm = a vLLM server started for the target (scripts/setup_engine.sh). Same output file and cache key.
     backend: Literal["hf", "openai", "vllm"] = "hf"
-    base_url: str | None = None  # backend openai: the server root, e.g. http://10.0.0.5:8000
+    # base_url and api_key_env are checked by `_secret_problems` (their messages never echo the value)
+    base_url: str | None = None  # backend openai: the server root, e.g. http://10.0.0.5:8000 (no user:password@)
     api_key_env: str | None = None  # backend openai: the environment variable holding the API key (null = none)
-    concurrency: int = 4  # backend openai/vllm: conversations in flight at once (the server batches them)
-    timeout: float = 600.0  # backend openai/vllm: seconds per request
-    retries: int = 4  # backend openai/vllm: retries of a failed request (429, 5xx, timeouts), backoff from 1 s
+    concurrency: int = ruled(4, GT0)  # backend openai/vllm: conversations in flight at once (the server batches them)
+    # backend openai/vllm: seconds one request may take in all (connect, send, the whole answer)
+    timeout: float = ruled(600.0, rule(lambda v: 0 < v < float("inf"), "must be a number of seconds > 0"))
+    retries: int = ruled(4, GE0)  # backend openai/vllm: retries of a failed request (429, 5xx, timeouts), backoff 1 s
 
 
 @dataclass
@@ -188,7 +191,7 @@ class TrainerConfig:
     logger: list[Literal["csv", "tensorboard"]] = field(default_factory=lambda: ["csv", "tensorboard"])
     seed: int = 42  # seed of the drafter initialisation and data order
     activation_checkpointing: bool = False
-    gpu_memory_gb: float | None = None  # memory of one GPU the recipe is planned for; `eagle3-zoo plan` checks it
+    gpu_memory_gb: float | None = ruled(None, GT0)  # memory of one GPU the recipe is planned for; `plan` checks it
     tau_eval: TauEvalConfig = field(default_factory=TauEvalConfig)
 
 
@@ -226,10 +229,23 @@ def _cross_field_rules(r: Recipe) -> list[tuple[str, bool, str, tuple[str, ...]]
         ("ttt.schedule", t.schedule == "ramp" and t.steps == 1, "a ramp needs ttt.steps > 1", ("ttt.steps",))]
 
 
+def _secret_problems(r: Recipe) -> list[ConfigProblem]:
+    """The server URL and the key variable's name: their problems show a redacted value (a URL with a password in it,
+    or a key pasted where its variable's name belongs, must not be printed)."""
+    from eagle3_zoo.targets.openai_client import env_name_problem, redact_url, url_problem
+
+    g = r.data.regenerate
+    return [ConfigProblem(key, msg, shown) for key, msg, shown in (
+        ("data.regenerate.base_url", g.base_url is not None and url_problem(g.base_url), redact_url(g.base_url or "")),
+        ("data.regenerate.api_key_env", g.api_key_env is not None and env_name_problem(g.api_key_env), "***"))
+        if msg]
+
+
 def _problems(recipe: Recipe) -> list[ConfigProblem]:
     """Each field's own rule (sections and list items included), then the rules that read several fields."""
-    return schema.value_problems(recipe) + [ConfigProblem(k, msg, operator.attrgetter(k)(recipe), related=rel)
-                                     for k, broken, msg, rel in _cross_field_rules(recipe) if broken]
+    return schema.value_problems(recipe) + _secret_problems(recipe) + [
+        ConfigProblem(k, msg, operator.attrgetter(k)(recipe), related=rel)
+        for k, broken, msg, rel in _cross_field_rules(recipe) if broken]
 
 
 def _raise_if(problems: list[ConfigProblem], source_of: typing.Callable[[str], str]) -> None:
@@ -271,9 +287,22 @@ def validate_against_target(recipe: Recipe, num_layers: int, vocab_size: int, hi
 
 
 # ------------------------------------------------------------------------------------------------ loading
+def _read_text(path: str | os.PathLike, source: str) -> str:
+    """The recipe file's text; a binary file (or another encoding) is one problem naming the byte."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RecipeError([ConfigProblem("<file>", f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}): "
+                                         "a recipe is a YAML file (see recipes/)", source=source)]) from None
+
+
 def _parse_yaml(text: str, source: str) -> DictConfig:
     try:
         parsed = yaml.safe_load(text)
+    except RecursionError:  # PyYAML's composer recurses per nesting level
+        raise RecipeError([ConfigProblem("<yaml>", "nested too deeply for the YAML reader (a recipe has a few levels "
+                                         "of sections)", source=source)]) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line, source = (mark.line + 1, f"{source}:{mark.line + 1}:{mark.column + 1}") if mark else ("?", source)
@@ -284,8 +313,20 @@ def _parse_yaml(text: str, source: str) -> DictConfig:
                            else ConfigProblem("<root>", "expected a mapping at the top level", parsed, source)])
     try:  # OmegaConf's own loader: it reads 1e-4 as a float, where PyYAML's YAML 1.1 rules give a string
         return OmegaConf.create(text)
+    except RecursionError:
+        raise RecipeError([ConfigProblem("<yaml>", "nested too deeply (a recipe has a few levels of sections)",
+                                         source=source)]) from None
     except (yaml.YAMLError, OmegaConfBaseException) as e:
         raise RecipeError([ConfigProblem("<yaml>", str(e).splitlines()[0], source=source)]) from None
+
+
+def _shown(override: str) -> str:
+    """An override as messages quote it: the value of a key-variable setting and any `user:password@` of a URL
+    hidden (a key pasted on the command line must not be printed back)."""
+    key, sep, value = override.partition("=")
+    if sep and key.strip().endswith("api_key_env"):
+        return f"{key}=***"
+    return re.sub(r"(://)[^/@\s]*@", r"\1***@", override)
 
 
 def load_recipe(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Recipe:
@@ -298,9 +339,9 @@ def load_recipe(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -
     source, applied, problems = str(path), {}, []
     if not Path(path).is_file():
         raise RecipeError([ConfigProblem("<file>", "recipe file not found", source, source)])
-    cfg = _parse_yaml(Path(path).read_text(encoding="utf-8"), source)
+    cfg = _parse_yaml(_read_text(path, source), source)
     for ov in overrides:
-        (key, sep, _), src = ov.partition("="), f"override '{ov}'"
+        (key, sep, _), src = ov.partition("="), f"override '{_shown(ov)}'"
         try:
             if not sep or not key.strip():
                 raise ValueError("an override must look like key=value")

@@ -4,6 +4,11 @@
 [b+1, b+2, ...] up to `max_tokens`, ending with a stop id when `stop_after` tokens are reached), so a test knows the
 expected text without a model. `faults` is a list of HTTP status codes returned, in order, by the next completion
 requests (e.g. [429, 500]); `delay` sleeps before every completion (timeouts). `/metrics` serves `metrics_text`.
+
+Misbehaviour for the safety tests: `answer` replaces every completion's body (a JSON value, or raw bytes);
+`redirect = (status, location)` answers every request to `redirect_path` (default: the completions path) with that
+redirect; `trickle` sends the body one byte per `trickle` seconds; `echo_auth` answers completions with HTTP 400 whose
+body quotes the request's Authorization header. `requests` logs (method, path) of every request.
 """
 
 from __future__ import annotations
@@ -26,6 +31,12 @@ class FakeOpenAIServer:
         self.completions: list[dict[str, Any]] = []  # successful completion payloads, in order
         self.headers: list[dict[str, str]] = []
         self.fail_after: int | None = None  # refuse (HTTP 503) every completion after this many successes
+        self.answer: Any = None
+        self.redirect: tuple[int, str] | None = None
+        self.redirect_path = "/v1/completions"
+        self.trickle = 0.0
+        self.echo_auth = False
+        self.requests: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
@@ -43,14 +54,37 @@ class FakeOpenAIServer:
                 pass
 
             def _send(self, code: int, body: Any, ctype: str = "application/json") -> None:
-                data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+                data = body if isinstance(body, bytes) else body.encode() if isinstance(body, str) else \
+                    json.dumps(body).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                if not fake.trickle:
+                    self.wfile.write(data)
+                    return
+                for i in range(len(data)):  # one byte at a time: each read is quick, the answer never ends in time
+                    try:
+                        self.wfile.write(data[i : i + 1])
+                        self.wfile.flush()
+                    except OSError:  # the client gave up
+                        return
+                    time.sleep(fake.trickle)
+
+            def _redirected(self) -> bool:
+                with fake._lock:
+                    fake.requests.append((self.command, self.path))
+                if fake.redirect is None or self.path != fake.redirect_path:
+                    return False
+                self.send_response(fake.redirect[0])
+                self.send_header("Location", fake.redirect[1])
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return True
 
             def do_GET(self) -> None:
+                if self._redirected():
+                    return
                 if self.path == "/health":
                     self._send(200, "")
                 elif self.path == "/v1/models":
@@ -62,6 +96,8 @@ class FakeOpenAIServer:
 
             def do_POST(self) -> None:
                 payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self._redirected():
+                    return
                 with fake._lock:
                     fake.headers.append(dict(self.headers))
                     fault = fake.faults.pop(0) if fake.faults else None
@@ -72,7 +108,15 @@ class FakeOpenAIServer:
                 if self.path != "/v1/completions":
                     self._send(400, {"error": {"message": f"unsupported {self.path}"}})
                     return
+                if fake.echo_auth:
+                    self._send(400, {"error": {"message": f"bad key {self.headers.get('Authorization')}"}})
+                    return
                 time.sleep(fake.delay)
+                if fake.answer is not None:
+                    with fake._lock:
+                        fake.completions.append(payload)
+                    self._send(200, fake.answer)
+                    return
                 if fake.generate is not None:
                     with fake._lock:
                         ids = fake.generate(list(payload["prompt"]), int(payload["max_tokens"]),

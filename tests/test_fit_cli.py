@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from training_fixtures import run_fit_cli, save_tiny_target, tiny_recipe, write_chat_jsonl, write_recipe
 
 from eagle3_zoo.modeling import Eagle3Drafter
+from eagle3_zoo.training.rundir import RUN_LOCK
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_online_fit_outputs_and_resume(setup):
     assert r.stdout.strip().endswith(str(run / "drafter"))
     assert _files(run) == {"drafter/config.json", "drafter/model.safetensors", "drafter/recipe.yaml",
                            "drafter/provenance.json", "checkpoints/last.ckpt", "logs/version_0/metrics.csv",
-                           "logs/version_0/hparams.yaml"}
+                           "logs/version_0/hparams.yaml", RUN_LOCK}  # the run lock stays (flock: unheld now)
     umask = os.umask(0)
     os.umask(umask)
     assert stat.S_IMODE((run / "drafter").stat().st_mode) == 0o777 & ~umask  # not the temp dir's private mode

@@ -20,7 +20,11 @@ from eagle3_zoo.targets.server import free_port
 
 @pytest.fixture(scope="module")
 def tiny():
-    return tiny_llama_target()
+    model, tok, adapter = tiny_llama_target()
+    # the random model's vocabulary (512) is larger than its tokenizer's (464): ids the tokenizer cannot decode are
+    # never generated (a server answer holding them is refused, as a trained target never emits them)
+    model.generation_config.suppress_tokens = list(range(len(tok), model.config.vocab_size))
+    return model, tok, adapter
 
 
 def _served(model, tok):

@@ -17,6 +17,7 @@ from training_fixtures import run_fit_cli, save_tiny_target, tiny_recipe, write_
 from eagle3_zoo.hub import check_drafter
 from eagle3_zoo.training.outputs import provenance_json
 from eagle3_zoo.training.resume import RESUMABLE_KEYS, identity_differences, run_identity
+from eagle3_zoo.training.rundir import RUN_LOCK
 from tests.hub_fixtures import canonical_dir, edit_weights
 
 
@@ -71,7 +72,8 @@ def test_rerun_keeps_user_files_in_the_drafter_folder(env):
     assert json.loads((drafter / "provenance.json").read_text())["training"]["global_step"] == 3
     assert (drafter / "eval_results.json").read_text() == '{"mine": 1}\n'
     assert (drafter / "notes" / "a.txt").read_text() == "keep me"
-    assert not [p for p in run.iterdir() if p.name.startswith(".")]  # no staging or old folder left behind
+    # no staging or old folder left behind: only the run lock, which stays (flock: released when its holder ends)
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == [RUN_LOCK]
 
 
 def test_diverged_run_stops_keeps_last_finite_checkpoint_and_writes_no_drafter(env):

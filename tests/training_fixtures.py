@@ -93,6 +93,13 @@ def write_recipe(path: Path, recipe: dict[str, Any]) -> Path:
     return path
 
 
+def tiny_run_files(tmp: Path, n: int = 24, **sections: Any) -> Path:
+    """A tiny target, `n` conversations and the recipe over them (`tiny_recipe` sections) in `tmp`; the recipe."""
+    target = save_tiny_target(tmp / "target")
+    data = write_chat_jsonl(tmp / "chat.jsonl", n=n)
+    return write_recipe(tmp / "tiny.yaml", tiny_recipe(tmp, target, data, **sections))
+
+
 def cli_entry(use_cli: bool = False) -> list[str]:
     """`-m eagle3_zoo.cli fit` once the package CLI has a fit subcommand (and `use_cli`), else the training module."""
     cli = REPO / "eagle3_zoo" / "cli.py"

@@ -49,7 +49,7 @@ VERSION = 1
 REQUIRED_FIELDS = ("input_ids", "loss_mask")
 VERIFY_MODES = ("hash", "size", "none")
 # a shard that fails its manifest check is redone by the feature job (`prepare` verifies hashes, `fit` sizes)
-_REDO = "rerun `eagle3-zoo prepare` with the same recipe to extract the damaged shards again"
+REDO_HINT = "rerun `eagle3-zoo prepare` with the same recipe to extract the damaged shards again"
 
 
 class FeatureStoreError(DataError):
@@ -300,6 +300,7 @@ class FeatureReader(Dataset):
             raise FeatureStoreError(f"{root}: no {MANIFEST} here or in its subdirectories")
         self.manifests = [_read_manifest(d) for d in stores]
         self._shards: list[tuple[Path, list[str]]] = []  # (file, sample ids)
+        self._entries: list[tuple[Path, dict[str, Any]]] = []  # (file, its manifest entry)
         self.token_counts: list[int] = []
         for directory, manifest in zip(stores, self.manifests):
             if not manifest["complete"] and not allow_incomplete:
@@ -310,6 +311,7 @@ class FeatureReader(Dataset):
                 file = directory / shard["file"]
                 _verify_shard(file, shard, verify)
                 self._shards.append((file, shard["samples"]))
+                self._entries.append((file, shard))
                 self.token_counts += shard["num_tokens"]
         first = self.manifests[0]
         for directory, manifest in zip(stores, self.manifests):  # per-rank stores must agree to be concatenated
@@ -332,6 +334,17 @@ class FeatureReader(Dataset):
 
     def __len__(self) -> int:
         return len(self.sample_ids)
+
+    def hash_problems(self, rank: int = 0, world_size: int = 1) -> tuple[list[str], int, int]:
+        """Check the sha256 of shards rank, rank + world_size, ... against the manifest: a shard rewritten at the
+        same size (flipped bits, other floats) passes the size check and would be trained on.
+
+        Returns:
+            (one message per corrupt shard, shards hashed, bytes hashed).
+        """
+        share = self._entries[rank::world_size]
+        problems = [p for file, shard in share if (p := shard_problem(file, shard, "hash"))]
+        return problems, len(share), sum(int(shard["bytes"]) for _, shard in share)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         """The stored tensors of sample `index` (input_ids, loss_mask, aux_hidden, final_hidden, ...)."""
@@ -383,4 +396,4 @@ def shard_problem(file: Path, shard: dict[str, Any], verify: str) -> str | None:
 
 def _verify_shard(file: Path, shard: dict[str, Any], verify: str) -> None:
     if problem := shard_problem(file, shard, verify):
-        raise FeatureStoreError(f"{problem}; {_REDO}")
+        raise FeatureStoreError(f"{problem}; {REDO_HINT}")

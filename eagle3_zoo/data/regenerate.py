@@ -281,9 +281,12 @@ def regenerate_conversations(
 def collect_regenerated(conversations: Sequence[Conversation], done: dict[str, list[dict[str, str]]],
                         stats: RegenerateStats) -> list[Conversation]:
     """The regenerated conversations in input order (any backend), counting what the data holds in `stats`; one
-    whose first prompt was already too long (no answer) is dropped and counted as `prompt_too_long`."""
+    whose first prompt was already too long (no answer) is dropped and counted as `prompt_too_long`, one with no
+    record (its answer was refused and counted by the server backend) is left out."""
     out = []
     for conv in conversations:
+        if conv.uid not in done:
+            continue
         messages = done[conv.uid]
         if not any(m["role"] == "assistant" for m in messages):
             stats.skipped["prompt_too_long"] += 1

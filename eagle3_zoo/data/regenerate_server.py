@@ -7,6 +7,12 @@ re-tokenize it), the same stop tokens and `max_length`/`max_turns` rules. When t
 ids (vLLM: ``return_token_ids``) they are decoded here with the target's tokenizer exactly as the `hf` backend
 decodes its own output; otherwise the server's text is used.
 
+Every answer is checked before it is kept (`reply_of`): a JSON object with a ``choices`` list, token ids that are
+integers inside the tokenizer's vocabulary, or else a text string, and not empty unless the server says the model
+stopped at once. A refused answer is never cached: with `data.on_error: raise` the run stops naming the URL, the
+conversation and what is wrong; with `skip` the conversation is left out, counted (`server_answer_refused`) and
+asked again by the next run.
+
 Conversations are independent requests, `concurrency` in flight at once (the server batches them). Each finished
 conversation is appended as one line (one `write()` on an `O_APPEND` descriptor, fsynced), so a run killed at any
 moment (or a server that dies) leaves only whole conversations, and a rerun answers exactly the rest. When a
@@ -37,7 +43,7 @@ from eagle3_zoo.data.regenerate import (
     decode_reply,
     reply_message,
 )
-from eagle3_zoo.targets.openai_client import OpenAIClient, ServerError
+from eagle3_zoo.targets.openai_client import BadAnswerError, OpenAIClient, ServerError
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +63,7 @@ def regenerate_with_client(
     concurrency: int = 4,
     seed: int = 0,
     template_kwargs: dict[str, Any] | None = None,
+    on_error: str = "raise",
 ) -> tuple[list[Conversation], RegenerateStats]:
     """Replace every assistant turn by the served target's reply; resumable (see the module docstring).
 
@@ -67,10 +74,13 @@ def regenerate_with_client(
         out_path: the JSONL file of regenerated conversations (shared with the `hf` backend).
         model: the served model name (default: the first of ``/v1/models``).
         concurrency: conversations in flight at once.
+        on_error: an answer that is refused (see the module docstring): "raise" stops the run, "skip" leaves its
+            conversation out (counted as `server_answer_refused`, asked again by the next run).
         Others: as `eagle3_zoo.data.regenerate.regenerate_conversations` (`template_kwargs` included).
 
     Raises:
         ServerError: the server is down at the start, or a request kept failing (the message counts what was kept).
+        BadAnswerError: an answer was refused with `on_error="raise"` (the message counts what was kept).
     """
     out_path = Path(out_path)
     stats = RegenerateStats()
@@ -84,20 +94,24 @@ def regenerate_with_client(
             model = model or client.models()[0]
             logger.info("regenerating %d conversations through %s (%s, %d in flight; %d already in %s)", len(todo),
                         client.base_url, model, concurrency, stats.reused, out_path)
-            _run(todo, client, model, tokenizer, adapter, out_path, done, stats, end_ids=end_ids,
+            _run(todo, client, model, tokenizer, adapter, out_path, done, stats, on_error=on_error, end_ids=end_ids,
                  max_new_tokens=max_new_tokens, temperature=temperature, max_length=max_length, max_turns=max_turns,
                  concurrency=concurrency, seed=seed, template_kwargs=template_kwargs)
     return collect_regenerated(conversations, done, stats), stats
 
 
 def _run(todo: list[Conversation], client: OpenAIClient, model: str, tokenizer: Any, adapter: Any, out_path: Path,
-         done: dict[str, Any], stats: RegenerateStats, *, concurrency: int, **kw: Any) -> None:
+         done: dict[str, Any], stats: RegenerateStats, *, concurrency: int, on_error: str, **kw: Any) -> None:
     fd = os.open(out_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     failure: BaseException | None = None
 
     def keep(fut: Any, conv: Conversation) -> None:
         nonlocal failure
         if fut.cancelled():
+            return
+        if isinstance(fut.exception(), BadAnswerError) and on_error == "skip":
+            stats.skipped["server_answer_refused"] += 1  # not written: the next run asks again
+            logger.warning("skipping conversation %s (data.on_error=skip): %s", conv.uid, fut.exception())
             return
         if fut.exception() is not None:
             failure = failure or fut.exception()
@@ -127,9 +141,12 @@ def _run(todo: list[Conversation], client: OpenAIClient, model: str, tokenizer: 
     finally:
         os.close(fd)
     if failure is not None:
-        raise ServerError(f"regeneration through {client.base_url} stopped: {failure}; {stats.generated} of "
-                          f"{len(todo)} conversations done this run are kept in {out_path} ({stats.reused} from "
-                          "before); rerun to answer the rest") from None
+        hint = " (or set data.on_error=skip to leave out and count the conversations whose answers are refused)" \
+            if isinstance(failure, BadAnswerError) else ""
+        error = BadAnswerError if isinstance(failure, BadAnswerError) else ServerError
+        raise error(f"regeneration through {client.base_url} stopped: {failure}; {stats.generated} of "
+                    f"{len(todo)} conversations done this run are kept in {out_path} ({stats.reused} from "
+                    f"before); rerun to answer the rest{hint}") from None
 
 
 def _answer(conv: Conversation, client: OpenAIClient, model: str, tokenizer: Any, adapter: Any, *,
@@ -156,17 +173,44 @@ def _answer(conv: Conversation, client: OpenAIClient, model: str, tokenizer: Any
                                    "skip_special_tokens": not thinking}  # reasoning markers may be special tokens
         if temperature > 0:  # reproducible per conversation and turn, whatever the order of requests
             payload["seed"] = (seed + zlib.crc32(f"{conv.uid}/{answered}".encode())) % 2**31
-        choice = client.post("/v1/completions", payload)["choices"][0]
-        ids = choice.get("token_ids")
-        if ids is not None:
-            cut = next((j for j, tok in enumerate(ids) if tok in end_ids), len(ids))
-            reply = decode_reply(tokenizer, adapter, ids[:cut], template_kwargs)
-        else:
-            reply = reply_message(tokenizer, adapter, str(choice.get("text", "")), template_kwargs)
+        try:
+            reply = reply_of(client.completion(payload), tokenizer, adapter, end_ids, template_kwargs)
+        except BadAnswerError as e:
+            raise BadAnswerError(f"conversation {conv.uid}, answer {answered + 1}: {e}") from None
         pending.pop(0)  # the original assistant turn
         new.append(reply)
         answered += 1
     return new, answered
+
+
+def reply_of(choice: dict[str, Any], tokenizer: Any, adapter: Any, end_ids: list[int],
+             template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The assistant message of one completion choice, checked first (see the module docstring).
+
+    Raises:
+        BadAnswerError: what is wrong with the choice (its type, ids outside the vocabulary, an empty answer).
+    """
+    ids, text, finish = choice.get("token_ids"), choice.get("text"), choice.get("finish_reason")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise BadAnswerError(f"'token_ids' is not a list of integers ({str(ids)[:60]})")
+        vocab = len(tokenizer)
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise BadAnswerError(f"{len(bad)} of {len(ids)} token ids lie outside the tokenizer's vocabulary "
+                                 f"0..{vocab - 1} (e.g. {bad[0]}): is the server serving this target?")
+        empty = not ids
+    elif isinstance(text, str):
+        empty = not text
+    else:
+        raise BadAnswerError("the choice has neither 'token_ids' nor a 'text' string" if text is None else
+                             f"'text' is a JSON {type(text).__name__}, not a string")
+    if empty and finish != "stop":  # a model that ends its turn at once says so; an empty "length" answer is broken
+        raise BadAnswerError(f"an empty answer (no token) with finish_reason {finish!r}")
+    if ids is None:
+        return reply_message(tokenizer, adapter, text, template_kwargs)
+    cut = next((j for j, tok in enumerate(ids) if tok in end_ids), len(ids))
+    return decode_reply(tokenizer, adapter, ids[:cut], template_kwargs)
 
 
 def regenerate_for_recipe(recipe: Any, conversations: Sequence[Conversation], tokenizer: Any, adapter: Any,
@@ -177,7 +221,7 @@ def regenerate_for_recipe(recipe: Any, conversations: Sequence[Conversation], to
     d, r = recipe.data, recipe.data.regenerate
     kw = dict(max_new_tokens=r.max_new_tokens, temperature=r.temperature, max_length=d.max_length,
               max_turns=r.max_turns, concurrency=r.concurrency, seed=d.seed,
-              template_kwargs=dict(d.chat_template_kwargs))
+              template_kwargs=dict(d.chat_template_kwargs), on_error=d.on_error)
     client_kw = dict(api_key_env=r.api_key_env, timeout=r.timeout, retries=r.retries)
     if r.backend == "openai":
         if not r.base_url:

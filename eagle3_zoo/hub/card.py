@@ -226,9 +226,13 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
     cfg, detected = load_drafter_config(folder)
     fmt = fmt or detected
     infos, _, _ = read_infos(folder)
+    from eagle3_zoo.hub.check import recipe_file_problem
+
+    if problem := recipe_file_problem(folder):
+        raise ValueError(f"{problem}: the model card shows the recipe; fix or remove recipe.yaml")
     recipe_path = folder / "recipe.yaml"
     recipe_text = recipe_path.read_text(encoding="utf-8").strip() if recipe_path.is_file() else ""
-    recipe = (yaml.safe_load(recipe_text) if recipe_text else None) or {}
+    recipe = (yaml.safe_load(recipe_text) if recipe_text else None) or {}  # data: `${...}` stays literal text
     prov = _read_json(folder / "provenance.json")
     results = _eval_results(folder / "eval_results.json")
     # more runs of `eagle3-zoo eval` (other draft shapes) saved as eval_results_<name>.json: rows labelled by shape

@@ -24,15 +24,18 @@ from eagle3_zoo.hub.formats import (
     detect_format,
     drafter_config,
     expected_shapes,
+    extra_candidates,
     read_config,
     verifier_resolvable,
 )
 from eagle3_zoo.hub.weights import (
     FLOAT_DTYPES,
     CheckpointError,
+    OutsideFolderError,
     TensorInfo,
     UnsafeCheckpointError,
     find_weight_files,
+    inside_folder,
     load_weights,
     read_infos,
     st_dtype,
@@ -137,6 +140,19 @@ def require_valid_drafter(path_or_dir: str | Path, target_config: Any = None, *,
     return report
 
 
+def require_valid_stage(staged: str | Path, destination: str | Path, purpose: str = "write") -> None:
+    """`require_valid_drafter` for a folder staged for `destination` (the message names the destination): what a
+    command is about to write must pass the checks too.
+
+    Raises:
+        InvalidDrafterError: the staged folder has errors (nothing has replaced `destination` yet).
+    """
+    report = check_drafter(staged)
+    if report.errors:
+        report.path = str(destination)
+        raise InvalidDrafterError(report, purpose)
+
+
 def vocab_mapping_problems(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab_size: int,
                            check_dtypes: bool = True) -> list[Problem]:
     """Problems of a (d2t, t2d) pair: dtypes, every `i + d2t[i]` inside the target vocab and marked in t2d."""
@@ -200,6 +216,9 @@ def check_drafter(path_or_dir: str | Path, target_config: Any = None) -> CheckRe
     except FileNotFoundError as e:
         report.add("CONFIG_MISSING", str(e), "point at the folder holding config.json and the weights")
         return report
+    except OutsideFolderError as e:
+        report.add("FILE_OUTSIDE_FOLDER", str(e), _OUTSIDE_FIX)
+        return report
     except CheckpointError as e:
         report.add("WEIGHTS_MISSING", str(e), "download the weights too (model.safetensors or pytorch_model.bin)")
         return report
@@ -210,12 +229,48 @@ def check_drafter(path_or_dir: str | Path, target_config: Any = None) -> CheckRe
         report.add("CONFIG_INVALID", str(e), "fix config.json (compare with an `eagle3-zoo export` output)")
         return report
     _config_problems(raw, fmt, report)
+    _folder_file_problems(folder, report)
     _weight_problems(folder, fmt, cfg, report)
     if target_config is not None:  # config-level: reported even when the weights are unreadable
         from eagle3_zoo.hub.check_target import resolve_target_config, target_problems
 
         target_problems(raw, fmt, cfg, resolve_target_config(target_config), report)
     return report
+
+
+_OUTSIDE_FIX = "copy the file into the folder instead of linking to it (or remove the link)"
+
+
+def _folder_file_problems(folder: Path, report: CheckReport) -> None:
+    """The files export and publish copy besides the weights: none may lead outside the folder, and recipe.yaml (the
+    model card shows it) must be a YAML mapping."""
+    for path in extra_candidates(folder):
+        try:
+            inside_folder(folder, path)
+        except OutsideFolderError as e:
+            report.add("FILE_OUTSIDE_FOLDER", str(e), _OUTSIDE_FIX)
+    if (problem := recipe_file_problem(folder)) is not None:
+        report.add("RECIPE_UNREADABLE", problem, "fix or remove recipe.yaml (a YAML mapping of recipe sections, as "
+                   "`fit` writes it)", "warning")
+
+
+def recipe_file_problem(folder: str | Path) -> str | None:
+    """Why a drafter folder's recipe.yaml cannot be read as a recipe (as data: nothing in it is resolved), else
+    None (also when there is none)."""
+    import yaml
+
+    path = Path(folder) / "recipe.yaml"
+    if not path.is_file():
+        return None
+    try:
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return f"{path}: not UTF-8 text (byte offset {e.start})"
+    except (yaml.YAMLError, RecursionError) as e:
+        return f"{path}: not valid YAML ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    if data is not None and not isinstance(data, dict):
+        return f"{path}: expected a mapping of recipe sections, got a YAML {type(data).__name__}"
+    return None
 
 
 def _weight_problems(folder: Path, fmt: str, cfg: Eagle3Config, report: CheckReport) -> None:

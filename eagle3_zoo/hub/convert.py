@@ -16,38 +16,38 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3_zoo.dtypes import torch_dtype
-from eagle3_zoo.hub.check import require_valid_drafter
+from eagle3_zoo.hub.check import require_valid_drafter, require_valid_stage
 from eagle3_zoo.hub.formats import (
     CANONICAL_KEYS,
     EXPORT_FORMATS,
     canonical_name,
     detect_format,
     drafter_config,
+    extra_candidates,
     format_name,
     is_canonical,
     read_config,
     speculators_config,
 )
-from eagle3_zoo.hub.weights import SAFETENSORS_NAME, load_weights
+from eagle3_zoo.hub.weights import SAFETENSORS_NAME, inside_folder, load_weights
 from eagle3_zoo.modeling import CONFIG_NAME, WEIGHTS_NAME, Eagle3Drafter, identity_vocab
-from eagle3_zoo.modeling.io import atomic_write, atomic_write_text
+from eagle3_zoo.modeling.io import atomic_write, atomic_write_text, move_files_into, staged_directory
 
 __all__ = ["CANONICAL_KEYS", "convert_to_canonical", "export_drafter", "extra_files", "import_drafter",
            "load_any_drafter"]
 
 log = logging.getLogger(__name__)
 
-# files next to the weights that travel with every export: the resolved recipe, provenance, eval results
-EXTRA_FILES = ("recipe.yaml", "provenance.json", "eval_results.json")
-EXTRA_GLOBS = ("eval_results_*.json", "*.png")  # more eval runs (other draft shapes), per-depth plots
-
 
 def extra_files(drafter_dir: str | Path) -> list[Path]:
-    """Recipe, provenance, eval results and plots present in a drafter folder."""
-    folder = Path(drafter_dir)
-    found = [folder / n for n in EXTRA_FILES if (folder / n).is_file()]
-    for pattern in EXTRA_GLOBS:
-        found += sorted(p for p in folder.glob(pattern) if p.is_file())
+    """Recipe, provenance, eval results and plots present in a drafter folder (`formats.EXTRA_FILES`, `EXTRA_GLOBS`).
+
+    Raises:
+        OutsideFolderError: one of them is a link leading outside the folder (its content is never copied).
+    """
+    found = extra_candidates(drafter_dir)
+    for path in found:
+        inside_folder(drafter_dir, path)
     return found
 
 
@@ -161,16 +161,19 @@ def export_drafter(
         raise ValueError(f"export target {out} is the drafter folder itself; choose another --out")
     for problem in require_valid_drafter(src, purpose="export").warnings:
         log.warning("%s: %s", src, problem)
-    out.mkdir(parents=True, exist_ok=True)
-    if EXPORT_FORMATS[fmt] == "sglang" and is_canonical(src):
-        for name in (CONFIG_NAME, WEIGHTS_NAME):  # already canonical: keep the exact bytes
-            shutil.copyfile(src / name, out / name)
-    elif EXPORT_FORMATS[fmt] == "sglang":
-        import_drafter(src).save_pretrained(out)
-    else:
-        _write_speculators(import_drafter(src), out, num_speculative_tokens, verifier_architectures, verifier)
-    for extra in extra_files(src):
-        shutil.copyfile(extra, out / extra.name)
+    extras = extra_files(src)  # links leading outside the folder are refused before anything is written
+    with staged_directory(out) as tmp:  # a failed or killed export leaves no partial file in `out`
+        if EXPORT_FORMATS[fmt] == "sglang" and is_canonical(src):
+            for name in (CONFIG_NAME, WEIGHTS_NAME):  # already canonical: keep the exact bytes
+                shutil.copyfile(inside_folder(src, src / name), tmp / name)
+        elif EXPORT_FORMATS[fmt] == "sglang":
+            import_drafter(src).save_pretrained(tmp)
+        else:
+            _write_speculators(import_drafter(src), tmp, num_speculative_tokens, verifier_architectures, verifier)
+        for extra in extras:
+            shutil.copyfile(inside_folder(src, extra), tmp / extra.name)
+        require_valid_stage(tmp, out, purpose="export")  # what serving engines will load passes the checks too
+        move_files_into(tmp, out)
     log.info("exported %s -> %s (%s format)", src, out, EXPORT_FORMATS[fmt])
     return out
 

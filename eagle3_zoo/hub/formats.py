@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from eagle3_zoo.hub.weights import CheckpointError, find_weight_files
+from eagle3_zoo.hub.weights import CheckpointError, find_weight_files, inside_folder
 from eagle3_zoo.modeling import Eagle3Config
 from eagle3_zoo.modeling.config import ARCHITECTURE
 
@@ -52,6 +52,20 @@ _LAYER_CONFIG_KEYS = (
 )
 
 
+# files next to the weights that travel with every export and publish: the resolved recipe, provenance, eval results
+EXTRA_FILES = ("recipe.yaml", "provenance.json", "eval_results.json")
+EXTRA_GLOBS = ("eval_results_*.json", "*.png")  # more eval runs (other draft shapes), per-depth plots
+
+
+def extra_candidates(folder: str | Path) -> list[Path]:
+    """Recipe, provenance, eval results and plots present in a drafter folder (links not yet checked)."""
+    folder = Path(folder)
+    found = [folder / n for n in EXTRA_FILES if (folder / n).is_file()]
+    for pattern in EXTRA_GLOBS:
+        found += sorted(p for p in folder.glob(pattern) if p.is_file())
+    return found
+
+
 class NonCanonicalDrafterError(ValueError):
     """A speculators checkpoint using a training variant that changes the EAGLE-3 forward pass."""
 
@@ -66,10 +80,13 @@ def read_config(folder: str | Path) -> dict[str, Any]:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{Path(folder)}: no config.json; not a drafter checkpoint folder")
+    inside_folder(folder, path)
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte offset {e.start}); expected a JSON config") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from e
+        raise ValueError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return raw

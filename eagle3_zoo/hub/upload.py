@@ -4,7 +4,8 @@
 
 The token comes from huggingface_hub's usual sources (`token=`, `HF_TOKEN`, the cached `hf auth login`); it is only
 ever passed to `HfApi`, never written to the staged folder, the card or a log, and the staged files are scanned for
-it before anything is uploaded (`--dry-run` included). A failed publish removes its temporary stage.
+it before anything is uploaded (`--dry-run` included). A failed publish removes what it staged (its temporary
+stage, or the files it put into `--stage-dir`).
 
 With no network, publishing fails within `PROBE_TIMEOUT_S` seconds with one line naming the endpoint (a
 `HubUnreachableError`) instead of an HTTP client traceback after the client's own retries and timeouts.
@@ -25,6 +26,7 @@ from eagle3_zoo.hub.card import render_card
 from eagle3_zoo.hub.check import CheckReport, require_valid_drafter
 from eagle3_zoo.hub.convert import export_drafter
 from eagle3_zoo.hub.formats import EXPORT_FORMATS, load_drafter_config
+from eagle3_zoo.modeling.io import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +150,8 @@ def stage(drafter_dir: str | Path, stage_dir: str | Path, repo_id: str | None = 
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"stage folder {out} is not empty; pass an empty or new folder")
     export_drafter(drafter_dir, fmt, out)
-    render_card(out, repo_id=repo_id, fmt=EXPORT_FORMATS[fmt], published=published, **card_overrides).save(
-        out / "README.md")
+    card = render_card(out, repo_id=repo_id, fmt=EXPORT_FORMATS[fmt], published=published, **card_overrides)
+    atomic_write(out / "README.md", card.save)  # a killed stage never leaves a truncated card
     return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
 
 
@@ -164,16 +166,19 @@ def _scan_for_token(folder: Path, token: str | None, drafter_dir: str | Path) ->
                                  "paths and values the model card shows) and publish again")
 
 
-def _remove_stage(out: Path, temporary: bool) -> None:
-    """Undo a stage: the temporary folder, or what was staged into the caller's (empty or new) folder."""
+def _remove_stage(out: Path, temporary: bool, existed: bool = True) -> None:
+    """Undo a stage: the temporary folder, or what was staged into the caller's (empty or new) folder, and that
+    folder itself if the publish created it."""
     if temporary:
-        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(out.parent, ignore_errors=True)  # the temporary root holding the stage
         return
     for path in out.iterdir() if out.is_dir() else ():
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
+    if not existed and out.is_dir():
+        out.rmdir()
 
 
 def publish(
@@ -218,10 +223,17 @@ def publish(
         raise ValueError("no Hugging Face token: log in with `hf auth login` or set HF_TOKEN to a token with write "
                          f"access to {repo_id.split('/')[0]} (`--dry-run` stages the folder without one)")
     report = require_valid_drafter(drafter_dir, purpose="publish")  # its warnings are logged by the export
+    from eagle3_zoo.hub.check import recipe_file_problem
+
+    if problem := recipe_file_problem(drafter_dir):  # the card shows the recipe: say so before staging anything
+        raise ValueError(f"{problem}: the model card shows the recipe; fix or remove recipe.yaml")
     temporary = stage_dir is None
-    out = Path(tempfile.mkdtemp(prefix="eagle3-zoo-publish-")) if temporary else Path(stage_dir)
+    # a temporary stage is a folder in a temporary root, which also holds what staging keeps next to the stage
+    out = Path(tempfile.mkdtemp(prefix="eagle3-zoo-publish-")) / repo_id.split("/")[-1] if temporary else \
+        Path(stage_dir)
     if not temporary and out.exists() and any(out.iterdir()):  # before the cleanup below could touch its files
         raise ValueError(f"stage folder {out} is not empty; pass an empty or new folder")
+    existed = out.exists()
 
     try:
         files = stage(drafter_dir, out, repo_id=repo_id, fmt=fmt, published=not dry_run, **card_overrides)
@@ -232,13 +244,13 @@ def publish(
             return PublishResult(repo_id, out, True, files, report)
         result = _upload(out, drafter_dir, repo_id, files, report, private=private, create_pr=create_pr,
                          token=token, endpoint=endpoint, commit_message=commit_message)
-    except BaseException as e:
-        # a temporary stage is nobody's to clean up later; a staged token must not stay on disk either
-        if temporary or isinstance(e, TokenLeakError):
-            _remove_stage(out, temporary)
+    except BaseException:
+        # a failed publish leaves nothing: no temporary stage, nothing staged in --stage-dir (a truncated file of a
+        # full disk, a staged token, a folder that a retry would refuse as not empty)
+        _remove_stage(out, temporary, existed)
         raise
     if temporary:
-        shutil.rmtree(out, ignore_errors=True)
+        _remove_stage(out, temporary)
         result.stage_dir = None
     return result
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from eagle3_zoo.dtypes import SAFETENSORS_FLOATS, SAFETENSORS_ITEMSIZE, safetensors_code
+from eagle3_zoo.modeling.io import pickle_refusal
 
 SAFETENSORS_NAME = "model.safetensors"
 PICKLE_NAME = "pytorch_model.bin"
@@ -32,6 +33,34 @@ class CheckpointError(ValueError):
 
 class UnsafeCheckpointError(CheckpointError):
     """A pickle file holding objects other than tensors; it was refused without running any of its code."""
+
+
+class OutsideFolderError(CheckpointError):
+    """A file of a drafter folder (a link, or a shard index entry) that leads outside the folder; never read."""
+
+
+def _hf_cache_blobs(folder: Path) -> Path | None:
+    """`<repo>/blobs` when `folder` is a snapshot in the Hugging Face cache (`<repo>/snapshots/<revision>`), whose
+    files are links into the repo's blobs by design."""
+    repo = folder.parent.parent
+    if folder.parent.name == "snapshots" and repo.name.startswith(("models--", "datasets--", "spaces--")):
+        return repo / "blobs"
+    return None
+
+
+def inside_folder(folder: str | Path, path: str | Path) -> Path:
+    """`path` (a file of the drafter folder `folder`) with its links resolved, when it stays inside `folder` (or,
+    for a snapshot in the Hugging Face cache, inside its repo's blobs).
+
+    Raises:
+        OutsideFolderError: it leads elsewhere: its content is never read, copied, exported or published.
+    """
+    root, real = Path(folder).resolve(), Path(path).resolve()
+    blobs = _hf_cache_blobs(root)
+    if root in real.parents or (blobs is not None and blobs in real.parents):
+        return real
+    raise OutsideFolderError(f"{path} leads outside the drafter folder {folder} (to {real}); files are read only "
+                             "from inside the folder: copy the file in instead of linking to it")
 
 
 @dataclass(frozen=True)
@@ -54,14 +83,26 @@ def find_weight_files(folder: str | Path) -> tuple[str, list[Path]]:
     folder = Path(folder)
     for kind, name in (("safetensors", SAFETENSORS_NAME), ("pickle", PICKLE_NAME)):
         if (folder / name).is_file():
+            inside_folder(folder, folder / name)
             return kind, [folder / name]
         index = folder / (name + _INDEX_SUFFIX)
         if index.is_file():
+            inside_folder(folder, index)
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: not a valid shard index ({e})") from e
-            return kind, [folder / f for f in sorted(set(weight_map.values()))]
+                names = sorted(set(weight_map.values()))
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"{index}: not a valid shard index ({type(e).__name__}: {e}); expected "
+                                      '{"weight_map": {"tensor name": "file name", ...}}') from None
+            bad = [n for n in names if not isinstance(n, str) or not n or Path(n).is_absolute()
+                   or ".." in Path(n).parts]
+            if bad:
+                raise OutsideFolderError(f"{index}: weight_map names files outside the folder ({bad[0]!r}); a shard "
+                                         "index lists file names inside the drafter folder")
+            files = [folder / n for n in names]
+            for file in files:
+                inside_folder(folder, file)
+            return kind, files
     raise CheckpointError(
         f"{folder}: no weights found; expected {SAFETENSORS_NAME} (SGLang/speculators) or {PICKLE_NAME} "
         f"(official EAGLE-3 release), or a sharded *{_INDEX_SUFFIX}"
@@ -156,11 +197,7 @@ def load_pickle_weights(path: str | Path) -> dict[str, torch.Tensor]:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         # keep torch's diagnosis (which global was refused), drop its advice to retry with weights_only=False
-        why = next((ln.split("error:", 1)[-1].split(". ")[0].strip() for ln in str(e).splitlines()
-                    if "Unpickler error" in ln), "an object the restricted unpickler does not allow")
-        raise UnsafeCheckpointError(
-            f"{path}: refused: the pickle holds objects other than tensors ({why}). Nothing in it was executed."
-        ) from None
+        raise UnsafeCheckpointError(f"{path}: {pickle_refusal(e)}; a drafter checkpoint holds tensors only") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot read PyTorch checkpoint (truncated or corrupt?): {e}") from e
     if not isinstance(obj, dict):

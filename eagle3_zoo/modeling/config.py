@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,64 @@ def from_sglang_layer_ids(ids: list[int]) -> tuple[int, ...]:
     return tuple(int(i) + 1 for i in ids)
 
 
+_SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size",
+          "draft_vocab_size", "max_position_embeddings")
+_OPTIONAL_SIZES = ("target_hidden_size", "head_dim")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _field_problems(c: Eagle3Config) -> list[str]:
+    """Type and range of every field the drafter reads (a wrong type fails deep in torch, a bad value gives NaN)."""
+    out = [f"{name}={getattr(c, name)!r}; expected an integer >= 1" for name in _SIZES
+           if not _is_int(getattr(c, name)) or getattr(c, name) < 1]
+    out += [f"{name}={getattr(c, name)!r}; expected an integer >= 1 or null" for name in _OPTIONAL_SIZES
+            if getattr(c, name) is not None and (not _is_int(getattr(c, name)) or getattr(c, name) < 1)]
+    if not _is_number(c.rms_norm_eps) or not 0 < c.rms_norm_eps < 1:
+        out.append(f"rms_norm_eps={c.rms_norm_eps!r}; expected a number in (0, 1), e.g. 1e-05 (<= 0 makes every "
+                   "output NaN)")
+    if not _is_number(c.rope_theta) or c.rope_theta <= 0:
+        out.append(f"rope_theta={c.rope_theta!r}; expected a number > 0, e.g. 10000.0")
+    if c.rope_scaling is not None and not (isinstance(c.rope_scaling, dict) and all(
+            isinstance(k, str) and (v is None or isinstance(v, (str, int, float, list))) for k, v in
+            c.rope_scaling.items()) and isinstance(c.rope_scaling.get("rope_type", ""), str)):
+        out.append(f"rope_scaling={c.rope_scaling!r}; expected null or an object of RoPE settings with a string "
+                   "rope_type, e.g. {\"rope_type\": \"llama3\", \"factor\": 8.0}")
+    ids = c.aux_layer_ids
+    if ids is not None and not (isinstance(ids, (list, tuple)) and len(ids) in (1, 3)
+                                and all(_is_int(i) and i >= 0 for i in ids)):
+        out.append(f"aux_layer_ids={ids!r}; expected 1 or 3 integer layer ids >= 0")
+    for name in ("hidden_act", "torch_dtype"):
+        if not isinstance(getattr(c, name), str):
+            out.append(f"{name}={getattr(c, name)!r}; expected a string")
+    for name in ("target_model_type", "target_name_or_path"):
+        if getattr(c, name) is not None and not isinstance(getattr(c, name), str):
+            out.append(f"{name}={getattr(c, name)!r}; expected a string or null")
+    return out
+
+
+def _object(d: dict[str, Any], key: str, source: str) -> dict[str, Any]:
+    """`d[key]` when it is an object (absent or null: {}); anything else is refused naming the key."""
+    value = d.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{source}: {key} = {value!r}; expected a JSON object")
+    return value
+
+
+def _layer_ids(value: Any, key: str, source: str) -> list[int]:
+    if not isinstance(value, list) or not all(_is_int(i) for i in value):
+        raise ValueError(f"{source}: {key} = {value!r}; expected a list of integer layer ids")
+    return value
+
+
 @dataclass
 class Eagle3Config:
     """Shape and provenance of an EAGLE-3 drafter (one Llama decoder layer reading fused target features).
@@ -69,13 +128,17 @@ class Eagle3Config:
     extra: dict[str, Any] = field(default_factory=dict)  # unknown config.json keys, kept for round trips
 
     def __post_init__(self) -> None:
+        problems = _field_problems(self)  # types and ranges first: the rules below compute with the values
+        if problems:
+            raise ValueError("invalid Eagle3Config: " + "; ".join(problems))
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.aux_layer_ids is not None:
             self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
-        problems = []
+        if self.head_dim < 1:
+            problems.append(f"head_dim = hidden_size // num_attention_heads = {self.head_dim}; must be >= 1")
         if self.num_attention_heads % self.num_key_value_heads:
             problems.append(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -212,18 +275,24 @@ class Eagle3Config:
         kwargs: dict[str, Any] = {k: d.pop(k) for k in list(d) if k in known and k not in ("extra",)}
         kwargs.setdefault("num_key_value_heads", kwargs["num_attention_heads"])
         kwargs.setdefault("draft_vocab_size", kwargs["vocab_size"])
-        rope_parameters = d.pop("rope_parameters", None) or {}
+        rope_parameters = _object(d, "rope_parameters", source)
+        d.pop("rope_parameters", None)
         if "rope_theta" not in kwargs:  # official releases omit it: Llama's default base 10000
-            kwargs["rope_theta"] = float(rope_parameters.get("rope_theta", 10000.0))
+            theta = rope_parameters.get("rope_theta", 10000.0)
+            kwargs["rope_theta"] = float(theta) if _is_number(theta) else theta  # a bad value: refused below
         if kwargs.get("rope_scaling") is None and rope_parameters.get("rope_type", "default") != "default":
             kwargs["rope_scaling"] = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
         scaling = kwargs.get("rope_scaling")
-        if scaling and "rope_type" not in scaling and "type" in scaling:  # pre-4.45 HF spelling
+        if isinstance(scaling, dict) and "rope_type" not in scaling and "type" in scaling:  # pre-4.45 HF spelling
             kwargs["rope_scaling"] = {**scaling, "rope_type": scaling["type"]}
-        eagle = d.pop("eagle_config", None) or {}
+        eagle = _object(d, "eagle_config", source)
+        d.pop("eagle_config", None)
         vllm_ids = d.pop("eagle_aux_hidden_state_layer_ids", None)
+        if vllm_ids is not None:
+            _layer_ids(vllm_ids, "eagle_aux_hidden_state_layer_ids", source)
         if eagle.get("eagle_aux_hidden_state_layer_ids") is not None:
-            kwargs["aux_layer_ids"] = from_sglang_layer_ids(eagle["eagle_aux_hidden_state_layer_ids"])
+            kwargs["aux_layer_ids"] = from_sglang_layer_ids(_layer_ids(
+                eagle["eagle_aux_hidden_state_layer_ids"], "eagle_config.eagle_aux_hidden_state_layer_ids", source))
             if vllm_ids is not None and tuple(vllm_ids) != kwargs["aux_layer_ids"]:
                 raise ValueError(
                     f"{source}: eagle_config.eagle_aux_hidden_state_layer_ids "
@@ -233,7 +302,8 @@ class Eagle3Config:
                 )
         elif vllm_ids is not None:
             kwargs["aux_layer_ids"] = tuple(int(i) for i in vllm_ids)
-        zoo = d.pop("eagle3_zoo", None) or {}
+        zoo = _object(d, "eagle3_zoo", source)
+        d.pop("eagle3_zoo", None)
         kwargs.setdefault("target_model_type", zoo.get("target_model_type"))
         kwargs.setdefault("target_name_or_path", zoo.get("target_name_or_path"))
         if kwargs.get("torch_dtype") not in DTYPE_NAMES:

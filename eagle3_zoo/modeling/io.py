@@ -1,16 +1,59 @@
-"""Atomic file writes (a crash never leaves a half-written checkpoint, manifest or cache entry behind), file hashes
-and inter-process file locks: the one place the package does each."""
+"""Atomic file writes (a crash never leaves a half-written checkpoint, manifest or cache entry behind), staged
+folders, file hashes, inter-process file locks, and what to say when a write runs out of space or `torch.load`
+refuses a pickle: the one place the package does each."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import hashlib
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
+# what a write that ran out of room says: errno (disk full, file too large, quota), torch's zip writer (a short
+# write), safetensors' Rust I/O error
+_NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+_NO_ROOM_TEXT = ("unexpected pos", "No space left", "File too large", "Disk quota", "os error 28", "os error 27",
+                 "os error 122")
+
+
+class DiskFullError(OSError):
+    """A write ran out of room (disk full, quota, or the file-size limit); the message names the file and where."""
+
+
+def no_room_error(path: Path, error: BaseException) -> DiskFullError | None:
+    """A one-line `DiskFullError` naming `path` when `error` means the disk (or the file-size limit) is full."""
+    if not isinstance(error, Exception):
+        return None
+    if not ((isinstance(error, OSError) and error.errno in _NO_ROOM_ERRNOS)
+            or any(s in str(error) for s in _NO_ROOM_TEXT)):
+        return None
+    where = next((p for p in (Path(path).parent, *Path(path).parents) if p.exists()), Path("."))
+    free = shutil.disk_usage(where).free
+    limit = ""
+    with contextlib.suppress(ImportError, ValueError, OSError):
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        limit = "" if soft == resource.RLIM_INFINITY else f"; the file-size limit (ulimit -f) is {soft} bytes"
+    full = DiskFullError(f"could not write {path}: no space left (the disk holding {where} has {free / 1e6:.1f} MB "
+                         f"free{limit}); free space there or write elsewhere, then rerun")
+    full.errno = errno.ENOSPC
+    return full
+
+
+def pickle_refusal(error: BaseException) -> str:
+    """What `torch.load(weights_only=True)` refused, without torch's advice to load the file unsafely."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(error))
+    what = f"a reference to {found[1]}" if found else "an object"
+    return f"refused: it holds {what} that the safe loader does not allow (nothing in it was run)"
 
 
 def _umask() -> int:
@@ -31,9 +74,11 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; the file gets the mode a plain open() would give
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if full := no_room_error(path, e):
+            raise full from None
         raise
     fsync_dir(path.parent)  # the rename itself survives a power cut
 
@@ -62,6 +107,84 @@ def atomic_write_text(path: Path, text: str) -> None:
             f.write(text)
 
     atomic_write(path, _write)
+
+
+def atomic_copy(src: str | Path, dest: str | Path) -> None:
+    """Copy the file `src` to `dest` atomically (see `atomic_write`)."""
+    atomic_write(Path(dest), lambda tmp: shutil.copyfile(src, tmp))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def remove_dead_stages(path: Path) -> None:
+    """Remove the stages of `path` (`.NAME.tmp-*`) whose writers are gone: a live writer holds its stage's lock."""
+    removed = 0
+    for stage in sorted(path.parent.glob(f".{glob.escape(path.name)}.tmp-*")):
+        if stage.name.endswith(".lock"):
+            if stage.with_suffix("").exists():
+                continue  # checked with its stage
+            lock, stage = stage, None
+        else:
+            lock = stage.with_name(stage.name + ".lock")
+        try:
+            with exclusive_lock(lock, blocking=False):
+                if stage is not None:
+                    _remove(stage)
+                    removed += 1
+                lock.unlink(missing_ok=True)
+        except BlockingIOError:
+            continue  # another process is writing it now
+    if removed:
+        logger.info("removed %d staging leftover(s) of an interrupted write of %s", removed, path)
+
+
+@contextlib.contextmanager
+def staged_directory(path: str | Path) -> Iterator[Path]:
+    """A new temp folder next to `path` (`.NAME.tmp-*`) to stage `path`'s files in; removed when the block ends
+    (after the block renamed or moved its content into place, or after a failure).
+
+    Each stage is locked (`.NAME.tmp-*.lock`, taken before the folder exists) while its writer lives, so the stages
+    of writers that were killed are recognised and removed first: a killed export, consolidate or fit leaves nothing
+    that a later write of `path` keeps, and a concurrent writer's stage is never touched. A write that runs out of
+    room is reported by `DiskFullError` naming `path`.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_stages(path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", suffix=".lock", dir=path.parent)
+    os.close(fd)
+    lock = Path(name)
+    try:
+        with exclusive_lock(lock):
+            tmp = lock.with_suffix("")
+            tmp.mkdir(mode=0o700)
+            try:
+                yield tmp
+            except Exception as e:
+                if full := no_room_error(path, e):
+                    raise full from None
+                raise
+            finally:
+                _remove(tmp)
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def move_files_into(staged: Path, folder: Path) -> None:
+    """Move the (fsynced) files of `staged` into `folder` (created), each by one rename replacing its namesake:
+    `folder` never holds a partly written file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in sorted(staged.iterdir()):
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        os.chmod(path, 0o666 & ~_umask())
+        os.replace(path, folder / path.name)
+    fsync_dir(folder)
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
@@ -116,4 +239,4 @@ def recover_replaced_directory(path: Path) -> None:
     old = path.with_name(f".{path.name}.old")
     if old.is_dir() and not path.exists():
         os.rename(old, path)
-        logging.getLogger(__name__).info("restored %s from an interrupted replacement", path)
+        logger.info("restored %s from an interrupted replacement", path)

@@ -102,7 +102,7 @@ def complete(client: OpenAIClient, model: str, prompt_ids: list[int], *, max_new
     payload = {"model": model, "prompt": prompt_ids, "max_tokens": max_new_tokens, "temperature": 0.0,
                "stop_token_ids": list(stop_ids), "return_token_ids": True, "skip_special_tokens": False}
     start = time.perf_counter()
-    choice = client.post("/v1/completions", payload)["choices"][0]
+    choice = client.completion(payload)
     seconds = time.perf_counter() - start
     ids = choice.get("token_ids")
     if ids is None:
@@ -342,12 +342,15 @@ def engine_smoke(drafter: str | Path, target: str | None = None, *, prompts: int
     Returns:
         ``{"ok", "message", "tau", "accepted_tokens", "draft_tokens"}``.
     """
+    import shutil
     import tempfile
 
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="eagle3-zoo-check-"))
     results = evaluate_in_vllm(drafter, target, "mtbench", num_speculative_tokens=num_speculative_tokens,
                                max_new_tokens=max_new_tokens, limit=prompts, baseline=False, python=python,
                                work_dir=work)
+    if not work_dir:  # a temporary folder is removed once done (after a failure it keeps the server logs it names)
+        shutil.rmtree(work, ignore_errors=True)
     o = results["overall"]
     ok = o["drafts"] > 0 and o["accepted_tokens"] > 0
     tau = f"{o['tau']:.2f}" if o["tau"] is not None else "-"

@@ -36,7 +36,7 @@ from eagle3_zoo.speculative.report import (  # noqa: F401 (format_* and write_re
     versions,
     write_results,
 )
-from eagle3_zoo.speculative.shapes import TreeSpec
+from eagle3_zoo.speculative.shapes import TreeSpec, shape_problem
 
 log = logging.getLogger(__name__)
 # where HF configs keep the context length (Llama/Qwen/DeepSeek, GPT-2, some remote-code models)
@@ -238,6 +238,9 @@ def _decode(generators: Sequence[SpeculativeGenerator], target: nn.Module, token
     ``benchmarks, overall, lossless, requests``."""
     device = generators[0].runner.device
     context = context_length(target)
+    for generator in generators:  # before any decoding: a shape that cannot fit would run for ever or exhaust memory
+        if problem := shape_problem(generator.tree, context, max_new_tokens):
+            raise ValueError(problem)
 
     def too_long(ids: torch.Tensor) -> str | None:
         """Why a request cannot run within the target's context (positions past it are outside its training)."""

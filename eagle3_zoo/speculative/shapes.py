@@ -94,6 +94,32 @@ class TreeSpec:
                 "sglang_num_draft_tokens": self.verified_tokens, "vllm_num_speculative_tokens": depth}
 
 
+MAX_DRAFT_TOKENS = 4096  # the bound on a draft's depth and nodes where the target's context length is unknown
+
+
+def shape_problem(spec: TreeSpec, context: int | None, max_new_tokens: int) -> str | None:
+    """Why `spec` cannot decode requests of up to `max_new_tokens` tokens on a target whose context is `context`
+    tokens (None: unknown), else None: checked before decoding, since a draft deeper than the room left runs for
+    ever (one drafter step per depth, every cycle) and a tree with more nodes than the context holds allocates its
+    attention mask over all of them.
+
+    Within the context, a draft must leave room for the answer: the last cycle's nodes sit up to `depth` positions
+    past the `max_new_tokens`-th new token, and one verification forward appends all `verified_tokens`.
+    """
+    room = context - max_new_tokens if context else MAX_DRAFT_TOKENS
+    where = (f"the target's context of {context} tokens minus --max-new-tokens {max_new_tokens}" if context else
+             f"{MAX_DRAFT_TOKENS} (the target does not say its context length)")
+    if room < 2:
+        return (f"--max-new-tokens {max_new_tokens} leaves no room for a draft in the target's context of {context} "
+                "tokens; lower --max-new-tokens")
+    for what, value in (("depth", min(spec.depth, spec.total_tokens)), ("verified tokens", spec.verified_tokens)):
+        if value > room:
+            return (f"draft shape {spec.label}: {what} {value} exceeds {where} = {room}; use a shape of at most "
+                    f"{room - 1} draft tokens (e.g. chain:{min(room - 1, 8)} or tree:{min(room - 1, 8)}/10/"
+                    f"{min(room - 1, 60)}) or lower --max-new-tokens")
+    return None
+
+
 def spec_from_settings(settings: dict[str, Any]) -> TreeSpec | None:
     """The `TreeSpec` of an eagle3-zoo evaluation's settings (`mode, depth, top_k, total_tokens`), else None."""
     try:

@@ -190,9 +190,37 @@ def _datasets(recipe: Any, data: Any, target: Any, tokenizer: Any, adapter: Any,
 
     store = extract_features(recipe, target=target, tokenizer=tokenizer, adapter=adapter, data=data)
     reader = FeatureReader(store)
+    verify_feature_hashes(reader, store)
     if tuple(reader.aux_layer_ids or ()) != tuple(aux_ids):
         raise ValueError(f"feature store {store} holds aux layers {reader.aux_layer_ids}, the drafter needs "
                          f"{list(aux_ids)}: point data.features_dir elsewhere or match drafter.aux_layer_ids")
     info = {"features_dir": str(store), "bytes_per_token": reader.bytes_per_token, "dtype": reader.dtype}
     return (FeatureDataset(reader, [e["id"] for e in data.train]), FeatureDataset(reader, [e["id"] for e in data.val]),
             info)
+
+
+def verify_feature_hashes(reader: Any, store: Any) -> None:
+    """Check every shard of the store against the sha256 its manifest records, once per run, before training reads
+    any (each rank hashes its share of the ranks that see the store; all of them learn of a corrupt shard), and log
+    what it cost.
+
+    Raises:
+        FeatureStoreError: corrupt shards (named), to be extracted again by `eagle3-zoo prepare`.
+    """
+    import time
+
+    from eagle3_zoo.data.features import REDO_HINT, FeatureStoreError
+    from eagle3_zoo.data.ranks import gather_lists, split_for
+
+    split = split_for(store)
+    start = time.perf_counter()
+    problems, shards, size = reader.hash_problems(split.rank, split.world_size)
+    seconds = time.perf_counter() - start
+    problems = gather_lists(problems)
+    if problems:
+        raise FeatureStoreError(f"{len(problems)} feature shard(s) do not match their recorded sha256: "
+                                f"{'; '.join(problems[:3])}{' ...' if len(problems) > 3 else ''}; {REDO_HINT}")
+    logger.info("%s: verified the sha256 of %d feature shard(s) (%.1f MB) against the manifest in %.2f s "
+                "(%.0f MB/s%s) before training", store, shards, size / 1e6, seconds,
+                size / 1e6 / max(seconds, 1e-9), f", this rank's share of {split.world_size}"
+                if split.world_size > 1 else "")

@@ -200,22 +200,38 @@ def start_ranks(recipe: Any) -> torch.device:
 def fit(recipe: Any, source: str = "recipe") -> Path:
     """Train a drafter as `recipe` says; resumes from `output_dir/checkpoints/last.ckpt` when it exists.
 
+    The run holds `output_dir` for its whole lifetime (`eagle3_zoo.training.rundir`): a second run on it refuses at
+    once, naming this one.
+
     Args:
         recipe: a loaded `eagle3_zoo.recipe.Recipe`.
         source: where the recipe came from (used in error messages).
 
     Returns:
         The canonical drafter folder `output_dir/drafter`.
+
+    Raises:
+        RunDirectoryInUseError: another run holds `output_dir`.
     """
+    from eagle3_zoo.training.rundir import hold_run_directory
+
+    with hold_run_directory(recipe.output_dir):  # leftovers of killed runs are removed once it is held
+        return _fit(recipe, source)
+
+
+def _fit(recipe: Any, source: str) -> Path:
     require_accelerator(recipe, source)
     start = time.time()
     git = git_info()  # the code this process runs: commits made while it trains must not be credited to it
     output_dir = Path(recipe.output_dir)
     last = output_dir / CHECKPOINT_DIR / LAST_CHECKPOINT
-    resume.remove_stale_temporaries(last.parent)
     recover_replaced_directory(last)  # a sharded checkpoint whose replacement was cut short
     if last.exists():  # a corrupt or foreign checkpoint fails here, before the target and the data are loaded
         resume.read_checkpoint_identity(last)
+        if last.is_dir():  # DCP unpickles .metadata with the plain unpickler when it loads: check it safely first
+            from eagle3_zoo.training.checkpoint_io import read_sharded_metadata
+
+            resume.refuse_unreadable(last, read_sharded_metadata)
     device = start_ranks(recipe)
     run = build_run(recipe, source, device=device)
     data, target, adapter = run.data, run.target, run.adapter

@@ -5,9 +5,11 @@
     output_dir/drafter/recipe.yaml          # the resolved recipe (overrides applied)
     output_dir/drafter/provenance.json      # git SHA, package versions, target, data summary, training summary
 
-The folder is staged in a temp directory and renamed into place, so a crash never leaves a half-written drafter.
-Files in an existing folder that the project does not write (e.g. the `eval_results*.json` of README's commands)
-are carried over into the new folder: a rerun replaces only what it owns.
+The folder is staged in a temp directory and renamed into place, so a crash never leaves a half-written drafter
+(and a rerun removes what a killed one staged). Files in an existing folder that the project does not write (e.g.
+the `eval_results*.json` of README's commands) are carried over into the new folder: a rerun replaces only what it
+owns. The staged folder passes the checks of `eagle3-zoo check` before it replaces anything: no command writes a
+drafter that `check`, `export` or `eval` would refuse.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from eagle3_zoo.modeling import Eagle3Drafter
-from eagle3_zoo.modeling.io import replace_directory
+from eagle3_zoo.modeling.io import pickle_refusal, recover_replaced_directory, replace_directory, staged_directory
 
 PACKAGES = ("eagle3-zoo", "torch", "lightning", "transformers", "torchmetrics", "safetensors", "omegaconf", "peft")
 
@@ -126,26 +127,65 @@ def _link_or_copy(src: Any, dest: Any) -> None:
         shutil.copy2(src, dest)
 
 
+def drafter_out_dir(out_dir: str | Path) -> Path:
+    """`out_dir` as an absolute path that may be replaced by a drafter folder.
+
+    Raises:
+        ValueError: it names no folder (`.`, `/`), holds the current directory, or is an existing folder that is not
+            a drafter folder (no config.json): replacing it would delete what it holds.
+    """
+    path = Path(os.path.abspath(out_dir))
+    if not path.name or Path.cwd() == path or path in Path.cwd().parents:
+        raise ValueError(f"drafter folder {out_dir!r} is {path}, which holds the current directory; the folder is "
+                         "replaced when it is written: name a new folder, e.g. ./drafter")
+    if path.is_dir() and any(path.iterdir()) and not (path / "config.json").exists():
+        raise ValueError(f"{path} exists and is not a drafter folder (no config.json); it would be replaced: name a "
+                         "new folder, or the drafter folder to rewrite")
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file; a drafter is written as a folder: name a new folder")
+    return path
+
+
+def _save_recipe(recipe: Any, path: Path) -> None:
+    """recipe.yaml: a typed recipe resolved (the run's own), a plain dict (read from a checkpoint) as data: any
+    `${...}` in it stays literal text, never resolved (it could name an environment variable holding a token)."""
+    from eagle3_zoo.modeling.io import atomic_write_text
+    from eagle3_zoo.recipe import save_resolved_recipe
+
+    if isinstance(recipe, dict):
+        from omegaconf import OmegaConf
+
+        atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.create(recipe), resolve=False))
+    else:
+        save_resolved_recipe(recipe, path)
+
+
 def write_drafter_folder(drafter: Eagle3Drafter, out_dir: str | Path, recipe: Any,
                          provenance: dict[str, Any]) -> Path:
     """Stage `drafter` + recipe.yaml + provenance.json in a temp dir with the files of an existing `out_dir` that the
-    project does not own, then rename it to `out_dir` (replacing it)."""
-    from eagle3_zoo.recipe import save_resolved_recipe
+    project does not own, check it, then rename it to `out_dir` (replacing it).
 
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    `recipe`: a typed recipe (written resolved) or a plain dict read from a checkpoint (written as it is).
+
+    Raises:
+        ValueError: `out_dir` may not be replaced (`drafter_out_dir`).
+        InvalidDrafterError: the staged folder fails `eagle3-zoo check` (NaN weights, a bad vocab map): nothing is
+            replaced.
+        DiskFullError: the disk (or the file-size limit) is full; nothing is replaced.
+    """
+    out_dir = drafter_out_dir(out_dir)
+    with staged_directory(out_dir) as tmp:
+        recover_replaced_directory(out_dir)  # a replacement cut short: its user files are carried over below
         drafter.save_pretrained(tmp)
-        save_resolved_recipe(recipe, tmp / "recipe.yaml")
+        _save_recipe(recipe, tmp / "recipe.yaml")
         (tmp / "provenance.json").write_text(provenance_json(provenance))
         _finish_tree(tmp)
+        from eagle3_zoo.hub.check import require_valid_stage
+
+        require_valid_stage(tmp, out_dir)
         if out_dir.exists():
             _carry_over(out_dir, tmp)
         replace_directory(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -200,9 +240,13 @@ class UnreadableCheckpointError(ValueError):
     """A checkpoint whose header torch cannot load (truncated, foreign pickle, not a torch file); `error_type` and
     `first_line` say what torch said. The message names the file that failed (a sharded checkpoint's meta.pt)."""
 
-    def __init__(self, file: Path, cause: Exception):
+    def __init__(self, file: Path, cause: BaseException):
+        import pickle
+
         self.error_type = type(cause).__name__
         self.first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else self.error_type
+        if isinstance(cause, pickle.UnpicklingError) and "weights_only" in str(cause):
+            self.first_line = pickle_refusal(cause)  # never pass on torch's advice to load it unsafely
         super().__init__(f"{file} is not a readable checkpoint ({self.error_type}: {self.first_line})")
 
 
@@ -237,30 +281,31 @@ def consolidate_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
         FileNotFoundError: `checkpoint` does not exist.
         ValueError: not a checkpoint written by `fit` (no drafter entry), or unreadable.
     """
-    import torch.distributed.checkpoint as dcp
-    from omegaconf import OmegaConf
-
     from eagle3_zoo.modeling import Eagle3Config
+    from eagle3_zoo.training.checkpoint_io import info_json, sharded_state
 
     checkpoint = Path(checkpoint)
     if not checkpoint.exists():
         raise FileNotFoundError(f"checkpoint {checkpoint} does not exist (pass a run's checkpoints/last.ckpt)")
+    out = Path(os.path.abspath(out_dir))
+    if out == checkpoint.resolve() or out in checkpoint.resolve().parents:
+        raise ValueError(f"drafter folder {out} holds the checkpoint {checkpoint}; it would be replaced: name a new "
+                         "folder, e.g. the run's drafter/")
+    out = drafter_out_dir(out)
     meta, info = read_checkpoint_header(checkpoint, DRAFTER_INFO_KEY)
     if info is None:
         raise ValueError(f"{checkpoint} was not written by an eagle3-zoo fit that records its drafter "
                          f"({DRAFTER_INFO_KEY} is missing)")
-    config = Eagle3Config.from_json_dict(json.loads(info["config"]), source=f"{checkpoint} drafter config")
-    if checkpoint.is_dir():
-        metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-        state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
-                 if k.startswith(_STATE_PREFIX)}
-        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    else:
-        state = {f"state_dict.{k}": v for k, v in meta["state_dict"].items()}
+    config = Eagle3Config.from_json_dict(info_json(info, "config", checkpoint), source=f"{checkpoint} drafter config")
+    state = sharded_state(checkpoint, _STATE_PREFIX) if checkpoint.is_dir() else {
+        f"state_dict.{k}": v for k, v in (meta.get("state_dict") or {}).items()}
     state = {k.removeprefix(_STATE_PREFIX): v for k, v in state.items() if k.startswith(_STATE_PREFIX)}
-    drafter = drafter_from_state(config, state, info.get("fc_input_scale"))
-    provenance = json.loads(info["provenance"])
+    try:
+        drafter = drafter_from_state(config, state, info.get("fc_input_scale"))
+    except (RuntimeError, TypeError) as e:  # missing / unexpected keys, shapes that do not fit the config
+        raise ValueError(f"{checkpoint}: its drafter weights do not fit its drafter config "
+                         f"({str(e).strip().splitlines()[0]}...)") from None
+    provenance = info_json(info, "provenance", checkpoint)
     provenance.setdefault("training", {}).update(global_step=meta.get("global_step"),
                                                  consolidated_from=str(checkpoint.resolve()))
-    recipe = OmegaConf.create(json.loads(info["recipe"]))
-    return write_drafter_folder(drafter, out_dir, recipe, provenance)
+    return write_drafter_folder(drafter, out, info_json(info, "recipe", checkpoint), provenance)

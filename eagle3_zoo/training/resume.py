@@ -144,6 +144,18 @@ def read_checkpoint_identity(checkpoint: Path) -> dict[str, str]:
     return identity
 
 
+def refuse_unreadable(checkpoint: Path, read: Any) -> None:
+    """Call `read(checkpoint)`; an `UnreadableCheckpointError` becomes the `ResumeError` of an unreadable checkpoint.
+
+    Raises:
+        ResumeError: `read` found the checkpoint unreadable (the message names the file and how to start fresh).
+    """
+    try:
+        read(checkpoint)
+    except UnreadableCheckpointError as e:
+        raise ResumeError(f"{e}. {_fresh_hint(checkpoint)}") from None
+
+
 def check_resume(checkpoint: Path, identity: dict[str, str]) -> None:
     """Refuse to resume `checkpoint` unless it was written by a run with the same `identity`.
 
