@@ -73,7 +73,8 @@ def list_zoo(family: str | None = None, target: str | None = None) -> list[ZooEn
     """The zoo entries, in registry order; optionally only one target family and/or one target.
 
     Args:
-        family: HF ``model_type`` of the target (``qwen3``, ``gpt_oss``, ...), case-insensitive.
+        family: HF ``model_type`` of the target (``qwen3``, ``gpt_oss``, ...), case-insensitive; a family includes
+            its variants named ``<family>_*`` (``qwen3`` lists the ``qwen3_moe`` drafters too).
         target: Hub id or local name of the target (``Qwen/Qwen3-8B``, ``smollm2-135m-instruct``), case-insensitive.
 
     Raises:
@@ -81,10 +82,16 @@ def list_zoo(family: str | None = None, target: str | None = None) -> list[ZooEn
     """
     entries = [ZooEntry(**{**e, "notes": e.get("notes") or ""}) for e in _registry()["drafters"]]
     if family is not None:
-        entries = _filtered(entries, "family", family, lambda e: {e.family})
+        entries = _filtered(entries, "family", family, _family_names)
     if target is not None:
         entries = _filtered(entries, "target", target, lambda e: {e.target, target_hub_id(e.target) or e.target})
     return entries
+
+
+def _family_names(entry: ZooEntry) -> set[str]:
+    """The family names that select `entry`: its own and every base it extends (`qwen3_moe` -> `qwen3`)."""
+    parts = entry.family.split("_")
+    return {"_".join(parts[:i]) for i in range(1, len(parts) + 1)}
 
 
 def _filtered(entries: list[ZooEntry], what: str, value: str, keys: Any) -> list[ZooEntry]:
@@ -105,7 +112,7 @@ def show_zoo(name: str) -> ZooEntry:
     """
     entry = find_zoo(name)
     if entry is None:
-        raise KeyError(f"no zoo entry named {name!r}; {zoo_hint(name)}")
+        raise KeyError(f"no zoo entry named {name!r}; {zoo_hint(name, list_all=False)}")
     return entry
 
 
