@@ -39,6 +39,7 @@ from eagle3_zoo.training.build import build_run
 from eagle3_zoo.training.callbacks import ProgressLogCallback, StepProgressBar, TTTScheduleCallback
 from eagle3_zoo.training.module import NonFiniteError, all_finite
 from eagle3_zoo.training.outputs import build_provenance, drafter_info, full_drafter, git_info, write_drafter_folder
+from eagle3_zoo.training.record import TrainingRecordCallback
 from eagle3_zoo.training.strategies import build_strategy, world_size_of
 
 logger = logging.getLogger(__name__)
@@ -50,11 +51,21 @@ DRAFTER_DIR = "drafter"
 
 class LastCheckpoint(ModelCheckpoint):
     """`last.ckpt` every N steps *and* at the end of training (ModelCheckpoint alone skips the final step when
-    an earlier step was already saved in this run)."""
+    an earlier step was already saved in this run); the final save happens even then when this start trained, so
+    that the checkpoint carries the run's final record (`eagle3_zoo.training.record`: metrics of the last
+    validation, wall time)."""
+
+    _start_step = 0
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._start_step = trainer.global_step
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.save_last and self._last_global_step_saved != trainer.global_step:
+        trained = trainer.global_step != self._start_step
+        if self.save_last and (trained or self._last_global_step_saved != trainer.global_step):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
@@ -237,8 +248,10 @@ def fit(recipe: Any, source: str = "recipe") -> Path:
     info = drafter_info(run.module.drafter, recipe_to_dict(recipe), build_provenance(
         recipe_dict=recipe_to_dict(recipe), target=target_info, data=data_summary, drafter=run.module.drafter,
         training={"strategy": t.strategy, "precision": t.precision}, git=git))
-    trainer = build_trainer(recipe, adapter, [resume.RunIdentityCallback(identity, info),
+    record = TrainingRecordCallback(start, static={"strategy": t.strategy, "precision": t.precision})
+    trainer = build_trainer(recipe, adapter, [resume.RunIdentityCallback(identity, info), record,
                                               *_tau_eval_callbacks(recipe, run.tokenizer)], has_val=bool(data.val))
+    record.hardware, record.static["world_size"] = _hardware(trainer), trainer.world_size
     for lg in trainer.loggers:  # the resolved recipe as the run's hyperparameters (hparams.yaml, TensorBoard)
         lg.log_hyperparams(recipe_to_dict(recipe))
     trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=str(last) if last.exists() else None)
@@ -250,11 +263,8 @@ def fit(recipe: Any, source: str = "recipe") -> Path:
                              "nothing written")
     out = output_dir / DRAFTER_DIR
     if trainer.is_global_zero:
-        training = {"global_step": trainer.global_step, "epochs": trainer.current_epoch,
-                    "strategy": recipe.trainer.strategy, "world_size": trainer.world_size,
-                    "precision": recipe.trainer.precision, "wall_time_s": round(time.time() - start, 1),
-                    "hardware": _hardware(trainer),
-                    "final_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+        # the whole run's record (all starts of fit); a rerun that trained nothing keeps it as it was
+        training = record.final if record.final is not None else record.record(trainer)
         provenance = build_provenance(recipe_dict=recipe_to_dict(recipe), target=target_info, data=data_summary,
                                       training=training, drafter=trained, git=git)
         write_drafter_folder(trained, out, recipe, provenance)
@@ -282,13 +292,11 @@ def fit_main(recipe_path: str | Path, overrides: Sequence[str] = ()) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: `python -m eagle3_zoo.training.fit RECIPE [key=value ...]`, the same as `eagle3-zoo fit` (exit 0 on
-    success, 2 on a user error, 1 on any other error, one line each; `--debug` shows the traceback)."""
+    """`python -m eagle3_zoo.training.fit RECIPE [key=value ...]` = `eagle3-zoo fit RECIPE ...` (same options, exit
+    codes and error policy: `eagle3_zoo.cli`)."""
     from eagle3_zoo.cli import main as cli_main
 
-    args = list(sys.argv[1:] if argv is None else argv)
-    flags = [a for a in args if a in ("--debug", "-v", "--verbose")]
-    return cli_main([*flags, "fit", *(a for a in args if a not in flags)])
+    return cli_main(["fit", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -259,8 +259,11 @@ def consolidate_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
         state = {f"state_dict.{k}": v for k, v in meta["state_dict"].items()}
     state = {k.removeprefix(_STATE_PREFIX): v for k, v in state.items() if k.startswith(_STATE_PREFIX)}
     drafter = drafter_from_state(config, state, info.get("fc_input_scale"))
+    from eagle3_zoo.training.record import RECORD_KEY
+
     provenance = json.loads(info["provenance"])
-    provenance.setdefault("training", {}).update(global_step=meta.get("global_step"),
+    record = meta.get(RECORD_KEY) if isinstance(meta.get(RECORD_KEY), dict) else {}  # wall time, epochs, metrics...
+    provenance.setdefault("training", {}).update(record, global_step=meta.get("global_step"),
                                                  consolidated_from=str(checkpoint.resolve()))
     recipe = OmegaConf.create(json.loads(info["recipe"]))
     return write_drafter_folder(drafter, out_dir, recipe, provenance)
