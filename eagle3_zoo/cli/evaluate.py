@@ -156,7 +156,7 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
 
     from eagle3_zoo.adapters import load_target
     from eagle3_zoo.hub.check import require_valid_drafter
-    from eagle3_zoo.hub.convert import import_drafter
+    from eagle3_zoo.hub.convert import import_drafter, tensors_digest
     from eagle3_zoo.hub.weights import weights_digest
     from eagle3_zoo.speculative.benchmarks import load_benchmark
     from eagle3_zoo.speculative.evaluation import evaluate, evaluate_shapes, format_shapes_table, format_table
@@ -186,9 +186,11 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
         sample_top_k=args.sample_top_k, sample_top_p=args.sample_top_p, baseline=not args.no_baseline,
         warmup=args.warmup, seed=args.seed, adapter=adapter, out=args.out, plot=args.plot,
         progress=not args.no_progress,
-        # the weights' digest ties the results to these weights: the model card leaves out results of other weights
+        # the weights' digests tie the results to these weights (the file's, and the tensors' whatever their layout):
+        # the model card leaves out results of other weights
         extra_settings={"drafter": str(Path(args.drafter).resolve()), "target": str(target_name),
-                        "drafter_weights_sha256": weights_digest(args.drafter)},
+                        "drafter_weights_sha256": weights_digest(args.drafter),
+                        "drafter_tensors_sha256": tensors_digest(args.drafter)},
     )
     if args.shapes:
         results = evaluate_shapes(drafter, target, tokenizer, ",".join(benches), shapes=args.shapes, **common)

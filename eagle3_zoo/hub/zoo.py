@@ -40,6 +40,7 @@ class ZooEntry:
 class _Registry:
     """The layout of zoo.yaml."""
     targets: dict = field(default_factory=dict)  # local target name -> Hub id
+    datasets: dict = field(default_factory=dict)  # local data name -> Hub dataset id
     drafters: list[ZooEntry] = field(default_factory=list)
 
 
@@ -140,6 +141,19 @@ def target_hub_id(target: str | None) -> str | None:
     if mapped:
         return mapped
     return target if looks_like_hub_id(target) else None
+
+
+def dataset_hub_id(path: str | None) -> str | None:
+    """Hub dataset id of a recipe data source: the registry's `datasets` map for local names (the embedded ShareGPT),
+    else the path if it can only be a Hub id (not a local file)."""
+    if not path:
+        return None
+    mapped = (_registry().get("datasets") or {}).get(path)
+    if mapped:
+        return mapped
+    from eagle3_zoo.locations import is_hub_id
+
+    return path if is_hub_id(path) else None
 
 
 def resolve_repo_id(name: str) -> str:

@@ -177,6 +177,7 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
     """
     from transformers import AutoTokenizer
 
+    from eagle3_zoo.hub.convert import tensors_digest
     from eagle3_zoo.hub.formats import detect_format, load_drafter_config
     from eagle3_zoo.hub.weights import weights_digest
     from eagle3_zoo.speculative.evaluation import _load_benches
@@ -219,7 +220,7 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
         "max_new_tokens": max_new_tokens, "limit": limit, "spread": spread, "benches": bench_names,
         "eos_token_ids": stop_ids, "drafter": str(Path(drafter).resolve()), "drafter_dir_served": str(draft_dir),
         "drafter_format_served": detect_format(draft_dir),
-        "drafter_weights_sha256": weights_digest(drafter),
+        "drafter_weights_sha256": weights_digest(drafter), "drafter_tensors_sha256": tensors_digest(drafter),
         "target": str(target), "target_dir_served": model_dir, "server_url": url, "baseline_url": baseline_url})
     results["versions"] = {**versions(), "vllm": _engine_version(python)}
     if out is not None:
