@@ -149,10 +149,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parse(build_parser(), argv)
         configure_logging(logging.DEBUG if args.verbose else logging.INFO)
+        from eagle3_zoo.progress import bars_and_logs, quiet_third_party_output
         from eagle3_zoo.threads import configure_threads
 
-        configure_threads(args.threads)  # before the handler imports torch: OpenMP reads its settings at load time
-        return int(args.func(args) or EXIT_OK)
+        # before the handler imports torch and the Hugging Face libraries: they read these settings at import
+        choice = configure_threads(args.threads)
+        quiet_third_party_output()
+        logging.getLogger(__name__).debug("%s", choice.describe())
+        with bars_and_logs():
+            return int(args.func(args) or EXIT_OK)
     except SystemExit as e:  # --help / --version (argparse prints them and exits)
         return e.code if isinstance(e.code, int) else EXIT_OK
     except KeyboardInterrupt:

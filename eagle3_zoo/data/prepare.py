@@ -229,17 +229,17 @@ def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, 
     cached = load_examples(d.cache_dir, fingerprint)
     if cached is not None:
         train, val, token_stats = cached
-        where = f"from the cache (key {fingerprint[:12]}...)"
+        where = f"from the cache, key {fingerprint[:12]}..."
     else:
-        token_stats, where = TokenStats(), "now"
+        token_stats, where = TokenStats(), "tokenised now"
         kw = dict(max_length=d.max_length, overflow=d.overflow, on_error=d.on_error, stats=token_stats,
                   template_kwargs=dict(d.chat_template_kwargs), log=False)
         train, _ = tokenize_conversations(train_c, tokenizer, adapter, **kw)
         val, _ = tokenize_conversations(val_c, tokenizer, adapter, **kw)
         if train:
             save_examples(d.cache_dir, fingerprint, train, val, token_stats)
-    logger.log(logging.WARNING if token_stats.num_skipped else logging.INFO, "%s (%s): %d train + %d validation "
-               "examples", token_stats.summary(d.max_length), where, len(train), len(val))
+    logger.log(logging.WARNING if token_stats.num_skipped else logging.INFO, "%s; %d train + %d validation examples "
+               "(%s)", token_stats.summary(d.max_length), len(train), len(val), where)
     _warn_small_validation(len(val), len(train_c) + len(val_c), d.val_fraction)
     if not train:
         from eagle3_zoo.data.readers import DataError

@@ -190,7 +190,7 @@ def export_drafter(
         _write_speculators(import_drafter(src), out, num_speculative_tokens, verifier_architectures, verifier)
     for extra in extra_files(src):
         shutil.copyfile(extra, out / extra.name)
-    log.info("exported %s -> %s (%s format)", src, out, EXPORT_FORMATS[fmt])
+    log.debug("exported %s -> %s (%s format)", src, out, EXPORT_FORMATS[fmt])  # the CLI prints it
     return out
 
 

@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from eagle3_zoo.data.tokenize import draft_vocab_coverage
 from eagle3_zoo.modeling.io import atomic_write, recover_replaced_directory
+from eagle3_zoo.progress import use_bar
 from eagle3_zoo.recipe import recipe_to_dict
 from eagle3_zoo.targets.loading import target_device, use_device
 from eagle3_zoo.training import resume
@@ -124,7 +125,8 @@ def build_trainer(recipe: Any, adapter: Any, callbacks: Sequence[L.Callback] = (
     checkpoint = LastCheckpoint(dirpath=output_dir / CHECKPOINT_DIR, every_n_train_steps=t.checkpoint_every_n_steps,
                                 save_last=True, save_top_k=0, enable_version_counter=False)
     schedule = TTTScheduleCallback(recipe.ttt.steps, recipe.ttt.schedule, recipe.ttt.ramp_fraction)
-    progress = ProgressLogCallback(t.log_every_n_steps)
+    bar = use_bar()
+    progress = ProgressLogCallback(bar=bar)
     kwargs: dict[str, Any] = dict(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
         strategy=build_strategy(t.strategy, adapter, devices=t.devices, num_nodes=t.num_nodes,
@@ -136,8 +138,9 @@ def build_trainer(recipe: Any, adapter: Any, callbacks: Sequence[L.Callback] = (
         logger=_loggers(recipe, output_dir) or False, callbacks=[schedule, checkpoint, progress, *callbacks],
         default_root_dir=output_dir, use_distributed_sampler=False,  # the batch sampler shards by rank itself
         num_sanity_val_steps=0, plugins=[AtomicCheckpointIO()],
-        # a live bar on a terminal; in a log file (CI, batch jobs) the progress callback's lines say the same
-        enable_progress_bar=sys.stderr.isatty(),
+        # a live bar on a terminal; in a log file (CI, batch jobs) the progress callback's lines say the same, and
+        # say what is trained instead of the model summary table
+        enable_progress_bar=bar, enable_model_summary=False,
     )
     if kwargs["enable_progress_bar"]:
         kwargs["callbacks"].append(StepProgressBar())
