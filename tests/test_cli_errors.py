@@ -96,7 +96,8 @@ def test_an_unreachable_hub_is_not_bad_input(tmp_path, monkeypatch, capsys):
     url = _closed_port_url()
     assert main(["publish", str(src), "--repo-id", "me/tiny-eagle3", "--endpoint", url]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"error: Hub endpoint {url} is not reachable") and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: HubUnreachableError: Hub endpoint {url} is not reachable")
+    assert len(err.strip().splitlines()) == 1 and "--debug" in err
 
 
 def test_eval_refuses_a_misspelt_benchmark_before_loading_the_target(tmp_path, capsys, no_target):

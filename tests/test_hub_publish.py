@@ -222,7 +222,8 @@ def test_publish_without_network_fails_fast_in_one_line_and_cleans_up(tmp_path, 
     assert cli(["publish", str(src), "--repo-id", "me/tiny-eagle3", "--endpoint", url]) == 1  # not bad input
     assert time.monotonic() - start < 10
     err = capsys.readouterr().err
-    assert err.startswith(f"error: Hub endpoint {url} is not reachable") and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: HubUnreachableError: Hub endpoint {url} is not reachable")
+    assert len(err.strip().splitlines()) == 1
     assert "Traceback" not in err and SECRET not in err
     assert list(temp_root.iterdir()) == []  # every failed publish removed its temporary stage
 

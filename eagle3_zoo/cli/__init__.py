@@ -116,13 +116,11 @@ def is_bad_input(error: BaseException) -> bool:
 
 
 def error_line(error: BaseException) -> str:
-    """The one line printed for `error`: its message; the class name too where the message may not say what
-    happened (an exception from outside this package that is not bad input, e.g. a RuntimeError from torch)."""
+    """The one line printed for `error`: its message; for a failure that is not bad input, after the exception's
+    class (`NonFiniteError: ...`, `HubUnreachableError: ...`), which names what went wrong to search for."""
     message = error.args[0] if isinstance(error, KeyError) and error.args else error
     text = " ".join(str(message).split()) or type(error).__name__  # one line, whatever the message holds
-    if not is_bad_input(error) and not type(error).__module__.startswith("eagle3_zoo"):
-        text = f"{type(error).__name__}: {text}"
-    return f"error: {text}"
+    return f"error: {text}" if is_bad_input(error) else f"error: {type(error).__name__}: {text}"
 
 
 def _debug_requested(argv: Sequence[str]) -> bool:
