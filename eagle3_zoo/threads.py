@@ -43,8 +43,9 @@ class ThreadChoice:
     wait_policy: str
 
     def describe(self) -> str:
-        return (f"{self.threads} CPU thread(s) ({self.reason}; {self.usable_cpus} usable core(s), "
-                f"{self.busy_elsewhere} busy with other work; OpenMP wait policy {self.wait_policy})")
+        busy = f", {self.busy_elsewhere} busy with other work" if self.reason.startswith("auto") else ""
+        return (f"CPU threads: {self.threads} ({self.reason}; {self.usable_cpus} usable core(s){busy}; OpenMP "
+                f"wait policy {self.wait_policy}; set --threads N or {ENV}=N to choose)")
 
 
 def usable_cpus() -> int:

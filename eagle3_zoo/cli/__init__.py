@@ -34,6 +34,7 @@ BAD_INPUT = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryErro
 # huggingface_hub's "no such repo / revision / file": a name the user typed (checked by class name: importing
 # huggingface_hub here would slow down every command)
 _BAD_INPUT_NAMES = ("RepositoryNotFoundError", "RevisionNotFoundError", "EntryNotFoundError")
+LONG_COMMANDS = ("fit", "prepare", "eval")  # they log the CPU thread choice
 
 
 class UsageError(ValueError):
@@ -153,7 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # before the handler imports torch and the Hugging Face libraries: they read these settings at import
         choice = configure_threads(args.threads)
         quiet_third_party_output()
-        logging.getLogger(__name__).debug("%s", choice.describe())
+        # the long commands say it (speeds depend on it); the others only with -v
+        logging.getLogger(__name__).log(logging.INFO if args.command in LONG_COMMANDS else logging.DEBUG,
+                                        "%s", choice.describe())
         with bars_and_logs():
             return int(args.func(args) or EXIT_OK)
     except SystemExit as e:  # --help / --version (argparse prints them and exits)
