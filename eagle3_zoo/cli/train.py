@@ -54,19 +54,21 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recipe_arguments(p: argparse.ArgumentParser, overrides_help: str) -> None:
-    """The recipe YAML and its dotlist overrides, the positionals of `fit`, `prepare` and `plan`."""
+def _recipe_arguments(p: argparse.ArgumentParser, overrides_help: str, print_config: str | None = None) -> None:
+    """The recipe YAML and its dotlist overrides, the positionals of `fit`, `prepare` and `plan`, and
+    `--print-config` where the command has it (`print_config`: what it does instead of running)."""
     p.add_argument("recipe", help="recipe YAML (see recipes/)")
     p.add_argument("overrides", nargs="*", default=[], help=overrides_help)
+    if print_config:
+        p.add_argument("--print-config", action="store_true", help="print the fully resolved recipe (defaults + "
+                       f"file + overrides) and exit {print_config}")
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     """Add fit, prepare, plan and consolidate to the `eagle3-zoo` subcommands."""
     p = sub.add_parser("fit", help="train a drafter from a recipe", description="Train a drafter from a recipe.",
                        parents=[common])
-    _recipe_arguments(p, "OmegaConf dotlist overrides, e.g. trainer.max_steps=2000")
-    p.add_argument("--print-config", action="store_true",
-                   help="print the fully resolved recipe (defaults + file + overrides) and exit without training")
+    _recipe_arguments(p, "OmegaConf dotlist overrides, e.g. trainer.max_steps=2000", "without training")
     p.set_defaults(func=cmd_fit)
 
     p = sub.add_parser("prepare", help="run a recipe's data stage once (regeneration, tokens, features), no training",
@@ -74,13 +76,12 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                        "tokenise, draft-vocab counts; offline recipes: the feature job) and cache it, so that `fit` "
                        "starts training at once. Resumable: rerun after an interruption.", intermixed=True,
                        parents=[common])
-    _recipe_arguments(p, "OmegaConf dotlist overrides (the same ones `fit` will get), before or after the options")
+    _recipe_arguments(p, "OmegaConf dotlist overrides (the same ones `fit` will get), before or after the options",
+                      "without preparing anything")
     p.add_argument("--rank", type=int, default=0, help="this process's share of a distributed data stage: "
                    "regeneration (the ranks wait for each other) and feature job (0 <= rank < world size; all ranks "
                    "must share data.cache_dir)")
     p.add_argument("--world-size", type=int, default=1, help="processes of a distributed data stage (>= 1)")
-    p.add_argument("--print-config", action="store_true",
-                   help="print the fully resolved recipe (defaults + file + overrides) and exit")
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("plan", help="per-GPU memory of a recipe's training (and feature job), and whether it fits",

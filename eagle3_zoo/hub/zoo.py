@@ -133,27 +133,24 @@ def zoo_hint(name: str, list_all: bool = True) -> str:
     return f"known: {', '.join(e.name for e in entries)}" if list_all else "see `eagle3-zoo zoo list`"
 
 
+def _hub_id(section: str, name: str | None, is_id: Any) -> str | None:
+    """The registry's Hub id for a local name in `section` (targets, datasets), else `name` where `is_id(name)`."""
+    if not name:
+        return None
+    return (_registry().get(section) or {}).get(name) or (name if is_id(name) else None)
+
+
 def target_hub_id(target: str | None) -> str | None:
     """Hub id of a target name: the registry's `targets` map for local names, else the name if it looks like one."""
-    if not target:
-        return None
-    mapped = (_registry().get("targets") or {}).get(target)
-    if mapped:
-        return mapped
-    return target if looks_like_hub_id(target) else None
+    return _hub_id("targets", target, looks_like_hub_id)
 
 
 def dataset_hub_id(path: str | None) -> str | None:
     """Hub dataset id of a recipe data source: the registry's `datasets` map for local names (the embedded ShareGPT),
     else the path if it can only be a Hub id (not a local file)."""
-    if not path:
-        return None
-    mapped = (_registry().get("datasets") or {}).get(path)
-    if mapped:
-        return mapped
     from eagle3_zoo.locations import is_hub_id
 
-    return path if is_hub_id(path) else None
+    return _hub_id("datasets", path, is_hub_id)
 
 
 def resolve_repo_id(name: str) -> str:
