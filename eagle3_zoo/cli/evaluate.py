@@ -259,6 +259,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     """Add `eval` to the `eagle3-zoo` subcommands."""
     p = sub.add_parser("eval", help="real speculative decoding: tau, per-depth acceptance, speedup, lossless check",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, parents=[common])
+                       description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter,
+                       parents=[common])
     add_eval_arguments(p)
     p.set_defaults(func=cmd_eval)
