@@ -10,10 +10,11 @@ embedded target's shape (SmolLM2-135M: 30 layers, hidden 576, fp32; no download)
   * batch: one forward and backward over 4 x 128 tokens (what training and the feature job do: large matmuls).
 
 Settings: `default` (nothing set: torch's one thread per core, libgomp's spinning waits), `omp1`
-(`OMP_NUM_THREADS=1`), `passive2` (2 threads, `OMP_WAIT_POLICY=PASSIVE`), and `auto` (what every eagle3-zoo command
-does: `eagle3_zoo.threads.configure_threads`).
+(`OMP_NUM_THREADS=1`), `passive2` (2 threads, `OMP_WAIT_POLICY=PASSIVE`: waiting threads sleep at once), `spin2` (2
+threads, `GOMP_SPINCOUNT=10000`: they spin briefly, then sleep), and `auto` (what every eagle3-zoo command does:
+`eagle3_zoo.threads.configure_threads`).
 
-    .venv/bin/python scripts/bench_threads.py [--rounds 1] [--new-tokens 48] [--settings default,omp1,passive2,auto]
+    .venv/bin/python scripts/bench_threads.py [--rounds 1] [--new-tokens 48] [--settings default,omp1,auto]
 
 Prints its setup, `/proc/loadavg` before and after each load phase, and per setting and load the median time of
 each workload and its ratio to `default` on the same load.
@@ -34,6 +35,7 @@ SETTINGS = {
     "default": {},
     "omp1": {"OMP_NUM_THREADS": "1"},
     "passive2": {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"},
+    "spin2": {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "10000"},  # spin briefly (libgomp's default: 300000)
     "auto": None,  # eagle3_zoo.threads.configure_threads() in the child, before torch is imported
 }
 _CLEARED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME",
