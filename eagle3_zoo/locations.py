@@ -13,6 +13,13 @@ EMBEDDED_NAMES = (EMBEDDED_TARGET, "embedded")
 EMBEDDED_SHAREGPT = "sharegpt-embedded"  # the embedded ShareGPT sample (eagle3_zoo.data.readers)
 DATA_SUFFIXES = (".json", ".jsonl", ".gz", ".parquet", ".yaml", ".txt")  # local data files, never Hub ids
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+CACHE_ENV = "EAGLE3_ZOO_CACHE"
+
+
+def cache_root() -> Path:
+    """Where eagle3-zoo caches what it computes once: ``$EAGLE3_ZOO_CACHE`` or ``~/.cache/eagle3_zoo`` (the converted
+    embedded target, and by default a recipe's `data.cache_dir`: wherever a command runs from, it finds them)."""
+    return Path(os.environ.get(CACHE_ENV) or "~/.cache/eagle3_zoo").expanduser()
 
 
 def looks_like_hub_id(name: str) -> bool:

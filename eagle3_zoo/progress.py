@@ -1,17 +1,71 @@
-"""Progress of long work (regeneration, the feature job): a live bar on a terminal, and a log line every
-`log_every_s` seconds (and at the end) when output goes to a file, so CI logs and batch jobs show a sign of life."""
+"""Progress of long work (regeneration, the feature job, training, evaluation): a live bar on a terminal, and a log
+line every `log_every_s` seconds (and at the end) otherwise, so CI logs and batch jobs show a sign of life.
+
+"A terminal" means one a bar can be drawn on: stderr is a tty *with columns* (a pty of zero width, as some job
+runners give, would draw nothing at all). Without one, the bars of Hugging Face libraries are off too (they would
+print a line per refresh into log files), and while a bar is drawn, log records are written above it instead of
+through it (`bars_and_logs`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
 import time
-from typing import Any
+import warnings
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+LOG_EVERY_S = 30.0  # seconds between progress lines in a log file (README: "a log line ... every 30 s")
 
 
 def _eta(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def use_bar(stream: TextIO | None = None) -> bool:
+    """Whether a live bar can be drawn on `stream` (default stderr): a terminal that reports a non-zero width."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):  # no fileno (captured), or not a terminal after all
+        return False
+
+
+class _NotLightningTip(logging.Filter):
+    """Lightning advertises its cloud logger at every Trainer start; that line is no progress of this run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
+
+
+def quiet_third_party_output() -> None:
+    """Keep what other libraries print to what a user needs: no Hugging Face bars without a terminal, no Lightning
+    advert, no deprecation warning about Lightning's own use of torch internals (nothing a user can change).
+    Call before those libraries are imported (the settings are read then)."""
+    if not use_bar():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # huggingface_hub's and transformers' bars
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NotLightningTip) for f in logger.filters):
+            logger.addFilter(_NotLightningTip())
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
+
+
+@contextlib.contextmanager
+def bars_and_logs() -> Iterator[None]:
+    """While live bars may be drawn, write the console's log records above them (tqdm.write) instead of into them."""
+    if not use_bar():
+        yield
+        return
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    loggers = [logging.getLogger(), *(logging.getLogger(n) for n in ("lightning", "lightning.pytorch"))]
+    with logging_redirect_tqdm(loggers=loggers):
+        yield
 
 
 class Progress:
@@ -23,12 +77,12 @@ class Progress:
         unit: what an item is ("conv").
         logger: where the log lines go when there is no terminal.
         log_every_s: seconds between log lines.
-        bar: force the live bar on or off (default: when stderr is a terminal).
+        bar: force the live bar on or off (default: `use_bar()`).
         enabled: False shows nothing at all.
     """
 
     def __init__(self, total: int, desc: str, unit: str = "it", *, logger: logging.Logger | None = None,
-                 log_every_s: float = 30.0, bar: bool | None = None, enabled: bool = True):
+                 log_every_s: float = LOG_EVERY_S, bar: bool | None = None, enabled: bool = True):
         self.total, self.desc, self.unit = total, desc, unit
         self.done, self.counters, self.status = 0, {}, ""
         self.logger = logger or logging.getLogger(__name__)
@@ -36,7 +90,7 @@ class Progress:
         self.enabled = enabled
         self._start = self._last_log = time.monotonic()
         self._bar = None
-        if enabled and (sys.stderr.isatty() if bar is None else bar) and total:
+        if enabled and (use_bar() if bar is None else bar) and total:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, file=sys.stderr)

@@ -123,9 +123,11 @@ class DataConfig:
     # extra chat-template variables for regeneration and tokenisation, e.g. {enable_thinking: false} (Qwen3) or
     # {reasoning_effort: low} (gpt-oss); {} = the template's defaults (Qwen3 and gpt-oss think)
     chat_template_kwargs: dict = field(default_factory=dict)
-    # token counts, regenerated data and features, keyed by content fingerprints (shared across runs)
-    cache_dir: str = ruled(".cache/eagle3_zoo", lambda v: path_problem(v, True, "a directory (token counts, "
-                                                                     "regenerated data and features)"))
+    # token counts, regenerated data and features, keyed by content fingerprints (shared across runs); default:
+    # $EAGLE3_ZOO_CACHE or ~/.cache/eagle3_zoo, next to the converted embedded target, whatever directory a command
+    # runs from (a relative path would be a new, empty cache in each one)
+    cache_dir: str = ruled(check=lambda v: path_problem(v, True, "a directory (token counts, regenerated data and "
+                                                        "features)"), factory=lambda: str(locations.cache_root()))
     mode: Literal["online", "offline"] = "online"  # online = target in the training step; offline = feature shards
     features_dir: str | None = ruled(None, lambda v: path_problem(v, True, "a directory of feature shards (or null = "
                                                                 "in data.cache_dir)"))

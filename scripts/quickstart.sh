@@ -6,10 +6,14 @@
 #   bash scripts/quickstart.sh            # smoke configuration (short training; see README for its wall time)
 #   FULL=1 bash scripts/quickstart.sh     # the recipe's full run
 #   EXTRA="trainer.max_steps=100" bash scripts/quickstart.sh   # any recipe overrides
+#   THREADS=1 bash scripts/quickstart.sh  # CPU threads of every stage (default: auto, see README "CPU threads")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
+# each command chooses its CPU threads when it starts (the usable cores not busy with other work) unless told
+export EAGLE3_ZOO_THREADS=${THREADS:-${EAGLE3_ZOO_THREADS:-auto}}
+echo "quickstart: CPU threads: $EAGLE3_ZOO_THREADS; load average at the start: $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo n/a)"
 RECIPE=recipes/smollm2_135m.yaml
 if [ "${FULL:-0}" = "1" ]; then
   RUN=runs/smollm2_135m
@@ -72,4 +76,4 @@ rm -rf "$RUN/card"  # publish stages into an empty folder; the card is rendered 
 eagle3-zoo publish "$DRAFTER" --repo-id "$REPO_ID" --dry-run --stage-dir "$RUN/card"
 end=$(date +%s)
 python scripts/summary.py "$RUN" --card "$RUN/card/README.md"
-echo "wall time: data prepared in $((prepared - start)) s; trained in $((trained - prepared)) s; evaluated and carded in $((end - trained)) s"
+echo "wall time: data prepared in $((prepared - start)) s; trained in $((trained - prepared)) s; evaluated and carded in $((end - trained)) s ($((end - start)) s in all; load average at the end: $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo n/a))"

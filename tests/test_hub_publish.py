@@ -11,8 +11,8 @@ import pytest
 import torch
 from huggingface_hub import HfApi
 
+from eagle3_zoo.cli import main as cli
 from eagle3_zoo.hub import DrafterCheckError, TokenLeakError, import_drafter, load_any_drafter, publish, pull
-from eagle3_zoo.hub.cli_commands import main as cli
 from eagle3_zoo.hub.upload import HubUnreachableError
 from eagle3_zoo.hub.zoo import find_zoo
 from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab, default_aux_layer_ids
@@ -219,10 +219,11 @@ def test_publish_without_network_fails_fast_in_one_line_and_cleans_up(tmp_path, 
     start = time.monotonic()
     with pytest.raises(HubUnreachableError, match=rf"Hub endpoint {url} is not reachable .*--endpoint"):
         publish(src, "me/tiny-eagle3", endpoint=url)
-    assert cli(["publish", str(src), "--repo-id", "me/tiny-eagle3", "--endpoint", url]) == 2
+    assert cli(["publish", str(src), "--repo-id", "me/tiny-eagle3", "--endpoint", url]) == 1  # not bad input
     assert time.monotonic() - start < 10
     err = capsys.readouterr().err
-    assert err.startswith(f"error: Hub endpoint {url} is not reachable") and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: HubUnreachableError: Hub endpoint {url} is not reachable")
+    assert len(err.strip().splitlines()) == 1
     assert "Traceback" not in err and SECRET not in err
     assert list(temp_root.iterdir()) == []  # every failed publish removed its temporary stage
 
@@ -262,7 +263,7 @@ def test_pull_of_an_unknown_name_says_what_it_is_not(tmp_path, hub, capsys):
     with pytest.raises(HubUnreachableError, match=r"'me/nothing-here' is neither a known zoo name .* nor a reachable "
                                                   rf"repo id: Hub endpoint {url} is not reachable"):
         pull("me/nothing-here", endpoint=url, out_dir=tmp_path / "b")
-    assert cli(["pull", "nonexistent-zoo-thing", "--endpoint", url, "--out", str(tmp_path / "c")]) == 2
+    assert cli(["pull", "nonexistent-zoo-thing", "--endpoint", url, "--out", str(tmp_path / "c")]) == 1  # no network
     err = capsys.readouterr().err
     assert "neither a known zoo name" in err and url in err and len(err.strip().splitlines()) == 1
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_zoo.cli import hub as hub_cli
+from eagle3_zoo.cli import main as cli
 from eagle3_zoo.hub import FORMATS, detect_format, list_zoo, show_zoo
-from eagle3_zoo.hub.cli_commands import add_subparsers
-from eagle3_zoo.hub.cli_commands import main as cli
 from eagle3_zoo.hub.zoo import STATUSES, target_hub_id
 from tests.hub_fixtures import canonical_dir, edit_weights
 
@@ -92,12 +92,10 @@ def test_show_zoo_by_repo_and_unknown_names():
 def test_add_subparsers_registers_five_commands():
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
-    add_subparsers(sub)
+    hub_cli.register(sub, argparse.ArgumentParser(add_help=False))
     assert set(sub.choices) == {"export", "check", "publish", "pull", "zoo"}
     from eagle3_zoo.hub import EXPORT_FORMATS
-    from eagle3_zoo.hub.cli_commands import _FORMATS
-
-    assert _FORMATS == sorted(EXPORT_FORMATS)
+    assert hub_cli._FORMATS == sorted(EXPORT_FORMATS)
     args = parser.parse_args(["pull", "org/x", "--convert-to", "speculators"])
     assert callable(args.func) and args.convert_to == "speculators"
 
@@ -128,7 +126,7 @@ def test_registering_the_commands_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, eagle3_zoo.hub.cli_commands, eagle3_zoo.hub; print('torch' in sys.modules)"
+    code = "import sys, eagle3_zoo.cli.hub, eagle3_zoo.hub; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT)
     assert out.stdout.strip() == "False"
 
@@ -153,11 +151,14 @@ def test_zoo_list_filters_by_family_and_target(capsys):
     qwen3 = list_zoo(family="QWEN3")
     assert {e.repo_id for e in qwen3} >= {"RedHatAI/Qwen3-8B-speculator.eagle3", "AngelSlim/Qwen3-8B_eagle3",
                                           "Tengyunw/qwen3_8b_eagle3", "AngelSlim/Qwen3-1.7B_eagle3"}
-    assert {e.family for e in qwen3} == {"qwen3"}
+    # a family lists its variants too: the Qwen3 MoE drafters are Qwen3 drafters
+    assert {e.family for e in qwen3} == {"qwen3", "qwen3_moe"} and "Tengyunw/qwen3_30b_moe_eagle3" in {
+        e.repo_id for e in qwen3}
+    assert {e.family for e in list_zoo(family="qwen3_moe")} == {"qwen3_moe"}
     assert {e.target for e in list_zoo(target="qwen/qwen3-8b")} == {"Qwen/Qwen3-8B"}
     # a local target name and its Hub id select the same entries
     assert list_zoo(target="smollm2-135m-instruct") == list_zoo(target="HuggingFaceTB/SmolLM2-135M-Instruct") != []
-    both = list_zoo(family="qwen3", target="Qwen/Qwen3-8B")
+    both = list_zoo(family="qwen3", target="Qwen/Qwen3-8B")  # (no MoE drafter for this target)
     assert {e.repo_id for e in both} == {"RedHatAI/Qwen3-8B-speculator.eagle3", "AngelSlim/Qwen3-8B_eagle3",
                                          "Tengyunw/qwen3_8b_eagle3", None}  # None: our recipe-only entry
     assert cli(["zoo", "list", "--family", "gpt_oss"]) == 0

@@ -53,8 +53,8 @@ def test_feature_job_module_takes_intermixed_overrides_and_checks_the_rank(recip
     assert extract.main([recipe, "--rank", "3", "--world-size", "2", "trainer.seed=3"]) == 2
     assert capsys.readouterr().err.startswith("error: --rank 3 --world-size 2: expected world size >= 1")
     seen = {}
-    monkeypatch.setattr(extract, "extract_features", lambda r, *, rank, world_size: seen.update(
-        seed=r.trainer.seed, rank=rank, world_size=world_size) or tmp_path / "features")
+    monkeypatch.setattr(extract, "prepare_recipe", lambda r, *, rank, world_size: seen.update(
+        seed=r.trainer.seed, rank=rank, world_size=world_size) or {"features_dir": str(tmp_path / "features")})
     assert extract.main([recipe, "--rank", "1", "--world-size", "2", "trainer.seed=3"]) == 0
     assert seen == {"seed": 3, "rank": 1, "world_size": 2}
 

@@ -46,3 +46,24 @@ def test_status_and_disabled(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and all(line.endswith("elapsed") for line in lines)
     assert "mtbench, running tau 1.50" in lines[0] and "mtbench, running tau 1.50" in lines[1]  # kept until replaced
+
+
+def test_a_terminal_without_columns_gets_log_lines_not_a_bar():
+    """A pty of zero width (some job runners) is a tty on which a bar draws nothing: progress must log instead."""
+    import fcntl
+    import os
+    import struct
+    import termios
+
+    from eagle3_zoo.progress import use_bar
+
+    main_fd, tty_fd = os.openpty()
+    try:
+        with os.fdopen(tty_fd, "w", closefd=False) as tty:
+            for cols, expected in ((0, False), (80, True)):
+                fcntl.ioctl(tty_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, cols, 0, 0))
+                assert use_bar(tty) is expected, cols
+    finally:
+        os.close(main_fd)
+        os.close(tty_fd)
+    assert use_bar(open(os.devnull, "w")) is False

@@ -76,6 +76,27 @@ def test_rerun_keeps_user_files_in_the_drafter_folder(env):
     assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == [RUN_LOCK]
 
 
+def test_a_rerun_that_trains_nothing_keeps_the_runs_record_and_consolidate_carries_it(env):
+    """The provenance of a finished run (its wall time, epochs, hardware, final metrics) survives a rerun of `fit`,
+    which resumes at max_steps and trains nothing; `consolidate` writes the same record from the checkpoint."""
+    from eagle3_zoo.cli import main
+
+    tmp, recipe, _ = env
+    run = tmp / "run_record"
+    assert run_fit_cli(recipe, f"output_dir={run}").returncode == 0
+    first = json.loads((run / "drafter" / "provenance.json").read_text())["training"]
+    assert first["global_step"] == 2 and first["wall_time_s"] > 0 and first["hardware"]
+    assert {"train/loss", "train/acc_0"} <= set(first["final_metrics"]) and first["epochs"] >= 0
+    r = run_fit_cli(recipe, f"output_dir={run}")
+    assert r.returncode == 0 and "resuming from" in r.stderr, r.stderr[-3000:]
+    again = json.loads((run / "drafter" / "provenance.json").read_text())["training"]
+    assert again == first  # not this process's 2 seconds, another epoch count or empty metrics
+    assert first["starts"] == 1  # the rerun trained nothing: it is no start of training
+    assert main(["consolidate", str(run / "checkpoints" / "last.ckpt"), str(tmp / "consolidated")]) == 0
+    merged = json.loads((tmp / "consolidated" / "provenance.json").read_text())["training"]
+    assert {k: merged[k] for k in first} == first
+
+
 def test_diverged_run_stops_keeps_last_finite_checkpoint_and_writes_no_drafter(env):
     tmp, recipe, _ = env
     run = tmp / "run_nan"

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from eagle3_zoo.adapters import get_adapter
-from eagle3_zoo.speculative import PROTOCOL, TauEvalCallback, eval_main, evaluate, format_table, load_benchmark
+from eagle3_zoo.cli import main as cli_main
+from eagle3_zoo.speculative import PROTOCOL, TauEvalCallback, evaluate, format_table, load_benchmark
 from eagle3_zoo.speculative.evaluation import evaluate_shapes, format_shapes_table
 from eagle3_zoo.speculative.shapes import TreeSpec, parse_shapes
 from tests.hub_fixtures import edit_config, edit_weights
@@ -124,6 +125,11 @@ def test_evaluate_sampling_reports_no_lossless_check(tmp_path):
                        plot=tmp_path / "p.png", progress=False)
     assert results["lossless"] is None and results["overall"]["speedup"] is None
     assert results["settings"]["top_k"] == 1 and (tmp_path / "p.png").is_file()
+
+
+def eval_main(argv: list[str]) -> int:
+    """`eagle3-zoo eval ARGV...` through the command line's one entry point."""
+    return cli_main(["eval", *argv])
 
 
 def _saved_target_and_drafter(tmp_path, context: int = 2048):
@@ -257,9 +263,9 @@ def test_eval_cli_shapes(tmp_path, capsys):
     assert "min_prob=0.5" in capsys.readouterr().out
     assert eval_main([*args, "--shapes", "chain:2", "--depth", "3"]) == 2
     assert "drop --depth or --shapes" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        eval_main([*args, "--shapes", "tree:2/2"])
-    assert "expected chain:K" in capsys.readouterr().err
+    assert eval_main([*args, "--shapes", "tree:2/2"]) == 2
+    err = capsys.readouterr().err
+    assert "expected chain:K" in err and len(err.strip().splitlines()) == 1
 
 
 class _Module(L.LightningModule):
@@ -311,11 +317,12 @@ def test_eval_parser_imports_no_torch():
     import subprocess
     import sys
 
-    from eagle3_zoo.speculative.eval_cli import MODES
+    from eagle3_zoo.cli.evaluate import BUILTIN_BENCHES, MODES
+    from eagle3_zoo.speculative.benchmarks import BUILTIN
     from eagle3_zoo.speculative.generate import MODES as GENERATOR_MODES
 
-    assert MODES == GENERATOR_MODES
-    code = ("import argparse, sys; from eagle3_zoo.speculative.eval_cli import add_eval_arguments; "
+    assert MODES == GENERATOR_MODES and BUILTIN_BENCHES == BUILTIN
+    code = ("import argparse, sys; from eagle3_zoo.cli.evaluate import add_eval_arguments; "
             "add_eval_arguments(argparse.ArgumentParser()); print('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
@@ -339,8 +346,6 @@ def _truncate(folder):
     (lambda d: edit_weights(d, lambda s: s["d2t"].__setitem__(-1, 10_000)), "D2T_OUT_OF_RANGE"),
 ])
 def test_eval_refuses_an_invalid_drafter_with_the_check_codes(tmp_path, capsys, damage, code):
-    from eagle3_zoo.cli import main as cli_main
-
     _, drafter_dir = _saved_target_and_drafter(tmp_path)
     damage(drafter_dir)
     capsys.readouterr()  # the progress bars of saving the target

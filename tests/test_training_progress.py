@@ -41,3 +41,26 @@ def test_step_progress_bar_counts_steps_across_epochs(tmp_path, capsys):
     assert "train/loss" in final[-1] and "train/acc_0" in final[-1] and "tok/s=" in final[-1]
     assert "v_num" not in out and "/-2" not in out
     assert bar._tokens == 5 * 8  # padding excluded: 5 + 3 tokens per batch
+
+
+def _logged_steps(tmp_path, caplog, **kwargs) -> list[str]:
+    import logging
+
+    from eagle3_zoo.training.callbacks import ProgressLogCallback
+
+    trainer = L.Trainer(max_steps=5, max_epochs=None, logger=False, enable_checkpointing=False,
+                        callbacks=[ProgressLogCallback(**kwargs)], default_root_dir=tmp_path,
+                        enable_model_summary=False, enable_progress_bar=False, accelerator="cpu")
+    with caplog.at_level(logging.INFO, logger="eagle3_zoo.training.callbacks"):
+        trainer.fit(_Tiny(), DataLoader(_batches(3), batch_size=None))
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+
+
+def test_training_log_lines_come_every_log_every_s_seconds_not_every_n_steps(tmp_path, caplog):
+    lines = _logged_steps(tmp_path, caplog, log_every_s=3600.0)  # the first step (a sign of life) and the last
+    assert [ln.split(":")[0].split(",")[0] for ln in lines] == ["step 1/5 (20%)", "step 5/5 (100%)"]
+    assert "ETA" in lines[0] and "steps/s" in lines[0] and "train/loss" not in lines[0] and "loss=" in lines[0]
+    caplog.clear()
+    assert len(_logged_steps(tmp_path, caplog, log_every_s=0.0)) == 5
+    caplog.clear()
+    assert _logged_steps(tmp_path, caplog, log_every_s=0.0, bar=True) == []  # the bar shows the steps

@@ -23,7 +23,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3_zoo.adapters.chat import load_chat_format
-from eagle3_zoo.locations import EMBEDDED_NAMES, EMBEDDED_TARGET
+from eagle3_zoo.locations import EMBEDDED_NAMES, EMBEDDED_TARGET, cache_root
 from eagle3_zoo.modeling.io import exclusive_lock, replace_directory
 
 logger = logging.getLogger(__name__)
@@ -48,11 +48,6 @@ EXPECTED_CONFIG = {
 def is_embedded_name(name_or_path: str | os.PathLike) -> bool:
     """Whether `name_or_path` names the embedded target (``smollm2-135m-instruct`` or ``embedded``)."""
     return str(name_or_path) in EMBEDDED_NAMES
-
-
-def cache_root() -> Path:
-    """``$EAGLE3_ZOO_CACHE`` or ``~/.cache/eagle3_zoo``."""
-    return Path(os.environ.get("EAGLE3_ZOO_CACHE") or "~/.cache/eagle3_zoo").expanduser()
 
 
 def find_embedded_gguf() -> Path:

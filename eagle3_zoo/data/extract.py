@@ -274,28 +274,13 @@ def prepare_recipe(recipe: Any, *, rank: int = 0, world_size: int = 1) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: `python -m eagle3_zoo.data.extract RECIPE [key=value ...]`; prints the feature-store directory."""
-    import argparse
-    import logging as _logging
+    """`python -m eagle3_zoo.data.extract RECIPE [key=value ...] [--rank r --world-size N]` = `eagle3-zoo prepare`
+    (the whole data stage; same options, exit codes and error policy: `eagle3_zoo.cli`)."""
     import sys
 
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.cli import main as cli_main
 
-    parser = argparse.ArgumentParser(prog="python -m eagle3_zoo.data.extract",
-                                     description="Offline feature job of a recipe (resumable).")
-    parser.add_argument("recipe")
-    parser.add_argument("overrides", nargs="*", default=[], help="key=value overrides, before or after the options")
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--world-size", type=int, default=1)
-    args = parser.parse_intermixed_args(argv)  # overrides may follow --rank/--world-size
-    _logging.basicConfig(level=_logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        out = extract_features(load_recipe(args.recipe, args.overrides), rank=args.rank, world_size=args.world_size)
-    except (ValueError, FileNotFoundError, ImportError, PermissionError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0
+    return cli_main(["prepare", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -165,6 +165,20 @@ def regenerated_path(recipe: Any, tokenizer: Any, target_id: str) -> Path:
     return Path(recipe.data.cache_dir) / "regenerated" / f"{regeneration_key(recipe, tokenizer, target_id)[:16]}.jsonl"
 
 
+MIN_VALIDATION_EXAMPLES = 16  # fewer, and val/loss and val/acc_k say more about which conversations than the drafter
+
+
+def _warn_small_validation(n_val: int, conversations: int, val_fraction: float) -> None:
+    """A warning, with how to get a bigger one, when the validation split is too small to mean anything."""
+    if not n_val or n_val >= MIN_VALIDATION_EXAMPLES:
+        return
+    fraction = min(0.5, -(-MIN_VALIDATION_EXAMPLES * 100 // max(conversations, 1)) / 100)
+    logger.warning("validation set: only %d examples (data.val_fraction=%g of %d conversations): val/loss and "
+                   "val/acc_k measured on so few are noise. For a validation set of %d or more, set "
+                   "data.val_fraction=%g, or raise data.max_samples, or add a data source with split: val",
+                   n_val, val_fraction, conversations, MIN_VALIDATION_EXAMPLES, fraction)
+
+
 def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, target_id: str = "",
                  vocab_size: int | None = None, split: Any = None) -> PreparedData:
     """Run the data stage of `recipe` (see the module docstring).
@@ -204,21 +218,29 @@ def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, 
                 max_turns=d.regenerate.max_turns, seed=d.seed, template_kwargs=d.chat_template_kwargs,
                 split=split)
         regen = {"path": str(path), **rstats.to_dict()}
+        dropped = rstats.skipped.get("prompt_too_long", 0)
+        if dropped:
+            logger.warning("regeneration: dropped %d of %d conversations whose first prompt already has "
+                           "data.max_length=%d tokens or more (no room left for an answer); raise data.max_length to "
+                           "keep them", dropped, dropped + rstats.conversations, d.max_length)
     answers = answers_digest(conversations) if d.regenerate.enabled else None
     fingerprint = data_fingerprint(recipe, tokenizer, target_id, answers)
     train_c, val_c = split_train_val(conversations, d.val_fraction, d.seed)
     cached = load_examples(d.cache_dir, fingerprint)
     if cached is not None:
         train, val, token_stats = cached
-        logger.info("tokenised examples from the cache (key %s...): %s", fingerprint[:12], token_stats.summary())
+        where = f"from the cache, key {fingerprint[:12]}..."
     else:
-        token_stats = TokenStats()
+        token_stats, where = TokenStats(), "tokenised now"
         kw = dict(max_length=d.max_length, overflow=d.overflow, on_error=d.on_error, stats=token_stats,
-                  template_kwargs=dict(d.chat_template_kwargs))
+                  template_kwargs=dict(d.chat_template_kwargs), log=False)
         train, _ = tokenize_conversations(train_c, tokenizer, adapter, **kw)
         val, _ = tokenize_conversations(val_c, tokenizer, adapter, **kw)
         if train:
             save_examples(d.cache_dir, fingerprint, train, val, token_stats)
+    logger.log(logging.WARNING if token_stats.num_skipped else logging.INFO, "%s; %d train + %d validation examples "
+               "(%s)", token_stats.summary(d.max_length), len(train), len(val), where)
+    _warn_small_validation(len(val), len(train_c) + len(val_c), d.val_fraction)
     if not train:
         from eagle3_zoo.data.readers import DataError
 

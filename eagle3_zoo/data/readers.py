@@ -455,6 +455,7 @@ def read_sources(sources: Iterable[Any], *, on_error: str = "raise",
     """
     total = ReadStats()
     out: list[Conversation] = []
+    per_file: list[str] = []
     for src in sources:
         get = src.get if isinstance(src, dict) else lambda k, d=None, s=src: getattr(s, k, d)
         from_source = 0
@@ -468,12 +469,15 @@ def read_sources(sources: Iterable[Any], *, on_error: str = "raise",
             batch = list(iter_conversations(file, format=get("format", "auto"), on_error=on_error, stats=stats,
                                             max_samples=min(limits) if limits else None, split=get("split"),
                                             source_key=key))
-            logger.info("%s: %s", file, stats.summary())
+            per_file.append(f"{file}: {stats.summary()}")
             out += batch
             from_source += len(batch)
             total.update(stats)
-    if total.num_skipped:
-        logger.warning("skipped %d bad records: %s", total.num_skipped, total.summary())
+    # one line per file only when there are several; the total once, a warning when records were skipped
+    for line in per_file if len(per_file) > 1 else ():
+        logger.info("%s", line)
+    where = per_file[0] if len(per_file) == 1 else f"{len(per_file)} files: {total.summary()}"
+    logger.log(logging.WARNING if total.num_skipped else logging.INFO, "data sources: %s", where)
     if not out:
         raise DataError(f"no usable conversations in the data sources ({total.summary()})")
     return out, total

@@ -40,11 +40,12 @@ class TokenStats:
     def num_skipped(self) -> int:
         return sum(self.skipped.values())
 
-    def summary(self) -> str:
+    def summary(self, max_length: int | None = None) -> str:
         reasons = ", ".join(f"{r}: {n}" for r, n in sorted(self.skipped.items())) or "none"
+        limit = f" at data.max_length={max_length}" if max_length else ""
         return (f"tokenised {self.conversations} conversations: kept {self.kept} ({self.tokens} tokens, "
-                f"{self.supervised_tokens} supervised), truncated {self.truncated}, skipped {self.num_skipped} "
-                f"({reasons})")
+                f"{self.supervised_tokens} supervised), truncated {self.truncated}{limit}, dropped "
+                f"{self.num_skipped} ({reasons})")
 
     def to_dict(self) -> dict[str, Any]:
         return {"conversations": self.conversations, "kept": self.kept, "truncated": self.truncated,
@@ -67,6 +68,7 @@ def tokenize_conversations(
     system_prompt: str | None = None,
     template_kwargs: dict[str, Any] | None = None,
     stats: TokenStats | None = None,
+    log: bool = True,
 ) -> tuple[list[dict[str, Any]], TokenStats]:
     """Build `{"id", "input_ids", "loss_mask"}` examples with `adapter.build_example`.
 
@@ -80,9 +82,10 @@ def tokenize_conversations(
         system_prompt: passed to `build_example`.
         template_kwargs: chat-template variables (recipe `data.chat_template_kwargs`), passed to `build_example`.
         stats: accumulated in place when given.
+        log: log the stats' summary (off when the caller logs several calls' stats as one line).
 
     Returns:
-        The examples and the stats (also logged).
+        The examples and the stats.
     """
     if overflow not in OVERFLOW:
         raise ValueError(f"unknown overflow policy {overflow!r} (recipe data.overflow); valid: {', '.join(OVERFLOW)}")
@@ -120,10 +123,8 @@ def tokenize_conversations(
         stats.supervised_tokens += int(loss_mask.sum())
         examples.append({"id": getattr(conv, "uid", str(stats.conversations - 1)),
                          "input_ids": input_ids.long(), "loss_mask": loss_mask.long()})
-    if stats.num_skipped:
-        logger.warning("%s", stats.summary())
-    else:
-        logger.info("%s", stats.summary())
+    if log:
+        logger.log(logging.WARNING if stats.num_skipped else logging.INFO, "%s", stats.summary())
     return examples, stats
 
 

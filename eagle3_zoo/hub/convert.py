@@ -34,7 +34,7 @@ from eagle3_zoo.modeling import CONFIG_NAME, WEIGHTS_NAME, Eagle3Drafter, identi
 from eagle3_zoo.modeling.io import atomic_write, atomic_write_text, move_files_into, staged_directory
 
 __all__ = ["CANONICAL_KEYS", "convert_to_canonical", "export_drafter", "extra_files", "import_drafter",
-           "load_any_drafter"]
+           "load_any_drafter", "tensors_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,25 @@ def canonical_state(state: dict[str, torch.Tensor], fmt: str, source: str) -> di
             raise ValueError(f"{source}: two tensors map to {canon!r} (one of them is {name!r})")
         out[canon] = tensor
     return out
+
+
+def tensors_digest(folder: str | Path) -> str:
+    """sha256 of a drafter's weights by canonical name (each tensor's name, dtype, shape and bytes, in name order):
+    the same for a folder and its export to any layout, so that results measured on one hold for the other.
+
+    Raises:
+        CheckpointError: unreadable weights; ValueError: two tensors with the same canonical name.
+    """
+    import hashlib
+
+    folder = Path(folder)
+    state = canonical_state(load_weights(folder), detect_format(folder), str(folder))
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().contiguous().cpu()
+        digest.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _vocab_tensors(state: dict[str, torch.Tensor], cfg, source: str) -> None:
@@ -174,7 +193,7 @@ def export_drafter(
             shutil.copyfile(inside_folder(src, extra), tmp / extra.name)
         require_valid_stage(tmp, out, purpose="export")  # what serving engines will load passes the checks too
         move_files_into(tmp, out)
-    log.info("exported %s -> %s (%s format)", src, out, EXPORT_FORMATS[fmt])
+    log.debug("exported %s -> %s (%s format)", src, out, EXPORT_FORMATS[fmt])  # the CLI prints it
     return out
 
 

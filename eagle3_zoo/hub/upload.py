@@ -240,7 +240,7 @@ def publish(
         require_valid_drafter(out, purpose="publish")  # what is uploaded, not only its source, must load
         _scan_for_token(out, token or get_token(), drafter_dir)  # a dry run stages what would be uploaded: same scan
         if dry_run:
-            log.info("dry run: staged %d files in %s for %s; no request was made", len(files), out, repo_id)
+            log.debug("dry run: staged %d files in %s for %s; no request was made", len(files), out, repo_id)
             return PublishResult(repo_id, out, True, files, report)
         result = _upload(out, drafter_dir, repo_id, files, report, private=private, create_pr=create_pr,
                          token=token, endpoint=endpoint, commit_message=commit_message)
@@ -273,6 +273,6 @@ def _upload(out: Path, drafter_dir: str | Path, repo_id: str, files: list[str], 
         if is_transport_error(e):  # the connection dropped after the probe
             raise unreachable_error(url, e) from e
         raise
-    log.info("published %s: %s", repo_id, commit.commit_url)
+    log.debug("published %s: %s", repo_id, commit.commit_url)  # the CLI prints it
     return PublishResult(repo_id, out, False, files, report, repo_url=str(repo_url), commit_url=commit.commit_url,
                          pr_url=commit.pr_url)

@@ -40,6 +40,7 @@ class ZooEntry:
 class _Registry:
     """The layout of zoo.yaml."""
     targets: dict = field(default_factory=dict)  # local target name -> Hub id
+    datasets: dict = field(default_factory=dict)  # local data name -> Hub dataset id
     drafters: list[ZooEntry] = field(default_factory=list)
 
 
@@ -73,7 +74,8 @@ def list_zoo(family: str | None = None, target: str | None = None) -> list[ZooEn
     """The zoo entries, in registry order; optionally only one target family and/or one target.
 
     Args:
-        family: HF ``model_type`` of the target (``qwen3``, ``gpt_oss``, ...), case-insensitive.
+        family: HF ``model_type`` of the target (``qwen3``, ``gpt_oss``, ...), case-insensitive; a family includes
+            its variants named ``<family>_*`` (``qwen3`` lists the ``qwen3_moe`` drafters too).
         target: Hub id or local name of the target (``Qwen/Qwen3-8B``, ``smollm2-135m-instruct``), case-insensitive.
 
     Raises:
@@ -81,10 +83,16 @@ def list_zoo(family: str | None = None, target: str | None = None) -> list[ZooEn
     """
     entries = [ZooEntry(**{**e, "notes": e.get("notes") or ""}) for e in _registry()["drafters"]]
     if family is not None:
-        entries = _filtered(entries, "family", family, lambda e: {e.family})
+        entries = _filtered(entries, "family", family, _family_names)
     if target is not None:
         entries = _filtered(entries, "target", target, lambda e: {e.target, target_hub_id(e.target) or e.target})
     return entries
+
+
+def _family_names(entry: ZooEntry) -> set[str]:
+    """The family names that select `entry`: its own and every base it extends (`qwen3_moe` -> `qwen3`)."""
+    parts = entry.family.split("_")
+    return {"_".join(parts[:i]) for i in range(1, len(parts) + 1)}
 
 
 def _filtered(entries: list[ZooEntry], what: str, value: str, keys: Any) -> list[ZooEntry]:
@@ -105,7 +113,7 @@ def show_zoo(name: str) -> ZooEntry:
     """
     entry = find_zoo(name)
     if entry is None:
-        raise KeyError(f"no zoo entry named {name!r}; {zoo_hint(name)}")
+        raise KeyError(f"no zoo entry named {name!r}; {zoo_hint(name, list_all=False)}")
     return entry
 
 
@@ -125,14 +133,24 @@ def zoo_hint(name: str, list_all: bool = True) -> str:
     return f"known: {', '.join(e.name for e in entries)}" if list_all else "see `eagle3-zoo zoo list`"
 
 
+def _hub_id(section: str, name: str | None, is_id: Any) -> str | None:
+    """The registry's Hub id for a local name in `section` (targets, datasets), else `name` where `is_id(name)`."""
+    if not name:
+        return None
+    return (_registry().get(section) or {}).get(name) or (name if is_id(name) else None)
+
+
 def target_hub_id(target: str | None) -> str | None:
     """Hub id of a target name: the registry's `targets` map for local names, else the name if it looks like one."""
-    if not target:
-        return None
-    mapped = (_registry().get("targets") or {}).get(target)
-    if mapped:
-        return mapped
-    return target if looks_like_hub_id(target) else None
+    return _hub_id("targets", target, looks_like_hub_id)
+
+
+def dataset_hub_id(path: str | None) -> str | None:
+    """Hub dataset id of a recipe data source: the registry's `datasets` map for local names (the embedded ShareGPT),
+    else the path if it can only be a Hub id (not a local file)."""
+    from eagle3_zoo.locations import is_hub_id
+
+    return _hub_id("datasets", path, is_hub_id)
 
 
 def resolve_repo_id(name: str) -> str:

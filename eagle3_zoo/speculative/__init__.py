@@ -17,7 +17,6 @@ _EXPORTS = {
     "BenchPrompt": "benchmarks", "Benchmark": "benchmarks", "load_benchmark": "benchmarks",
     "TauEvalCallback": "callback",
     "DraftModel": "draft", "Eagle3DraftModel": "draft",
-    "add_eval_arguments": "eval_cli", "eval_main": "eval_cli", "run_eval_cli": "eval_cli",
     "evaluate": "evaluation", "format_table": "evaluation", "plot_acceptance": "evaluation",
     "write_results": "evaluation",
     "MODES": "generate", "GenerationOutput": "generate", "SpeculativeGenerator": "generate",
@@ -33,7 +32,6 @@ if TYPE_CHECKING:
     from eagle3_zoo.speculative.benchmarks import Benchmark, BenchPrompt, load_benchmark
     from eagle3_zoo.speculative.callback import TauEvalCallback
     from eagle3_zoo.speculative.draft import DraftModel, Eagle3DraftModel
-    from eagle3_zoo.speculative.eval_cli import add_eval_arguments, eval_main, run_eval_cli
     from eagle3_zoo.speculative.evaluation import evaluate, format_table, plot_acceptance, write_results
     from eagle3_zoo.speculative.generate import MODES, GenerationOutput, SpeculativeGenerator, plain_generate, tree_spec
     from eagle3_zoo.speculative.metrics import PROTOCOL, BenchStats
@@ -71,9 +69,7 @@ __all__ = [
     "TauEvalCallback",
     "TreeSpec",
     "accept",
-    "add_eval_arguments",
     "build_tree",
-    "eval_main",
     "evaluate",
     "format_table",
     "load_benchmark",
@@ -81,7 +77,6 @@ __all__ = [
     "parse_shapes",
     "plain_generate",
     "plot_acceptance",
-    "run_eval_cli",
     "tree_spec",
     "write_results",
 ]

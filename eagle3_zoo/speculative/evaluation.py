@@ -30,6 +30,7 @@ from eagle3_zoo.speculative.metrics import PROTOCOL, BenchStats
 from eagle3_zoo.speculative.report import (  # noqa: F401 (format_* and write_results: the package's public API)
     format_shapes_table,
     format_table,
+    load_average,
     machine_info,
     plot_acceptance,
     plot_shapes,
@@ -118,6 +119,7 @@ def evaluate(
     spec = tree_spec(mode, depth, top_k, total_tokens, min_prob)
     generator = SpeculativeGenerator(target, drafter, spec, adapter)
     stop = _stop_ids(target, tokenizer, eos_token_id)
+    load = load_average()
     (results,) = _decode([generator], target, tokenizer, loaded, sampling, stop, max_new_tokens=max_new_tokens,
                          baseline=baseline, warmup=warmup, seed=seed, progress=progress)
     results = {"protocol": PROTOCOL, **results}
@@ -127,7 +129,7 @@ def evaluate(
         **_common_settings(target, generator, sampling, max_new_tokens, limit, spread, bench_names, seed, warmup,
                            baseline, stop, extra_settings),
     }
-    results["machine"] = machine_info(generator.runner.device)
+    results["machine"] = machine_info(generator.runner.device, load)
     results["versions"] = versions()
     return _save(results, out, plot, plot_acceptance)
 
@@ -177,6 +179,7 @@ def evaluate_shapes(
     sampling = SamplingParams(temperature=temperature, top_k=sample_top_k, top_p=sample_top_p)
     generators = [SpeculativeGenerator(target, drafter, spec, adapter) for spec in specs]
     stop = _stop_ids(target, tokenizer, eos_token_id)
+    load = load_average()
     per_shape = _decode(generators, target, tokenizer, loaded, sampling, stop, max_new_tokens=max_new_tokens,
                         baseline=baseline, warmup=warmup, seed=seed, progress=progress)
     entries = [{"shape": spec.label, "depth": spec.depth, "top_k": spec.top_k, "total_tokens": spec.total_tokens,
@@ -189,7 +192,7 @@ def evaluate_shapes(
         "settings": {"shapes": labels,
                      **_common_settings(target, generators[0], sampling, max_new_tokens, limit, spread, bench_names,
                                         seed, warmup, baseline, stop, extra_settings)},
-        "machine": machine_info(generators[0].runner.device),
+        "machine": machine_info(generators[0].runner.device, load),
         "versions": versions(),
         "shapes": entries,
         "fastest": max(speeds)[1] if speeds else None,

@@ -15,12 +15,24 @@ import torch
 from eagle3_zoo.modeling.io import atomic_write_text
 
 
-def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
+def load_average() -> list[float] | None:
+    """The machine's load average over 1, 5 and 15 minutes (None where the OS does not say)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def machine_info(device: torch.device | str = "cpu", load_at_start: list[float] | None = None) -> dict[str, Any]:
+    """What a measurement ran on: processor (or GPU), cores, torch threads, and the load average at the start of
+    the run (`load_at_start`) and now, so that speeds can be read next to how busy the machine was."""
     device = torch.device(device)
     info = {"platform": platform.platform(), "processor": _cpu_name(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": str(device)}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
+    if load_at_start is not None:
+        info["load_average"] = {"start": load_at_start, "end": load_average()}
     return info
 
 
@@ -146,7 +158,7 @@ def format_shapes_table(results: dict[str, Any], max_depth: int = 3) -> str:
         slower = "; plain decoding is faster still on this machine with this drafter" if speedup < 1 else ""
         lines += ["", f"fastest here: {fastest['shape']} ({speedup:.2f}x{slower}); the same shape in SGLang: {flags}"]
     skipped = _skipped_note(results["shapes"][0]["overall"]) if results["shapes"] else []
-    return "\n".join([*lines, *skipped, "", "protocol: " + results["protocol"]])
+    return "\n".join([*lines, *skipped, "", *_footer(results)])
 
 
 def format_table(results: dict[str, Any], max_depth: int = 6) -> str:
@@ -170,7 +182,23 @@ def format_table(results: dict[str, Any], max_depth: int = 6) -> str:
     setting = (f"mode={s['mode']} depth={s['depth']} top_k={s['top_k']} total_tokens={s['total_tokens']} "
                f"min_prob={s.get('min_prob', 0):g} "
                f"T={s['temperature']} max_new_tokens={s['max_new_tokens']} device={s['device']}")
-    return "\n".join([setting, *lines, *_skipped_note(results["overall"]), "", "protocol: " + results["protocol"]])
+    return "\n".join([setting, *lines, *_skipped_note(results["overall"]), "", *_footer(results)])
+
+
+PROTOCOL_LINE = ("protocol: tau = tokens per target forward (bonus token included), acc@d conditional on reaching "
+                 "depth d, speedup over plain decoding of the same requests in this run; the full protocol is under "
+                 "'protocol' in the results JSON")
+
+
+def _footer(results: dict[str, Any]) -> list[str]:
+    """The protocol in one line (the JSON holds it whole) and the machine's load during the run."""
+    machine = results.get("machine") or {}
+    load = machine.get("load_average") or {}
+    start, end = load.get("start"), load.get("end")
+    where = (f"machine: {machine.get('gpu') or machine.get('processor')}, {machine.get('torch_threads')} torch threads"
+             + (f"; load average {start[0]:.2f} at the start, {end[0]:.2f} at the end (speeds scale with it)"
+                if start and end else ""))
+    return [PROTOCOL_LINE, where] if machine else [PROTOCOL_LINE]
 
 
 def _skipped_note(overall: dict[str, Any]) -> list[str]:

@@ -16,6 +16,8 @@ import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
 
+from eagle3_zoo.progress import LOG_EVERY_S, _eta
+
 logger = logging.getLogger(__name__)
 
 SCHEDULES = ("constant", "ramp")
@@ -73,14 +75,19 @@ class TTTScheduleCallback(L.Callback):
 
 
 class ProgressLogCallback(L.Callback):
-    """Log a one-line summary of the training metrics every `every_n_steps` steps and after each validation
-    (for log files and non-interactive jobs, where a progress bar shows nothing useful)."""
+    """Training progress in words: what is trained (once), and where no live bar shows the steps (log files, CI),
+    a line about every `log_every_s` seconds and at the last step with the step, rate, ETA and training metrics;
+    after each validation a line with its metrics (written above the bar on a terminal).
 
-    def __init__(self, every_n_steps: int = 10):
-        self.every_n_steps = max(1, every_n_steps)
-        self._start = time.monotonic()
-        self._last_step = -1
-        self._tokens = 0
+    Args:
+        log_every_s: seconds between step lines (README: every 30 s).
+        bar: a live bar shows the steps (`eagle3_zoo.progress.use_bar()`): no step lines then.
+    """
+
+    def __init__(self, log_every_s: float = LOG_EVERY_S, bar: bool = False):
+        self.log_every_s, self.bar = log_every_s, bar
+        self._start = self._last_log = time.monotonic()
+        self._first_step, self._last_step, self._tokens = 0, -1, 0
 
     @staticmethod
     def _line(metrics: dict[str, Any], prefix: str) -> str:
@@ -88,17 +95,37 @@ class ProgressLogCallback(L.Callback):
         return " ".join(f"{k.split('/', 1)[1]}={float(metrics[k]):.4g}" for k in keys)
 
     @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start = self._last_log = time.monotonic()
+        self._first_step, self._tokens = trainer.global_step, 0
+        if trainer.is_global_zero:  # instead of Lightning's model summary table
+            trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+            logger.info("training %s trainable parameters from step %d to %s", f"{trainable:,}", trainer.global_step,
+                        trainer.max_steps if trainer.max_steps > 0 else f"{trainer.max_epochs} epochs")
+
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        step = trainer.global_step
+        step, now = trainer.global_step, time.monotonic()
         self._tokens += batch_tokens(batch)
-        # with gradient accumulation several batches end on the same optimizer step: one line per step
-        if trainer.is_global_zero and step % self.every_n_steps == 0 and step > 0 and step != self._last_step:
-            self._last_step = step
-            elapsed = time.monotonic() - self._start
-            of = f"/{trainer.max_steps}" if trainer.max_steps > 0 else ""
-            logger.info("step %d%s (%.1f s, %.0f tokens/s on this rank): %s", step, of, elapsed,
-                        self._tokens / max(elapsed, 1e-9), self._line(trainer.callback_metrics, "train"))
+        last = trainer.max_steps > 0 and step >= trainer.max_steps
+        # with gradient accumulation several batches end on the same optimizer step: one line per step at most
+        due = now - self._last_log >= self.log_every_s or last or step == self._first_step + 1
+        if self.bar or not trainer.is_global_zero or step == self._last_step or not due:
+            return
+        self._last_step, self._last_log = step, now
+        logger.info("%s: %s", self._progress(trainer, step, now), self._line(trainer.callback_metrics, "train"))
+
+    def _progress(self, trainer: L.Trainer, step: int, now: float) -> str:
+        """`step 40/60 (67%), 0.21 steps/s, 245 tokens/s on this rank, ETA 0:01:35, 190 s elapsed`."""
+        elapsed = max(now - self._start, 1e-9)
+        rate = (step - self._first_step) / elapsed
+        parts = [f"step {step}" + (f"/{trainer.max_steps} ({step / trainer.max_steps:.0%})"
+                                   if trainer.max_steps > 0 else ""),
+                 f"{rate:.2f} steps/s", f"{self._tokens / elapsed:.0f} tokens/s on this rank"]
+        if trainer.max_steps > 0 and rate > 0 and step < trainer.max_steps:
+            parts.append(f"ETA {_eta((trainer.max_steps - step) / rate)}")
+        return ", ".join([*parts, f"{elapsed:.0f} s elapsed"])
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

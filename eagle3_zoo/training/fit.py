@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from eagle3_zoo.data.tokenize import draft_vocab_coverage
 from eagle3_zoo.modeling.io import atomic_write, recover_replaced_directory
+from eagle3_zoo.progress import use_bar
 from eagle3_zoo.recipe import recipe_to_dict
 from eagle3_zoo.targets.loading import target_device, use_device
 from eagle3_zoo.training import resume
@@ -39,6 +40,7 @@ from eagle3_zoo.training.build import build_run
 from eagle3_zoo.training.callbacks import ProgressLogCallback, StepProgressBar, TTTScheduleCallback
 from eagle3_zoo.training.module import NonFiniteError, all_finite
 from eagle3_zoo.training.outputs import build_provenance, drafter_info, full_drafter, git_info, write_drafter_folder
+from eagle3_zoo.training.record import TrainingRecordCallback
 from eagle3_zoo.training.strategies import build_strategy, world_size_of
 
 logger = logging.getLogger(__name__)
@@ -50,11 +52,21 @@ DRAFTER_DIR = "drafter"
 
 class LastCheckpoint(ModelCheckpoint):
     """`last.ckpt` every N steps *and* at the end of training (ModelCheckpoint alone skips the final step when
-    an earlier step was already saved in this run)."""
+    an earlier step was already saved in this run); the final save happens even then when this start trained, so
+    that the checkpoint carries the run's final record (`eagle3_zoo.training.record`: metrics of the last
+    validation, wall time)."""
+
+    _start_step = 0
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._start_step = trainer.global_step
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.save_last and self._last_global_step_saved != trainer.global_step:
+        trained = trainer.global_step != self._start_step
+        if self.save_last and (trained or self._last_global_step_saved != trainer.global_step):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
@@ -113,7 +125,8 @@ def build_trainer(recipe: Any, adapter: Any, callbacks: Sequence[L.Callback] = (
     checkpoint = LastCheckpoint(dirpath=output_dir / CHECKPOINT_DIR, every_n_train_steps=t.checkpoint_every_n_steps,
                                 save_last=True, save_top_k=0, enable_version_counter=False)
     schedule = TTTScheduleCallback(recipe.ttt.steps, recipe.ttt.schedule, recipe.ttt.ramp_fraction)
-    progress = ProgressLogCallback(t.log_every_n_steps)
+    bar = use_bar()
+    progress = ProgressLogCallback(bar=bar)
     kwargs: dict[str, Any] = dict(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
         strategy=build_strategy(t.strategy, adapter, devices=t.devices, num_nodes=t.num_nodes,
@@ -125,8 +138,9 @@ def build_trainer(recipe: Any, adapter: Any, callbacks: Sequence[L.Callback] = (
         logger=_loggers(recipe, output_dir) or False, callbacks=[schedule, checkpoint, progress, *callbacks],
         default_root_dir=output_dir, use_distributed_sampler=False,  # the batch sampler shards by rank itself
         num_sanity_val_steps=0, plugins=[AtomicCheckpointIO()],
-        # a live bar on a terminal; in a log file (CI, batch jobs) the progress callback's lines say the same
-        enable_progress_bar=sys.stderr.isatty(),
+        # a live bar on a terminal; in a log file (CI, batch jobs) the progress callback's lines say the same, and
+        # say what is trained instead of the model summary table
+        enable_progress_bar=bar, enable_model_summary=False,
     )
     if kwargs["enable_progress_bar"]:
         kwargs["callbacks"].append(StepProgressBar())
@@ -253,8 +267,10 @@ def _fit(recipe: Any, source: str) -> Path:
     info = drafter_info(run.module.drafter, recipe_to_dict(recipe), build_provenance(
         recipe_dict=recipe_to_dict(recipe), target=target_info, data=data_summary, drafter=run.module.drafter,
         training={"strategy": t.strategy, "precision": t.precision}, git=git))
-    trainer = build_trainer(recipe, adapter, [resume.RunIdentityCallback(identity, info),
+    record = TrainingRecordCallback(start, static={"strategy": t.strategy, "precision": t.precision})
+    trainer = build_trainer(recipe, adapter, [resume.RunIdentityCallback(identity, info), record,
                                               *_tau_eval_callbacks(recipe, run.tokenizer)], has_val=bool(data.val))
+    record.hardware, record.static["world_size"] = _hardware(trainer), trainer.world_size
     for lg in trainer.loggers:  # the resolved recipe as the run's hyperparameters (hparams.yaml, TensorBoard)
         lg.log_hyperparams(recipe_to_dict(recipe))
     trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=str(last) if last.exists() else None)
@@ -266,11 +282,8 @@ def _fit(recipe: Any, source: str) -> Path:
                              "nothing written")
     out = output_dir / DRAFTER_DIR
     if trainer.is_global_zero:
-        training = {"global_step": trainer.global_step, "epochs": trainer.current_epoch,
-                    "strategy": recipe.trainer.strategy, "world_size": trainer.world_size,
-                    "precision": recipe.trainer.precision, "wall_time_s": round(time.time() - start, 1),
-                    "hardware": _hardware(trainer),
-                    "final_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+        # the whole run's record (all starts of fit); a rerun that trained nothing keeps it as it was
+        training = record.final if record.final is not None else record.record(trainer)
         provenance = build_provenance(recipe_dict=recipe_to_dict(recipe), target=target_info, data=data_summary,
                                       training=training, drafter=trained, git=git)
         write_drafter_folder(trained, out, recipe, provenance)
@@ -298,13 +311,11 @@ def fit_main(recipe_path: str | Path, overrides: Sequence[str] = ()) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: `python -m eagle3_zoo.training.fit RECIPE [key=value ...]`, the same as `eagle3-zoo fit` (exit 0 on
-    success, 2 on a user error, 1 on any other error, one line each; `--debug` shows the traceback)."""
+    """`python -m eagle3_zoo.training.fit RECIPE [key=value ...]` = `eagle3-zoo fit RECIPE ...` (same options, exit
+    codes and error policy: `eagle3_zoo.cli`)."""
     from eagle3_zoo.cli import main as cli_main
 
-    args = list(sys.argv[1:] if argv is None else argv)
-    flags = [a for a in args if a in ("--debug", "-v", "--verbose")]
-    return cli_main([*flags, "fit", *(a for a in args if a not in flags)])
+    return cli_main(["fit", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

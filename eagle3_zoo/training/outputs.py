@@ -305,7 +305,10 @@ def consolidate_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     except (RuntimeError, TypeError) as e:  # missing / unexpected keys, shapes that do not fit the config
         raise ValueError(f"{checkpoint}: its drafter weights do not fit its drafter config "
                          f"({str(e).strip().splitlines()[0]}...)") from None
+    from eagle3_zoo.training.record import RECORD_KEY
+
     provenance = info_json(info, "provenance", checkpoint)
-    provenance.setdefault("training", {}).update(global_step=meta.get("global_step"),
+    record = meta.get(RECORD_KEY) if isinstance(meta.get(RECORD_KEY), dict) else {}  # wall time, epochs, metrics...
+    provenance.setdefault("training", {}).update(record, global_step=meta.get("global_step"),
                                                  consolidated_from=str(checkpoint.resolve()))
     return write_drafter_folder(drafter, out, info_json(info, "recipe", checkpoint), provenance)

@@ -1,9 +1,8 @@
-"""`eagle3-zoo export | check | publish | pull | zoo`: argparse registration and handlers returning exit codes.
+"""`eagle3-zoo export | check | publish | pull | zoo`: drafter folders and the Hub.
 
-The lead's `eagle3_zoo/cli.py` calls `add_subparsers(subparsers)` and dispatches with `args.func(args)`. Handlers
-turn library exceptions into a one-line message on stderr and exit code 2 (as `eagle3-zoo` does for every command;
-exit code 1 = `check` / `pull` found problems); they never print the Hub token, and no command takes one on the
-command line (shell history, process lists): use `HF_TOKEN` or `hf auth login`.
+Handlers return 0, or 1 when `check` / `pull` found problems; exceptions go to `eagle3_zoo.cli.main` like every
+other command's. They never print the Hub token, and no command takes one on the command line (shell history,
+process lists): use `HF_TOKEN` or `hf auth login`.
 """
 
 from __future__ import annotations
@@ -11,8 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
-from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
 log = logging.getLogger(__name__)
@@ -20,22 +17,6 @@ log = logging.getLogger(__name__)
 _FORMATS = ["canonical", "sglang", "speculators"]
 
 
-def _guard(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        from huggingface_hub.errors import HfHubHTTPError
-
-        try:
-            return handler(args)
-        except (ValueError, KeyError, OSError, RuntimeError, HfHubHTTPError) as e:
-            message = e.args[0] if isinstance(e, KeyError) and e.args else e
-            print(f"error: {message}", file=sys.stderr)
-            return 2
-
-    run.__name__ = handler.__name__
-    return run
-
-
-@_guard
 def cmd_export(args: argparse.Namespace) -> int:
     from eagle3_zoo.hub.convert import export_drafter
     from eagle3_zoo.hub.formats import EXPORT_FORMATS
@@ -46,7 +27,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-@_guard
 def cmd_check(args: argparse.Namespace) -> int:
     from eagle3_zoo.hub.check import check_drafter
 
@@ -66,7 +46,6 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-@_guard
 def cmd_publish(args: argparse.Namespace) -> int:
     from eagle3_zoo.hub.upload import publish
 
@@ -81,7 +60,6 @@ def cmd_publish(args: argparse.Namespace) -> int:
     return 0
 
 
-@_guard
 def cmd_pull(args: argparse.Namespace) -> int:
     from eagle3_zoo.hub.download import pull
 
@@ -96,7 +74,6 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0 if result.report.ok else 1
 
 
-@_guard
 def cmd_zoo(args: argparse.Namespace) -> int:
     from eagle3_zoo.hub.zoo import list_zoo, show_zoo
 
@@ -111,17 +88,18 @@ def cmd_zoo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([asdict(e) for e in entries], indent=2))
         return 0
-    rows = [(e.name, e.repo_id or "-", e.target, e.format, e.status, e.recipe or "-") for e in entries]
-    widths = [max(len(r[i]) for r in rows + [("name", "repo", "target", "format", "status", "recipe")])
-              for i in range(6)]
-    for row in [("name", "repo", "target", "format", "status", "recipe"), *rows]:
+    header = ("name", "repo", "target", "family", "format", "status", "recipe")
+    rows = [(e.name, e.repo_id or "-", e.target, e.family, e.format, e.status, e.recipe or "-") for e in entries]
+    widths = [max(len(r[i]) for r in [*rows, header]) for i in range(len(header))]
+    for row in [header, *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
     return 0
 
 
-def add_subparsers(subparsers: argparse._SubParsersAction) -> None:
-    """Register export, check, publish, pull and zoo on the `eagle3-zoo` subparsers; each sets `func=handler`."""
-    p = subparsers.add_parser("export", help="write a drafter in the SGLang (canonical) or speculators layout")
+def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """Add export, check, publish, pull and zoo to the `eagle3-zoo` subcommands; each sets `func=handler`."""
+    p = subparsers.add_parser("export", help="write a drafter in the SGLang (canonical) or speculators layout",
+                              parents=[common])
     p.add_argument("drafter_dir", help="drafter folder (any supported format)")
     p.add_argument("--format", choices=_FORMATS, default="sglang",
                    help="sglang (= canonical: SGLang, vLLM and the official loaders) or speculators (vLLM's own "
@@ -132,7 +110,8 @@ def add_subparsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="speculators: vLLM's default draft length")
     p.set_defaults(func=cmd_export)
 
-    p = subparsers.add_parser("check", help="check a drafter folder for loader/target incompatibilities")
+    p = subparsers.add_parser("check", help="check a drafter folder for loader/target incompatibilities",
+                              parents=[common])
     p.add_argument("path", help="drafter folder")
     p.add_argument("--target", help="target Hub id or local folder to check against (config.json only)")
     p.add_argument("--strict", action="store_true", help="warnings fail too")
@@ -142,7 +121,8 @@ def add_subparsers(subparsers: argparse._SubParsersAction) -> None:
                         "does not load or accepts no draft token (the engine venv: scripts/setup_engine.sh)")
     p.set_defaults(func=cmd_check)
 
-    p = subparsers.add_parser("publish", help="check, stage and upload a drafter with its model card")
+    p = subparsers.add_parser("publish", help="check, stage and upload a drafter with its model card",
+                              parents=[common])
     p.add_argument("drafter_dir", help="drafter folder to publish (e.g. runs/NAME/drafter)")
     p.add_argument("--repo-id", required=True, help="ORG/NAME on the Hub")
     p.add_argument("--format", choices=_FORMATS, default="sglang", help="layout of the uploaded weights (see export)")
@@ -154,7 +134,8 @@ def add_subparsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or huggingface.co)")
     p.set_defaults(func=cmd_publish)
 
-    p = subparsers.add_parser("pull", help="download a drafter (Hub id or zoo name), check it, optionally convert")
+    p = subparsers.add_parser("pull", help="download a drafter (Hub id or zoo name), check it, optionally convert",
+                              parents=[common])
     p.add_argument("repo", help="Hub repo id or zoo name")
     p.add_argument("--revision", help="branch, tag or commit of the repository (default: main)")
     p.add_argument("--target", help="target Hub id or local folder to check against")
@@ -163,7 +144,8 @@ def add_subparsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or huggingface.co)")
     p.set_defaults(func=cmd_pull)
 
-    p = subparsers.add_parser("zoo", help="known drafters and recipes")
+    p = subparsers.add_parser("zoo", help="known drafters and recipes",
+                              parents=[common])
     p.add_argument("action", choices=["list", "show"], nargs="?", default="list",
                    help="list every entry, or show one (default: list)")
     p.add_argument("name", nargs="?", help="zoo name or repo id (for show)")
@@ -171,15 +153,3 @@ def add_subparsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--target", help="list only drafters for this target (Hub id or local name, e.g. Qwen/Qwen3-8B)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_zoo)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run one of these subcommands without the rest of the CLI (tests, `python -m eagle3_zoo.hub.cli_commands`)."""
-    parser = argparse.ArgumentParser(prog="eagle3-zoo")
-    add_subparsers(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

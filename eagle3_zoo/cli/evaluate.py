@@ -1,0 +1,265 @@
+"""`eagle3-zoo eval DRAFTER --target T --bench mtbench,humaneval ...`: real speculative decoding, in this process
+(`eagle3_zoo.speculative.evaluate`) or inside vLLM (`eagle3_zoo.speculative.engine_eval`).
+
+Everything the arguments name is checked before the target loads: the drafter (the checks of `eagle3-zoo check`,
+against the target's shipped config when the package has one, so a mismatch is reported offline), the benchmark
+names and files, the draft shape.
+
+On a CPU the defaults are what this kind of machine can answer in minutes (verifying a node costs time there, see
+README *Draft shapes on this CPU*): the 60-node tree cut at draft probability 0.2, 128 new tokens, 8 prompts spread
+over each benchmark. On a GPU: the EAGLE-3 paper's tree 8/10/60, 256 new tokens, every prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from eagle3_zoo.dtypes import DTYPE_NAMES
+from eagle3_zoo.speculative.shapes import SHAPE_SYNTAX, TreeSpec, parse_shapes
+
+log = logging.getLogger(__name__)
+
+# kept free of torch/transformers imports: `eagle3-zoo --help` builds this parser
+MODES = ("tree", "chain")  # = eagle3_zoo.speculative.generate.MODES
+BUILTIN_BENCHES = ("mtbench", "humaneval")  # = eagle3_zoo.speculative.benchmarks.BUILTIN
+_SHAPE_FLAGS = ("mode", "depth", "top_k", "total_tokens", "min_prob")
+DEFAULTS = {  # per device type: the shape, the answer length and the prompts of an `eval` without those options
+    "cuda": {"mode": "tree", "depth": 8, "top_k": 10, "total_tokens": 60, "min_prob": 0.0, "max_new_tokens": 256,
+             "limit": None, "spread": False},
+    "cpu": {"mode": "tree", "depth": 8, "top_k": 10, "total_tokens": 60, "min_prob": 0.2, "max_new_tokens": 128,
+            "limit": 8, "spread": True},
+}
+
+
+def _shapes_arg(text: str) -> list[TreeSpec]:
+    try:
+        return parse_shapes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `eval` options to `parser`."""
+    parser.add_argument("drafter", help="drafter folder in any format `eagle3-zoo check` reads (canonical/SGLang, "
+                        "official EAGLE-3, speculators)")
+    parser.add_argument("--target", default=None,
+                        help="target hub id / folder / 'smollm2-135m-instruct' (default: the drafter's "
+                             "target_name_or_path)")
+    parser.add_argument("--bench", default="mtbench",
+                        help="comma-separated: mtbench, humaneval, or JSONL files (default: mtbench)")
+    parser.add_argument("--mode", choices=MODES, default=None,
+                        help="draft shape (default: tree 8/10/60; on a CPU cut at draft probability 0.2)")
+    parser.add_argument("--depth", type=int, default=None, help="tree depth / chain length K (default: 8)")
+    parser.add_argument("--top-k", type=int, default=None, help="tree branching per node (default: 10)")
+    parser.add_argument("--total-tokens", type=int, default=None,
+                        help="draft nodes per tree, the root not counted (default: 60)")
+    parser.add_argument("--min-prob", type=float, default=None,
+                        help="draft only nodes whose cumulative draft probability is >= this (0 = off; default: 0 on "
+                             "a GPU, 0.2 on a CPU): smaller drafts where the drafter is unsure, for machines where "
+                             "verifying more tokens costs time (a CPU)")
+    parser.add_argument("--shapes", type=_shapes_arg, default=None, metavar="SHAPE[,SHAPE...]",
+                        help="compare draft shapes on the same requests instead of one --mode: " + SHAPE_SYNTAX +
+                             ", e.g. chain:1,chain:3,tree:1/2/2,tree:8/10/60; prints tau and speedup per shape and "
+                             "the fastest (the plain baseline runs once per request and serves every shape)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy + lossless check (default: 0)")
+    parser.add_argument("--sample-top-k", type=int, default=0, help="sampling top-k, 0 = off (default: 0)")
+    parser.add_argument("--sample-top-p", type=float, default=1.0, help="sampling top-p, 1 = off (default: 1)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="per request (default: 256; 128 on a CPU)")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="N prompts of each benchmark (default: all; on a CPU 8, spread)")
+    parser.add_argument("--spread", action="store_true", default=None,
+                        help="with --limit N: N prompts evenly spaced over each benchmark instead of the first N "
+                             "(MT-bench is sorted by category: --limit 16 --spread = 2 per category)")
+    parser.add_argument("--out", default="eval_results.json", help="results JSON (default: eval_results.json)")
+    parser.add_argument("--plot", default=None, help="acceptance PNG (default: the --out path with .png)")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip plain decoding (no speedup, no lossless check)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up requests (default: 1)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="target and drafter dtype")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cuda if available, else cpu)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--strict", action="store_true", help="exit code 1 if the lossless check fails")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                        help="hf: our own decoder in this process (default); vllm: EAGLE-3 inside a vLLM server, "
+                             "judged by its own counters, greedy only (--depth = num_speculative_tokens, default 3; "
+                             "the engine venv comes from EAGLE3_ZOO_VLLM_PYTHON or .venv-vllm)")
+    parser.add_argument("--engine-url", default=None,
+                        help="with --engine vllm: a running vLLM server with the drafter loaded (default: start one)")
+    parser.add_argument("--engine-baseline-url", default=None,
+                        help="with --engine vllm: a running vLLM server of the target without speculation")
+    parser.add_argument("--engine-compare", action="store_true",
+                        help="with --engine vllm: also decode the same requests with our own decoder (chain of "
+                             "--depth) and report both tau figures side by side")
+    return parser
+
+
+def check_benches(benches: str) -> list[str]:
+    """The names of `--bench`, each a built-in benchmark or an existing file; a typo gets a "did you mean".
+
+    Raises:
+        ValueError: an unknown name, or an empty list.
+    """
+    names = [b.strip() for b in benches.split(",") if b.strip()]
+    if not names:
+        raise ValueError(f"--bench {benches!r}: no benchmark named; built-in: {', '.join(BUILTIN_BENCHES)}, or a "
+                         "JSONL file")
+    for name in names:
+        if name in BUILTIN_BENCHES or Path(name).is_file():
+            continue
+        close = difflib.get_close_matches(name, BUILTIN_BENCHES, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"--bench: unknown benchmark {name!r} (neither built-in nor a file); {hint}built-in: "
+                         f"{', '.join(BUILTIN_BENCHES)}, or a JSONL file of prompts")
+    return names
+
+
+def settings_for(args: argparse.Namespace, device_type: str) -> dict[str, Any]:
+    """The shape, answer length and prompt selection of this run: the options given, else the device's defaults.
+
+    Raises:
+        ValueError: `--shapes` combined with single-shape options.
+    """
+    given = {k: getattr(args, k) for k in _SHAPE_FLAGS if getattr(args, k) is not None}
+    if args.shapes and given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise ValueError(f"--shapes compares the shapes it lists; drop {flags} or --shapes")
+    defaults = DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
+    out = {**defaults, **given}
+    if given and "min_prob" not in given:  # a shape given without a cut is taken as given, uncut
+        out["min_prob"] = 0.0
+    for key in ("max_new_tokens", "limit", "spread"):
+        if getattr(args, key) is not None:
+            out[key] = getattr(args, key)
+    if args.limit is not None and args.spread is None:
+        out["spread"] = False
+    return out
+
+
+def _target_checked_offline(name: str) -> str | None:
+    """`name` when its config can be read without the network (a local folder, a config shipped in the package)."""
+    from eagle3_zoo.adapters.shipped import shipped_target_config
+
+    return name if Path(name).expanduser().is_dir() or shipped_target_config(name) is not None else None
+
+
+def run_eval(args: argparse.Namespace) -> dict[str, Any]:
+    """Check, load, evaluate; prints the table and returns the results (written to `--out`)."""
+    if args.engine == "vllm":
+        return run_engine_eval(args)
+    import torch
+
+    from eagle3_zoo.adapters import load_target
+    from eagle3_zoo.hub.check import require_valid_drafter
+    from eagle3_zoo.hub.convert import import_drafter, tensors_digest
+    from eagle3_zoo.hub.weights import weights_digest
+    from eagle3_zoo.speculative.benchmarks import load_benchmark
+    from eagle3_zoo.speculative.evaluation import evaluate, evaluate_shapes, format_shapes_table, format_table
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    s = settings_for(args, torch.device(device).type)
+    benches = check_benches(args.bench)
+    for name in benches:  # bad records and empty files too, before minutes of loading
+        load_benchmark(name, s["limit"], s["spread"])
+    # the checks of `eagle3-zoo check`, so that a broken drafter is refused with its problem codes instead of
+    # failing deep in decoding: before the (possibly large) target loads, against its shipped config if any
+    report = require_valid_drafter(args.drafter, purpose="evaluate")
+    target_name = args.target or report.config.target_name_or_path
+    if not target_name:
+        raise ValueError(f"{args.drafter}: the drafter config names no target (eagle3_zoo.target_name_or_path); "
+                         f"pass --target")
+    offline = _target_checked_offline(str(target_name))
+    if offline:
+        require_valid_drafter(args.drafter, offline, purpose=f"evaluate with target {target_name}")
+    _log_plan(args, s, device)
+    dtype = getattr(torch, args.dtype)
+    target, tokenizer, adapter = load_target(target_name, dtype=dtype, device=device)
+    require_valid_drafter(args.drafter, target.config, purpose=f"evaluate with target {target_name}")
+    drafter = import_drafter(args.drafter, dtype=dtype, device=device).eval()  # any format `check` accepts
+    common = dict(
+        temperature=args.temperature, max_new_tokens=s["max_new_tokens"], limit=s["limit"], spread=s["spread"],
+        sample_top_k=args.sample_top_k, sample_top_p=args.sample_top_p, baseline=not args.no_baseline,
+        warmup=args.warmup, seed=args.seed, adapter=adapter, out=args.out, plot=args.plot,
+        progress=not args.no_progress,
+        # the weights' digests tie the results to these weights (the file's, and the tensors' whatever their layout):
+        # the model card leaves out results of other weights
+        extra_settings={"drafter": str(Path(args.drafter).resolve()), "target": str(target_name),
+                        "drafter_weights_sha256": weights_digest(args.drafter),
+                        "drafter_tensors_sha256": tensors_digest(args.drafter)},
+    )
+    if args.shapes:
+        results = evaluate_shapes(drafter, target, tokenizer, ",".join(benches), shapes=args.shapes, **common)
+        print(format_shapes_table(results))
+    else:
+        results = evaluate(drafter, target, tokenizer, ",".join(benches), mode=s["mode"], depth=s["depth"],
+                           top_k=s["top_k"], total_tokens=s["total_tokens"], min_prob=s["min_prob"], **common)
+        print(format_table(results))
+    print(f"wrote {args.out} and {args.plot or Path(args.out).with_suffix('.png')}")
+    return results
+
+
+def _log_plan(args: argparse.Namespace, s: dict[str, Any], device: str) -> None:
+    shapes = ", ".join(t.label for t in args.shapes) if args.shapes else TreeSpec(
+        s["depth"], 1 if s["mode"] == "chain" else s["top_k"],
+        s["depth"] if s["mode"] == "chain" else s["total_tokens"], s["min_prob"]).label
+    prompts = f"{s['limit']} prompts{' spread' if s['spread'] else ''} of each benchmark" if s["limit"] else \
+        "every prompt of each benchmark"
+    log.info("eval on %s: %s, %s, up to %d new tokens per request%s (options not given take the %s defaults: "
+             "--mode/--depth/--top-k/--total-tokens/--min-prob, --max-new-tokens, --limit/--spread)", device, shapes,
+             prompts, s["max_new_tokens"], "" if args.no_baseline else ", then plain decoding of each request",
+             "GPU" if device.startswith("cuda") else "CPU")
+
+
+def run_engine_eval(args: argparse.Namespace) -> dict[str, Any]:
+    """`eval --engine vllm`: the options that apply to the engine, the table, the JSON.
+
+    Raises:
+        ValueError: an option the engine path does not support (tree shapes, sampling).
+    """
+    from eagle3_zoo.speculative.engine_eval import compare_with_our_decoder, evaluate_in_vllm, format_engine_table
+    from eagle3_zoo.speculative.report import write_results
+
+    unsupported = [flag for flag, given in (("--shapes", args.shapes), ("--mode tree", args.mode == "tree"),
+                                           ("--top-k", args.top_k), ("--total-tokens", args.total_tokens),
+                                           ("--min-prob", args.min_prob)) if given]
+    if unsupported:
+        raise ValueError(f"--engine vllm drafts chains of --depth tokens (vLLM's num_speculative_tokens); drop "
+                         f"{', '.join(unsupported)}")
+    benches = ",".join(check_benches(args.bench))
+    out, max_new = Path(args.out), args.max_new_tokens or DEFAULTS["cuda"]["max_new_tokens"]
+    results = evaluate_in_vllm(
+        args.drafter, args.target, benches, num_speculative_tokens=args.depth or 3, max_new_tokens=max_new,
+        limit=args.limit, spread=bool(args.spread), temperature=args.temperature, baseline=not args.no_baseline,
+        url=args.engine_url, baseline_url=args.engine_baseline_url, work_dir=out.parent / f"{out.stem}-vllm",
+        out=None)
+    if args.engine_compare:
+        results["hf_decoder"] = compare_with_our_decoder(results, benches, max_new_tokens=max_new, limit=args.limit,
+                                                         spread=bool(args.spread), baseline=not args.no_baseline,
+                                                         progress=not args.no_progress)
+    write_results(results, out)
+    print(format_engine_table(results))
+    print(f"wrote {out}")
+    return results
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    results = run_eval(args)
+    if results.get("lossless") is False:
+        print("warning: speculative greedy output differs from plain decoding (see lossless_mismatches)",
+              file=sys.stderr)
+        return 1 if args.strict else 0
+    return 0
+
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """Add `eval` to the `eagle3-zoo` subcommands."""
+    p = sub.add_parser("eval", help="real speculative decoding: tau, per-depth acceptance, speedup, lossless check",
+                       description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter,
+                       parents=[common])
+    add_eval_arguments(p)
+    p.set_defaults(func=cmd_eval)

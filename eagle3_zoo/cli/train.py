@@ -1,0 +1,102 @@
+"""`eagle3-zoo fit | prepare | plan | consolidate`: a recipe's data stage, training, memory plan, and the drafter
+folder of a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _print_config(args: argparse.Namespace) -> bool:
+    """`--print-config`: print the fully resolved recipe and tell the caller to stop."""
+    if not args.print_config:
+        return False
+    from eagle3_zoo.recipe import load_recipe, resolved_recipe_yaml
+
+    print(resolved_recipe_yaml(load_recipe(args.recipe, args.overrides)), end="")
+    return True
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    if _print_config(args):
+        return 0
+    from eagle3_zoo.training.fit import fit_main
+
+    print(fit_main(args.recipe, args.overrides))
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    if _print_config(args):
+        return 0
+    from eagle3_zoo.data.extract import prepare_recipe
+    from eagle3_zoo.recipe import load_recipe
+
+    summary = prepare_recipe(load_recipe(args.recipe, args.overrides), rank=args.rank, world_size=args.world_size)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.training.plan import plan_recipe
+
+    plan = plan_recipe(load_recipe(args.recipe, args.overrides), source=args.recipe)
+    print(plan.table())
+    # any phase that does not fit fails the plan: a feature job that cannot run is as much a blocker as training
+    return 1 if False in (plan.fits, plan.feature_job_fits) else 0
+
+
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    from eagle3_zoo.training.outputs import consolidate_checkpoint
+
+    print(consolidate_checkpoint(args.checkpoint, args.out_dir))
+    return 0
+
+
+def _recipe_arguments(p: argparse.ArgumentParser, overrides_help: str, print_config: str | None = None) -> None:
+    """The recipe YAML and its dotlist overrides, the positionals of `fit`, `prepare` and `plan`, and
+    `--print-config` where the command has it (`print_config`: what it does instead of running)."""
+    p.add_argument("recipe", help="recipe YAML (see recipes/)")
+    p.add_argument("overrides", nargs="*", default=[], help=overrides_help)
+    if print_config:
+        p.add_argument("--print-config", action="store_true", help="print the fully resolved recipe (defaults + "
+                       f"file + overrides) and exit {print_config}")
+
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """Add fit, prepare, plan and consolidate to the `eagle3-zoo` subcommands."""
+    p = sub.add_parser("fit", help="train a drafter from a recipe", description="Train a drafter from a recipe.",
+                       parents=[common])
+    _recipe_arguments(p, "OmegaConf dotlist overrides, e.g. trainer.max_steps=2000", "without training")
+    p.set_defaults(func=cmd_fit)
+
+    p = sub.add_parser("prepare", help="run a recipe's data stage once (regeneration, tokens, features), no training",
+                       description="Run the data stage of a recipe as `fit` would (read, regenerate with the target, "
+                       "tokenise, draft-vocab counts; offline recipes: the feature job) and cache it, so that `fit` "
+                       "starts training at once. Resumable: rerun after an interruption.", intermixed=True,
+                       parents=[common])
+    _recipe_arguments(p, "OmegaConf dotlist overrides (the same ones `fit` will get), before or after the options",
+                      "without preparing anything")
+    p.add_argument("--rank", type=int, default=0, help="this process's share of a distributed data stage: "
+                   "regeneration (the ranks wait for each other) and feature job (0 <= rank < world size; all ranks "
+                   "must share data.cache_dir)")
+    p.add_argument("--world-size", type=int, default=1, help="processes of a distributed data stage (>= 1)")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("plan", help="per-GPU memory of a recipe's training (and feature job), and whether it fits",
+                       description="Print what one GPU holds when the recipe trains (target shard, drafter weights + "
+                       "grads + AdamW, TTT activations, loss buffers, reserve) and, for an offline recipe, when its "
+                       "feature job runs, and whether each fits trainer.gpu_memory_gb; exit 1 when one does not. "
+                       "Offline: uses the target configs shipped in the package for zoo targets.", parents=[common])
+    _recipe_arguments(p, "OmegaConf dotlist overrides, e.g. trainer.devices=4")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("consolidate", help="write the drafter folder of a training checkpoint (e.g. FSDP sharded)",
+                       description="Write the canonical drafter folder (config.json, model.safetensors, recipe.yaml, "
+                       "provenance.json: the files a finished run writes) from a checkpoint of `fit`: an FSDP run's "
+                       "sharded checkpoint directory (checkpoints/last.ckpt), read in this one process whatever the "
+                       "number of ranks that wrote it, or a single-file checkpoint.", parents=[common])
+    p.add_argument("checkpoint", help="a run's checkpoints/last.ckpt (directory or file)")
+    p.add_argument("out_dir", help="the drafter folder to write (replaced if it exists)")
+    p.set_defaults(func=cmd_consolidate)
