@@ -141,11 +141,14 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
+@functools.lru_cache(maxsize=512)
 def _ttt_block_mask(seg_len: int, n_diag: int, device: torch.device):
     """FlexAttention block mask for queries `[0, seg_len)` over keys `[k0 | k1 .. k_n]`, each segment `seg_len` long.
 
     Built from block indices (never from a dense `[T, (n+1)T]` mask): query block i reads the step-0 blocks
     0..i-1 in full, the step-0 block i causally and block i of every diagonal segment through the mask function.
+    Cached: it depends only on its arguments, and building it costs a host-to-device copy (a sync) and ~30 small
+    launches per TTT step. 512 entries hold every padded length up to 8192 tokens for 8 steps (~50 MB in all).
     """
     from torch.nn.attention.flex_attention import BlockMask
 

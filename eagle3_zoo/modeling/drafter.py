@@ -30,6 +30,35 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
+def _in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
+    """`x` in autocast's dtype under autocast, else unchanged. An fp32 norm output feeding several projections
+    would otherwise be cast (and saved for backward) once per projection: cast once, shared by all of them."""
+    device_type = x.device.type
+    return x.to(torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else x
+
+
+class Eagle3RotaryEmbedding(LlamaRotaryEmbedding):
+    """`LlamaRotaryEmbedding` whose frequencies stay fp32 whatever the drafter is cast to.
+
+    A non-persistent buffer: it moves with the module (`.to(device)`, Lightning, FSDP2), so RoPE never copies it
+    host-to-device in a step, and it is not part of the saved weights. Any cast (`.to(bf16)`, `.half()`, `to_empty`)
+    puts the fp32 frequencies back on the new device: a bf16 round trip would shift every rotation angle.
+    """
+
+    def __init__(self, config):
+        super().__init__(config)
+        with torch.device("cpu"):  # a real copy also when the drafter is built on the meta device
+            # a plain tensor attribute, not a buffer (an `nn.Buffer` value would register as one): never cast or moved
+            self._fp32_inv_freq = LlamaRotaryEmbedding(config).inv_freq.detach().clone()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        device = self.inv_freq.device
+        self.inv_freq = self._fp32_inv_freq.to(device, copy=True)
+        self.original_inv_freq = self._fp32_inv_freq.to(device, copy=True)
+        return self
+
+
 class Eagle3Attention(nn.Module):
     def __init__(self, config: Eagle3Config):
         super().__init__()
@@ -43,6 +72,7 @@ class Eagle3Attention(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B,T,2H] -> q [B,heads,T,d], k/v [B,kv_heads,T,d] with RoPE applied to q and k."""
         b, t, _ = x.shape
+        x = _in_autocast_dtype(x)  # one copy for the three projections (fp32 under autocast with fp32 norm weights)
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -69,7 +99,7 @@ class Eagle3DecoderLayer(nn.Module):
 
     def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         h = hidden + self.self_attn.output(attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.mlp(_in_autocast_dtype(self.post_attention_layernorm(h)))
 
 
 class DraftCache:
@@ -119,8 +149,7 @@ class Eagle3Drafter(nn.Module):
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
-        # kept out of the module tree so that casting the drafter to bf16 never rounds the RoPE frequencies
-        self._rotary = (LlamaRotaryEmbedding(config.to_llama_config()),)
+        self.rotary_emb = Eagle3RotaryEmbedding(config.to_llama_config())  # fp32 under any cast; not saved
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
         t2d[: config.draft_vocab_size] = True  # identity-prefix mapping until set_vocab
@@ -159,7 +188,9 @@ class Eagle3Drafter(nn.Module):
             raise ValueError(f"target lm_head weight has shape {tuple(lm_head_weight.shape)}, expected {expected} "
                              f"(vocab_size, drafter hidden_size)")
         rows = self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
-        self.lm_head.weight.copy_(lm_head_weight.to(self.lm_head.weight)[rows.to(lm_head_weight.device)])
+        # rows picked where the target's weight lives (a GPU), then copied: only Vd rows cross to the drafter
+        picked = lm_head_weight.index_select(0, rows.to(lm_head_weight.device))
+        self.lm_head.weight.copy_(picked.to(self.lm_head.weight))
         if norm_weight is not None:
             if tuple(norm_weight.shape) != (self.config.hidden_size,):
                 raise ValueError(f"target norm weight has shape {tuple(norm_weight.shape)}, expected "
@@ -204,7 +235,7 @@ class Eagle3Drafter(nn.Module):
         return self.lm_head(self.norm(hidden))
 
     def _rope(self, x: torch.Tensor, position_ids: torch.Tensor):
-        return self._rotary[0](x, position_ids)
+        return self.rotary_emb(x, position_ids)
 
     # ---- inference path ----
     def new_cache(self) -> DraftCache:

@@ -7,6 +7,9 @@ not in the draft vocabulary are excluded. Each step's loss is normalised by its 
 
 The soft cross-entropy over the draft vocabulary is fused with the lm_head and computed only on supervised rows,
 in chunks, with its gradients formed in the forward pass: no [T, draft_vocab] logits are kept for backward.
+
+On a GPU the loss waits for the device once (the supervised-row counts of all steps, read in one transfer, size
+every gather); nothing else in it needs a value on the host.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ class TTTLossOutput:
     loss: torch.Tensor  # scalar, sum_k w_k * loss_k (differentiable)
     step_losses: torch.Tensor  # [K] detached
     step_acc: torch.Tensor  # [K] fraction of supervised positions where draft argmax == target argmax
-    num_supervised: torch.Tensor  # [K] int64
+    num_supervised: torch.Tensor  # [K] int64, on the batch's device
 
 
 def default_step_weights(steps: int, decay: float = 0.8) -> list[float]:
@@ -33,7 +36,8 @@ def default_step_weights(steps: int, decay: float = 0.8) -> list[float]:
 
 
 def target_distribution(
-    target_logits: torch.Tensor, t2d: torch.Tensor, target_valid: torch.Tensor | None = None
+    target_logits: torch.Tensor, t2d: torch.Tensor, target_valid: torch.Tensor | None = None,
+    draft_vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Soft targets over the draft vocabulary (fp32, renormalised) and the mask of usable positions.
 
@@ -41,11 +45,13 @@ def target_distribution(
         target_logits: `[B, T, V]` over the target vocab, or `[B, T, Vd]` already restricted to the draft vocab.
         t2d: `[V]` bool draft-vocab membership.
         target_valid: with draft-vocab logits, `[B, T]` bool "full-vocab argmax is in the draft vocab".
+        draft_vocab_size: the number of ids `t2d` marks (default: counted, which waits for the device).
     """
-    vocab, draft_vocab = t2d.numel(), int(t2d.sum())
+    vocab = t2d.numel()
+    draft_vocab = int(t2d.sum()) if draft_vocab_size is None else draft_vocab_size
     if target_logits.shape[-1] == vocab and vocab != draft_vocab:
         valid = t2d[target_logits.argmax(-1)]
-        target_logits = target_logits[..., t2d]
+        target_logits = target_logits.index_select(-1, torch.nonzero_static(t2d, size=draft_vocab).squeeze(-1))
     elif target_logits.shape[-1] == draft_vocab:
         valid = target_valid if target_valid is not None else torch.ones(target_logits.shape[:-1], dtype=torch.bool,
                                                                            device=target_logits.device)
@@ -70,7 +76,11 @@ class _FusedSoftCE(torch.autograd.Function):
     Precision is explicit, never inherited from the caller's autocast state: the two matmuls per chunk run in
     `mm_dtype` (autocast's dtype under autocast, else fp32), everything else (max, exp, sums, loss) in fp32, and
     `grad_w` is ONE fp32 buffer for all rows. `ttt_loss` passes the rows of every TTT step in one call with
-    `w_r = w_k / n_k`, so a drafter has one fp32 `[Vd, H]` gradient buffer per batch, not one per step. Backward
+    `w_r = w_k / n_k`, so a drafter has one fp32 `[Vd, H]` gradient buffer per batch, not one per step. In a
+    low-precision `mm_dtype` the row weights stay outside the cast: the logits gradient (|g| <= 1) is cast
+    unweighted, `grad_h` rows are weighted in fp32 after the product, and `grad_w` weights the hidden rows relative
+    to the chunk's largest weight, applying that one in fp32 (weighted first, w_r * g ~ 1e-9 underflows fp16, whose
+    smallest subnormal is 6e-8: 16-mixed gradients were off by 6-27% at N=2048, Vd=32000). Backward
     only scales the saved gradients by the incoming scalar, so forward and backward cannot disagree.
     """
 
@@ -99,16 +109,24 @@ class _FusedSoftCE(torch.autograd.Function):
                 row_loss[i : i + chunk] = row_max + denom.log() - dot  # -sum p*log_softmax = logsumexp - p.logits
                 row_correct[i : i + chunk] = arg == tc
                 g = probs.div_(denom[:, None]).sub_(pc)  # d CE / d logits
-                if row_weights is not None:
-                    g.mul_(row_weights[i : i + chunk, None])
-                g = g.to(mm_dtype)
-                grad_h[i : i + chunk] = g @ w
+                rw = None if row_weights is None else row_weights[i : i + chunk]
+                if mm_dtype == torch.float32:
+                    if rw is not None:
+                        g.mul_(rw[:, None])
+                    grad_h[i : i + chunk] = g @ w
+                    if grad_w is not None:
+                        grad_w.addmm_(g.t(), hc)
+                    continue
+                g = g.to(mm_dtype)  # unweighted (see the class docstring)
+                grad_h[i : i + chunk] = g @ w if rw is None else (g @ w).float().mul_(rw[:, None])
                 if grad_w is None:
                     continue
-                if mm_dtype == torch.float32:
-                    grad_w.addmm_(g.t(), hc)
-                else:  # low-precision product (fp32 accumulation inside the GEMM), summed into the fp32 buffer
+                if rw is None:  # low-precision product (fp32 accumulation inside the GEMM), summed in fp32
                     grad_w.add_(g.t() @ hc)
+                else:
+                    top = rw.max()
+                    hw = (h[i : i + chunk].float() * (rw / top)[:, None]).to(mm_dtype)
+                    grad_w.add_((g.t() @ hw).float().mul_(top))
             loss = (row_loss * row_weights).sum() if row_weights is not None else row_loss.sum()
         ctx.save_for_backward(grad_h, grad_w if grad_w is not None else torch.empty(0))
         ctx.dtypes = (h.dtype, weight.dtype)
@@ -158,7 +176,7 @@ def ttt_loss(
     target_logits: torch.Tensor,
     loss_mask: torch.Tensor,
     steps: int = 7,
-    step_weights: list[float] | None = None,
+    step_weights: list[float] | torch.Tensor | None = None,
     target_valid: torch.Tensor | None = None,
     chunk: int = 1024,
 ) -> TTTLossOutput:
@@ -172,7 +190,7 @@ def ttt_loss(
         target_logits: `[B, T, V]` target logits (or `[B, T, Vd]` restricted to the draft vocab + `target_valid`).
         loss_mask: `[B, T]` 1 where token j is supervised.
         steps: number of TTT steps K to unroll.
-        step_weights: `w_k` per step (default 0.8**k).
+        step_weights: `w_k` per step (default 0.8**k): floats, or a `[>= steps]` tensor on the batch's device.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -180,51 +198,61 @@ def ttt_loss(
     if len(weights) < steps:
         raise ValueError(f"{len(weights)} step weights for {steps} TTT steps")
     b, t = input_ids.shape
-    probs, valid = target_distribution(target_logits, drafter.t2d, target_valid)
+    device = aux_hidden.device
+    probs, valid = target_distribution(target_logits, drafter.t2d, target_valid, drafter.d2t.numel())
     flat_probs = probs.reshape(b * t, -1)
     flat_target_ids = flat_probs.argmax(-1)  # once for all steps: step k reads row t+1+k
     # token fed at step k, position t is x_{t+1+k}; positions past the end read a pad id and are never supervised
     next_ids = torch.cat([input_ids[:, 1:], input_ids.new_zeros(b, steps)], dim=1)
     with torch.no_grad():
         embeds = embed_tokens(next_ids)
-    supervised = loss_mask.to(torch.bool)
-    total = torch.zeros((), dtype=torch.float32, device=aux_hidden.device)
+    masks = step_masks(loss_mask, valid, steps)
+    n_k = masks.sum((1, 2))
+    counts = n_k.tolist()  # the loss's one wait for the device: the counts size every gather below
+    total = torch.zeros((), dtype=torch.float32, device=device)
     # rows of every step go through ONE fused lm_head + soft-CE call after the rollout (one fp32 grad_w buffer)
-    h_rows, prob_rows, row_weights, counts = [], [], [], []
+    h_rows, prob_rows, row_weights = [], [], []
     for k, hidden in enumerate(drafter.ttt_rollout(embeds, aux_hidden, steps)):
-        n_pos = t - 2 - k  # positions t with a predicted token x_{t+2+k} inside the sequence
-        if n_pos <= 0:
-            mask = torch.zeros(b, 0, dtype=torch.bool, device=aux_hidden.device)
-        else:
-            mask = supervised[:, 2 + k :] & valid[:, 1 + k : 1 + k + n_pos]
-        rows_b, rows_t = mask.nonzero(as_tuple=True)
-        n = rows_b.numel()
-        counts.append(n)
+        n = counts[k]
         if n:
+            rows_b, rows_t = torch.nonzero_static(masks[k], size=n).unbind(1)  # no sync: the size is known
             h_rows.append(drafter.norm(hidden[rows_b, rows_t]))
             prob_rows.append(rows_b * t + rows_t + 1 + k)
-            row_weights.append(torch.full((n,), weights[k] / n, dtype=torch.float32, device=aux_hidden.device))
+            row_weights.append(_row_weights(weights[k], n, device))
         else:
             # zero that keeps every parameter in the graph (DDP/FSDP expect each one to receive a gradient)
             total = total + drafter.logits(hidden[:, :1]).sum().float() * 0.0
-    losses = torch.zeros(steps, dtype=torch.float32, device=aux_hidden.device)
-    accs = torch.zeros(steps, dtype=torch.float32, device=aux_hidden.device)
+    losses = torch.zeros(steps, dtype=torch.float32, device=device)
+    accs = torch.zeros(steps, dtype=torch.float32, device=device)
     if h_rows:
         out = fused_soft_cross_entropy(torch.cat(h_rows), drafter.lm_head.weight, flat_probs, chunk,
                                        rows=torch.cat(prob_rows), target_ids=flat_target_ids,
                                        row_weights=torch.cat(row_weights))
         total = total + out.loss
-        n_k = torch.tensor(counts, device=aux_hidden.device)
-        step_of_row = torch.repeat_interleave(torch.arange(steps, device=aux_hidden.device), n_k)
+        step_of_row = torch.repeat_interleave(torch.arange(steps, device=device), n_k, output_size=sum(counts))
         denom = n_k.clamp(min=1).float()
         losses = losses.index_add_(0, step_of_row, out.row_loss) / denom
         accs = accs.index_add_(0, step_of_row, out.row_correct.float()) / denom
     if sum(counts) == 0:
         warnings.warn("batch has no supervised positions (loss_mask all 0 or every target outside the draft vocab): "
                       "its loss is 0", RuntimeWarning, stacklevel=2)
-    return TTTLossOutput(
-        loss=total,
-        step_losses=losses,
-        step_acc=accs,
-        num_supervised=torch.tensor(counts, dtype=torch.int64),
-    )
+    return TTTLossOutput(loss=total, step_losses=losses, step_acc=accs, num_supervised=n_k)
+
+
+def step_masks(loss_mask: torch.Tensor, valid: torch.Tensor, steps: int) -> torch.Tensor:
+    """`[steps, B, T]` bool: step k trains position t (< T - 2 - k) on the target at t + 1 + k, where the token it
+    predicts, x_{t+2+k}, is supervised and that target's full-vocab argmax is in the draft vocab."""
+    b, t = loss_mask.shape
+    supervised = loss_mask.to(torch.bool)
+    masks = torch.zeros(steps, b, t, dtype=torch.bool, device=loss_mask.device)
+    for k in range(min(steps, t - 2)):
+        n_pos = t - 2 - k  # positions with a predicted token x_{t+2+k} inside the sequence
+        masks[k, :, :n_pos] = supervised[:, 2 + k :] & valid[:, 1 + k : 1 + k + n_pos]
+    return masks
+
+
+def _row_weights(weight: float | torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+    """`[n]` fp32 rows of weight / n; a tensor weight (per-rank weights, `rank_step_weights`) stays on its device."""
+    if isinstance(weight, torch.Tensor):
+        return (weight.to(device, torch.float32) / n).expand(n)
+    return torch.full((n,), weight / n, dtype=torch.float32, device=device)

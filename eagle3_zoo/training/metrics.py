@@ -32,7 +32,14 @@ def acceptance_length_estimate(step_acc: Sequence[float] | torch.Tensor) -> floa
     acc = torch.as_tensor(step_acc, dtype=torch.float64).reshape(-1)
     if acc.numel() and ((acc < 0).any() or (acc > 1).any()):
         raise ValueError(f"accuracies must lie in [0, 1], got {acc.tolist()}")
-    return float(1.0 + torch.cumprod(acc, dim=0).sum())
+    return float(acceptance_length_tensor(acc))
+
+
+def acceptance_length_tensor(step_acc: torch.Tensor) -> torch.Tensor:
+    """`acceptance_length_estimate` as a 0-d tensor on the accuracies' device, unchecked: a training step logs it
+    without waiting for the device."""
+    acc = step_acc.reshape(-1)
+    return 1.0 + torch.cumprod(acc if acc.is_floating_point() else acc.float(), dim=0).sum()
 
 
 class StepMetrics(nn.Module):

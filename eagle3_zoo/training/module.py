@@ -22,8 +22,8 @@ from torch import nn
 from typing_extensions import override
 
 from eagle3_zoo.modeling import Eagle3Drafter
-from eagle3_zoo.training.loss import TTTLossOutput, default_step_weights, ttt_loss
-from eagle3_zoo.training.metrics import StepMetrics, acceptance_length_estimate
+from eagle3_zoo.training.loss import TTTLossOutput, default_step_weights, step_masks, ttt_loss
+from eagle3_zoo.training.metrics import StepMetrics, acceptance_length_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class DrafterObjective(nn.Module):
     @override
     def forward(self, embed_tokens: nn.Module, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
                 target_logits: torch.Tensor, loss_mask: torch.Tensor, target_valid: torch.Tensor, steps: int,
-                step_weights: list[float]) -> tuple[torch.Tensor, ...]:
+                step_weights: list[float] | torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = ttt_loss(self.drafter, embed_tokens, input_ids, aux_hidden, target_logits, loss_mask, steps=steps,
                        step_weights=step_weights, target_valid=target_valid)
         return out.loss, out.step_losses, out.step_acc, out.num_supervised
@@ -70,17 +70,20 @@ class DrafterObjective(nn.Module):
 
 @torch.no_grad()
 def draft_target_logits(lm_head: nn.Module, final_hidden: torch.Tensor, t2d: torch.Tensor, loss_mask: torch.Tensor,
-                        chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                        chunk_size: int = 1024,
+                        draft_vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Target logits restricted to the draft vocabulary, and where the full-vocab argmax lies in it.
 
     Only positions j whose next token j+1 is supervised are ever a TTT target (see `ttt_loss`); the full-vocab
-    product is formed for those rows only, `chunk_size` rows at a time ([chunk, V] at most).
+    product is formed for those rows only, `chunk_size` rows at a time ([chunk, V] at most). Finding those rows
+    is this function's one wait for the device.
 
     Args:
         lm_head: the frozen target lm_head.
         final_hidden: `[B, T, H]` post-norm final hidden states.
         t2d: `[V]` bool draft-vocab membership.
         loss_mask: `[B, T]` supervision mask.
+        draft_vocab_size: the number of ids `t2d` marks (default: counted, a second wait).
 
     Returns:
         `[B, T, Vd]` logits (0 on unused rows) and `[B, T]` bool valid mask (False on unused rows).
@@ -89,8 +92,9 @@ def draft_target_logits(lm_head: nn.Module, final_hidden: torch.Tensor, t2d: tor
     needed = torch.zeros(b, t, dtype=torch.bool, device=final_hidden.device)
     needed[:, 1:-1] = loss_mask[:, 2:].bool()  # j >= 1: position 0 is never a target (it would predict x_1)
     rows_b, rows_t = needed.nonzero(as_tuple=True)
-    draft_ids = t2d.nonzero().squeeze(-1).to(final_hidden.device)
     t2d = t2d.to(final_hidden.device)
+    draft_vocab = int(t2d.sum()) if draft_vocab_size is None else draft_vocab_size
+    draft_ids = torch.nonzero_static(t2d, size=draft_vocab).squeeze(-1)
     logits = final_hidden.new_zeros(b, t, draft_ids.numel())
     valid = torch.zeros(b, t, dtype=torch.bool, device=final_hidden.device)
     for i in range(0, rows_b.numel(), chunk_size):
@@ -103,16 +107,16 @@ def draft_target_logits(lm_head: nn.Module, final_hidden: torch.Tensor, t2d: tor
 
 def supervised_positions(loss_mask: torch.Tensor, valid: torch.Tensor, steps: int) -> torch.Tensor:
     """`[steps]` number of positions each TTT step is trained on (the same masks as `ttt_loss`)."""
-    t = loss_mask.shape[1]
-    counts = [(loss_mask[:, 2 + k :].bool() & valid[:, 1 + k : t - 1]).sum() if t - 2 - k > 0
-              else loss_mask.new_zeros(()) for k in range(steps)]
-    return torch.stack(counts).long()
+    return step_masks(loss_mask, valid, steps).sum((1, 2))
 
 
-def rank_step_weights(weights: list[float], local: torch.Tensor, total: torch.Tensor, world_size: int) -> list[float]:
+def rank_step_weights(weights: list[float], local: torch.Tensor, total: torch.Tensor,
+                      world_size: int) -> torch.Tensor:
     """Per-rank step weights `w_k * world * n_k / N_k` that make the rank-averaged gradient equal the gradient of
-    the loss normalised over the global batch (`n_k` this rank's, `N_k` all ranks' supervised positions)."""
-    return [w * float(n) * world_size / max(float(m), 1.0) for w, n, m in zip(weights, local.tolist(), total.tolist())]
+    the loss normalised over the global batch (`n_k` this rank's, `N_k` all ranks' supervised positions): a
+    tensor on the counts' device, computed there (no wait for the device)."""
+    w = torch.tensor(weights[: local.numel()], dtype=torch.float32).to(local.device, non_blocking=True)
+    return w * local.float() * world_size / total.float().clamp(min=1.0)
 
 
 def lr_lambda(step: int, warmup_steps: int, total_steps: int, decay: str = "cosine",
@@ -229,7 +233,7 @@ class Eagle3Module(L.LightningModule):
         """
         aux_hidden, final_hidden = self._features(batch)
         logits, valid = draft_target_logits(self._frozen.lm_head, final_hidden, self.drafter.t2d, batch["loss_mask"],
-                                            self.logits_chunk_size)
+                                            self.logits_chunk_size, self.drafter.config.draft_vocab_size)
         weights = self.step_weights[:steps]
         if global_norm and self._trainer is not None and self.trainer.world_size > 1:
             local = supervised_positions(batch["loss_mask"], valid, steps)
@@ -247,7 +251,7 @@ class Eagle3Module(L.LightningModule):
         self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=b, sync_dist=True)
         metrics = {f"train/loss_{k}": v for k, v in enumerate(out.step_losses)}
         metrics.update({f"train/acc_{k}": v.float() for k, v in enumerate(out.step_acc) if k > 0})
-        metrics["train/tau_est"] = torch.tensor(acceptance_length_estimate(out.step_acc.detach().cpu()))
+        metrics["train/tau_est"] = acceptance_length_tensor(out.step_acc.detach())  # on the device: no wait
         metrics["train/supervised_tokens"] = out.num_supervised[0].float()
         self.log_dict(metrics, batch_size=b)
         self.log("train/acc_0", out.step_acc[0].float(), prog_bar=True, batch_size=b)
@@ -257,14 +261,16 @@ class Eagle3Module(L.LightningModule):
 
     def _raise_if_nonfinite(self, loss: torch.Tensor) -> None:
         """Stop on a NaN/Inf loss on any rank, before backward and the optimizer step spread it into the weights
-        (every rank takes part in the check, so none is left waiting in a collective)."""
-        bad = torch.tensor(0.0 if all_finite(loss) else 1.0, device=loss.device)
+        (every rank takes part in the check, so none is left waiting in a collective). The step's one wait for the
+        device outside the loss: the flag is formed there and read once."""
+        bad = (~torch.isfinite(loss.detach())).float()
         if self._trainer is not None and self.trainer.world_size > 1:
             bad = self.trainer.strategy.reduce(bad, reduce_op="sum")
-        if bad.item() > 0:
+        ranks = int(bad.item())
+        if ranks > 0:
             raise NonFiniteError(
                 f"step {self.global_step}: the training loss is {loss.detach().float().item()} (not finite) on "
-                f"{int(bad.item())} rank(s); training stopped and the last checkpoint (all finite) is kept. Lower "
+                f"{ranks} rank(s); training stopped and the last checkpoint (all finite) is kept. Lower "
                 "optim.lr, add optim.warmup_steps, keep optim.grad_clip set, or train with trainer.precision=32-true")
 
     @override

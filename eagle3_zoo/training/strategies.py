@@ -265,7 +265,7 @@ def unsharded_drafter(drafter: nn.Module) -> nn.Module:
 
     with torch.device("meta"):
         copy = type(drafter)(drafter.config)
-    copy._rotary, copy._fc_scaled = drafter._rotary, drafter._fc_scaled
+    copy._fc_scaled = drafter._fc_scaled
     for name, param in drafter.named_parameters():
         owner, _, leaf = name.rpartition(".")
         full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
