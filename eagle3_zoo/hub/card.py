@@ -19,6 +19,7 @@ from huggingface_hub import ModelCard, ModelCardData
 import eagle3_zoo
 from eagle3_zoo.hub.convert import extra_files
 from eagle3_zoo.hub.formats import load_drafter_config
+from eagle3_zoo.hub.variants import eagle31_options, engine_note
 from eagle3_zoo.hub.weights import FLOAT_DTYPES, read_infos
 from eagle3_zoo.locations import is_hub_id
 
@@ -259,7 +260,8 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
         "aux_layers": f"HF hidden-state indices {list(aux)} (SGLang eagle_config: {[i - 1 for i in aux]})"
         if aux else None,
         "format_description": _FORMAT_NOTES.get(fmt, _FORMAT_NOTES["sglang"])[0],
-        "usage_note": _FORMAT_NOTES.get(fmt, _FORMAT_NOTES["sglang"])[1],
+        "eagle31_options": ", ".join(eagle31_options(cfg)) or None,  # tags the card "eagle3.1"
+        "usage_note": " ".join(filter(None, (_FORMAT_NOTES.get(fmt, _FORMAT_NOTES["sglang"])[1], engine_note(cfg)))),
         "benchmarks": benchmarks, "protocol": _describe(results.get("protocol")),
         "settings": _describe({k: v for k, v in settings.items() if k not in _UNSHOWN_SETTINGS}),
         "machine": _describe(results.get("machine")),
@@ -336,7 +338,8 @@ def render_card(
     data = ModelCardData(
         base_model=target_hub_id(variables.get("target")),
         library_name="eagle3-zoo",
-        tags=list(dict.fromkeys([*BASE_TAGS, *([family] if family else []), *tags])),
+        tags=list(dict.fromkeys([*BASE_TAGS, *(["eagle3.1"] if variables.get("eagle31_options") else []),
+                                 *([family] if family else []), *tags])),
         datasets=_datasets(variables.get("recipe_yaml", "")) or None,
         license=license,
         pipeline_tag="text-generation",

@@ -28,6 +28,7 @@ from eagle3_zoo.hub.formats import (
     read_config,
     speculators_config,
 )
+from eagle3_zoo.hub.variants import SGLANG_RISK, eagle31_options
 from eagle3_zoo.hub.weights import SAFETENSORS_NAME, load_weights
 from eagle3_zoo.modeling import CONFIG_NAME, WEIGHTS_NAME, Eagle3Drafter, identity_vocab
 from eagle3_zoo.modeling.io import atomic_write, atomic_write_text
@@ -159,8 +160,14 @@ def export_drafter(
     src, out = Path(drafter_dir), Path(out_dir)
     if out.resolve() == src.resolve():
         raise ValueError(f"export target {out} is the drafter folder itself; choose another --out")
-    for problem in require_valid_drafter(src, purpose="export").warnings:
-        log.warning("%s: %s", src, problem)
+    report = require_valid_drafter(src, purpose="export")
+    sglang_risk = EXPORT_FORMATS[fmt] == "sglang" and report.config is not None and report.config.eagle31
+    for problem in report.warnings:
+        if not (sglang_risk and problem.code == "EAGLE31_ENGINES"):  # said once, below, for this export
+            log.warning("%s: %s", src, problem)
+    if sglang_risk:
+        log.warning("%s: exporting an EAGLE-3.1 drafter (%s) in the SGLang layout (which vLLM reads too): %s", src,
+                    ", ".join(eagle31_options(report.config)), SGLANG_RISK)
     out.mkdir(parents=True, exist_ok=True)
     if EXPORT_FORMATS[fmt] == "sglang" and is_canonical(src):
         for name in (CONFIG_NAME, WEIGHTS_NAME):  # already canonical: keep the exact bytes
