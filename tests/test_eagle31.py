@@ -248,3 +248,20 @@ def test_a_trained_31_drafter_decodes_losslessly(mode):
     gen = SpeculativeGenerator(target, drafter, tree_spec(mode, depth=4, top_k=3, total_tokens=12))
     for prompt in (ids[0, :9], ids[1, :3]):
         assert gen.generate(prompt, 24).tokens == reference(target, prompt, 24)
+
+
+def test_recipe_options_reach_the_drafter_and_an_init_drafter_must_match(tmp_path):
+    from pathlib import Path
+
+    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.training.build import _load_init, drafter_config
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_135m.yaml"
+    r = load_recipe(recipe, ["drafter.fc_norm=true", "drafter.norm_output=true", "loss.name=tv",
+                             "drafter.draft_vocab_size=64"])
+    cfg = drafter_config(r, tiny_target_config(), (2, 4, 5))
+    assert cfg.fc_norm and cfg.norm_output and r.loss.name == "tv"
+    plain, _ = canonical_dir(tmp_path)
+    with pytest.raises(ValueError, match="fc_norm is False in the drafter but drafter.fc_norm = True"):
+        _load_init(str(plain), tiny_target_config(), (2, 4, 5), r.drafter)
+    assert _load_init(str(plain), tiny_target_config(), (2, 4, 5), load_recipe(recipe).drafter).fc_norm is None
