@@ -185,7 +185,8 @@ def test_module_trains_and_logs_every_step_metric(tiny_target, tmp_path, loss):
     assert any(not torch.equal(a, b) for a, b in zip(before, module.drafter.parameters()))
     metrics = trainer.callback_metrics
     for key in ("train/loss", "train/loss_0", "train/acc_0", "train/ttt_steps", "train/lr", "val/loss", "val/acc_0",
-                "val/acc_2", "val/loss_2", "val/tau_est", "train/alpha_0", "train/alpha_2", "val/alpha_0", "val/alpha_2"):
+                "val/acc_2", "val/loss_2", "val/tau_est", "train/alpha_0", "train/alpha_2", "val/alpha_0",
+                "val/alpha_2"):
         assert key in metrics, key
     for key in ("train/alpha_0", "val/alpha_0", "val/alpha_2"):  # an expected acceptance, bounded by the mass
         assert 0.0 < float(metrics[key]) < 1.0, key
