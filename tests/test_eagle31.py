@@ -1,5 +1,5 @@
-"""EAGLE-3.1 drafters (fc_norm, norm_output): both forward paths, the checkpoint vLLM reads, every format, the checker,
-the card, and lossless decoding of a trained one."""
+"""EAGLE-3.1 drafters (fc_norm, norm_output): what each option changes, the checkpoint vLLM reads, every format, the
+checker, the card, and lossless decoding of a trained one (TTT rollout == KV-cache rollout: tests/test_drafter.py)."""
 
 from __future__ import annotations
 
@@ -16,19 +16,11 @@ from eagle3_zoo.hub.check import check_drafter
 from eagle3_zoo.hub.formats import is_canonical
 from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter
 from tests.hub_fixtures import FIT, canonical_dir, edit_config, edit_weights, step_logits, tiny_target_config
-from tests.tiny import tiny_config, tiny_drafter
+from tests.tiny import tiny_config
+from tests.tiny import tiny_drafter31 as drafter31
 
 OPTIONS = [dict(fc_norm=True), dict(norm_output=True), dict(fc_norm=True, norm_output=True)]
 FC_NORM_KEYS = {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"}
-
-
-def drafter31(seed: int = 0, **options) -> tuple[Eagle3Drafter, torch.nn.Embedding]:
-    """A tiny drafter with the given options; its fc_norm weights away from 1 so that they matter."""
-    drafter, embed = tiny_drafter(seed=seed, **options)
-    if drafter.fc_norm is not None:
-        for norm in drafter.fc_norm:
-            norm.weight.data.uniform_(0.3, 3.0)
-    return drafter, embed
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -49,29 +41,6 @@ def test_config_refuses_a_flag_that_is_not_a_boolean():
 
 
 # ---------------------------------------------------------------------------------------------- forward paths
-@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "+".join(o))
-def test_ttt_rollout_equals_cached_inference_rollout(options):
-    """Logits of TTT step k at every position t == stepping the same tokens through the KV cache, per option."""
-    steps, t_len = 5, 12
-    drafter, embed = drafter31(**options)
-    drafter.eval()
-    cfg = drafter.config
-    ids = torch.randint(0, cfg.vocab_size, (1, t_len + steps))
-    aux = torch.randn(1, t_len, 3 * cfg.target_hidden_size) * 4
-    embeds = embed(ids[:, 1:])
-    with torch.no_grad():
-        ttt_logits = [drafter.logits(h) for h in drafter.ttt_rollout(embeds, aux, steps)]
-        for t in range(t_len):
-            cache = drafter.new_cache()
-            out = drafter.step(embeds[:, : t + 1], drafter.fuse(aux[:, : t + 1]), torch.arange(t + 1)[None], cache)
-            torch.testing.assert_close(out.logits[:, t], ttt_logits[0][:, t], atol=1e-5, rtol=0)
-            hidden = out.hidden[:, t : t + 1]
-            for k in range(1, steps):
-                out = drafter.step(embeds[:, t + k : t + k + 1], hidden, torch.tensor([[t + k]]), cache)
-                torch.testing.assert_close(out.logits[:, 0], ttt_logits[k][:, t], atol=1e-5, rtol=0)
-                hidden = out.hidden
-
-
 def test_each_option_changes_the_forward_pass_where_it_should():
     base, embed = drafter31()
     aux = torch.randn(1, 6, 3 * base.config.target_hidden_size) * 4

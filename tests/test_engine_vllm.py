@@ -146,12 +146,15 @@ def drafter_dir(tmp_path_factory):
     given = os.environ.get("EAGLE3_ZOO_ENGINE_DRAFTER")
     if given:
         return Path(given)
-    out = tmp_path_factory.mktemp("fit")
-    # a small offline run (features once, then drafter-only steps): the original ShareGPT answers, not regenerated
-    overrides = ["data.regenerate.enabled=false", "data.max_samples=32", "data.max_length=256",
-                 "trainer.max_steps=40", "trainer.val_check_interval=40", "trainer.checkpoint_every_n_steps=40",
-                 "optim.warmup_steps=5",
-                 "drafter.init_head=target", f"output_dir={out}", f"data.cache_dir={out / 'cache'}"]
+    return _fit_small(tmp_path_factory.mktemp("fit"), samples=32, steps=40)
+
+
+def _fit_small(out: Path, samples: int, steps: int, extra: tuple[str, ...] = ()) -> Path:
+    """A small offline run (features once, then drafter-only steps) on the original ShareGPT answers; its drafter."""
+    overrides = ["data.regenerate.enabled=false", f"data.max_samples={samples}", "data.max_length=256",
+                 f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}",
+                 f"trainer.checkpoint_every_n_steps={steps}", "optim.warmup_steps=5", "drafter.init_head=target",
+                 f"output_dir={out}", f"data.cache_dir={out / 'cache'}", *extra]
     subprocess.run([sys.executable, "-m", "eagle3_zoo.cli", "fit", str(ROOT / "recipes" / "smollm2_135m.yaml"),
                     *overrides], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     return out / "drafter"
@@ -201,14 +204,8 @@ def drafter31_dir(tmp_path_factory):
     given = os.environ.get("EAGLE3_ZOO_ENGINE_DRAFTER31")
     if given:
         return Path(given)
-    out = tmp_path_factory.mktemp("fit31")
-    overrides = ["data.regenerate.enabled=false", "data.max_samples=48", "data.max_length=256",
-                 "trainer.max_steps=80", "trainer.val_check_interval=80", "trainer.checkpoint_every_n_steps=80",
-                 "optim.warmup_steps=5", "drafter.init_head=target", "drafter.fc_norm=true", "drafter.norm_output=true",
-                 f"output_dir={out}", f"data.cache_dir={out / 'cache'}"]
-    subprocess.run([sys.executable, "-m", "eagle3_zoo.cli", "fit", str(ROOT / "recipes" / "smollm2_135m.yaml"),
-                    *overrides], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    return out / "drafter"
+    return _fit_small(tmp_path_factory.mktemp("fit31"), samples=48, steps=80,
+                      extra=("drafter.fc_norm=true", "drafter.norm_output=true"))
 
 
 def _our_chain(drafter_dir, hf_target, depth, limit, max_new, without_fc_norm=False):
