@@ -195,11 +195,9 @@ def main() -> int:
     os.environ.setdefault("PYTHONPATH", str(ROOT))
     if not args.table_only:
         start = time.monotonic()
-        for arm in args.arms.split(","):
+        for arm in args.arms.split(","):  # an arm's evaluations right after its training: results come in arm by arm
             train(arm, args, args.overrides)
-        heldout = heldout_bench(args, args.overrides)
-        for arm in args.arms.split(","):
-            evaluate(arm, args, heldout)
+            evaluate(arm, args, heldout_bench(args, args.overrides))
         print(f"side by side: {time.monotonic() - start:.0f} s wall", flush=True)
     text = table(args)
     args.out.mkdir(parents=True, exist_ok=True)
