@@ -16,9 +16,10 @@ categories, both turns) and on the run's held-out conversations (scripts/val_ben
 interval over requests, and the difference to eagle3_ce with a paired 95% bootstrap interval (an interval that
 contains 0 is no difference this measurement resolves).
 
-Each `fit` and each arm's evaluations run under `flock LOCK` (one arm per acquisition, so other heavy jobs on a
-shared machine interleave); finished pieces are not redone, so an interrupted run resumes. The table goes to
-OUT/table.md.
+Each arm (its `fit` and its evaluations) runs under one `flock LOCK` acquisition, so that other heavy jobs on a shared
+machine interleave between arms; finished pieces are not redone, so an interrupted run resumes. Wall seconds of each
+fit and of each arm's evaluations go to OUT/<arm>.fit_seconds / .eval_seconds, the machine's load before and after
+each piece to OUT/<arm>.log. The table goes to OUT/table.md.
 
     python scripts/side_by_side.py --steps 600 --out runs/side_by_side --lock /work/notes/heavy.lock \\
         data.cache_dir=$HOME/.cache/eagle3_zoo
@@ -76,56 +77,58 @@ def shape_result(evaluation: dict | None, shape: str) -> dict | None:
     return next((e for e in (evaluation or {}).get("shapes", []) if e.get("shape") == shape), None)
 
 
-def _run(cmds: list[list[str]], lock: str | None, log: Path) -> int:
-    """Run `cmds` in turn under one `flock lock` acquisition, appending their output and the machine's load to `log`;
-    their wall seconds (the wait for the lock excluded)."""
-    marker = log.with_suffix(".seconds")
-    script = "SECONDS=0; cat /proc/loadavg; " + " && ".join(shlex.join(c) for c in cmds) + \
-        f"; rc=$?; echo $SECONDS > {shlex.quote(str(marker))}; cat /proc/loadavg; exit $rc"
-    full = (["flock", lock] if lock else []) + ["bash", "-c", script]
-    for cmd in cmds:
-        print(f"$ {shlex.join(cmd)}", flush=True)
+def _run(groups: list[tuple[list[list[str]], Path]], lock: str | None, log: Path) -> None:
+    """Run each group's commands in turn under ONE `flock lock` acquisition, appending their output and the machine's
+    load to `log`; each group's wall seconds (the wait for the lock excluded) go to its file."""
+    parts = ["cat /proc/loadavg"]
+    for cmds, seconds in groups:
+        parts.append("SECONDS=0; " + " && ".join(shlex.join(c) for c in cmds) +
+                     f" || exit $?; echo $SECONDS > {shlex.quote(str(seconds))}; cat /proc/loadavg")
+    script = "; ".join(parts)
+    for cmds, _ in groups:
+        for cmd in cmds:
+            print(f"$ {shlex.join(cmd)}", flush=True)
     with log.open("a") as f:
         f.write(f"$ {script}\n")
         f.flush()
-        subprocess.run(full, check=True, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
-    return int(marker.read_text())
+        subprocess.run((["flock", lock] if lock else []) + ["bash", "-c", script], check=True, stdout=f,
+                       stderr=subprocess.STDOUT, cwd=ROOT)
 
 
-def train(arm: str, args: argparse.Namespace, extra: list[str]) -> None:
-    run = args.out / arm
-    if (run / "drafter" / "config.json").is_file():
-        return
+def fit_command(arm: str, args: argparse.Namespace, extra: list[str]) -> list[str]:
     overrides = [o.format(loss=args.acceptance_loss) for o in ARMS[arm][1]]
     common = [f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={args.steps // 2}",
-              "trainer.checkpoint_every_n_steps=100", "trainer.tau_eval.every_n_steps=null", f"output_dir={run}"]
-    cmd = [sys.executable, "-m", "eagle3_zoo.cli", "fit", args.recipe, *common, *extra, *overrides]
-    args.out.mkdir(parents=True, exist_ok=True)
-    seconds = _run([cmd], args.lock, args.out / f"{arm}.fit.log")
-    (args.out / f"{arm}.fit_seconds").write_text(f"{seconds}\n")
+              "trainer.checkpoint_every_n_steps=100", "trainer.tau_eval.every_n_steps=null",
+              f"output_dir={args.out / arm}"]
+    return [sys.executable, "-m", "eagle3_zoo.cli", "fit", args.recipe, *common, *extra, *overrides]
 
 
-def heldout_bench(args: argparse.Namespace, extra: list[str]) -> Path:
-    path = args.out / "heldout.jsonl"
-    if not path.is_file():
-        _run([[sys.executable, "scripts/val_bench.py", args.recipe, *extra, "--out", str(path)]], args.lock,
-             args.out / "heldout.log")
-    return path
-
-
-def evaluate(arm: str, args: argparse.Namespace, heldout: Path) -> None:
+def eval_command(arm: str, bench: str, args: argparse.Namespace) -> list[str]:
     run = args.out / arm
-    jobs = {"mtbench": ["--bench", "mtbench", "--limit", str(args.limit), "--spread"],
-            "heldout": ["--bench", str(heldout)]}
-    todo = [b for b in BENCHES if not (run / f"eval_{b}.json").is_file()]
-    if not todo:
-        return
-    cmds = [[sys.executable, "-m", "eagle3_zoo.cli", "eval", str(run / "drafter"), "--shapes", ",".join(SHAPES),
-             "--temperature", "0", "--max-new-tokens", str(args.max_new), "--no-progress",
-             *(["--threads", str(args.threads)] if args.threads else []), *jobs[b],
-             "--out", str(run / f"eval_{b}.json")] for b in todo]
-    seconds = _run(cmds, args.lock, args.out / f"{arm}.eval.log")  # one lock acquisition for the arm's evaluations
-    (args.out / f"{arm}.eval_seconds").write_text(f"{seconds}\n")
+    where = {"mtbench": ["--bench", "mtbench", "--limit", str(args.limit), "--spread"],
+             "heldout": ["--bench", str(args.out / "heldout.jsonl")]}[bench]
+    return [sys.executable, "-m", "eagle3_zoo.cli", "eval", str(run / "drafter"), "--shapes", ",".join(SHAPES),
+            "--temperature", "0", "--max-new-tokens", str(args.max_new), "--no-progress",
+            *(["--threads", str(args.threads)] if args.threads else []), *where,
+            "--out", str(run / f"eval_{bench}.json")]
+
+
+def run_arm(arm: str, args: argparse.Namespace, extra: list[str]) -> None:
+    """Train the arm (unless its drafter exists), write the held-out benchmark (once, for every arm) and evaluate
+    the arm (what is missing), all under one acquisition of the lock."""
+    run, out = args.out / arm, args.out
+    groups = []
+    if not (run / "drafter" / "config.json").is_file():
+        groups.append(([fit_command(arm, args, extra)], out / f"{arm}.fit_seconds"))
+    if not (out / "heldout.jsonl").is_file():
+        groups.append(([[sys.executable, "scripts/val_bench.py", args.recipe, *extra, "--out",
+                         str(out / "heldout.jsonl")]], out / "heldout.seconds"))
+    evals = [eval_command(arm, b, args) for b in BENCHES if not (run / f"eval_{b}.json").is_file()]
+    if evals:
+        groups.append((evals, out / f"{arm}.eval_seconds"))
+    if groups:
+        out.mkdir(parents=True, exist_ok=True)
+        _run(groups, args.lock, out / f"{arm}.log")
 
 
 def _load(path: Path) -> dict | None:
@@ -195,9 +198,8 @@ def main() -> int:
     os.environ.setdefault("PYTHONPATH", str(ROOT))
     if not args.table_only:
         start = time.monotonic()
-        for arm in args.arms.split(","):  # an arm's evaluations right after its training: results come in arm by arm
-            train(arm, args, args.overrides)
-            evaluate(arm, args, heldout_bench(args, args.overrides))
+        for arm in args.arms.split(","):  # arm by arm: its training and evaluations in one acquisition of the lock
+            run_arm(arm, args, args.overrides)
         print(f"side by side: {time.monotonic() - start:.0f} s wall", flush=True)
     text = table(args)
     args.out.mkdir(parents=True, exist_ok=True)
