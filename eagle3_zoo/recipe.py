@@ -77,6 +77,10 @@ class DrafterConfig:
     init_from: str | None = ruled(None, hub_or_local_problem)  # an existing drafter (local dir or Hub id) to start from
     # random = normal(0, 0.02) (official EAGLE-3); target = the target's lm_head rows and final norm (vLLM speculators)
     init_head: Literal["random", "target"] = "random"  # the same accuracy on SmolLM2 after 200 steps (recipes/README)
+    # EAGLE-3.1 (arXiv 2605.09992): an RMSNorm on each aux hidden state before fc, and the post-norm output fed back
+    # to the next step; written as config.json's fc_norm / norm_output (vLLM serves them; see `eagle3-zoo check`)
+    fc_norm: bool = False
+    norm_output: bool = False
 
 
 @dataclass
@@ -150,6 +154,20 @@ class TTTConfig:
     ramp_fraction: float = ruled(0.3, UNIT)  # fraction of training over which the ramp reaches K
 
 
+LOSSES = ("soft_ce", "tv", "neg_log_alpha", "lk_hybrid")
+
+
+@dataclass
+class LossConfig:
+    """The per-position objective of each TTT step against the target's distribution p over the draft vocabulary
+    (alpha = sum_v min(p_v, q_v), the expected acceptance of a drafted token); steps keep ttt's weights."""
+    # soft_ce = EAGLE-3's soft cross-entropy; tv = 1 - alpha; neg_log_alpha = -log alpha; lk_hybrid =
+    # lambda * KL(p || q) + (1 - lambda) * (1 - alpha), lambda = exp(-lk_eta * alpha) per position, alpha not
+    # differentiated in lambda (the LK losses, arXiv 2602.23881)
+    name: Literal[LOSSES] = "soft_ce"
+    lk_eta: float = ruled(3.0, GT0)  # lk_hybrid only: larger moves from KL to TV at a lower acceptance
+
+
 @dataclass
 class OptimConfig:
     """AdamW and the learning-rate schedule."""
@@ -204,6 +222,7 @@ class Recipe:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     ttt: TTTConfig = field(default_factory=TTTConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # checkpoints, logs, the resolved recipe and the exported drafter
@@ -228,7 +247,10 @@ def _cross_field_rules(r: Recipe) -> list[tuple[str, bool, str, tuple[str, ...]]
          "set trainer.max_steps or trainer.max_epochs (both are null)", ("trainer.max_epochs",)),
         ("trainer.strategy", tr.num_nodes > 1 and tr.strategy == "auto",
          "multi-node training needs an explicit strategy: ddp or fsdp", ("trainer.num_nodes",)),
-        ("ttt.schedule", t.schedule == "ramp" and t.steps == 1, "a ramp needs ttt.steps > 1", ("ttt.steps",))]
+        ("ttt.schedule", t.schedule == "ramp" and t.steps == 1, "a ramp needs ttt.steps > 1", ("ttt.steps",)),
+        ("optim.precondition_fc", r.optim.precondition_fc and d.fc_norm, "cannot be combined with drafter.fc_norm: "
+         "its scale is measured on the raw features, which fc_norm normalises per aux layer first",
+         ("drafter.fc_norm",))]
 
 
 def _secret_problems(r: Recipe) -> list[ConfigProblem]:

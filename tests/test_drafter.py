@@ -8,7 +8,7 @@ from safetensors import safe_open
 
 from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, from_sglang_layer_ids, to_sglang_layer_ids
 from eagle3_zoo.modeling.attention import ttt_attention, ttt_attention_reference
-from tests.tiny import tiny_config, tiny_drafter
+from tests.tiny import tiny_config, tiny_drafter, tiny_drafter31
 
 CANONICAL_KEYS = {
     "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
@@ -37,14 +37,18 @@ def test_ttt_attention_matches_naive_full_mask(n_steps, kv_heads, backend):
         torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
 
 
-def test_ttt_rollout_equals_cached_inference_rollout():
-    """Logits of TTT step k at position t == feeding the same tokens step by step through the KV cache."""
+@pytest.mark.parametrize("options", [{}, dict(fc_norm=True), dict(norm_output=True),
+                                     dict(fc_norm=True, norm_output=True)],
+                         ids=["eagle3", "fc_norm", "norm_output", "eagle3.1"])
+def test_ttt_rollout_equals_cached_inference_rollout(options):
+    """Logits of TTT step k at position t == feeding the same tokens step by step through the KV cache (EAGLE-3 and
+    each EAGLE-3.1 option: the fed-back state is post-norm with norm_output)."""
     steps, t_len = 7, 20
-    drafter, embed = tiny_drafter()
+    drafter, embed = tiny_drafter31(**options)
     drafter.eval()
     cfg = drafter.config
     ids = torch.randint(0, cfg.vocab_size, (1, t_len + steps))
-    aux = torch.randn(1, t_len, 3 * cfg.target_hidden_size)
+    aux = torch.randn(1, t_len, 3 * cfg.target_hidden_size) * 4
     embeds = embed(ids[:, 1:])  # step k, position t reads token t+1+k
     with torch.no_grad():
         ttt_logits = [drafter.logits(h) for h in drafter.ttt_rollout(embeds, aux, steps)]

@@ -6,7 +6,9 @@ What it shows: vLLM's hidden states equal HF's (every aux layer and the final st
 regeneration through the server gives the HF backend's greedy answers; a server killed mid-regeneration loses and
 duplicates nothing after a rerun; `eval --engine vllm` on a trained drafter reports engine-measured tau with greedy
 equality against plain vLLM; `check --engine vllm` loads and accepts, the speculators export as shipped too.
-`EAGLE3_ZOO_ENGINE_DRAFTER=DIR` evaluates that drafter instead of training a small one here.
+`EAGLE3_ZOO_ENGINE_DRAFTER=DIR` evaluates that drafter instead of training a small one here. An EAGLE-3.1 drafter
+(fc_norm, norm_output) we wrote loads in vLLM and its counters equal our decoder's draft for draft
+(`EAGLE3_ZOO_ENGINE_DRAFTER31=DIR` evaluates that one instead).
 """
 
 from __future__ import annotations
@@ -145,12 +147,15 @@ def drafter_dir(tmp_path_factory):
     given = os.environ.get("EAGLE3_ZOO_ENGINE_DRAFTER")
     if given:
         return Path(given)
-    out = tmp_path_factory.mktemp("fit")
-    # a small offline run (features once, then drafter-only steps): the original ShareGPT answers, not regenerated
-    overrides = ["data.regenerate.enabled=false", "data.max_samples=32", "data.max_length=256",
-                 "trainer.max_steps=40", "trainer.val_check_interval=40", "trainer.checkpoint_every_n_steps=40",
-                 "optim.warmup_steps=5",
-                 "drafter.init_head=target", f"output_dir={out}", f"data.cache_dir={out / 'cache'}"]
+    return _fit_small(tmp_path_factory.mktemp("fit"), samples=32, steps=40)
+
+
+def _fit_small(out: Path, samples: int, steps: int, extra: tuple[str, ...] = ()) -> Path:
+    """A small offline run (features once, then drafter-only steps) on the original ShareGPT answers; its drafter."""
+    overrides = ["data.regenerate.enabled=false", f"data.max_samples={samples}", "data.max_length=256",
+                 f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}",
+                 f"trainer.checkpoint_every_n_steps={steps}", "optim.warmup_steps=5", "drafter.init_head=target",
+                 f"output_dir={out}", f"data.cache_dir={out / 'cache'}", *extra]
     subprocess.run([sys.executable, "-m", "eagle3_zoo.cli", "fit", str(ROOT / "recipes" / "smollm2_135m.yaml"),
                     *overrides], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     return out / "drafter"
@@ -208,3 +213,55 @@ def test_check_engine_vllm_fails_a_drafter_that_accepts_nothing(hf_target, tmp_p
     drafter.save_pretrained(tmp_path / "random")
     assert main(["check", str(tmp_path / "random"), "--engine", "vllm"]) == 1
     assert "FAILED: no draft token accepted" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def drafter31_dir(tmp_path_factory):
+    """An EAGLE-3.1 drafter (fc_norm + norm_output) we trained and wrote; `EAGLE3_ZOO_ENGINE_DRAFTER31=DIR` instead."""
+    given = os.environ.get("EAGLE3_ZOO_ENGINE_DRAFTER31")
+    if given:
+        return Path(given)
+    return _fit_small(tmp_path_factory.mktemp("fit31"), samples=48, steps=80,
+                      extra=("drafter.fc_norm=true", "drafter.norm_output=true"))
+
+
+def _our_chain(drafter_dir, hf_target, depth, limit, max_new, without_fc_norm=False):
+    """Our decoder's overall figures (chain of `depth`, greedy) on the MT-bench requests `evaluate_in_vllm` sends."""
+    from eagle3_zoo.modeling import Eagle3Drafter
+    from eagle3_zoo.speculative.evaluation import evaluate
+
+    model, tok, adapter = hf_target
+    drafter = Eagle3Drafter.from_pretrained(drafter_dir, dtype=torch.float32).eval()
+    if without_fc_norm:  # the same weights served as another forward pass (an engine that ignored fc_norm)
+        drafter.fc_norm = None
+    res = evaluate(drafter, model, tok, "mtbench", mode="chain", depth=depth, top_k=1, total_tokens=depth,
+                   temperature=0.0, max_new_tokens=max_new, limit=limit, baseline=True, warmup=0, adapter=adapter,
+                   out=None, plot=None, progress=False)
+    return res["overall"]
+
+
+def test_vllm_counts_an_eagle31_drafter_as_our_decoder_does(drafter31_dir, hf_target, plain_server, tmp_path):
+    """vLLM loads the EAGLE-3.1 folder we wrote (fc_norm weights, norm_output) and its own spec-decode counters
+    equal our decoder's on the same requests: the same number of drafts and, at every draft position, the same
+    number of accepted tokens; both greedy outputs equal their engine's plain decoding."""
+    cfg = json.loads((drafter31_dir / "config.json").read_text())
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True
+    depth, limit, max_new = 3, 2, 48
+    from eagle3_zoo.speculative.engine_eval import evaluate_in_vllm
+
+    engine = evaluate_in_vllm(drafter31_dir, TARGET, "mtbench", num_speculative_tokens=depth, max_new_tokens=max_new,
+                              limit=limit, baseline_url=plain_server.base_url, work_dir=tmp_path,
+                              out=tmp_path / "eval31.json")["overall"]
+    ours = _our_chain(drafter31_dir, hf_target, depth, limit, max_new)
+    print(f"EAGLE-3.1 in vLLM: {engine['drafts']} drafts, accepted per position {engine['accepted_per_position']}; "
+          f"ours: {ours['cycles']} cycles, accepted per depth {ours['depth_accepts']}, tau {ours['tau']:.3f}")
+    assert engine["lossless"] is True and ours["lossless"] is True
+    assert ours["requests"] == engine["requests"] == 2 * limit
+    assert engine["accepted_tokens"] > 0  # a comparison of zeros would show nothing
+    assert engine["drafts"] == ours["cycles"]
+    accepted = ours["depth_accepts"] + [0] * (depth - len(ours["depth_accepts"]))
+    assert engine["accepted_per_position"] == accepted[:depth]
+    assert engine["tau"] == pytest.approx(ours["tau"], abs=1e-12)
+    # the comparison separates forward passes: the same weights without fc_norm accept differently
+    assert _our_chain(drafter31_dir, hf_target, depth, limit, max_new, without_fc_norm=True)["depth_accepts"] != \
+        ours["depth_accepts"]

@@ -89,7 +89,7 @@ def test_one_fp32_lm_head_gradient_buffer_for_all_ttt_steps(autocast):
         if node is None or node in seen:
             continue
         seen.add(node)
-        if "FusedSoftCE" in type(node).__name__:
+        if "FusedLMHeadLoss" in type(node).__name__:
             nodes.append(node)
         todo.extend(next_fn for next_fn, _ in node.next_functions)
     assert len(nodes) == 1, f"{len(nodes)} fused soft-CE calls for 4 TTT steps (one [Vd, H] buffer each)"

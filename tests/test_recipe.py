@@ -120,6 +120,11 @@ BAD_CASES = [
      "must divide num_attention_heads (9)"),
     ("missing_init", {"drafter.init_from": "./no/such/drafter"}, "drafter.init_from", "local path does not exist"),
     ("section_not_mapping", {"ttt": 7}, "ttt", "expected a mapping of TTTConfig fields"),
+    ("unknown_loss", {"loss.name": "kl"}, "loss.name", "one of soft_ce, tv, neg_log_alpha, lk_hybrid"),
+    ("lk_eta", {"loss.lk_eta": 0.0}, "loss.lk_eta", "must be > 0"),
+    ("fc_norm_not_bool", {"drafter.fc_norm": "yes"}, "drafter.fc_norm", "expected true or false"),
+    ("precondition_fc_norm", {"optim.precondition_fc": True, "drafter.fc_norm": True}, "optim.precondition_fc",
+     "cannot be combined with drafter.fc_norm"),
     # path kinds ({tmp}/afile is a file, {tmp}/adir a directory)
     ("cache_dir_file", {"data.cache_dir": "{tmp}/afile"}, "data.cache_dir = '{tmp}/afile'",
      "is a file; expected a directory"),

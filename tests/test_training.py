@@ -47,6 +47,8 @@ def test_draft_target_logits_equal_full_logits_sliced():
     torch.testing.assert_close(logits[needed], full[needed][:, t2d])
     assert torch.equal(valid[needed], t2d[full.argmax(-1)][needed])
     assert not valid[~needed].any() and (logits[~needed] == 0).all()
+    *_, mass = draft_target_logits(head, final_hidden, t2d, loss_mask, chunk_size=5, with_mass=True)
+    torch.testing.assert_close(mass[needed], torch.softmax(full[needed], -1)[:, t2d].sum(-1))
 
 
 def test_restricted_logits_give_the_same_loss_as_full_vocab():
@@ -61,6 +63,14 @@ def test_restricted_logits_give_the_same_loss_as_full_vocab():
     torch.testing.assert_close(restricted.loss, full.loss)
     assert torch.equal(restricted.num_supervised, full.num_supervised)
     assert torch.equal(supervised_positions(loss_mask, valid, 3), full.num_supervised)
+    # the module's path (draft-vocab logits + the mass of the draft vocabulary) reports the same acceptance
+    *_, mass = draft_target_logits(head, final_hidden, drafter.t2d, loss_mask, with_mass=True)
+    with_mass = ttt_loss(drafter, embed, input_ids, aux, logits, loss_mask, steps=3, target_valid=valid,
+                         target_mass=mass, objective="tv")
+    torch.testing.assert_close(with_mass.step_alpha, ttt_loss(drafter, embed, input_ids, aux,
+                                                              head(final_hidden).detach(), loss_mask, steps=3,
+                                                              objective="tv").step_alpha)
+    assert (with_mass.step_alpha < restricted.step_alpha).all()  # the mass outside the draft vocab is never accepted
 
 
 def test_rank_weights_make_averaged_gradient_equal_global_batch_gradient():
@@ -153,7 +163,8 @@ def test_module_excludes_target_from_state_dict(tiny_target):
     assert module.target is model and not any(m is model for m in module.modules())
 
 
-def test_module_trains_and_logs_every_step_metric(tiny_target, tmp_path):
+@pytest.mark.parametrize("loss", ["soft_ce", "lk_hybrid"])
+def test_module_trains_and_logs_every_step_metric(tiny_target, tmp_path, loss):
     from lightning.pytorch.loggers import CSVLogger
 
     from eagle3_zoo.data.datamodule import Eagle3DataModule, ExampleDataset
@@ -162,7 +173,8 @@ def test_module_trains_and_logs_every_step_metric(tiny_target, tmp_path):
     g = torch.Generator().manual_seed(1)
     examples = [{"input_ids": torch.randint(512, (int(n),), generator=g), "loss_mask": torch.ones(int(n)).long()}
                 for n in torch.randint(8, 20, (10,), generator=g)]
-    module = _module(model, adapter, weight_decay=0.1)
+    module = _module(model, adapter, weight_decay=0.1, loss=loss)
+    assert module.objective.loss_name == loss
     dm = Eagle3DataModule(ExampleDataset(examples[:8]), ExampleDataset(examples[8:]), batch_size=2)
     trainer = L.Trainer(max_steps=3, logger=CSVLogger(tmp_path), enable_checkpointing=False, enable_progress_bar=False,
                         callbacks=[TTTScheduleCallback(3, "ramp", 0.5)], val_check_interval=3,
@@ -173,8 +185,11 @@ def test_module_trains_and_logs_every_step_metric(tiny_target, tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(before, module.drafter.parameters()))
     metrics = trainer.callback_metrics
     for key in ("train/loss", "train/loss_0", "train/acc_0", "train/ttt_steps", "train/lr", "val/loss", "val/acc_0",
-                "val/acc_2", "val/loss_2", "val/tau_est"):
+                "val/acc_2", "val/loss_2", "val/tau_est", "train/alpha_0", "train/alpha_2", "val/alpha_0",
+                "val/alpha_2"):
         assert key in metrics, key
+    for key in ("train/alpha_0", "val/alpha_0", "val/alpha_2"):  # an expected acceptance, bounded by the mass
+        assert 0.0 < float(metrics[key]) < 1.0, key
     assert float(metrics["train/ttt_steps"]) == 3.0  # ramp 1 -> 3 over the first half of 3 steps
     assert math.isfinite(float(metrics["train/loss"]))
     opt = trainer.optimizers[0]

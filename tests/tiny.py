@@ -29,3 +29,13 @@ def tiny_drafter(seed: int = 0, **overrides) -> tuple[Eagle3Drafter, nn.Embeddin
     embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
     embed.requires_grad_(False)
     return drafter, embed
+
+
+def tiny_drafter31(seed: int = 0, **overrides) -> tuple[Eagle3Drafter, nn.Embedding]:
+    """`tiny_drafter` with EAGLE-3.1 options (`fc_norm=True`, `norm_output=True` in `overrides`); its fc_norm weights
+    drawn away from 1 so that they matter."""
+    drafter, embed = tiny_drafter(seed=seed, **overrides)
+    if drafter.fc_norm is not None:
+        for norm in drafter.fc_norm:
+            norm.weight.data.uniform_(0.3, 3.0)
+    return drafter, embed

@@ -26,6 +26,7 @@ import eagle3_zoo
 from eagle3_zoo.hub import card_rows
 from eagle3_zoo.hub.convert import extra_files, tensors_digest
 from eagle3_zoo.hub.formats import load_drafter_config, read_config
+from eagle3_zoo.hub.variants import eagle31_options, engine_note
 from eagle3_zoo.hub.weights import FLOAT_DTYPES, read_infos, weights_digest
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,8 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
         "aux_layers": f"HF hidden-state indices {list(aux)} (SGLang eagle_config: {[i - 1 for i in aux]})"
         if aux else None,
         "format_description": _FORMATS.get(fmt, _FORMATS["sglang"])["description"],
+        "eagle31_options": ", ".join(eagle31_options(cfg)) or None,  # tags the card "eagle3.1"
+        "engine_note": engine_note(cfg),  # which engines serve an EAGLE-3.1 drafter as trained
         "benchmarks": rows, "show_drafted": any(b.get("drafted", "–") != "–" for b in rows),
         "decoding": card_rows.decoding(first.get("settings")),
         "protocol": card_rows.PROTOCOL_SHORT if rows else None,
@@ -199,7 +202,7 @@ def _demo_note(recipe: dict[str, Any], prov: dict[str, Any]) -> str | None:
 
 
 def card_metadata(recipe_text: str, target: str | None, family: str | None, fmt: str | None, license: str,
-                  tags: tuple[str, ...] = ()) -> ModelCardData:
+                  tags: tuple[str, ...] = (), eagle31: bool = False) -> ModelCardData:
     """The card's YAML metadata: the target as base_model, Hub dataset ids, library and tags; no pipeline_tag."""
     from eagle3_zoo.hub.zoo import dataset_hub_id, target_hub_id
 
@@ -210,7 +213,8 @@ def card_metadata(recipe_text: str, target: str | None, family: str | None, fmt:
     format_tags = ("speculators",) if fmt == "speculators" else ()
     return ModelCardData(
         base_model=target_hub_id(target), library_name="eagle3-zoo", license=license, datasets=datasets or None,
-        tags=list(dict.fromkeys([*BASE_TAGS, *([family] if family else []), *engines, *format_tags, *tags])),
+        tags=list(dict.fromkeys([*BASE_TAGS, *(["eagle3.1"] if eagle31 else []), *([family] if family else []),
+                                 *engines, *format_tags, *tags])),
     )
 
 
@@ -242,5 +246,5 @@ def render_card(
     fmt = fmt or load_drafter_config(drafter_dir)[1]
     variables = {**card_variables(drafter_dir, repo_id, fmt, published), **overrides}
     data = card_metadata(variables.get("recipe_yaml", ""), variables.get("target"), variables.get("target_family"),
-                         fmt, license, tags)
+                         fmt, license, tags, eagle31=bool(variables.get("eagle31_options")))
     return ModelCard.from_template(data, template_str=template_text(), **variables)

@@ -17,9 +17,9 @@ from typing import Any, Literal
 import torch
 
 from eagle3_zoo.hub.formats import (
-    CANONICAL_KEYS,
     SPECULATORS_ARCHITECTURE,
     NonCanonicalDrafterError,
+    canonical_keys,
     canonical_name,
     detect_format,
     drafter_config,
@@ -230,6 +230,7 @@ def check_drafter(path_or_dir: str | Path, target_config: Any = None) -> CheckRe
         return report
     _config_problems(raw, fmt, report)
     _folder_file_problems(folder, report)
+    _eagle31_problems(raw, fmt, cfg, report)
     _weight_problems(folder, fmt, cfg, report)
     if target_config is not None:  # config-level: reported even when the weights are unreadable
         from eagle3_zoo.hub.check_target import resolve_target_config, target_problems
@@ -364,6 +365,23 @@ def _config_problems(raw: dict[str, Any], fmt: str, report: CheckReport) -> None
                    "write norm_before_residual: false")
 
 
+def _eagle31_problems(raw: dict[str, Any], fmt: str, cfg: Eagle3Config, report: CheckReport) -> None:
+    """EAGLE-3.1 options: which engines serve them as trained (a warning: such a folder is checked, evaluated and
+    published like any other), and the SpecForge spelling of norm_output that meant something else."""
+    from eagle3_zoo.hub import variants
+
+    note = variants.engine_note(cfg)
+    if note is None:
+        return
+    report.add("EAGLE31_ENGINES", note, "serve it with vLLM (or an SGLang that reads fc_norm and norm_output); "
+               "`eagle3-zoo check DIR --engine vllm` runs it in vLLM here", "warning")
+    if cfg.norm_output and fmt != "speculators" and "eagle3_zoo" not in raw:
+        report.add("NORM_OUTPUT_MEANING", f"norm_output=true in a checkpoint not written by eagle3-zoo: "
+                   f"{variants.SPECFORGE_NORM_OUTPUT}", "if it came from SpecForge before PR #879, set norm_output to "
+                   "false (its training fed back the pre-norm state); `eagle3-zoo eval` shows which reading accepts",
+                   "warning")
+
+
 def _key_problems(infos: dict[str, TensorInfo], fmt: str, cfg: Eagle3Config, report: CheckReport) -> dict[str, str]:
     """Check names, shapes and dtypes; return {canonical name: name in the file}."""
     canon: dict[str, str] = {}
@@ -381,12 +399,13 @@ def _key_problems(infos: dict[str, TensorInfo], fmt: str, cfg: Eagle3Config, rep
         report.add("PREFIXED_KEYS", f"{len(prefixed)} keys carry a 'model.' prefix (e.g. {prefixed[0]}): SGLang strips "
                    "it, vLLM adds its own and fails on 'model.model.*'", "export with --format sglang to drop it",
                    "warning")
-    unknown = sorted(canon[c] for c in canon if c not in CANONICAL_KEYS)
+    keys = canonical_keys(cfg)
+    unknown = sorted(canon[c] for c in canon if c not in keys)
     if unknown:
         report.add("UNKNOWN_KEYS", f"keys the loaders do not map: {unknown[:6]}{' ...' if len(unknown) > 6 else ''}: "
                    "SGLang silently skips them (the layer keeps random weights, tau close to 1), vLLM refuses to load",
                    "rename them to the canonical keys (`eagle3-zoo export` does for known formats) or drop them")
-    missing = [k for k in CANONICAL_KEYS if k not in canon and k not in ("d2t", "t2d")]
+    missing = [k for k in keys if k not in canon and k not in ("d2t", "t2d")]
     if missing:
         report.add("MISSING_KEYS", f"missing {missing}: the loaders keep random weights there (tau close to 1)",
                    "this checkpoint is incomplete; get the full one")
@@ -396,7 +415,7 @@ def _key_problems(infos: dict[str, TensorInfo], fmt: str, cfg: Eagle3Config, rep
     if wrong:
         report.add("SHAPE_MISMATCH", "tensor shapes disagree with config.json: " + "; ".join(wrong[:4]),
                    "make config.json describe these weights (hidden/intermediate sizes, heads, vocab sizes)")
-    not_float = [canon[k] for k in CANONICAL_KEYS if k in canon and k not in ("d2t", "t2d")
+    not_float = [canon[k] for k in keys if k in canon and k not in ("d2t", "t2d")
                  and infos[canon[k]].dtype not in FLOAT_DTYPES]
     if not_float:
         report.add("WEIGHT_DTYPE", f"weights with non-float dtypes: {not_float}", "save the weights in float")

@@ -29,6 +29,7 @@ from eagle3_zoo.hub.formats import (
     read_config,
     speculators_config,
 )
+from eagle3_zoo.hub.variants import SGLANG_RISK, eagle31_options
 from eagle3_zoo.hub.weights import SAFETENSORS_NAME, inside_folder, load_weights
 from eagle3_zoo.modeling import CONFIG_NAME, WEIGHTS_NAME, Eagle3Drafter, identity_vocab
 from eagle3_zoo.modeling.io import atomic_write, atomic_write_text, move_files_into, staged_directory
@@ -178,8 +179,14 @@ def export_drafter(
     src, out = Path(drafter_dir), Path(out_dir)
     if out.resolve() == src.resolve():
         raise ValueError(f"export target {out} is the drafter folder itself; choose another --out")
-    for problem in require_valid_drafter(src, purpose="export").warnings:
-        log.warning("%s: %s", src, problem)
+    report = require_valid_drafter(src, purpose="export")
+    sglang_risk = EXPORT_FORMATS[fmt] == "sglang" and report.config is not None and report.config.eagle31
+    for problem in report.warnings:
+        if not (sglang_risk and problem.code == "EAGLE31_ENGINES"):  # said once, below, for this export
+            log.warning("%s: %s", src, problem)
+    if sglang_risk:
+        log.warning("%s: exporting an EAGLE-3.1 drafter (%s) in the SGLang layout (which vLLM reads too): %s", src,
+                    ", ".join(eagle31_options(report.config)), SGLANG_RISK)
     extras = extra_files(src)  # links leading outside the folder are refused before anything is written
     with staged_directory(out) as tmp:  # a failed or killed export leaves no partial file in `out`
         if EXPORT_FORMATS[fmt] == "sglang" and is_canonical(src):

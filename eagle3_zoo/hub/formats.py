@@ -34,6 +34,7 @@ _LAYER_KEYS = (
     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
 )
 CANONICAL_KEYS = ("fc.weight", *(f"midlayer.{k}" for k in _LAYER_KEYS), "norm.weight", "lm_head.weight", "d2t", "t2d")
+FC_NORM_KEY = "fc_norm.{}.weight"  # EAGLE-3.1: one RMSNorm per aux hidden state (vLLM loads it as model.fc_norm.{i})
 
 # canonical prefix -> the format's prefix (inverted on import); formats not listed use canonical names
 KEY_PREFIXES: dict[str, dict[str, str]] = {"speculators": {"midlayer.": "layers.0."}}
@@ -42,9 +43,11 @@ STRIPPED_PREFIXES = ("model.",)
 # tensors a checkpoint may carry that are never part of the drafter: the frozen target embedding, speculators'
 # frozen verifier copies used only for its training loss
 DROPPED_KEYS = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
-# speculators training variants that change the forward pass; a canonical EAGLE-3 drafter has none of them
+# norm variants vLLM reads from a drafter config; a canonical EAGLE-3 drafter has none of them on
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-NON_CANONICAL_FLAGS = (*NORM_FLAGS, "attention_bias", "mlp_bias")
+EAGLE31_FLAGS = ("fc_norm", "norm_output")  # EAGLE-3.1: eagle3-zoo trains, reads and writes these
+# variants that change the forward pass in ways eagle3-zoo does not implement (speculators' training defaults)
+NON_CANONICAL_FLAGS = ("norm_before_residual", "norm_before_fc", "attention_bias", "mlp_bias")
 
 _LAYER_CONFIG_KEYS = (
     "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
@@ -133,6 +136,13 @@ def format_name(name: str, fmt: str) -> str:
     return name
 
 
+def canonical_keys(cfg: Eagle3Config) -> tuple[str, ...]:
+    """The canonical tensor names of a drafter with this config (EAGLE-3.1's `fc_norm` adds one weight per aux
+    hidden state)."""
+    fc_norm = tuple(FC_NORM_KEY.format(i) for i in range(cfg.num_aux_layers)) if cfg.fc_norm else ()
+    return (*CANONICAL_KEYS[:1], *fc_norm, *CANONICAL_KEYS[1:])
+
+
 def expected_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
     """Shape of every canonical tensor for a drafter config (what SGLang and vLLM allocate)."""
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
@@ -145,6 +155,7 @@ def expected_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
     }
     return {
         "fc.weight": (h, cfg.num_aux_layers * cfg.target_hidden_size),
+        **{FC_NORM_KEY.format(i): (cfg.target_hidden_size,) for i in range(cfg.num_aux_layers) if cfg.fc_norm},
         **{f"midlayer.{k}": v for k, v in layer.items()},
         "norm.weight": (h,), "lm_head.weight": (cfg.draft_vocab_size, h),
         "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,),
@@ -157,13 +168,9 @@ def drafter_config(raw: dict[str, Any], fmt: str, source: str = "config.json") -
     Raises:
         ValueError: missing fields, or a speculators checkpoint using a non-canonical training variant.
     """
+    _refuse_unsupported_variants(raw, fmt, source)
     if fmt != "speculators":
         return Eagle3Config.from_json_dict(raw, source=source)
-    on = [k for k in NON_CANONICAL_FLAGS if raw.get(k) or (raw.get("transformer_layer_config") or {}).get(k)]
-    if on:
-        flags = ", ".join(f"{k}=true" for k in on)
-        raise NonCanonicalDrafterError(f"{source}: speculators variant with {flags}: not the canonical EAGLE-3 forward "
-                                       "pass; eagle3-zoo cannot represent it (vLLM can still serve it as is)")
     layer = raw.get("transformer_layer_config") or raw.get("transformer_config")
     if not isinstance(layer, dict):
         raise ValueError(f"{source}: speculators config without a transformer_layer_config object")
@@ -175,10 +182,26 @@ def drafter_config(raw: dict[str, Any], fmt: str, source: str = "config.json") -
     zoo = dict(raw.get("eagle3_zoo") or {})
     zoo.setdefault("target_name_or_path", verifier.get("name_or_path"))
     flat["eagle3_zoo"] = zoo
+    flat.update({k: raw[k] for k in EAGLE31_FLAGS if k in raw})  # speculators writes them at the top level too
     cfg = Eagle3Config.from_json_dict(flat, source=source)
     ids = raw.get("eagle_aux_hidden_state_layer_ids")
     cfg.aux_layer_ids = tuple(int(i) for i in ids) if ids else None  # speculators ids = internal convention
     return cfg
+
+
+def _refuse_unsupported_variants(raw: dict[str, Any], fmt: str, source: str) -> None:
+    """Raise `NonCanonicalDrafterError` for a norm/bias variant that vLLM would run and eagle3-zoo cannot.
+
+    vLLM reads `norm_before_fc` from `eagle_config` too, and every flag from the top level of any layout; a
+    speculators config may also carry them in its `transformer_layer_config`.
+    """
+    places = [raw, raw.get("eagle_config") or {}, raw.get("transformer_layer_config") or {}]
+    on = [k for k in NON_CANONICAL_FLAGS if any(isinstance(p, dict) and p.get(k) for p in places)]
+    if on:
+        flags = ", ".join(f"{k}=true" for k in on)
+        raise NonCanonicalDrafterError(f"{source}: {fmt} drafter with {flags}: a forward pass that is neither "
+                                       "EAGLE-3 nor EAGLE-3.1 (fc_norm / norm_output); eagle3-zoo cannot represent "
+                                       "it (vLLM can still serve it as is)")
 
 
 def load_drafter_config(folder: str | Path) -> tuple[Eagle3Config, str]:
@@ -232,8 +255,8 @@ def speculators_config(
         "transformer_layer_config": layer,
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
-        # vLLM's speculators loader defaults norm_before_residual to True when absent: always write it
-        **{flag: False for flag in NORM_FLAGS},
+        # vLLM's speculators loader defaults norm_before_residual to True when absent: always write every flag
+        **{flag: bool(getattr(cfg, flag, False)) for flag in NORM_FLAGS},
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens)}],
@@ -260,6 +283,7 @@ def is_canonical(folder: str | Path) -> bool:
         from eagle3_zoo.hub.weights import read_infos
 
         infos, _, files = read_infos(folder)
+        cfg = drafter_config(read_config(folder), "sglang")
     except (OSError, ValueError, CheckpointError):
         return False
-    return len(files) == 1 and set(infos) == set(CANONICAL_KEYS)
+    return len(files) == 1 and set(infos) == set(canonical_keys(cfg))

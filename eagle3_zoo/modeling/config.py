@@ -122,6 +122,10 @@ class Eagle3Config:
     max_position_embeddings: int = 8192
     hidden_act: str = "silu"
     aux_layer_ids: tuple[int, ...] | None = None
+    # EAGLE-3.1 (arXiv 2605.09992), the config keys and meaning vLLM reads: one RMSNorm per aux hidden state on its
+    # chunk of the fc input (weights fc_norm.{i}.weight), and the post-norm output fed back to the next step
+    fc_norm: bool = False
+    norm_output: bool = False
     torch_dtype: str = "float32"
     target_model_type: str | None = None
     target_name_or_path: str | None = None
@@ -150,12 +154,20 @@ class Eagle3Config:
             problems.append(f"torch_dtype={self.torch_dtype!r}; valid: {', '.join(DTYPE_NAMES)}")
         if self.hidden_act != "silu":
             problems.append(f"hidden_act={self.hidden_act!r}; EAGLE-3 drafters use 'silu'")
+        for flag in ("fc_norm", "norm_output"):  # engines test truthiness: the string "false" would switch it on
+            if not isinstance(getattr(self, flag), bool):
+                problems.append(f"{flag}={getattr(self, flag)!r}; expected true or false (a JSON boolean)")
         if problems:
             raise ValueError("invalid Eagle3Config: " + "; ".join(problems))
 
     @property
     def num_aux_layers(self) -> int:
         return len(self.aux_layer_ids) if self.aux_layer_ids else 3
+
+    @property
+    def eagle31(self) -> bool:
+        """Whether this drafter uses an EAGLE-3.1 option (`fc_norm` or `norm_output`)."""
+        return self.fc_norm or self.norm_output
 
     @classmethod
     def from_target_config(
@@ -250,6 +262,9 @@ class Eagle3Config:
             "attention_bias": False,
             "torch_dtype": self.torch_dtype,
         }
+        # written only when on, so an EAGLE-3 folder stays byte for byte what it was; vLLM and SGLang read both
+        # flags from the top level of config.json
+        d.update({flag: True for flag in ("fc_norm", "norm_output") if getattr(self, flag)})
         if self.aux_layer_ids is not None:
             # upstream vLLM reads only this top-level field, in HF hidden-state indices (= our internal ids)
             d["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
@@ -302,6 +317,9 @@ class Eagle3Config:
                 )
         elif vllm_ids is not None:
             kwargs["aux_layer_ids"] = tuple(int(i) for i in vllm_ids)
+        for flag in ("fc_norm", "norm_output"):  # null = absent = off, as the engines read it
+            if kwargs.get(flag, False) is None:
+                kwargs.pop(flag)
         zoo = _object(d, "eagle3_zoo", source)
         d.pop("eagle3_zoo", None)
         kwargs.setdefault("target_model_type", zoo.get("target_model_type"))

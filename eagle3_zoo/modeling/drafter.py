@@ -6,6 +6,10 @@
     h'       = h' + mlp(post_attention_layernorm(h'))
     logits   = lm_head(norm(h'))                                        # draft vocab; h' is fed back
 
+EAGLE-3.1 options (`Eagle3Config.fc_norm` / `norm_output`, arXiv 2605.09992, the forward pass vLLM runs for them):
+`fc_norm` puts one RMSNorm on each aux hidden state before fc (g = fc(cat(fc_norm_i(chunk_i)))), `norm_output`
+feeds `norm(h')` back to the next step instead of `h'` (it becomes that step's residual too).
+
 Two forward paths share the weights and the projection/RoPE code: `ttt_rollout` (whole sequences, K unrolled
 steps, the TTT attention pattern) and `step` (a few new tokens over a KV cache, explicit mask and positions),
 which chain and tree drafting use.
@@ -138,7 +142,7 @@ class DraftCache:
 @dataclass
 class DraftStepOutput:
     logits: torch.Tensor  # [B, q, draft_vocab]
-    hidden: torch.Tensor  # [B, q, H] pre-norm output, fed back as the next step's `hidden`
+    hidden: torch.Tensor  # [B, q, H] fed back as the next step's `hidden`: pre-norm (post-norm with norm_output)
 
 
 class Eagle3Drafter(nn.Module):
@@ -148,6 +152,10 @@ class Eagle3Drafter(nn.Module):
         super().__init__()
         self.config = config
         self.fc = nn.Linear(config.num_aux_layers * config.target_hidden_size, config.hidden_size, bias=False)
+        # EAGLE-3.1: weights fc_norm.{i}.weight, as vLLM loads them (registered only when on: an EAGLE-3 state dict
+        # keeps exactly its canonical keys)
+        self.fc_norm = nn.ModuleList(LlamaRMSNorm(config.target_hidden_size, eps=config.rms_norm_eps)
+                                     for _ in range(config.num_aux_layers)) if config.fc_norm else None
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -229,12 +237,19 @@ class Eagle3Drafter(nn.Module):
 
     # ---- shared pieces ----
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
-        """Target features `[B, T, n_aux*Ht]` -> step-0 hidden `[B, T, H]`."""
+        """Target features `[B, T, n_aux*Ht]` -> step-0 hidden `[B, T, H]` (with `fc_norm`: each aux state normed)."""
         x = aux_hidden.to(self.fc.weight.dtype)
+        if self.fc_norm is not None:
+            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1))], dim=-1)
         return self.fc(x * self.fc_input_scale.to(x.dtype) if self._fc_scaled else x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits of a step's pre-norm output."""
         return self.lm_head(self.norm(hidden))
+
+    def feedback(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What a step feeds to the next one: its pre-norm output, or `norm(hidden)` with `norm_output`."""
+        return self.norm(hidden) if self.config.norm_output else hidden
 
     def _rope(self, x: torch.Tensor, position_ids: torch.Tensor):
         return self.rotary_emb(x, position_ids)
@@ -256,7 +271,7 @@ class Eagle3Drafter(nn.Module):
 
         Args:
             embeds: `[B, q, H]` target embeddings of the input tokens.
-            hidden: `[B, q, H]` step-0 fused features (`fuse`) or the drafter's previous pre-norm output.
+            hidden: `[B, q, H]` step-0 fused features (`fuse`) or the previous step's `DraftStepOutput.hidden`.
             position_ids: `[B, q]` RoPE positions.
             cache: the drafter's KV cache; the new keys/values are appended.
             attn_mask: additive `[B, 1, q, len(cache)+q]` mask (0 = visible); None = causal, all past visible.
@@ -270,6 +285,9 @@ class Eagle3Drafter(nn.Module):
         q, k, v = layer.self_attn.project(x, cos, sin)
         k_all, v_all = cache.append(k, v)
         h = layer.finish(hidden, cached_attention(q, k_all, v_all, attn_mask))
+        if self.config.norm_output:  # one norm serves the logits and the fed-back state
+            out = self.norm(h)
+            return DraftStepOutput(logits=self.lm_head(out[:, -1:] if last_logits_only else out), hidden=out)
         return DraftStepOutput(logits=self.logits(h[:, -1:] if last_logits_only else h), hidden=h)
 
     # ---- training path ----
@@ -290,7 +308,8 @@ class Eagle3Drafter(nn.Module):
             position_ids: `[B, T]` base positions (default 0..T-1); step k uses position t + k.
 
         Yields:
-            `[B, T, H]` hidden of step k, for k = 0..steps-1 (gradients flow through the whole rollout).
+            `[B, T, H]` pre-norm hidden of step k (logits = `self.logits(hidden)`), for k = 0..steps-1; the next
+            step reads `self.feedback(hidden)` (gradients flow through the whole rollout).
         """
         layer = self.midlayer
         b, t, _ = aux_hidden.shape
@@ -307,8 +326,9 @@ class Eagle3Drafter(nn.Module):
             q, key, value = layer.self_attn.project(x, cos, sin)
             keys.append(key)
             values.append(value)
-            hidden = layer.finish(hidden, ttt_attention(q, keys, values))
-            yield hidden
+            out = layer.finish(hidden, ttt_attention(q, keys, values))
+            yield out
+            hidden = self.feedback(out)
 
     # ---- checkpoint (canonical SGLang / official layout) ----
     def save_pretrained(self, save_dir: str | Path) -> Path:

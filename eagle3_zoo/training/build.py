@@ -42,7 +42,7 @@ def drafter_config(recipe: Any, target_config: Any, aux_layer_ids: tuple[int, ..
     return Eagle3Config.from_target_config(
         target_config, draft_vocab_size=recipe.drafter.draft_vocab_size, aux_layer_ids=aux_layer_ids,
         target_name_or_path=recipe.target.name_or_path, torch_dtype=drafter_dtype_name(recipe.trainer.precision),
-        **overrides)
+        fc_norm=recipe.drafter.fc_norm, norm_output=recipe.drafter.norm_output, **overrides)
 
 
 def build_drafter(recipe: Any, target_config: Any, counts: torch.Tensor, aux_layer_ids: tuple[int, ...],
@@ -57,7 +57,7 @@ def build_drafter(recipe: Any, target_config: Any, counts: torch.Tensor, aux_lay
         ValueError: an `init_from` drafter that does not fit the target (vocab, hidden size, aux layers).
     """
     if recipe.drafter.init_from:
-        return _load_init(recipe.drafter.init_from, target_config, aux_layer_ids)
+        return _load_init(recipe.drafter.init_from, target_config, aux_layer_ids, recipe.drafter)
     config = drafter_config(recipe, target_config, aux_layer_ids)
     drafter = Eagle3Drafter(config)
     drafter.set_vocab(*build_draft_vocab(counts, config.draft_vocab_size))
@@ -68,7 +68,7 @@ def build_drafter(recipe: Any, target_config: Any, counts: torch.Tensor, aux_lay
     return drafter
 
 
-def _load_init(path: str, target_config: Any, aux_layer_ids: tuple[int, ...]) -> Eagle3Drafter:
+def _load_init(path: str, target_config: Any, aux_layer_ids: tuple[int, ...], wanted: Any = None) -> Eagle3Drafter:
     try:
         from eagle3_zoo.hub import load_any_drafter
     except ImportError:  # the hub package is optional for training
@@ -80,6 +80,10 @@ def _load_init(path: str, target_config: Any, aux_layer_ids: tuple[int, ...]) ->
     if cfg.aux_layer_ids is not None and tuple(cfg.aux_layer_ids) != tuple(aux_layer_ids):
         problems.append(f"aux_layer_ids {list(cfg.aux_layer_ids)} != the run's {list(aux_layer_ids)} (set "
                         "drafter.aux_layer_ids to the drafter's)")
+    for flag in ("fc_norm", "norm_output"):  # the forward pass is the drafter's: a recipe cannot switch it silently
+        if wanted is not None and bool(getattr(wanted, flag)) != getattr(cfg, flag):
+            problems.append(f"{flag} is {getattr(cfg, flag)} in the drafter but drafter.{flag} = "
+                            f"{getattr(wanted, flag)} in the recipe (set it to the drafter's)")
     if problems:
         raise ValueError(f"drafter.init_from = {path!r} does not fit the target: " + "; ".join(problems))
     logger.info("initialised the drafter from %s (its draft vocabulary of %d tokens is kept)", path,
@@ -149,7 +153,7 @@ def build_run(recipe: Any, source: str = "recipe", device: Any = None) -> Traini
         lm_head=adapter.lm_head(target), mode=recipe.data.mode, ttt_steps=t.steps,
         step_weights=t.step_weights or [t.step_weight_decay**k for k in range(t.steps)], lr=o.lr,
         betas=tuple(o.betas), weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, decay=o.decay,
-        min_lr_ratio=o.min_lr_ratio)
+        min_lr_ratio=o.min_lr_ratio, loss=recipe.loss.name, lk_eta=recipe.loss.lk_eta)
     datamodule = Eagle3DataModule(train_set, val_set, batch_size=recipe.trainer.batch_size, seed=recipe.data.seed,
                                   num_workers=recipe.data.num_workers, pad_id=tokenizer.pad_token_id or 0)
     data_barrier()

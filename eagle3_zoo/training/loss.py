@@ -5,8 +5,10 @@ of the ground-truth token x_{t+1+k}, and is trained towards the target's distrib
 x_{t+2+k}), masked by the supervision mask of that predicted token. Positions whose full-vocab target argmax is
 not in the draft vocabulary are excluded. Each step's loss is normalised by its number of supervised positions.
 
-The soft cross-entropy over the draft vocabulary is fused with the lm_head and computed only on supervised rows,
-in chunks, with its gradients formed in the forward pass: no [T, draft_vocab] logits are kept for backward.
+The per-position objective (EAGLE-3's soft cross-entropy by default, or an acceptance loss: `objectives`) over the
+draft vocabulary is fused with the lm_head and computed only on supervised rows, in chunks, with its gradients
+formed in the forward pass: no [T, draft_vocab] logits are kept for backward. Each step also reports the mean
+expected acceptance alpha of its drafted token.
 
 On a GPU the loss waits for the device once (the supervised-row counts of all steps, read in one transfer, size
 every gather); nothing else in it needs a value on the host.
@@ -21,6 +23,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from eagle3_zoo.training.objectives import DEFAULT_ETA, check_objective, chunk_objective
+
 
 @dataclass
 class TTTLossOutput:
@@ -28,6 +32,7 @@ class TTTLossOutput:
     step_losses: torch.Tensor  # [K] detached
     step_acc: torch.Tensor  # [K] fraction of supervised positions where draft argmax == target argmax
     num_supervised: torch.Tensor  # [K] int64, on the batch's device
+    step_alpha: torch.Tensor | None = None  # [K] mean expected acceptance alpha of a drafted token (objectives)
 
 
 def default_step_weights(steps: int, decay: float = 0.8) -> list[float]:
@@ -67,25 +72,33 @@ class FusedSoftCEOutput(NamedTuple):
     row_correct: torch.Tensor  # [N] bool, draft argmax == target argmax (not differentiable)
 
 
-class _FusedSoftCE(torch.autograd.Function):
-    """sum_r w_r * -(p_r * log_softmax(h_r @ W.T)).sum() with grads computed chunk-wise in forward.
+class FusedLossOutput(NamedTuple):
+    loss: torch.Tensor  # scalar fp32, sum_r row_weight_r * objective_r (differentiable)
+    row_loss: torch.Tensor  # [N] fp32 objective of each row (not differentiable)
+    row_correct: torch.Tensor  # [N] bool, draft argmax == target argmax (not differentiable)
+    row_alpha: torch.Tensor  # [N] fp32 expected acceptance of each row's draft distribution (not differentiable)
 
-    Per chunk: one pass for the row max and argmax, a batched row-dot for p . logits, in-place exp / normalise to
-    the softmax and in-place `softmax - p` (the logits gradient, since p rows sum to 1): no log-softmax tensor.
+
+class _FusedLMHeadLoss(torch.autograd.Function):
+    """sum_r w_r * objective(softmax(h_r @ W.T), p_r) with grads computed chunk-wise in forward.
+
+    Per chunk the objective's value, the acceptance alpha and the logits gradient come from
+    `objectives.chunk_objective` (one softmax pass in place, a batched row-dot for p . logits, no log-softmax tensor).
 
     Precision is explicit, never inherited from the caller's autocast state: the two matmuls per chunk run in
     `mm_dtype` (autocast's dtype under autocast, else fp32), everything else (max, exp, sums, loss) in fp32, and
     `grad_w` is ONE fp32 buffer for all rows. `ttt_loss` passes the rows of every TTT step in one call with
     `w_r = w_k / n_k`, so a drafter has one fp32 `[Vd, H]` gradient buffer per batch, not one per step. In a
-    low-precision `mm_dtype` the row weights stay outside the cast: the logits gradient (|g| <= 1) is cast
-    unweighted, `grad_h` rows are weighted in fp32 after the product, and `grad_w` weights the hidden rows relative
-    to the chunk's largest weight, applying that one in fp32 (weighted first, w_r * g ~ 1e-9 underflows fp16, whose
-    smallest subnormal is 6e-8: 16-mixed gradients were off by 6-27% at N=2048, Vd=32000). Backward
-    only scales the saved gradients by the incoming scalar, so forward and backward cannot disagree.
+    low-precision `mm_dtype` the row weights stay outside the cast: the logits gradient (|g| <= 2 for every
+    objective) is cast unweighted, `grad_h` rows are weighted in fp32 after the product, and `grad_w` weights the
+    hidden rows relative to the chunk's largest weight, applying that one in fp32 (weighted first, w_r * g ~ 1e-9
+    underflows fp16, whose smallest subnormal is 6e-8: 16-mixed gradients were off by 6-27% at N=2048, Vd=32000).
+    Backward only scales the saved gradients by the incoming scalar, so forward and backward cannot disagree.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, p, rows, target_ids, row_weights, chunk: int, mm_dtype: torch.dtype):
+    def forward(ctx, h, weight, p, rows, target_ids, row_weights, mass, chunk: int, mm_dtype: torch.dtype,
+                objective: str, eta: float):
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(mm_dtype)
             n = h.shape[0]
@@ -93,55 +106,92 @@ class _FusedSoftCE(torch.autograd.Function):
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight.requires_grad \
                 else None
             row_loss = torch.empty(n, dtype=torch.float32, device=h.device)
+            row_alpha = torch.empty(n, dtype=torch.float32, device=h.device)
             row_correct = torch.empty(n, dtype=torch.bool, device=h.device)
             for i in range(0, n, chunk):
-                hc = h[i : i + chunk].to(mm_dtype)
-                idx = None if rows is None else rows[i : i + chunk]
-                pc = p[i : i + chunk] if idx is None else p.index_select(0, idx)  # gathered per chunk, never [N, Vd]
-                pc = pc.float()
-                tc = pc.argmax(-1) if target_ids is None else (target_ids[i : i + chunk] if idx is None
-                                                                else target_ids.index_select(0, idx))
-                logits = (hc @ w.t()).float()
-                row_max, arg = logits.max(-1)
-                dot = torch.bmm(pc.unsqueeze(1), logits.unsqueeze(2)).view(-1)  # sum_v p * logits, per row
-                probs = logits.sub_(row_max[:, None]).exp_()
-                denom = probs.sum(-1)
-                row_loss[i : i + chunk] = row_max + denom.log() - dot  # -sum p*log_softmax = logsumexp - p.logits
-                row_correct[i : i + chunk] = arg == tc
-                g = probs.div_(denom[:, None]).sub_(pc)  # d CE / d logits
-                rw = None if row_weights is None else row_weights[i : i + chunk]
-                if mm_dtype == torch.float32:
-                    if rw is not None:
-                        g.mul_(rw[:, None])
-                    grad_h[i : i + chunk] = g @ w
-                    if grad_w is not None:
-                        grad_w.addmm_(g.t(), hc)
-                    continue
-                g = g.to(mm_dtype)  # unweighted (see the class docstring)
-                grad_h[i : i + chunk] = g @ w if rw is None else (g @ w).float().mul_(rw[:, None])
-                if grad_w is None:
-                    continue
-                if rw is None:  # low-precision product (fp32 accumulation inside the GEMM), summed in fp32
-                    grad_w.add_(g.t() @ hc)
-                else:
-                    top = rw.max()
-                    hw = (h[i : i + chunk].float() * (rw / top)[:, None]).to(mm_dtype)
-                    grad_w.add_((g.t() @ hw).float().mul_(top))
+                rows_i = slice(i, i + chunk)
+                idx = None if rows is None else rows[rows_i]
+                pc = _gathered(p, idx, rows_i).float()  # gathered per chunk, never [N, Vd]
+                tc = pc.argmax(-1) if target_ids is None else _gathered(target_ids, idx, rows_i)
+                mc = None if mass is None else _gathered(mass, idx, rows_i).float()
+                hc = h[rows_i].to(mm_dtype)
+                out = chunk_objective((hc @ w.t()).float(), pc, objective, mc, eta)
+                row_loss[rows_i], row_alpha[rows_i] = out.loss, out.alpha
+                row_correct[rows_i] = out.argmax == tc
+                rw = None if row_weights is None else row_weights[rows_i]
+                _add_chunk_grads(out.grad, hc, h[rows_i], w, rw, mm_dtype, grad_h[rows_i], grad_w)
             loss = (row_loss * row_weights).sum() if row_weights is not None else row_loss.sum()
         ctx.save_for_backward(grad_h, grad_w if grad_w is not None else torch.empty(0))
         ctx.dtypes = (h.dtype, weight.dtype)
-        ctx.mark_non_differentiable(row_loss, row_correct)
-        return loss, row_loss, row_correct
+        ctx.mark_non_differentiable(row_loss, row_correct, row_alpha)
+        return loss, row_loss, row_correct, row_alpha
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor, _grad_row_loss=None, _grad_row_correct=None):
+    def backward(ctx, grad_loss: torch.Tensor, *_grad_row_outputs):
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
         with torch.autocast(grad_h.device.type, enabled=False):
             grad_loss = grad_loss.float()
             gh = grad_h.mul_(grad_loss).to(h_dtype)  # saved grads are used once: scale in place
             gw = grad_w.mul_(grad_loss).to(w_dtype) if grad_w.numel() else None
-        return gh, gw, None, None, None, None, None, None
+        return gh, gw, *([None] * 9)
+
+
+def _gathered(x: torch.Tensor, idx: torch.Tensor | None, rows: slice) -> torch.Tensor:
+    return x[rows] if idx is None else x.index_select(0, idx)
+
+
+def _add_chunk_grads(g: torch.Tensor, hc: torch.Tensor, h: torch.Tensor, w: torch.Tensor, rw: torch.Tensor | None,
+                     mm_dtype: torch.dtype, grad_h: torch.Tensor, grad_w: torch.Tensor | None) -> None:
+    """One chunk's `grad_h = rw * g @ W` (written into the view `grad_h`) and `grad_w += (rw * g).T @ h`, with the
+    row weights kept out of a low-precision cast (`_FusedLMHeadLoss`)."""
+    if mm_dtype == torch.float32:
+        if rw is not None:
+            g.mul_(rw[:, None])
+        grad_h.copy_(g @ w)
+        if grad_w is not None:
+            grad_w.addmm_(g.t(), hc)
+        return
+    g = g.to(mm_dtype)  # unweighted
+    grad_h.copy_(g @ w if rw is None else (g @ w).float().mul_(rw[:, None]))
+    if grad_w is None:
+        return
+    if rw is None:  # low-precision product (fp32 accumulation inside the GEMM), summed in fp32
+        grad_w.add_(g.t() @ hc)
+    else:
+        top = rw.max().clamp_min(torch.finfo(torch.float32).tiny)  # a chunk of zero-weight rows adds nothing
+        hw = (h.float() * (rw / top)[:, None]).to(mm_dtype)
+        grad_w.add_((g.t() @ hw).float().mul_(top))
+
+
+def fused_lm_head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    probs: torch.Tensor,
+    chunk: int = 1024,
+    rows: torch.Tensor | None = None,
+    target_ids: torch.Tensor | None = None,
+    row_weights: torch.Tensor | None = None,
+    objective: str = "soft_ce",
+    mass: torch.Tensor | None = None,
+    eta: float = DEFAULT_ETA,
+) -> FusedLossOutput:
+    """Weighted sum of a per-row objective (`objectives.OBJECTIVES`) of `hidden [N,H] @ weight.T` against target
+    probabilities, and each row's expected acceptance alpha.
+
+    `probs` is `[N, Vd]`, or `[M, Vd]` with `rows [N]` selecting the row of each hidden state (gathered chunk by
+    chunk, so no `[N, Vd]` copy is made). `target_ids` and `mass` (the target's probability mass on the draft
+    vocabulary, for alpha; default 1) use the same indexing as `probs`; `target_ids` are the argmax ids of the
+    accuracy (default: computed from `probs`). `row_weights [N]` (default 1) weight each row's loss. Under
+    autocast the matmuls run in autocast's dtype and the rest in fp32; otherwise everything runs in fp32.
+    """
+    check_objective(objective)
+    device_type = hidden.device.type
+    mm_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else torch.float32
+    if row_weights is not None:
+        row_weights = row_weights.float()
+    return FusedLossOutput(*_FusedLMHeadLoss.apply(hidden, weight, probs, rows, target_ids, row_weights, mass, chunk,
+                                                    mm_dtype, objective, eta))
 
 
 def fused_soft_cross_entropy(
@@ -153,19 +203,14 @@ def fused_soft_cross_entropy(
     target_ids: torch.Tensor | None = None,
     row_weights: torch.Tensor | None = None,
 ) -> FusedSoftCEOutput:
-    """Weighted sum of the soft cross-entropies of `hidden [N,H] @ weight.T` against target probabilities.
+    """`fused_lm_head_loss` with EAGLE-3's soft cross-entropy (loss, per-row loss, per-row accuracy)."""
+    return FusedSoftCEOutput(*fused_lm_head_loss(hidden, weight, probs, chunk, rows, target_ids, row_weights)[:3])
 
-    `probs` is `[N, Vd]`, or `[M, Vd]` with `rows [N]` selecting the row of each hidden state (gathered chunk by
-    chunk, so no `[N, Vd]` copy is made). `target_ids` (same indexing as `probs`) are the argmax ids used for the
-    accuracy; default: computed from `probs`. `row_weights [N]` (default 1) weight each row's loss. Under autocast
-    the matmuls run in autocast's dtype and the rest in fp32; otherwise everything runs in fp32.
-    """
-    device_type = hidden.device.type
-    mm_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else torch.float32
-    if row_weights is not None:
-        row_weights = row_weights.float()
-    return FusedSoftCEOutput(*_FusedSoftCE.apply(hidden, weight, probs, rows, target_ids, row_weights, chunk,
-                                                  mm_dtype))
+
+def draft_vocab_mass(target_logits: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+    """`[...]` fp32 probability the full target distribution puts on the draft vocabulary (`draft_ids`), per row."""
+    logits = target_logits.float()
+    return torch.exp(torch.logsumexp(logits.index_select(-1, draft_ids), -1) - torch.logsumexp(logits, -1))
 
 
 def ttt_loss(
@@ -179,6 +224,9 @@ def ttt_loss(
     step_weights: list[float] | torch.Tensor | None = None,
     target_valid: torch.Tensor | None = None,
     chunk: int = 1024,
+    objective: str = "soft_ce",
+    lk_eta: float = DEFAULT_ETA,
+    target_mass: torch.Tensor | None = None,
 ) -> TTTLossOutput:
     """EAGLE-3 TTT loss for one batch (right-padded; pads have loss_mask 0).
 
@@ -191,7 +239,12 @@ def ttt_loss(
         loss_mask: `[B, T]` 1 where token j is supervised.
         steps: number of TTT steps K to unroll.
         step_weights: `w_k` per step (default 0.8**k): floats, or a `[>= steps]` tensor on the batch's device.
+        objective: the per-position loss, one of `objectives.OBJECTIVES` (default EAGLE-3's soft cross-entropy).
+        lk_eta: lk_hybrid's lambda = exp(-lk_eta * alpha).
+        target_mass: `[B, T]` the target's probability mass on the draft vocabulary, for the reported acceptance
+            (default: from full-vocab `target_logits`, else 1).
     """
+    check_objective(objective)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     weights = step_weights if step_weights is not None else default_step_weights(steps)
@@ -199,6 +252,9 @@ def ttt_loss(
         raise ValueError(f"{len(weights)} step weights for {steps} TTT steps")
     b, t = input_ids.shape
     device = aux_hidden.device
+    if target_mass is None and target_logits.shape[-1] == drafter.t2d.numel() != drafter.d2t.numel():
+        draft_ids = torch.nonzero_static(drafter.t2d, size=drafter.d2t.numel()).squeeze(-1)
+        target_mass = draft_vocab_mass(target_logits, draft_ids.to(target_logits.device))
     probs, valid = target_distribution(target_logits, drafter.t2d, target_valid, drafter.d2t.numel())
     flat_probs = probs.reshape(b * t, -1)
     flat_target_ids = flat_probs.argmax(-1)  # once for all steps: step k reads row t+1+k
@@ -210,7 +266,7 @@ def ttt_loss(
     n_k = masks.sum((1, 2))
     counts = n_k.tolist()  # the loss's one wait for the device: the counts size every gather below
     total = torch.zeros((), dtype=torch.float32, device=device)
-    # rows of every step go through ONE fused lm_head + soft-CE call after the rollout (one fp32 grad_w buffer)
+    # rows of every step go through ONE fused lm_head + loss call after the rollout (one fp32 grad_w buffer)
     h_rows, prob_rows, row_weights = [], [], []
     for k, hidden in enumerate(drafter.ttt_rollout(embeds, aux_hidden, steps)):
         n = counts[k]
@@ -224,19 +280,22 @@ def ttt_loss(
             total = total + drafter.logits(hidden[:, :1]).sum().float() * 0.0
     losses = torch.zeros(steps, dtype=torch.float32, device=device)
     accs = torch.zeros(steps, dtype=torch.float32, device=device)
+    alphas = torch.zeros(steps, dtype=torch.float32, device=device)
     if h_rows:
-        out = fused_soft_cross_entropy(torch.cat(h_rows), drafter.lm_head.weight, flat_probs, chunk,
-                                       rows=torch.cat(prob_rows), target_ids=flat_target_ids,
-                                       row_weights=torch.cat(row_weights))
+        out = fused_lm_head_loss(torch.cat(h_rows), drafter.lm_head.weight, flat_probs, chunk,
+                                 rows=torch.cat(prob_rows), target_ids=flat_target_ids,
+                                 row_weights=torch.cat(row_weights), objective=objective, eta=lk_eta,
+                                 mass=None if target_mass is None else target_mass.reshape(b * t))
         total = total + out.loss
         step_of_row = torch.repeat_interleave(torch.arange(steps, device=device), n_k, output_size=sum(counts))
         denom = n_k.clamp(min=1).float()
         losses = losses.index_add_(0, step_of_row, out.row_loss) / denom
         accs = accs.index_add_(0, step_of_row, out.row_correct.float()) / denom
+        alphas = alphas.index_add_(0, step_of_row, out.row_alpha) / denom
     if sum(counts) == 0:
         warnings.warn("batch has no supervised positions (loss_mask all 0 or every target outside the draft vocab): "
                       "its loss is 0", RuntimeWarning, stacklevel=2)
-    return TTTLossOutput(loss=total, step_losses=losses, step_acc=accs, num_supervised=n_k)
+    return TTTLossOutput(loss=total, step_losses=losses, step_acc=accs, num_supervised=n_k, step_alpha=alphas)
 
 
 def step_masks(loss_mask: torch.Tensor, valid: torch.Tensor, steps: int) -> torch.Tensor:

@@ -43,7 +43,8 @@ def acceptance_length_tensor(step_acc: torch.Tensor) -> torch.Tensor:
 
 
 class StepMetrics(nn.Module):
-    """Supervised-position-weighted means of each TTT step's loss and accuracy over an epoch (val) or window.
+    """Supervised-position-weighted means of each TTT step's loss, accuracy and expected acceptance (alpha) over an
+    epoch (val) or window.
 
     Weighting by the number of supervised positions makes the epoch value equal to the loss over all positions,
     whatever the batch composition. torchmetrics syncs the states across ranks at `compute()`.
@@ -54,17 +55,22 @@ class StepMetrics(nn.Module):
         self.steps = steps
         self.loss = nn.ModuleList(MeanMetric() for _ in range(steps))
         self.acc = nn.ModuleList(MeanMetric() for _ in range(steps))
+        self.alpha = nn.ModuleList(MeanMetric() for _ in range(steps))  # expected acceptance of a drafted token
 
-    def update(self, step_losses: torch.Tensor, step_acc: torch.Tensor, num_supervised: torch.Tensor) -> None:
+    def update(self, step_losses: torch.Tensor, step_acc: torch.Tensor, num_supervised: torch.Tensor,
+               step_alpha: torch.Tensor | None = None) -> None:
         """Add one batch; steps beyond the ones that ran (or with no supervised position) are left out."""
         for k in range(min(self.steps, step_losses.numel())):
             n = float(num_supervised[k])
             if n > 0:
                 self.loss[k].update(step_losses[k].detach().float(), weight=n)
                 self.acc[k].update(step_acc[k].detach().float(), weight=n)
+                if step_alpha is not None:
+                    self.alpha[k].update(step_alpha[k].detach().float(), weight=n)
 
     def compute(self, prefix: str) -> dict[str, torch.Tensor]:
-        """`{prefix}/loss_k`, `{prefix}/acc_k` for the steps that saw data, and `{prefix}/tau_est`."""
+        """`{prefix}/loss_k`, `{prefix}/acc_k` (and `{prefix}/alpha_k`) for the steps that saw data, and
+        `{prefix}/tau_est`."""
         out: dict[str, torch.Tensor] = {}
         accs = []
         for k in range(self.steps):
@@ -73,11 +79,13 @@ class StepMetrics(nn.Module):
             out[f"{prefix}/loss_{k}"] = self.loss[k].compute()
             acc = self.acc[k].compute()
             out[f"{prefix}/acc_{k}"] = acc
+            if self.alpha[k].update_called:
+                out[f"{prefix}/alpha_{k}"] = self.alpha[k].compute()
             accs.append(float(acc))
         if accs:
             out[f"{prefix}/tau_est"] = torch.tensor(acceptance_length_estimate(accs))
         return out
 
     def reset(self) -> None:
-        for metric in (*self.loss, *self.acc):
+        for metric in (*self.loss, *self.acc, *self.alpha):
             metric.reset()

@@ -22,8 +22,9 @@ from torch import nn
 from typing_extensions import override
 
 from eagle3_zoo.modeling import Eagle3Drafter
-from eagle3_zoo.training.loss import TTTLossOutput, default_step_weights, step_masks, ttt_loss
+from eagle3_zoo.training.loss import TTTLossOutput, default_step_weights, draft_vocab_mass, step_masks, ttt_loss
 from eagle3_zoo.training.metrics import StepMetrics, acceptance_length_tensor
+from eagle3_zoo.training.objectives import DEFAULT_ETA, check_objective
 
 logger = logging.getLogger(__name__)
 
@@ -55,23 +56,27 @@ class DrafterObjective(nn.Module):
     FSDP2-sharded drafter would expose shards.) Returns plain tensors so FSDP2 can hook backward on the loss.
     """
 
-    def __init__(self, drafter: Eagle3Drafter):
+    def __init__(self, drafter: Eagle3Drafter, loss: str = "soft_ce", lk_eta: float = DEFAULT_ETA):
         super().__init__()
+        check_objective(loss)
         self.drafter = drafter
+        self.loss_name, self.lk_eta = loss, lk_eta
 
     @override
     def forward(self, embed_tokens: nn.Module, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
                 target_logits: torch.Tensor, loss_mask: torch.Tensor, target_valid: torch.Tensor, steps: int,
-                step_weights: list[float] | torch.Tensor) -> tuple[torch.Tensor, ...]:
+                step_weights: list[float] | torch.Tensor,
+                target_mass: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         out = ttt_loss(self.drafter, embed_tokens, input_ids, aux_hidden, target_logits, loss_mask, steps=steps,
-                       step_weights=step_weights, target_valid=target_valid)
-        return out.loss, out.step_losses, out.step_acc, out.num_supervised
+                       step_weights=step_weights, target_valid=target_valid, objective=self.loss_name,
+                       lk_eta=self.lk_eta, target_mass=target_mass)
+        return out.loss, out.step_losses, out.step_acc, out.num_supervised, out.step_alpha
 
 
 @torch.no_grad()
 def draft_target_logits(lm_head: nn.Module, final_hidden: torch.Tensor, t2d: torch.Tensor, loss_mask: torch.Tensor,
-                        chunk_size: int = 1024,
-                        draft_vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        chunk_size: int = 1024, draft_vocab_size: int | None = None,
+                        with_mass: bool = False) -> tuple[torch.Tensor, ...]:
     """Target logits restricted to the draft vocabulary, and where the full-vocab argmax lies in it.
 
     Only positions j whose next token j+1 is supervised are ever a TTT target (see `ttt_loss`); the full-vocab
@@ -84,9 +89,11 @@ def draft_target_logits(lm_head: nn.Module, final_hidden: torch.Tensor, t2d: tor
         t2d: `[V]` bool draft-vocab membership.
         loss_mask: `[B, T]` supervision mask.
         draft_vocab_size: the number of ids `t2d` marks (default: counted, a second wait).
+        with_mass: also return the `[B, T]` fp32 probability the full target distribution puts on the draft
+            vocabulary (0 on unused rows), which bounds the acceptance of any draft (`objectives`).
 
     Returns:
-        `[B, T, Vd]` logits (0 on unused rows) and `[B, T]` bool valid mask (False on unused rows).
+        `[B, T, Vd]` logits (0 on unused rows) and `[B, T]` bool valid mask (False on unused rows) (and the mass).
     """
     b, t, _ = final_hidden.shape
     needed = torch.zeros(b, t, dtype=torch.bool, device=final_hidden.device)
@@ -97,12 +104,15 @@ def draft_target_logits(lm_head: nn.Module, final_hidden: torch.Tensor, t2d: tor
     draft_ids = torch.nonzero_static(t2d, size=draft_vocab).squeeze(-1)
     logits = final_hidden.new_zeros(b, t, draft_ids.numel())
     valid = torch.zeros(b, t, dtype=torch.bool, device=final_hidden.device)
+    mass = torch.zeros(b, t, dtype=torch.float32, device=final_hidden.device) if with_mass else None
     for i in range(0, rows_b.numel(), chunk_size):
         rb, rt = rows_b[i : i + chunk_size], rows_t[i : i + chunk_size]
         full = lm_head(final_hidden[rb, rt].to(lm_head.weight.dtype))  # stored features may be bf16
         valid[rb, rt] = t2d[full.argmax(-1)]
         logits[rb, rt] = full.index_select(-1, draft_ids).to(logits.dtype)
-    return logits, valid
+        if mass is not None:
+            mass[rb, rt] = draft_vocab_mass(full, draft_ids)
+    return (logits, valid) if mass is None else (logits, valid, mass)
 
 
 def supervised_positions(loss_mask: torch.Tensor, valid: torch.Tensor, steps: int) -> torch.Tensor:
@@ -149,13 +159,16 @@ class Eagle3Module(L.LightningModule):
         lr, betas, weight_decay: AdamW settings; norms and other 1-D parameters get no weight decay.
         warmup_steps, decay, min_lr_ratio: the LR schedule (stepped every optimizer step).
         logits_chunk_size: rows per chunk of the frozen lm_head product.
+        loss, lk_eta: the per-position objective (`objectives.OBJECTIVES`; default EAGLE-3's soft cross-entropy)
+            and lk_hybrid's eta.
     """
 
     def __init__(self, drafter: Eagle3Drafter, adapter: Any, target: nn.Module | None = None, *,
                  embed_tokens: nn.Module | None = None, lm_head: nn.Module | None = None, mode: str = "online",
                  ttt_steps: int = 7, step_weights: list[float] | None = None, lr: float = 1e-4,
                  betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0, warmup_steps: int = 0,
-                 decay: str = "cosine", min_lr_ratio: float = 0.0, logits_chunk_size: int = 1024):
+                 decay: str = "cosine", min_lr_ratio: float = 0.0, logits_chunk_size: int = 1024,
+                 loss: str = "soft_ce", lk_eta: float = DEFAULT_ETA):
         super().__init__()
         if mode not in ("online", "offline"):
             raise ValueError(f"unknown data mode {mode!r}; valid: online, offline")
@@ -163,7 +176,7 @@ class Eagle3Module(L.LightningModule):
             raise ValueError("online mode needs the target model")
         if target is None and (embed_tokens is None or lm_head is None):
             raise ValueError("without a target model, pass its embed_tokens and lm_head")
-        self.objective = DrafterObjective(drafter)
+        self.objective = DrafterObjective(drafter, loss, lk_eta)
         self.adapter, self.mode = adapter, mode
         # a tuple keeps the frozen modules out of the module tree (see the module docstring)
         self._frozen = FrozenTarget(target, adapter.embed_tokens(target) if embed_tokens is None else embed_tokens,
@@ -235,16 +248,19 @@ class Eagle3Module(L.LightningModule):
         computes), and the rank-mean of the returned loss is that global loss.
         """
         aux_hidden, final_hidden = self._features(batch)
-        logits, valid = draft_target_logits(self._frozen.lm_head, final_hidden, self.drafter.t2d, batch["loss_mask"],
-                                            self.logits_chunk_size, self.drafter.config.draft_vocab_size)
+        logits, valid, mass = draft_target_logits(self._frozen.lm_head, final_hidden, self.drafter.t2d,
+                                                  batch["loss_mask"], self.logits_chunk_size,
+                                                  self.drafter.config.draft_vocab_size, with_mass=True)
         weights = self.step_weights[:steps]
         if global_norm and self._trainer is not None and self.trainer.world_size > 1:
             local = supervised_positions(batch["loss_mask"], valid, steps)
             total = self.trainer.strategy.reduce(local.clone(), reduce_op="sum")
             weights = rank_step_weights(weights, local, total, self.trainer.world_size)
-        loss, step_losses, step_acc, counts = self.objective(self._frozen.embed_tokens, batch["input_ids"], aux_hidden,
-                                                             logits, batch["loss_mask"], valid, steps, weights)
-        return TTTLossOutput(loss=loss, step_losses=step_losses, step_acc=step_acc, num_supervised=counts)
+        loss, step_losses, step_acc, counts, step_alpha = self.objective(
+            self._frozen.embed_tokens, batch["input_ids"], aux_hidden, logits, batch["loss_mask"], valid, steps,
+            weights, mass)
+        return TTTLossOutput(loss=loss, step_losses=step_losses, step_acc=step_acc, num_supervised=counts,
+                             step_alpha=step_alpha)
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -254,6 +270,8 @@ class Eagle3Module(L.LightningModule):
         self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=b, sync_dist=True)
         metrics = {f"train/loss_{k}": v for k, v in enumerate(out.step_losses)}
         metrics.update({f"train/acc_{k}": v.float() for k, v in enumerate(out.step_acc) if k > 0})
+        # the expected acceptance of a drafted token at each step (what tau is made of), beside top-1 agreement
+        metrics.update({f"train/alpha_{k}": v for k, v in enumerate(out.step_alpha)})
         metrics["train/tau_est"] = acceptance_length_tensor(out.step_acc.detach())  # on the device: no wait
         metrics["train/supervised_tokens"] = out.num_supervised[0].float()
         self.log_dict(metrics, batch_size=b)
@@ -281,7 +299,7 @@ class Eagle3Module(L.LightningModule):
     @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         out = self.loss(batch, self.ttt_steps)  # always the full unroll, whatever the training schedule
-        self.val_metrics.update(out.step_losses, out.step_acc, out.num_supervised)
+        self.val_metrics.update(out.step_losses, out.step_acc, out.num_supervised, out.step_alpha)
 
     @override
     def on_validation_epoch_end(self) -> None:
