@@ -78,6 +78,15 @@ def data_barrier() -> None:
         dist.barrier(group=_coordination_group())
 
 
+def gather_lists(items: list[T]) -> list[T]:
+    """Every rank's `items`, concatenated in rank order (`items` itself without torch.distributed). Collective."""
+    if not distributed():
+        return list(items)
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, list(items), group=_coordination_group())
+    return [item for part in out for item in part]
+
+
 def split_for(directory: str | Path) -> RankSplit:
     """This rank's share among the ranks that see `directory` (see the module docstring); `RankSplit()` in a single
     process. Collective under torch.distributed: every rank calls it at the same point."""

@@ -1,0 +1,372 @@
+"""Training batches whose hidden states are streamed from the engine (`data.mode: online | hybrid`, backend vllm).
+
+Order first: the batches of a pass are the length-bucketed sampler's (`LengthBucketBatchSampler`: seeded, resumable
+mid-epoch, sharded by rank), fixed before any request is sent. When a pass begins, its loader hands the whole list
+to its `FeatureStream`, which requests the states of the batches ahead of the one being trained on: at most
+`data.prefetch_batches` batches ahead, and no more than `data.prefetch_disk_gib` of files waiting on disk (shared by
+the loaders of a rank; the batch being trained on is always requested). A batch is handed to the training step in
+plan order whichever server answered first; each file is read once and deleted. A resumed run plans the batches
+after the checkpoint, so it sees the same batches with the same states as an uninterrupted run.
+
+Hybrid: while a pass streams, every sample it reads is also written to the feature store (`FeatureWriter`, one part
+per rank: `part-<rank>` under the store directory, the layout of `eagle3-zoo prepare`), cast to the store dtype, and
+that cast copy is what the step trains on. When a later pass begins, the ranks request the few samples the first
+pass did not read (a resume's gap, the batches `drop_last` leaves out, validation samples not yet seen), close their
+parts and merge the manifest; from then on every pass reads the store (its shards checked against their sha256).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from eagle3_zoo.data.datamodule import Eagle3DataModule, ResumableDataLoader
+
+logger = logging.getLogger(__name__)
+
+
+class FeatureStream:
+    """The planned batches of one loader, their states requested ahead from an `EngineFeed`.
+
+    Args:
+        feed: this rank's `eagle3_zoo.data.engine_feed.EngineFeed`.
+        examples: token examples (`id`, `input_ids`, `loss_mask`), indexed by the sampler's indices.
+        layers: states per token in a file (the aux layers and the last one).
+        hidden_size: the target's hidden size.
+        itemsize: bytes per value in the engine's files (its dtype).
+        final_norm: the target's final norm (applied to the last state, which vLLM returns before it).
+        prefetch_batches: batches requested ahead of the one being trained on.
+        store: the `HybridStore` the states are also written to, or None (online: nothing is kept).
+    """
+
+    def __init__(self, feed: Any, examples: list[dict[str, Any]], *, layers: int, hidden_size: int, itemsize: int,
+                 final_norm: Any, prefetch_batches: int, store: HybridStore | None = None, name: str = "t") -> None:
+        self.feed, self.examples, self.layers, self.name = feed, examples, layers, name
+        self.row_bytes = layers * hidden_size * itemsize
+        self.final_norm, self.prefetch, self.store = final_norm, prefetch_batches, store
+        self._batches: list[list[int]] = []
+        self._pending: dict[int, list[Any]] = {}  # batch position -> futures of its samples
+        self._pos = self._next = 0
+
+    def sample_bytes(self, index: int) -> int:
+        """Disk bytes of one sample's file (its states; the file's header and ids are small)."""
+        return self._bytes(self.examples[index])
+
+    def _bytes(self, example: dict[str, Any]) -> int:
+        return int(example["input_ids"].numel()) * self.row_bytes
+
+    def _submit(self, example: dict[str, Any], name: str) -> Any:
+        return self.feed.submit(example["input_ids"].tolist(), f"{self.name}{name}")
+
+    def plan(self, batches: list[list[int]]) -> None:
+        """Begin a pass over `batches` (the previous pass's requests are dropped) and request the first ones."""
+        self.cancel()
+        self._batches, self._pos, self._next = [list(b) for b in batches], 0, 0
+        self._pump()
+
+    def _pump(self) -> None:
+        while self._next < len(self._batches) and self._next <= self._pos + self.prefetch:
+            batch = self._batches[self._next]
+            cost = sum(self.sample_bytes(i) for i in batch)
+            if not self.feed.reserve(cost, force=self._next == self._pos):
+                return  # over the disk budget: wait until a batch has been read
+            self._pending[self._next] = [self._submit(self.examples[i], str(i)) for i in batch]
+            self._next += 1
+
+    def take(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        """The samples of the next planned batch (which must be `indices`), with their states; blocks until the
+        engine has delivered them, reads each file once and deletes it.
+
+        Raises:
+            EngineFeedError: the engine did not deliver them (the rest of the pass is dropped).
+        """
+        if self._pos >= len(self._batches) or list(indices) != self._batches[self._pos]:
+            raise RuntimeError(f"the loader asked for batch {list(indices)}, the stream planned "
+                               f"{self._batches[self._pos] if self._pos < len(self._batches) else 'none'}")
+        self._pump()
+        start = time.monotonic()
+        futures = self._pending.pop(self._pos)
+        try:
+            samples = [self._read(self.examples[i], f.result()) for i, f in zip(indices, futures)]
+        except BaseException:
+            self._discard(futures)
+            self.cancel()
+            raise
+        finally:
+            self.feed.release(sum(self.sample_bytes(i) for i in indices))
+            self.feed.stats.wait_s += time.monotonic() - start
+        self._pos += 1
+        self._pump()
+        return samples
+
+    def _read(self, ex: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
+        from eagle3_zoo.targets.vllm_features import read_hidden_states, split_states
+
+        aux, final = split_states(read_hidden_states(path, ex["input_ids"].tolist(), self.layers), self.final_norm)
+        sample = {"input_ids": ex["input_ids"], "loss_mask": ex["loss_mask"], "aux_hidden": aux,
+                  "final_hidden": final}
+        return self.store.add(str(ex["id"]), sample) if self.store is not None else sample
+
+    def fetch(self, example: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """One example's sample now, outside any plan (`optim.precondition_fc`'s statistics, a hybrid store's
+        missing samples)."""
+        self.feed.reserve(self._bytes(example), force=True)
+        try:
+            return self._read(example, self._submit(example, "x").result())
+        finally:
+            self.feed.release(self._bytes(example))
+
+    def cancel(self) -> None:
+        """Drop the requests of the current pass: unsent ones are cancelled, the files of the others deleted."""
+        for pos, futures in self._pending.items():
+            self.feed.release(sum(self.sample_bytes(i) for i in self._batches[pos]))
+            self._discard(futures)
+        self._pending.clear()
+
+    @staticmethod
+    def _discard(futures: list[Any]) -> None:
+        def remove(future: Any) -> None:
+            if not future.cancelled() and future.exception() is None:
+                for p in (future.result(), Path(f"{future.result()}.lock")):
+                    with contextlib.suppress(FileNotFoundError):
+                        p.unlink()
+
+        for future in futures:
+            if not future.cancel():
+                future.add_done_callback(remove)
+
+
+class HybridStore:
+    """The feature store a hybrid run writes on its first pass and reads afterwards (see the module docstring).
+
+    Args:
+        directory: the store (`eagle3_zoo.data.extract.features_dir_for`); this rank writes `part-<rank>` in it.
+        examples: every example the store must hold (train and validation).
+        shard_size, dtype, meta: as the offline feature job's (`FeatureWriter`).
+    """
+
+    def __init__(self, directory: Path, examples: list[dict[str, Any]], *, shard_size: int, dtype: str,
+                 meta: dict[str, Any]) -> None:
+        from eagle3_zoo.data.ranks import distributed
+
+        self.directory, self.examples = Path(directory), {str(ex["id"]): ex for ex in examples}
+        self.samples = list(self.examples)
+        self.shard_size, self.dtype, self.meta = shard_size, dtype, meta
+        self.rank, self.world = 0, 1
+        if distributed():
+            import torch.distributed as dist
+
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.reader: Any = None
+        self._writer: Any = None
+
+    def complete(self) -> bool:
+        """Whether the store holds every sample in complete, size-checked shards (then `open` reads it)."""
+        from eagle3_zoo.data.extract import _is_complete
+
+        return _is_complete(self.directory, set(self.samples))
+
+    def add(self, sample_id: str, sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Store `sample` (once) and return it as stored: its floating tensors in the store dtype."""
+        from eagle3_zoo.data.extract import part_name
+        from eagle3_zoo.data.features import FeatureWriter
+        from eagle3_zoo.dtypes import torch_dtype
+
+        if self._writer is None:
+            self._writer = FeatureWriter(self.directory / part_name(self.rank), self.shard_size, self.dtype,
+                                         meta=self.meta)
+        cast = {k: v.to(torch_dtype(self.dtype)) if v.is_floating_point() else v for k, v in sample.items()}
+        if sample_id not in self._writer:
+            self._writer.add(sample_id, **cast)
+        return cast
+
+    def finish(self, fetch: Any) -> None:
+        """Complete the store: every rank fetches (`fetch(example)`, which stores it) its share of the samples no
+        part holds, closes its part, and the parts' manifests are merged; then `open`. Collective."""
+        from eagle3_zoo.data.extract import merge_parts
+        from eagle3_zoo.data.ranks import data_barrier
+
+        if self._writer is not None:
+            self._writer.suspend()
+            self._writer = None
+        data_barrier()
+        missing = sorted(set(self.samples) - self.stored())[self.rank :: self.world]
+        if missing:
+            logger.info("%s: fetching %d sample(s) the first pass did not read, to complete the store",
+                        self.directory, len(missing))
+        for sid in missing:
+            fetch(self.examples[sid])
+        self._close_part()
+        data_barrier()
+        merge_parts(self.directory, self.world)
+        self.open()
+
+    def stored(self) -> set[str]:
+        """The sample ids the parts' completed shards hold."""
+        import json
+
+        from eagle3_zoo.data.features import MANIFEST
+
+        ids: set[str] = set()
+        for manifest in self.directory.glob(f"part-*/{MANIFEST}"):
+            ids.update(sid for shard in json.loads(manifest.read_text())["shards"] for sid in shard["samples"])
+        return ids
+
+    def _close_part(self) -> None:
+        from eagle3_zoo.data.extract import part_name
+        from eagle3_zoo.data.features import FeatureWriter
+
+        writer = self._writer or FeatureWriter(self.directory / part_name(self.rank), self.shard_size, self.dtype,
+                                               meta=self.meta)
+        writer.close()
+        self._writer = None
+
+    def open(self) -> Any:
+        """The `FeatureReader` of the complete store (every shard's sha256 checked once)."""
+        from eagle3_zoo.data.features import FeatureReader
+
+        if self.reader is None:
+            self.reader = FeatureReader(self.directory, verify="hash")
+        return self.reader
+
+    def suspend(self) -> None:
+        """Write what this rank queued as a shard and leave the store incomplete (the run stops, or fails)."""
+        if self._writer is not None:
+            self._writer.suspend()
+            self._writer = None
+
+
+class StreamedFeatureDataset(Dataset):
+    """Token examples whose states come from a `FeatureStream` (or, once a hybrid store is complete, from it)."""
+
+    def __init__(self, examples: list[dict[str, Any]], stream: FeatureStream) -> None:
+        self.examples, self.stream = examples, stream
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(ex["input_ids"].shape[0]) for ex in self.examples]
+
+    def _reader(self) -> Any:
+        store = self.stream.store
+        return store.reader if store is not None else None
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        reader = self._reader()
+        if reader is not None:
+            return [reader[reader.index_of(str(self.examples[i]["id"]))] for i in indices]
+        return self.stream.take(indices)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        reader = self._reader()
+        if reader is not None:
+            return reader[reader.index_of(str(self.examples[index]["id"]))]
+        return self.stream.fetch(self.examples[index])
+
+    def begin_pass(self, batches: list[list[int]], epoch: int, training: bool) -> None:
+        """A loader's pass over `batches` begins: plan it. Hybrid: a complete store is read; a training pass after the
+        first completes the store first (collective: every rank's training loader begins its pass together)."""
+        store = self.stream.store
+        if store is not None and store.reader is None:
+            if store.complete():
+                store.open()
+            elif training and epoch > 0:
+                store.finish(self.stream.fetch)
+        if self._reader() is None:
+            self.stream.plan(batches)
+
+
+class StreamingLoader(ResumableDataLoader):
+    """A `ResumableDataLoader` that tells its dataset the batches of each pass before it fetches the first one."""
+
+    def __init__(self, *args: Any, training: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.training = training
+
+    def _begin_pass(self, batches: list[list[int]]) -> None:
+        self.dataset.begin_pass(batches, self.batch_sampler.epoch, self.training)
+
+
+class StreamingDataModule(Eagle3DataModule):
+    """`Eagle3DataModule` over `StreamedFeatureDataset`s: the engine feed starts in `setup` and stops in `teardown`
+    (or `on_exception`), when Lightning runs them on every rank."""
+
+    def __init__(self, train: StreamedFeatureDataset, val: StreamedFeatureDataset | None, feed: Any,
+                 **kwargs: Any) -> None:
+        super().__init__(train, val, **kwargs)
+        self.feed = feed
+
+    def _streams(self) -> list[FeatureStream]:
+        return [d.stream for d in (self.train_set, self.val_set) if d is not None]
+
+    def setup(self, stage: str) -> None:
+        self.feed.start()
+
+    def teardown(self, stage: str) -> None:
+        self._stop()
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        for stream in self._streams():
+            stream.cancel()
+            if stream.store is not None:
+                stream.store.suspend()
+        self.feed.close()
+
+    def _make_loader(self, dataset: Any, sampler: Any, shuffle: bool, **kwargs: Any) -> Any:
+        position = self._loop_position if shuffle and self.trainer is not None else None
+        return StreamingLoader(dataset, sampler, position=position, training=shuffle, **kwargs)
+
+
+def final_norm_on_cpu(norm: Any) -> Any:
+    """A CPU copy of the target's final norm module (the engine's files are read on the host)."""
+    return copy.deepcopy(norm).to("cpu")
+
+
+def streaming_datamodule(recipe: Any, data: Any, target: Any, adapter: Any, aux_ids: tuple[int, ...],
+                         **kwargs: Any) -> tuple[StreamingDataModule, dict[str, Any]]:
+    """The DataModule of a run whose states are streamed from the recipe's engine, and the run's feature summary.
+
+    Args:
+        recipe, data: the recipe and its prepared data (`eagle3_zoo.data.prepare.PreparedData`).
+        target, adapter: the target (heads only is enough: its config and final norm are read) and its adapter.
+        aux_ids: the aux layers the drafter reads.
+        **kwargs: `Eagle3DataModule`'s (batch_size, seed, num_workers, pad_id).
+    """
+    from eagle3_zoo.data.engine_feed import EngineFeed, run_tag
+    from eagle3_zoo.data.extract import features_dir_for, store_meta
+    from eagle3_zoo.dtypes import torch_dtype
+    from eagle3_zoo.targets.deployment import EngineDeployment
+
+    d, cfg = recipe.data, target.config
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    deployment = EngineDeployment(recipe, aux_ids, cfg.num_hidden_layers)
+    feed = EngineFeed(deployment, run_tag(recipe.output_dir, rank), int(d.prefetch_disk_gib * 2**30),
+                      concurrency=recipe.engine.concurrency)
+    store = None
+    info: dict[str, Any] = {"source": "engine", "hidden_states_dir": str(deployment.storage),
+                            "engine": recipe.engine.mode}
+    if d.mode == "hybrid":
+        target_id = recipe.target.name_or_path
+        directory = features_dir_for(recipe, data.fingerprint, target_id, aux_ids)
+        store = HybridStore(directory, data.train + data.val, shard_size=d.features_shard_size,
+                            dtype=d.features_dtype, meta=store_meta(target_id, aux_ids, data.fingerprint))
+        info.update(features_dir=str(directory), dtype=d.features_dtype)
+    kw = dict(layers=len(aux_ids) + 1, hidden_size=cfg.hidden_size,
+              itemsize=torch_dtype(recipe.engine.dtype or recipe.target.dtype).itemsize,
+              final_norm=final_norm_on_cpu(adapter.final_norm(target)), prefetch_batches=d.prefetch_batches,
+              store=store)
+    train = StreamedFeatureDataset(data.train, FeatureStream(feed, data.train, name="t", **kw))
+    val = StreamedFeatureDataset(data.val, FeatureStream(feed, data.val, name="v", **kw)) if data.val else None
+    return StreamingDataModule(train, val, feed, **kwargs), info
