@@ -204,3 +204,24 @@ class EngineFeed:
             f"{d.engine.max_restarts} times" if d.mode == "launch" else ""
         return (f"no engine server delivered the hidden states of a {tokens}-token sample: {last} (tried "
                 f"{', '.join(s.url for s in d.servers)}, each with {d.engine.retries} retries{restarts})")
+
+    def states_batch(self, sequences: Sequence[Any], final_norm: Any,
+                     layers: int) -> tuple[Any, Any]:
+        """Right-padded `(aux [B, T, (layers - 1) * H], final [B, T, H])` of token-id sequences, all requested at once
+        (the offline feature job's `features_fn`); each file is read once and deleted."""
+        import torch
+
+        from eagle3_zoo.targets.vllm_features import read_hidden_states, split_states
+
+        seqs = [[int(i) for i in (s.tolist() if hasattr(s, "tolist") else s)] for s in sequences]
+        self.start()
+        futures = [self.submit(ids, f"f{n}") for n, ids in enumerate(seqs)]
+        start = time.monotonic()
+        pairs = [split_states(read_hidden_states(f.result(), ids, layers), final_norm) for f, ids in zip(futures, seqs)]
+        self.stats.wait_s += time.monotonic() - start
+        width = max(len(s) for s in seqs)
+        aux = torch.zeros(len(seqs), width, pairs[0][0].shape[1], dtype=pairs[0][0].dtype)
+        final = torch.zeros(len(seqs), width, pairs[0][1].shape[1], dtype=pairs[0][1].dtype)
+        for i, (a, f) in enumerate(pairs):
+            aux[i, : a.shape[0]], final[i, : f.shape[0]] = a, f
+        return aux, final

@@ -175,13 +175,10 @@ class HybridStore:
 
     def add(self, sample_id: str, sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Store `sample` (once) and return it as stored: its floating tensors in the store dtype."""
-        from eagle3_zoo.data.extract import part_name
-        from eagle3_zoo.data.features import FeatureWriter
         from eagle3_zoo.dtypes import torch_dtype
 
         if self._writer is None:
-            self._writer = FeatureWriter(self.directory / part_name(self.rank), self.shard_size, self.dtype,
-                                         meta=self.meta)
+            self._writer = self._open_part()
         cast = {k: v.to(torch_dtype(self.dtype)) if v.is_floating_point() else v for k, v in sample.items()}
         if sample_id not in self._writer:
             self._writer.add(sample_id, **cast)
@@ -190,7 +187,7 @@ class HybridStore:
     def finish(self, fetch: Any) -> None:
         """Complete the store: every rank fetches (`fetch(example)`, which stores it) its share of the samples no
         part holds, closes its part, and the parts' manifests are merged; then `open`. Collective."""
-        from eagle3_zoo.data.extract import merge_parts
+        from eagle3_zoo.data.extract import HYBRID_MARKER, merge_parts
         from eagle3_zoo.data.ranks import data_barrier
 
         if self._writer is not None:
@@ -206,6 +203,9 @@ class HybridStore:
         self._close_part()
         data_barrier()
         merge_parts(self.directory, self.world)
+        data_barrier()
+        if self.rank == 0:
+            (self.directory / HYBRID_MARKER).unlink(missing_ok=True)  # complete: any job may read it now
         self.open()
 
     def stored(self) -> set[str]:
@@ -220,13 +220,22 @@ class HybridStore:
         return ids
 
     def _close_part(self) -> None:
-        from eagle3_zoo.data.extract import part_name
-        from eagle3_zoo.data.features import FeatureWriter
 
-        writer = self._writer or FeatureWriter(self.directory / part_name(self.rank), self.shard_size, self.dtype,
-                                               meta=self.meta)
-        writer.close()
+        (self._writer or self._open_part()).close()
         self._writer = None
+
+    def _open_part(self) -> Any:
+        from eagle3_zoo.data.extract import HYBRID_MARKER, part_name
+        from eagle3_zoo.data.features import MANIFEST, FeatureStoreError, FeatureWriter
+
+        marker = self.directory / HYBRID_MARKER
+        if not marker.exists() and any(self.directory.glob(f"part-*/{MANIFEST}")):
+            raise FeatureStoreError(f"{self.directory}: holds an unfinished store of the offline feature job "
+                                    "(eagle3-zoo prepare); finish it with prepare (or data.mode=offline), or point "
+                                    "data.features_dir elsewhere")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        return FeatureWriter(self.directory / part_name(self.rank), self.shard_size, self.dtype, meta=self.meta)
 
     def open(self) -> Any:
         """The `FeatureReader` of the complete store (every shard's sha256 checked once)."""
