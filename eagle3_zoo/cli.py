@@ -71,6 +71,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 1 if plan.fits is False else 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.targets.deployment import serve_recipe
+
+    shown = serve_recipe(load_recipe(args.recipe, args.overrides), args.host, args.port, dry_run=args.print_command)
+    print(shown)
+    return 0
+
+
 def _cmd_consolidate(args: argparse.Namespace) -> int:
     from eagle3_zoo.training.outputs import consolidate_checkpoint
 
@@ -140,6 +149,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "the package for zoo targets.")
     _add_recipe_arguments(p, "OmegaConf dotlist overrides, e.g. trainer.devices=4")
     p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("serve", help="start the recipe's engine (a vLLM hidden-states server) on this node",
+                       description="Start one vLLM server as the recipe's engine section describes it (parallelism, "
+                       "quantisation, context length, extra arguments), extracting the hidden states the recipe's "
+                       "drafter reads into engine.hidden_states_dir (a directory the trainers see too). The trainers "
+                       "attach to it: engine.mode=attach engine.urls=[http://THIS-HOST:PORT].", intermixed=True)
+    _add_recipe_arguments(p, "OmegaConf dotlist overrides (the same ones the trainer gets)")
+    p.add_argument("--host", default="0.0.0.0", help="interface to serve on (default: all)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--print-command", action="store_true", help="print the server command line and exit")
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("consolidate", help="write the drafter folder of a training checkpoint (e.g. FSDP sharded)",
                        description="Write the canonical drafter folder (config.json, model.safetensors, recipe.yaml, "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -298,6 +299,15 @@ def _parse_yaml(text: str, source: str) -> DictConfig:
         raise RecipeError([ConfigProblem("<yaml>", str(e).splitlines()[0], source=source)]) from None
 
 
+def _shown(override: str) -> str:
+    """An override as messages quote it: the value of a key-variable setting and any `user:password@` of a URL
+    hidden (a key pasted on the command line must not be printed back)."""
+    key, sep, value = override.partition("=")
+    if sep and key.strip().endswith("api_key_env"):
+        return f"{key}=***"
+    return re.sub(r"(://)[^/@\s]*@", r"\1***@", override)
+
+
 def load_recipe(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Recipe:
     """The typed `Recipe` (interpolations resolved) of a YAML file with OmegaConf dotlist `overrides` applied in
     order (e.g. `["trainer.max_steps=2000"]`), validated.
@@ -310,7 +320,7 @@ def load_recipe(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -
         raise RecipeError([ConfigProblem("<file>", "recipe file not found", source, source)])
     cfg = _parse_yaml(Path(path).read_text(encoding="utf-8"), source)
     for ov in overrides:
-        (key, sep, _), src = ov.partition("="), f"override '{ov}'"
+        (key, sep, _), src = ov.partition("="), f"override '{_shown(ov)}'"
         try:
             if not sep or not key.strip():
                 raise ValueError("an override must look like key=value")

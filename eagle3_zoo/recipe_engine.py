@@ -107,6 +107,13 @@ def target_in_training_step(recipe: Any) -> bool:
     return recipe.data.mode == "online" and not features_from_engine(recipe)
 
 
+def target_sharded_in_trainer(recipe: Any) -> bool:
+    """Whether FSDP shards the frozen target over the trainer's GPUs: when it runs in the training step, or (states
+    streamed from the engine) to measure tau during training (speculative decoding needs the target there too)."""
+    tau = bool(recipe.trainer.tau_eval.every_n_steps)
+    return recipe.trainer.strategy == "fsdp" and (target_in_training_step(recipe) or (streams_features(recipe) and tau))
+
+
 def engine_max_model_len(recipe: Any) -> int:
     """`engine.max_model_len`, or what a hidden-states request needs: the longest sample plus the token made."""
     return recipe.engine.max_model_len or recipe.data.max_length + 1
@@ -138,8 +145,8 @@ def engine_problems(recipe: Any) -> list[ConfigProblem]:
     rules = [
         ("engine.mode", e.mode == "attach" and not e.urls, "attach needs the servers' URLs in engine.urls, e.g. "
          "[http://10.0.0.5:8000] (or engine.mode: launch to start them here)", ()),
-        ("engine.mode", e.mode == "launch" and bool(e.urls), "launch starts its own servers, but engine.urls lists "
-         "some: set engine.mode: attach to use them (or empty engine.urls)", ()),
+        ("engine.urls", e.mode == "launch" and bool(e.urls), "launch starts its own servers, but engine.urls lists "
+         "some: set engine.mode: attach to use them (or empty engine.urls)", ("engine.mode",)),
         ("engine.replicas", e.mode == "attach" and e.replicas != 1, "replicas are started in launch mode only; in "
          "attach mode list one URL per server in engine.urls", ("engine.mode",)),
         ("engine.hidden_states_dir", uses and e.mode == "attach" and not e.hidden_states_dir, "attach mode with "

@@ -82,7 +82,8 @@ class FakeHiddenStatesServer:
     def _complete(self, payload: dict[str, Any]) -> dict[str, Any]:
         ids = [int(i) for i in payload["prompt"]]
         hidden = self.states(ids)
-        name = self.storage / f"cmpl-{payload.get('request_id') or uuid.uuid4().hex}-0-{uuid.uuid4().hex[:8]}.safetensors"
+        request = payload.get("request_id") or uuid.uuid4().hex
+        name = self.storage / f"cmpl-{request}-0-{uuid.uuid4().hex[:8]}.safetensors"
         Path(f"{name}.lock").touch()
         save_file({"hidden_states": hidden.contiguous(), "token_ids": torch.tensor(ids)}, str(name))
         with self._lock:

@@ -359,6 +359,10 @@ def streaming_datamodule(recipe: Any, data: Any, target: Any, adapter: Any, aux_
     from eagle3_zoo.targets.deployment import EngineDeployment
 
     d, cfg = recipe.data, target.config
+    if kwargs.get("num_workers"):  # the stream's futures and threads live in this process
+        logger.info("data.num_workers = %d ignored: states streamed from the engine are fetched ahead by threads of "
+                    "the training process", kwargs["num_workers"])
+        kwargs["num_workers"] = 0
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     deployment = EngineDeployment(recipe, aux_ids, cfg.num_hidden_layers)
     feed = EngineFeed(deployment, run_tag(recipe.output_dir, rank), int(d.prefetch_disk_gib * 2**30),

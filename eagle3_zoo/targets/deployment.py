@@ -220,10 +220,11 @@ class EngineDeployment:
                f"hidden states in {self.storage}"
 
 
-def serve_command(recipe: Any, aux_layer_ids: tuple[int, ...], num_layers: int, host: str,
-                  port: int) -> tuple[list[str], dict[str, str]]:
+def serve_command(recipe: Any, aux_layer_ids: tuple[int, ...], num_layers: int, host: str, port: int,
+                  python: str | None = None) -> tuple[list[str], dict[str, str]]:
     """The command line and extra environment of one hidden-states server as the recipe's engine section describes it
-    (`eagle3-zoo serve`): its connector writes to `engine.hidden_states_dir`, which the trainers must see too."""
+    (`eagle3-zoo serve`): its connector writes to `engine.hidden_states_dir`, which the trainers must see too.
+    `python`: the engine's interpreter (default `engine.python`, else found as `targets.engine.vllm_python` does)."""
     from eagle3_zoo.recipe_engine import engine_max_model_len
 
     e, cuda = recipe.engine, cuda_engine()
@@ -235,12 +236,53 @@ def serve_command(recipe: Any, aux_layer_ids: tuple[int, ...], num_layers: int, 
     proc = VLLMServer(recipe.target.name_or_path, speculative_config=spec, kv_transfer_config=kv,
                       dtype=e.dtype or recipe.target.dtype,
                       enforce_eager=(not cuda) if e.enforce_eager is None else e.enforce_eager,
-                      max_model_len=engine_max_model_len(recipe), extra_args=server_args(e, cuda), python=e.python)
+                      max_model_len=engine_max_model_len(recipe), extra_args=server_args(e, cuda),
+                      python=python or e.python)
     cmd = proc.command(port)
     cmd[cmd.index("--host") + 1] = host
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")])),
-           "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")]))}
     if not cuda:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(e.cpu_kv_cache_gib)
     return cmd, env
+
+
+def serve_recipe(recipe: Any, host: str = "0.0.0.0", port: int = 8000, dry_run: bool = False) -> str:
+    """`eagle3-zoo serve`: the recipe's hidden-states server, in the foreground (this process becomes vLLM); with
+    `dry_run`, only the command line (for a launcher of your own, e.g. an `srun` line). Returns the command shown.
+
+    Raises:
+        ValueError: no `engine.hidden_states_dir`; TargetNotFoundError / UnknownAdapterError: as loading the target.
+    """
+    import shlex
+    import sys
+
+    from eagle3_zoo.adapters import adapter_for
+    from eagle3_zoo.adapters.shipped import shipped_target_config
+
+    config = shipped_target_config(recipe.target.name_or_path)  # zoo targets: no download to name the layers
+    if config is None:
+        from transformers import AutoConfig
+
+        from eagle3_zoo.adapters.loading import resolve_target
+
+        path, local_only = resolve_target(recipe.target.name_or_path)
+        config = AutoConfig.from_pretrained(path, local_files_only=local_only,
+                                            trust_remote_code=recipe.target.trust_remote_code)
+    n = config.num_hidden_layers
+    aux = tuple(recipe.drafter.aux_layer_ids or adapter_for(config).aux_layer_ids(n))
+    python = recipe.engine.python
+    if dry_run and python is None:  # the command may be for another machine: name the engine venv's python if here
+        from eagle3_zoo.targets.engine import vllm_python
+
+        try:
+            python = str(vllm_python())
+        except FileNotFoundError:
+            python = "python"
+    cmd, env = serve_command(recipe, aux, n, host, port, python)
+    shown = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), *map(shlex.quote, cmd)])
+    if dry_run:
+        return shown
+    print(shown, file=sys.stderr, flush=True)
+    Path(recipe.engine.hidden_states_dir).mkdir(parents=True, exist_ok=True)
+    os.execvpe(cmd[0], cmd, {**os.environ, **env})  # noqa: S606  (the engine's python, from the recipe)
 

@@ -117,7 +117,7 @@ def build_run(recipe: Any, source: str = "recipe", device: Any = None) -> Traini
     from eagle3_zoo.data.datamodule import Eagle3DataModule
     from eagle3_zoo.data.prepare import prepare_data
     from eagle3_zoo.data.ranks import data_barrier
-    from eagle3_zoo.recipe_engine import streams_features, target_in_training_step
+    from eagle3_zoo.recipe_engine import streams_features, target_in_training_step, target_sharded_in_trainer
     from eagle3_zoo.training.module import Eagle3Module
     from eagle3_zoo.training.strategies import enable_activation_checkpointing, target_skeleton_reason
 
@@ -163,7 +163,7 @@ def build_run(recipe: Any, source: str = "recipe", device: Any = None) -> Traini
         lm_head=adapter.lm_head(target), mode="online" if in_step else "offline", ttt_steps=t.steps,
         step_weights=t.step_weights or [t.step_weight_decay**k for k in range(t.steps)], lr=o.lr,
         betas=tuple(o.betas), weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, decay=o.decay,
-        min_lr_ratio=o.min_lr_ratio)
+        min_lr_ratio=o.min_lr_ratio, shard_target=target_sharded_in_trainer(recipe))
     data_barrier()
     return TrainingRun(recipe, target, tokenizer, adapter, data, module, datamodule, features)
 

@@ -149,13 +149,16 @@ class Eagle3Module(L.LightningModule):
         lr, betas, weight_decay: AdamW settings; norms and other 1-D parameters get no weight decay.
         warmup_steps, decay, min_lr_ratio: the LR schedule (stepped every optimizer step).
         logits_chunk_size: rows per chunk of the frozen lm_head product.
+        shard_target: FSDP shards the target too (default: in online mode; features streamed from an engine: for
+            tau evaluation).
     """
 
     def __init__(self, drafter: Eagle3Drafter, adapter: Any, target: nn.Module | None = None, *,
                  embed_tokens: nn.Module | None = None, lm_head: nn.Module | None = None, mode: str = "online",
                  ttt_steps: int = 7, step_weights: list[float] | None = None, lr: float = 1e-4,
                  betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0, warmup_steps: int = 0,
-                 decay: str = "cosine", min_lr_ratio: float = 0.0, logits_chunk_size: int = 1024):
+                 decay: str = "cosine", min_lr_ratio: float = 0.0, logits_chunk_size: int = 1024,
+                 shard_target: bool | None = None):
         super().__init__()
         if mode not in ("online", "offline"):
             raise ValueError(f"unknown data mode {mode!r}; valid: online, offline")
@@ -176,6 +179,7 @@ class Eagle3Module(L.LightningModule):
         self.logits_chunk_size = logits_chunk_size
         self.val_metrics = StepMetrics(ttt_steps)
         self._sharded = False
+        self.shard_target = mode == "online" if shard_target is None else shard_target
 
     @property
     def drafter(self) -> Eagle3Drafter:
@@ -192,7 +196,7 @@ class Eagle3Module(L.LightningModule):
             return
         from eagle3_zoo.training.strategies import fsdp_mesh, shard_fsdp2
 
-        read = shard_fsdp2(self.target if self.mode == "online" else None, self.adapter, self.objective,
+        read = shard_fsdp2(self.target if self.shard_target else None, self.adapter, self.objective,
                            fsdp_mesh(self.device_mesh, self.trainer.num_nodes), precision=str(self.trainer.precision),
                            device=self.trainer.strategy.root_device)
         if read:

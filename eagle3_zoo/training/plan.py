@@ -338,12 +338,12 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
                       tr.gpu_memory_gb)
     quant = (getattr(target_config, "quantization_config", None) or {}).get("quant_method")
     dequant = f"; its {quant} checkpoint dequantised to {t.dtype}" if quant else ""
-    from eagle3_zoo.recipe_engine import features_from_engine, target_in_training_step
+    from eagle3_zoo.recipe_engine import features_from_engine, target_in_training_step, target_sharded_in_trainer
 
     tau = bool(tr.tau_eval.every_n_steps)
     in_step = target_in_training_step(recipe)
     keep_target = in_step or tau
-    shard_target = fsdp and in_step  # features from a store or the engine: FSDP shards the drafter only
+    shard_target = target_sharded_in_trainer(recipe)  # offline: FSDP shards the drafter only
     train = "training step"
     source_of_features = "the engine (streamed)" if features_from_engine(recipe) and recipe.data.mode != "offline" \
         else "the store"

@@ -101,10 +101,11 @@ def target_skeleton_reason(recipe: Any) -> str | None:
     Only FSDP in online mode shards the target; the data stage must not run the target before it is sharded
     (in-process regeneration, `optim.precondition_fc`'s feature statistics), and a LoRA is merged into full weights.
     """
-    from eagle3_zoo.recipe_engine import target_in_training_step
+    from eagle3_zoo.recipe_engine import target_sharded_in_trainer
 
-    if recipe.trainer.strategy != "fsdp" or not target_in_training_step(recipe):
-        return "only FSDP with the target in the training step (online, in process) shards the target"
+    if not target_sharded_in_trainer(recipe):
+        return "only FSDP with the target in the training step (or, features from the engine, for tau evaluation) " \
+               "shards the target"
     if recipe.target.lora_path:
         return "target.lora_path is merged into the full weights"
     if recipe.data.regenerate.enabled and recipe.data.regenerate.backend == "hf":
