@@ -61,6 +61,7 @@ class FakeHiddenStatesServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> FakeHiddenStatesServer:
+        self.dead = False
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler())
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
@@ -68,6 +69,8 @@ class FakeHiddenStatesServer:
         return self
 
     def stop(self) -> None:
+        """Die: requests in flight get no answer (the connection drops), new ones are refused."""
+        self.dead = True
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -126,6 +129,9 @@ class FakeHiddenStatesServer:
                     self._send(fault, {"error": {"message": "injected fault"}})
                     return
                 time.sleep(fake.delay)
+                if fake.dead:  # killed while this request was in flight
+                    self.close_connection = True
+                    return
                 self._send(200, fake._complete(payload))
 
         return Handler

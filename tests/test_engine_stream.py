@@ -10,6 +10,7 @@ import copy
 import json
 import logging
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,7 @@ def test_prefetch_keeps_to_its_batches_and_its_disk_budget(tiny, tmp_path, caplo
         stream.plan([[i] for i in range(10)])
         for i in range(10):
             stream.take([i])
+            time.sleep(0.05)
         assert max(server.files_seen) <= 3 and feed.peak_reserved == 3 * one  # the budget, not the 4-batch window
         assert len(server.request_ids) == 10  # each sample requested once
 
@@ -113,7 +115,8 @@ def test_prefetch_keeps_to_its_batches_and_its_disk_budget(tiny, tmp_path, caplo
         stream.plan([[i] for i in range(10)])
         for i in range(10):
             stream.take([i])
-        assert max(server.files_seen) <= 3  # the batch being read + 2 ahead
+            time.sleep(0.05)  # a slow training step: whatever is requested ahead piles up on disk
+        assert max(server.files_seen) <= 3 and len(server.files_seen) == 10  # the batch being read + 2 ahead
 
         tight = _feed(tiny, tmp_path / "hs", [server.url], budget=one // 2)  # less than one batch
         stream = _stream(tiny, tight, examples, prefetch=4)
@@ -190,6 +193,7 @@ def test_two_servers_share_the_requests_and_one_that_dies_hands_over(tiny, tmp_p
         single, _ = run([a.url])
         both, stats = run([a.url, b.url])
         assert set(stats.per_server) == {a.url, b.url} and sum(stats.per_server.values()) == 12
+        a.delay = 0.05  # requests are in flight at a when it dies
         start, killer = len(a.request_ids), threading.Thread(target=a.stop)
         a.on_request = lambda n: n == start + 3 and killer.start()  # a dies after 3 more answers, more in flight
         handed, stats = run([a.url, b.url])

@@ -169,22 +169,23 @@ class EngineFeed:
     def _request(self, ids: list[int], request_id: str) -> Path:
         from eagle3_zoo.targets.vllm_features import request_hidden_states
 
-        servers, tried, last, rounds = self.deployment.servers, set(), "", 0
+        servers, tried, last, rounds = self.deployment.servers, {}, "", 0  # tried: index -> restarts when it failed
         while True:
-            i = self._pick(tried)
+            i = self._pick(set(tried))
             if i is None:  # every server failed this request: bring back those that died, else give up
-                revived = [j for j in sorted(tried) if self.deployment.restart(servers[j])]
+                revived = [j for j, seen in sorted(tried.items()) if self.deployment.restart(servers[j], seen)]
                 rounds += 1
                 if not revived or rounds > self.deployment.engine.max_restarts + 1:
                     raise EngineFeedError(self._failure(len(ids), last))
-                tried -= set(revived)
+                for j in revived:
+                    del tried[j]
                 continue
             server = servers[i]
             try:
                 path = request_hidden_states(server.client, server.model, ids, request_id)
             except ServerError as e:
                 last = str(e)
-                tried.add(i)
+                tried[i] = server.restarts
                 logger.warning("engine server %s failed a request (%s); %s", server.url, last,
                                "trying another" if len(tried) < len(servers) else "checking the servers")
                 continue

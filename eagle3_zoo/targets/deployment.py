@@ -166,13 +166,16 @@ class EngineDeployment:
             server.model = server.client.models()[0]
 
     # ----------------------------------------------------------------------------------------- health
-    def restart(self, server: EngineServer) -> bool:
+    def restart(self, server: EngineServer, seen: int) -> bool:
         """Bring back a server that went down: one launched here whose process died is started again on its port (at
-        most `engine.max_restarts` times); one another rank launched is awaited until it answers again. False when
-        neither applies (attached, alive but failing requests, or restarts spent)."""
+        most `engine.max_restarts` times); one another rank launched is awaited until it answers again. True also
+        when it was restarted since the failure (`seen`: its restart count then). False when none of this applies
+        (attached, alive but failing requests, or restarts spent)."""
         with self._lock:
+            if server.restarts > seen:
+                return True  # another request's failure restarted it meanwhile
             if server.process is None:  # attached, or launched by this node's first rank
-                return self.mode == "launch" and not server.client.healthy() and self._await(server)
+                return self.mode == "launch" and self._await(server)
             proc = server.process
             if proc.proc is not None and proc.proc.poll() is None:
                 return False  # alive: its failures are not a crash
@@ -240,7 +243,9 @@ def serve_command(recipe: Any, aux_layer_ids: tuple[int, ...], num_layers: int, 
                       python=python or e.python)
     cmd = proc.command(port)
     cmd[cmd.index("--host") + 1] = host
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")]))}
+    devices = [int(d) for d in e.devices.split(",")] if e.devices else None  # one server: all of them
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")])),
+           **device_env(devices, e.tensor_parallel_size * e.data_parallel_size, cuda)}
     if not cuda:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(e.cpu_kv_cache_gib)
     return cmd, env
