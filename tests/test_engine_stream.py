@@ -246,3 +246,31 @@ def test_hybrid_writes_the_store_on_the_first_pass_and_reads_it_after(fits):
     assert "fetching 1 sample(s) the first pass did not read" in log
     for k in online:  # fp32 store: the later epoch reads exactly what the first one streamed
         torch.testing.assert_close(hybrid[k], online[k], rtol=0, atol=1e-5)
+
+
+def test_a_server_that_dies_stops_the_fit_with_what_it_kept_and_the_rerun_resumes(tiny, fits):
+    tmp, out = fits
+    _, target, model, _ = tiny
+    data = tmp / "fit.jsonl"
+    with FakeHiddenStatesServer(tiny_states(model, AUX), tmp / "kill-hs") as server:
+        recipe = write_recipe(tmp / "kill.yaml", tiny_recipe(tmp, target, data, engine={
+            "mode": "attach", "urls": [server.url], "hidden_states_dir": str(tmp / "kill-hs"), "retries": 1}))
+        common = ["trainer.max_steps=null", "trainer.max_epochs=2", "trainer.val_check_interval=null",
+                  "data.features_backend=vllm", f"output_dir={tmp / 'killed'}"]
+        killer = threading.Thread(target=server.stop)
+        server.on_request = lambda n: n == 30 and killer.start()  # in epoch 1, after the checkpoint of step 10
+        r = run_fit_cli(recipe, *common)
+        killer.join()
+        assert r.returncode == 1, r.stderr[-3000:]
+        error = r.stderr.strip().splitlines()[-1]
+        assert error.startswith("error: EngineFeedError: no engine server delivered the hidden states") and \
+            f"tried {server.url}, each with 1 retries" in error, error
+        assert "; training stopped at step 1" in error and "; the last checkpoint (step 1" in error and \
+            "run the same command again to resume" in error, error
+        server.start()  # back on the same port
+        r = run_fit_cli(recipe, *common)
+        assert r.returncode == 0 and "resuming from" in r.stderr, r.stderr[-3000:]
+    killed = load_file(tmp / "killed" / "drafter" / "model.safetensors")
+    for k, v in out["engine"][0].items():  # the same batches and states as the uninterrupted run
+        torch.testing.assert_close(killed[k], v, rtol=0, atol=1e-6)
+    assert not list((tmp / "kill-hs").iterdir())

@@ -297,6 +297,18 @@ class Eagle3Module(L.LightningModule):
         self.val_metrics.reset()
 
     # ------------------------------------------------------------------------------------------ optim
+    def _total_steps(self) -> float:
+        """The run's optimizer steps, as `trainer.estimated_stepping_batches` counts them, but for an epoch-based run
+        counted on the datamodule's own training loader: Lightning's estimate loads the fit loop's loader now, before
+        a checkpoint is restored, and a loader loaded then never receives its saved position (Lightning applies
+        loader states only to a loader it loads while restarting): a resumed run would start its epoch over."""
+        t = self.trainer
+        if t.max_epochs in (None, -1) or t.datamodule is None or t.limit_train_batches != 1.0:
+            return t.estimated_stepping_batches
+        batches = len(t.datamodule.train_dataloader())
+        steps = math.ceil(batches / t.accumulate_grad_batches) * max(t.max_epochs, 1)
+        return min(steps, t.max_steps) if t.max_steps != -1 else steps
+
     @override
     def configure_optimizers(self) -> dict[str, Any]:
         decay, no_decay = [], []
@@ -306,7 +318,7 @@ class Eagle3Module(L.LightningModule):
         groups = [{"params": decay, "weight_decay": self.optim_args["weight_decay"]},
                   {"params": no_decay, "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(groups, lr=self.optim_args["lr"], betas=self.optim_args["betas"])
-        total = self.trainer.estimated_stepping_batches
+        total = self._total_steps()
         total = int(total) if math.isfinite(total) else self.schedule_args["warmup_steps"]
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_lambda(step, total_steps=total, **self.schedule_args))
