@@ -7,7 +7,7 @@ whole process group (vLLM forks an engine-core process; killing only the API ser
 
 Defaults fit a CPU machine (ENGINE.md): ``--enforce-eager`` (1-2 s of engine start instead of minutes of graph
 compilation, same greedy output), ``--dtype float32``, ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache and
-``HF_HUB_OFFLINE=1`` (the target is a local folder).
+``HF_HUB_OFFLINE=1`` for a local model folder (a Hub id is left to vLLM to download).
 """
 
 from __future__ import annotations
@@ -135,7 +135,11 @@ class VLLMServer:
             os.close(fd)
             self.log_path = Path(name)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "HF_HUB_OFFLINE": "1",
+        from eagle3_zoo.locations import is_hub_id
+
+        # a local folder needs no Hub; a Hub id (a large target launched on a GPU node) is downloaded by vLLM itself
+        hub = {} if is_hub_id(str(self.model)) else {"HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), **hub,
                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"), **self.env}
         cmd = self.command(port)
         logger.info("starting vLLM on %s (log %s): %s", self.base_url, self.log_path, " ".join(cmd))
