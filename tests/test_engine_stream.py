@@ -274,3 +274,26 @@ def test_a_server_that_dies_stops_the_fit_with_what_it_kept_and_the_rerun_resume
     for k, v in out["engine"][0].items():  # the same batches and states as the uninterrupted run
         torch.testing.assert_close(killed[k], v, rtol=0, atol=1e-6)
     assert not list((tmp / "kill-hs").iterdir())
+
+
+def test_two_ranks_stream_their_shares_and_complete_one_hybrid_store(tiny, fits):
+    """DDP over two CPU processes (batch 1 each = the single process's batch 2): each rank streams its share and
+    writes its own part; when epoch 1 begins they complete and merge the store together."""
+    tmp, out = fits
+    _, target, model, _ = tiny
+    with FakeHiddenStatesServer(tiny_states(model, AUX), tmp / "ddp-hs") as server:
+        recipe = write_recipe(tmp / "ddp.yaml", tiny_recipe(tmp, target, tmp / "fit.jsonl", engine={
+            "mode": "attach", "urls": [server.url], "hidden_states_dir": str(tmp / "ddp-hs")}))
+        r = run_fit_cli(recipe, "trainer.max_steps=null", "trainer.max_epochs=2", "trainer.val_check_interval=null",
+                        "data.features_backend=vllm", "data.mode=hybrid", "trainer.strategy=ddp", "trainer.devices=2",
+                        "trainer.batch_size=1", f"output_dir={tmp / 'ddp'}", f"data.features_dir={tmp / 'ddp-store'}",
+                        timeout=600)
+        assert r.returncode == 0, r.stderr[-4000:]
+    manifest = json.loads((tmp / "ddp-store" / "manifest.json").read_text())
+    single = json.loads((tmp / "store" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["parts"] == 2
+    assert {sid for s in manifest["shards"] for sid in s["samples"]} == \
+        {sid for s in single["shards"] for sid in s["samples"]}  # all 24 samples, in two parts
+    got = load_file(tmp / "ddp" / "drafter" / "model.safetensors")
+    for k, v in out["hybrid"][0].items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=2e-5)  # tests/test_distributed.py's bound
