@@ -276,6 +276,7 @@ def test_a_server_that_dies_stops_the_fit_with_what_it_kept_and_the_rerun_resume
     assert not list((tmp / "kill-hs").iterdir())
 
 
+@pytest.mark.slow  # two processes: the slow tier, with the other DDP runs (tests/test_distributed.py)
 def test_two_ranks_stream_their_shares_and_complete_one_hybrid_store(tiny, fits):
     """DDP over two CPU processes (batch 1 each = the single process's batch 2): each rank streams its share and
     writes its own part; when epoch 1 begins they complete and merge the store together."""
