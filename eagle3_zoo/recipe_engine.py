@@ -52,12 +52,12 @@ def _urls_problems(urls: list[str]) -> list[ConfigProblem]:
     return out
 
 
-def _device_list(devices: str | None) -> list[int] | None:
-    return None if devices is None else [int(p) for p in devices.split(",") if p.strip().isdigit()]
+def _device_list(devices: int | str | None) -> list[int] | None:
+    return None if devices is None else [int(p) for p in str(devices).split(",") if p.strip().isdigit()]
 
 
-def _devices_problem(devices: str) -> str | None:
-    parts = [p.strip() for p in devices.split(",")]
+def _devices_problem(devices: int | str) -> str | None:
+    parts = [p.strip() for p in str(devices).split(",")]
     if not all(p.isdigit() for p in parts) or len(set(parts)) < len(parts):
         return 'expected distinct device indices, e.g. "4,5,6,7" (GPUs; on a CPU machine: core ids)'
     return None
@@ -77,7 +77,7 @@ class EngineConfig:
     data_parallel_size: int = ruled(1, GT0)  # per server, vLLM's own (--data-parallel-size; one URL)
     expert_parallel: bool = False  # MoE experts sharded over the server's TP x DP GPUs (--enable-expert-parallel)
     # GPUs (on a CPU machine: core ids) the launched servers use, split evenly over the replicas; null = all
-    devices: str | None = ruled(None, _devices_problem)
+    devices: int | str | None = ruled(None, _devices_problem)  # one index (4) or a list ("4,5,6,7")
     dtype: Literal[DTYPE_NAMES] | None = None  # activations / unquantised weights; null = target.dtype
     quantization: str | None = None  # vLLM --quantization; null = as the checkpoint declares (e.g. DeepSeek FP8)
     max_model_len: int | None = ruled(None, GT0)  # null = data.max_length + 1 (the prompt and the one token made)

@@ -243,7 +243,7 @@ def serve_command(recipe: Any, aux_layer_ids: tuple[int, ...], num_layers: int, 
                       python=python or e.python)
     cmd = proc.command(port)
     cmd[cmd.index("--host") + 1] = host
-    devices = [int(d) for d in e.devices.split(",")] if e.devices else None  # one server: all of them
+    devices = [int(d) for d in str(e.devices).split(",")] if e.devices is not None else None  # one server: all
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")])),
            **device_env(devices, e.tensor_parallel_size * e.data_parallel_size, cuda)}
     if not cuda:
