@@ -33,7 +33,8 @@ def loadavg() -> str:
 def overrides(args: argparse.Namespace, out: Path, engine: bool) -> list[str]:
     base = ["data.regenerate.enabled=false", f"data.max_samples={args.samples}", f"data.max_length={args.max_length}",
             "data.val_fraction=0", "data.mode=online", "drafter.draft_vocab_size=4096", "ttt.steps=3",
-            "ttt.schedule=constant", f"trainer.batch_size={args.batch}", f"trainer.max_steps={args.steps}",
+            "ttt.schedule=constant", "optim.warmup_steps=0", f"trainer.batch_size={args.batch}",
+            f"trainer.max_steps={args.steps}",
             "trainer.max_epochs=null", "trainer.checkpoint_every_n_steps=null", "trainer.logger=[]",
             f"data.cache_dir={out / 'cache'}", f"output_dir={out / ('engine' if engine else 'in_process')}"]
     if engine:
