@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from eagle3_zoo import locations, schema
 from eagle3_zoo.dtypes import DTYPE_NAMES
 from eagle3_zoo.locations import EMBEDDED_SHAREGPT, EMBEDDED_TARGET, hub_or_local_problem, path_problem
+from eagle3_zoo.recipe_engine import EngineConfig, engine_problems
 from eagle3_zoo.schema import GE0, GT0, UNIT, ConfigProblem, rule, ruled
 
 
@@ -132,13 +133,20 @@ class DataConfig:
     # runs from (a relative path would be a new, empty cache in each one)
     cache_dir: str = ruled(check=lambda v: path_problem(v, True, "a directory (token counts, regenerated data and "
                                                         "features)"), factory=lambda: str(locations.cache_root()))
-    mode: Literal["online", "offline"] = "online"  # online = target in the training step; offline = feature shards
+    # online = features computed as training goes (in the training step, or streamed from the engine); offline =
+    # feature shards written once before training; hybrid = streamed from the engine on the first pass, which writes
+    # the feature shards that later epochs read
+    mode: Literal["online", "offline", "hybrid"] = "online"
     features_dir: str | None = ruled(None, lambda v: path_problem(v, True, "a directory of feature shards (or null = "
                                                                 "in data.cache_dir)"))
     features_dtype: Literal[DTYPE_NAMES] = "bfloat16"
     features_shard_size: int = ruled(256, GT0)  # samples per feature shard (a crash loses at most one shard)
-    # hf = the target in this process; vllm = a vLLM server started for the target (its extract_hidden_states)
+    # hf = the target in this process; vllm = the recipe's engine (`engine:`; vLLM's extract_hidden_states)
     features_backend: Literal["hf", "vllm"] = "hf"
+    # streamed from the engine: batches requested ahead of the one being trained on, and the disk those requests'
+    # files may take at most (the batch being trained on is always requested, whatever its size)
+    prefetch_batches: int = ruled(4, GE0)
+    prefetch_disk_gib: float = ruled(8.0, GT0)
     val_fraction: float = ruled(0.01, rule(lambda v: 0 <= v < 1, "must be in [0, 1)"))
     num_workers: int = ruled(2, GE0)
     seed: int = 0  # seed of the train/val split and shuffling
@@ -225,6 +233,7 @@ class Recipe:
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)  # the inference engine serving the target (vLLM)
     # checkpoints, logs, the resolved recipe and the exported drafter
     output_dir: str = ruled("runs/eagle3", lambda v: path_problem(v) if v.strip() else "must not be empty")
     demo: bool = False  # a smoke/demo run (e.g. the quickstart's): its model card says it is not a drafter to serve
@@ -269,7 +278,7 @@ def _problems(recipe: Recipe) -> list[ConfigProblem]:
     """Each field's own rule (sections and list items included), then the rules that read several fields."""
     return schema.value_problems(recipe) + _secret_problems(recipe) + [
         ConfigProblem(k, msg, operator.attrgetter(k)(recipe), related=rel)
-        for k, broken, msg, rel in _cross_field_rules(recipe) if broken]
+        for k, broken, msg, rel in _cross_field_rules(recipe) if broken] + engine_problems(recipe)
 
 
 def _raise_if(problems: list[ConfigProblem], source_of: typing.Callable[[str], str]) -> None:

@@ -44,15 +44,23 @@ def test_every_shipped_recipe_is_planned_offline_and_fits(recipe, monkeypatch):
 
 
 def test_plan_cli_llama3_70b(capsys):
-    assert main(["plan", "recipes/llama3_70b.yaml"]) == 0
+    assert main(["plan", "recipes/llama3_70b.yaml", "engine.mode=launch", "engine.urls=[]",
+                 "data.features_backend=hf", "trainer.num_nodes=2"]) == 0  # the target in the training step
     out = capsys.readouterr().out
     assert "16 device(s)" in out and "sharded over 8, replicated over 2 nodes" in out and "training: fits:" in out
+    assert main(["plan", "recipes/llama3_70b.yaml"]) == 0  # as shipped: hidden states from the engine node
+    out = capsys.readouterr().out
+    assert "8 device(s)" in out and "sharded over 8 (tau evaluation during training)" in out
+    assert "target forward" not in out and "training: fits:" in out
     assert main(["plan", "recipes/llama3_8b.yaml", "trainer.gpu_memory_gb=16"]) == 1  # a full 8B copy per GPU
     assert "training: does NOT fit" in capsys.readouterr().out
 
 
 def test_deepseek_feature_job_needs_an_engine():
-    plan = plan_recipe(load_recipe("recipes/deepseek_v3.yaml"))
+    shipped = plan_recipe(load_recipe("recipes/deepseek_v3.yaml"))  # streamed from the engine: heads only here
+    assert shipped.fits and not shipped.feature_job and "from the engine" in shipped.table()
+    assert shipped.lines[0].what == "target embed + lm_head" and shipped.lines[0].bytes < 4e9
+    plan = plan_recipe(load_recipe("recipes/deepseek_v3.yaml", ["data.mode=offline", "data.features_backend=hf"]))
     assert plan.fits and plan.feature_job_fits is False
     assert 1.2e12 < plan.feature_job[0].bytes < 1.5e12  # 671B parameters in bf16
     assert "inference engine" in plan.table() and "fp8 checkpoint dequantised" in plan.table()

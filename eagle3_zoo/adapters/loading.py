@@ -161,16 +161,21 @@ def load_target_heads(
     device: str | torch.device = "cpu",
 ) -> tuple[PreTrainedModel, Any, TargetAdapter]:
     """The target's input embedding, final norm and lm_head (and config, tokenizer, adapter) without its layers:
-    what training on stored features needs. Only those tensors are read from the checkpoint's safetensors files
-    (`safe_open`, keys chosen through the adapter's attribute paths and the index json); everything else of the
+    what training on stored or streamed features needs. Only those tensors are read from the checkpoint's safetensors
+    files (`safe_open`, keys chosen through the adapter's attribute paths and the index json); everything else of the
     returned model stays on the meta device, so it cannot run a forward.
+
+    A checkpoint whose decoder is FP8 block-quantised (DeepSeek-V3/R1: float8_e4m3fn linear weights with
+    `weight_scale_inv` block scales; embedding, norms and lm_head in bf16) is read the same way: nothing quantised is
+    read, so nothing is dequantised. Only a head tensor that is itself quantised is refused.
 
     Raises:
         TargetNotFoundError, UnknownAdapterError: as `load_target`.
-        ValueError: a bad dtype, an FP8 checkpoint, or a checkpoint without safetensors files or one of the tensors.
+        ValueError: a bad dtype, a head tensor stored quantised (FP8), or a checkpoint without safetensors files or
+            one of the tensors.
     """
     torch_dtype = _torch_dtype(dtype)
-    path, kwargs, config, adapter = _target_config(name_or_path, trust_remote_code)
+    path, kwargs, config, adapter = _target_config(name_or_path, trust_remote_code, allow_fp8=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     names = {id(m): name for name, m in model.named_modules()}
@@ -179,8 +184,10 @@ def load_target_heads(
     modules = (embed, norm) if tied else (embed, norm, head)
     wanted = {f"{names[id(module)]}.{name}": (module, name) for module in modules
               for name, _ in module.named_parameters(recurse=False)}
-    for key, file in _checkpoint_files(path, list(wanted), kwargs["local_files_only"]).items():
+    files, names = _checkpoint_files(path, list(wanted), kwargs["local_files_only"])
+    for key, file in files.items():
         with safe_open(file, framework="pt", device=str(device)) as f:
+            _refuse_quantised_head(path, key, f.get_slice(key).get_dtype(), names)
             tensor = f.get_tensor(key)
         module, name = wanted[key]
         if torch_dtype != "auto" and tensor.is_floating_point():
@@ -194,9 +201,10 @@ def load_target_heads(
     return model, tokenizer, adapter
 
 
-def _checkpoint_files(path: str | Path, keys: list[str], local_only: bool) -> dict[str, str]:
-    """Which local safetensors file holds each of `keys` (`model.safetensors.index.json`, else `model.safetensors`);
-    from a Hub repo only the index and the files holding `keys` are fetched."""
+def _checkpoint_files(path: str | Path, keys: list[str], local_only: bool) -> tuple[dict[str, str], set[str]]:
+    """Which local safetensors file holds each of `keys` (`model.safetensors.index.json`, else `model.safetensors`),
+    and every tensor name of the checkpoint; from a Hub repo only the index and the files holding `keys` are
+    fetched."""
     def fetch(name: str) -> str | None:
         if Path(path).is_dir():
             file = Path(path) / name
@@ -209,8 +217,9 @@ def _checkpoint_files(path: str | Path, keys: list[str], local_only: bool) -> di
     index = fetch("model.safetensors.index.json")
     if index is not None:
         weight_map = json.loads(Path(index).read_text())["weight_map"]
-    elif fetch("model.safetensors") is not None:
-        weight_map = dict.fromkeys(keys, "model.safetensors")
+    elif (single := fetch("model.safetensors")) is not None:
+        with safe_open(single, framework="pt") as f:
+            weight_map = dict.fromkeys(f.keys(), "model.safetensors")
     else:
         raise ValueError(f"target {path}: no model.safetensors(.index.json) to read the embedding, norm and lm_head "
                          "from; offline training reads them from safetensors files")
@@ -218,7 +227,19 @@ def _checkpoint_files(path: str | Path, keys: list[str], local_only: bool) -> di
     if missing:
         raise ValueError(f"target {path}: the safetensors index has no {missing}; expected the tensors of the "
                          "adapter's embedding, final norm and lm_head")
-    return {k: fetch(weight_map[k]) for k in keys}
+    return {k: fetch(weight_map[k]) for k in keys}, set(weight_map)
+
+
+def _refuse_quantised_head(path: str | Path, key: str, code: str, names: set[str]) -> None:
+    """Refuse a head tensor stored quantised (an FP8 dtype, or with block scales next to it): reading it would
+    need dequantising, which the heads-only load does not do."""
+    scale = next((n for n in (f"{key}_scale_inv", f"{key.removesuffix('.weight')}.weight_scale_inv") if n in names),
+                 None)
+    if code.startswith("F8") or scale:
+        raise ValueError(f"target {path}: {key} is stored quantised ({code}{f', block scales {scale}' if scale else ''}"
+                         "); the heads-only load reads the embedding, final norm and lm_head as stored and does not "
+                         "dequantise them: use a checkpoint that keeps them in bf16/fp16/fp32 (DeepSeek-V3's official "
+                         "FP8 checkpoint does)")
 
 
 def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
@@ -229,15 +250,17 @@ def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
 
 
 
-def _target_config(name_or_path: str | os.PathLike, trust_remote_code: bool) -> tuple[Any, dict[str, Any], Any,
-                                                                                        TargetAdapter]:
+def _target_config(name_or_path: str | os.PathLike, trust_remote_code: bool,
+                   allow_fp8: bool = False) -> tuple[Any, dict[str, Any], Any, TargetAdapter]:
     """`(path, from_pretrained kwargs, config, adapter)` of a target, before any weight is read (resolved fast and
-    offline-aware by `resolve_target`; FP8 checkpoints refused)."""
+    offline-aware by `resolve_target`; FP8 checkpoints refused unless `allow_fp8`: a loader that reads no FP8
+    tensor)."""
     path, local_only = resolve_target(name_or_path)
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": local_only}
     config = AutoConfig.from_pretrained(path, **kwargs)
     adapter = adapter_for(config)
-    _refuse_fp8(config, name_or_path)
+    if not allow_fp8:
+        _refuse_fp8(config, name_or_path)
     return path, kwargs, config, adapter
 
 def _refuse_fp8(config: Any, name_or_path: str | os.PathLike) -> None:
@@ -248,9 +271,10 @@ def _refuse_fp8(config: Any, name_or_path: str | os.PathLike) -> None:
     if str(method).lower() == "fp8":
         raise ValueError(
             f"target {str(name_or_path)!r} is an FP8 block-quantised checkpoint (quantization_config.quant_method = "
-            "fp8); eagle3-zoo does not dequantise it in-process (a 671B DeepSeek-V3 does not fit one process anyway): "
-            "serve it with an inference engine and take features from there (data.features_backend: vllm, or an "
-            "OpenAI-compatible server for regeneration), or point target.name_or_path at a bf16 copy of the model")
+            "fp8); eagle3-zoo does not dequantise its decoder in-process (a 671B DeepSeek-V3 does not fit one process "
+            "anyway): serve it with an inference engine (the recipe's engine: section) and take the hidden states "
+            "from there (data.features_backend: vllm; training then reads only the target's bf16 embedding, norm and "
+            "lm_head), regenerate through an OpenAI-compatible server, or point target.name_or_path at a bf16 copy")
 
 
 def _dequantize_kwargs(config: Any, adapter: TargetAdapter) -> dict[str, Any]:

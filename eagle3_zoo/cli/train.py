@@ -1,5 +1,5 @@
-"""`eagle3-zoo fit | prepare | plan | consolidate`: a recipe's data stage, training, memory plan, and the drafter
-folder of a checkpoint."""
+"""`eagle3-zoo fit | prepare | plan | serve | consolidate`: a recipe's data stage, training, memory plan, the engine
+side of a recipe, and the drafter folder of a checkpoint."""
 
 from __future__ import annotations
 
@@ -47,6 +47,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 1 if False in (plan.fits, plan.feature_job_fits) else 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.targets.deployment import serve_recipe
+
+    print(serve_recipe(load_recipe(args.recipe, args.overrides), args.host, args.port, dry_run=args.print_command))
+    return 0
+
+
 def cmd_consolidate(args: argparse.Namespace) -> int:
     from eagle3_zoo.training.outputs import consolidate_checkpoint
 
@@ -65,7 +73,7 @@ def _recipe_arguments(p: argparse.ArgumentParser, overrides_help: str, print_con
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    """Add fit, prepare, plan and consolidate to the `eagle3-zoo` subcommands."""
+    """Add fit, prepare, plan, serve and consolidate to the `eagle3-zoo` subcommands."""
     p = sub.add_parser("fit", help="train a drafter from a recipe", description="Train a drafter from a recipe.",
                        parents=[common])
     _recipe_arguments(p, "OmegaConf dotlist overrides, e.g. trainer.max_steps=2000", "without training")
@@ -91,6 +99,18 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                        "Offline: uses the target configs shipped in the package for zoo targets.", parents=[common])
     _recipe_arguments(p, "OmegaConf dotlist overrides, e.g. trainer.devices=4")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("serve", help="start the recipe's engine (a vLLM hidden-states server) on this node",
+                       description="Start one vLLM server as the recipe's engine section describes it (parallelism, "
+                       "quantisation, context length, extra arguments), extracting the hidden states the recipe's "
+                       "drafter reads into engine.hidden_states_dir (a directory the trainers see too). The trainers "
+                       "attach to it: engine.mode=attach engine.urls=[http://THIS-HOST:PORT].", intermixed=True,
+                       parents=[common])
+    _recipe_arguments(p, "OmegaConf dotlist overrides (the same ones the trainer gets)")
+    p.add_argument("--host", default="0.0.0.0", help="interface to serve on (default: all)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--print-command", action="store_true", help="print the server command line and exit")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("consolidate", help="write the drafter folder of a training checkpoint (e.g. FSDP sharded)",
                        description="Write the canonical drafter folder (config.json, model.safetensors, recipe.yaml, "

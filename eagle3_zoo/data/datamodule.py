@@ -122,6 +122,14 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         """Skip the first `consumed` batches the next time `epoch` is iterated (mid-epoch checkpoint)."""
         self._resume = (int(epoch), int(consumed))
 
+    def planned(self) -> list[list[int]]:
+        """The batches the next iteration yields: this rank's share of this epoch's global batches, after the skip
+        of a resumed epoch (a loader that fetches ahead, `eagle3_zoo.data.engine_stream`, requests them up front)."""
+        skip = self._resume[1] if self._resume is not None and self._resume[0] == self.epoch else 0
+        b = self.batch_size
+        return [batch[self.rank * b : (self.rank + 1) * b] if self.num_replicas > 1 else batch
+                for batch in self.global_batches()[skip:]]
+
     def global_batches(self) -> list[list[int]]:
         """This epoch's global batches (`batch_size * num_replicas` example indices each)."""
         n, size = len(self.lengths), self.batch_size * self.num_replicas
@@ -143,15 +151,9 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         return batches
 
     def __iter__(self):
-        batches = self.global_batches()
-        skip = 0
-        if self._resume is not None:
-            if self._resume[0] == self.epoch:
-                skip = self._resume[1]
-            self._resume = None
-        b = self.batch_size
-        for batch in batches[skip:]:
-            yield batch[self.rank * b : (self.rank + 1) * b] if self.num_replicas > 1 else batch
+        batches = self.planned()
+        self._resume = None
+        yield from batches
 
     def __len__(self) -> int:
         n, size = len(self.lengths), self.batch_size * self.num_replicas
@@ -182,9 +184,13 @@ class ResumableDataLoader(DataLoader):
         resume = self.batch_sampler._resume
         # a restored position keeps counting from where it was, so a second checkpoint in this epoch is right too
         self._yielded = resume[1] if resume is not None and resume[0] == epoch else 0
+        self._begin_pass(self.batch_sampler.planned())
         for batch in super().__iter__():
             self._yielded += 1
             yield batch
+
+    def _begin_pass(self, batches: list[list[int]]) -> None:
+        """Called before a pass over `batches` (this rank's, in order) starts; a loader that fetches ahead hooks in."""
 
     def state_dict(self) -> dict[str, int]:
         epoch, consumed = self._position() if self._position is not None else (self._local_epoch, self._yielded)
@@ -234,6 +240,10 @@ class Eagle3DataModule(L.LightningDataModule):
                              f"{world} device(s): add data or lower trainer.batch_size")
         kwargs = dict(num_workers=self.num_workers, collate_fn=functools.partial(collate_right_padded,
                       pad_id=self.pad_id), persistent_workers=self.num_workers > 0)
+        return self._make_loader(dataset, sampler, shuffle, **kwargs)
+
+    def _make_loader(self, dataset: Dataset, sampler: LengthBucketBatchSampler, shuffle: bool,
+                     **kwargs: Any) -> DataLoader:
         if not shuffle:  # validation: a fixed order, nothing to resume
             return DataLoader(dataset, batch_sampler=sampler, **kwargs)
         position = self._loop_position if self.trainer is not None else None

@@ -35,6 +35,8 @@ from eagle3_zoo.progress import Progress
 
 logger = logging.getLogger(__name__)
 
+HYBRID_MARKER = ".hybrid"  # in a store directory that a hybrid run is filling (`eagle3_zoo.data.engine_stream`)
+
 
 def features_dir_for(recipe: Any, data_fingerprint: str, target_id: str, aux_layer_ids: tuple[int, ...]) -> Path:
     """`data.features_dir`, or a directory under `data.cache_dir` keyed by everything the features depend on."""
@@ -69,6 +71,9 @@ def _check_layout(out_dir: Path) -> None:
     if "parts" not in top or any(out_dir.glob("rank-[0-9]*/" + MANIFEST)):
         raise FeatureStoreError(f"{out_dir}: holds an incomplete feature store of an older layout (no parts); "
                                 "remove it or point data.features_dir at a new directory, and rerun the feature job")
+    if (out_dir / HYBRID_MARKER).exists():  # its parts hold what a training pass read, not this job's share
+        raise FeatureStoreError(f"{out_dir}: holds the unfinished store of a data.mode=hybrid run; finish it with that "
+                                "run (its second epoch completes the store), or point data.features_dir elsewhere")
 
 
 def merge_parts(out_dir: Path, num_parts: int) -> None:
@@ -227,17 +232,29 @@ def extract_features(recipe: Any, *, target: Any = None, tokenizer: Any = None, 
         model = functools.partial(_whole_target, recipe, target.get_input_embeddings().weight.device)
     with contextlib.ExitStack() as stack:
         features_fn = None
-        if recipe.data.features_backend == "vllm":  # a server started at the first batch that needs features
-            from eagle3_zoo.targets.vllm_features import VLLMFeatureExtractor
-
-            features_fn = stack.enter_context(VLLMFeatureExtractor(
-                target_id, aux_ids, dtype=recipe.target.dtype, log_path=out_dir.parent / f"{out_dir.name}.vllm.log"
-            )).batch
+        if recipe.data.features_backend == "vllm":  # the recipe's engine, started at the first batch that needs it
+            features_fn = _engine_features_fn(recipe, target, adapter, aux_ids, split.rank, stack)
         write_features(data.train + data.val, model, adapter, out_dir, aux_layer_ids=aux_ids,
                        batch_size=recipe.trainer.batch_size, shard_size=recipe.data.features_shard_size,
                        dtype=recipe.data.features_dtype, meta=store_meta(target_id, aux_ids, data.fingerprint),
                        split=split, wait=world_size == 1, verify=verify, features_fn=features_fn)
     return out_dir
+
+
+def _engine_features_fn(recipe: Any, target: Any, adapter: Any, aux_ids: tuple[int, ...], rank: int,
+                        stack: contextlib.ExitStack) -> Any:
+    """`features_fn` of the feature job through the recipe's engine (`engine:`; launched or attached at the first
+    batch that needs features, stopped when `stack` closes)."""
+    from eagle3_zoo.data.engine_feed import EngineFeed, run_tag
+    from eagle3_zoo.data.engine_stream import final_norm_on_cpu
+    from eagle3_zoo.targets.deployment import EngineDeployment
+
+    deployment = EngineDeployment(recipe, aux_ids, target.config.num_hidden_layers)
+    feed = EngineFeed(deployment, run_tag(recipe.output_dir, rank), int(recipe.data.prefetch_disk_gib * 2**30),
+                      concurrency=recipe.engine.concurrency)
+    stack.callback(feed.close)
+    return functools.partial(feed.states_batch, final_norm=final_norm_on_cpu(adapter.final_norm(target)),
+                             layers=len(aux_ids) + 1)
 
 
 def _whole_target(recipe: Any, device: Any) -> Any:

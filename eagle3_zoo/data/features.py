@@ -248,6 +248,13 @@ class FeatureWriter:
         self._release()
         return self.manifest
 
+    def suspend(self) -> dict[str, Any]:
+        """Write the queued samples as a shard and release the lock, leaving the store incomplete (a later writer of
+        the same directory resumes it); returns the manifest."""
+        self._flush()
+        self._release()
+        return self.manifest
+
     def _release(self) -> None:
         if self._lock is not None:
             self._lock.__exit__(None, None, None)

@@ -7,7 +7,7 @@ whole process group (vLLM forks an engine-core process; killing only the API ser
 
 Defaults fit a CPU machine (ENGINE.md): ``--enforce-eager`` (1-2 s of engine start instead of minutes of graph
 compilation, same greedy output), ``--dtype float32``, ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache and
-``HF_HUB_OFFLINE=1`` (the target is a local folder).
+``HF_HUB_OFFLINE=1`` for a local model folder (a Hub id is left to vLLM to download).
 """
 
 from __future__ import annotations
@@ -49,6 +49,15 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> str:
     return str(name_or_path)
 
 
+def _die_with_parent() -> None:
+    """In the server process, before exec (Linux): SIGKILL when the thread that started it ends, so a trainer that is
+    killed does not leave an engine holding the GPUs (vLLM's engine core exits with its API server)."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class VLLMServer:
     """A vLLM server process for the lifetime of a ``with`` block (or attach to `url` and start nothing).
 
@@ -66,6 +75,7 @@ class VLLMServer:
         python: the engine's python (default: `vllm_python()`).
         startup_timeout: seconds to wait for ``/health``.
         log_path: the server's stdout+stderr (default: a temporary file, kept and named in errors).
+        port: the loopback port to serve on (default: a free one, chosen at each start).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, url: str | None = None,
@@ -74,7 +84,7 @@ class VLLMServer:
                  enforce_eager: bool = True, kv_cache_gib: float = 2, max_model_len: int | None = None,
                  extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
                  python: str | os.PathLike | None = None, startup_timeout: float = 900.0,
-                 log_path: str | os.PathLike | None = None) -> None:
+                 log_path: str | os.PathLike | None = None, port: int | None = None) -> None:
         if model is None and url is None:
             raise ValueError("VLLMServer needs a model folder to serve or the url of a running server")
         self.model = None if model is None else resolve_model_dir(model)
@@ -87,6 +97,7 @@ class VLLMServer:
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path) if log_path else None
         self.proc: subprocess.Popen | None = None
+        self.port = port
         self.base_url: str = self.url or ""
 
     def command(self, port: int) -> list[str]:
@@ -117,20 +128,25 @@ class VLLMServer:
         if self.url:
             self.client().check()
             return self
-        port = free_port()
+        port = self.port or free_port()
         self.base_url = f"http://{LOOPBACK}:{port}"
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix="eagle3-zoo-vllm-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "HF_HUB_OFFLINE": "1",
+        from eagle3_zoo.locations import is_hub_id
+
+        # a local folder needs no Hub; a Hub id (a large target launched on a GPU node) is downloaded by vLLM itself
+        hub = {} if is_hub_id(str(self.model)) else {"HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), **hub,
                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"), **self.env}
         cmd = self.command(port)
         logger.info("starting vLLM on %s (log %s): %s", self.base_url, self.log_path, " ".join(cmd))
         with open(self.log_path, "ab") as log:
             # a new session: the server and the engine-core process it forks form one group that stop() ends
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
         try:
             self._wait_healthy()
         except BaseException:

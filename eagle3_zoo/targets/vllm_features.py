@@ -32,17 +32,65 @@ from eagle3_zoo.targets.server import VLLMServer, resolve_model_dir
 PLUGIN_DIR = Path(__file__).with_name("vllm_plugins")
 CONNECTOR = "CPUHiddenStatesConnector"
 CONNECTOR_MODULE = "eagle3_zoo_hs_connector"
+STOCK_CONNECTOR = "ExampleHiddenStatesConnector"  # vLLM's own: asynchronous CUDA copies (GPU builds)
 
 
-def hidden_states_configs(aux_layer_ids: Sequence[int], num_layers: int,
-                          storage: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
-    """vLLM's ``--speculative-config`` and ``--kv-transfer-config`` for extracting `aux_layer_ids` + the last state."""
+def hidden_states_configs(aux_layer_ids: Sequence[int], num_layers: int, storage: str | os.PathLike,
+                          connector: str = "cpu") -> tuple[dict[str, Any], dict[str, Any]]:
+    """vLLM's ``--speculative-config`` and ``--kv-transfer-config`` for extracting `aux_layer_ids` + the last state,
+    with our CPU-safe connector (`connector` "cpu") or vLLM's stock one ("stock", for GPU builds)."""
     ids = [int(i) for i in aux_layer_ids] + [int(num_layers)]
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}}}
-    kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
-          "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+    kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE} if connector == "cpu" else \
+        {"kv_connector": STOCK_CONNECTOR}
+    kv.update(kv_role="kv_producer", kv_connector_extra_config={"shared_storage_path": str(storage)})
     return spec, kv
+
+
+def request_hidden_states(client: Any, model: str, ids: Sequence[int], request_id: str | None = None) -> str:
+    """Ask a hidden-states server for the states of the token ids `ids` (one completion of one token); the path of
+    the safetensors file its connector wrote, as the server names it.
+
+    Raises:
+        ServerError: the server failed (after the client's retries) or its answer names no file.
+    """
+    payload = {"model": model, "prompt": [int(i) for i in ids], "max_tokens": 1, "temperature": 0.0,
+               "kv_transfer_params": {}}
+    if request_id:
+        payload["request_id"] = request_id  # vLLM names the file after it (`cmpl-<id>-0-<suffix>.safetensors`)
+    out = client.post("/v1/completions", payload)
+    path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
+    if not path:
+        raise ServerError(f"{client.base_url}: the completion carries no kv_transfer_params.hidden_states_path (is "
+                          "the server running vLLM's extract_hidden_states method with a hidden-states connector?)")
+    return str(path)
+
+
+def read_hidden_states(path: str | os.PathLike, ids: Sequence[int], layers: int) -> torch.Tensor:
+    """The `[T, layers, H]` states of a connector's file for the prompt `ids`, read once: the file (and its lock)
+    are deleted, nothing is kept on disk.
+
+    Raises:
+        ServerError: the file holds other tokens than `ids`, or another number of layers than `layers`.
+    """
+    data = _read_locked(str(path))
+    hs, got = data["hidden_states"], data["token_ids"].tolist()
+    if got != [int(i) for i in ids]:
+        raise ServerError(f"{path}: hidden states of {len(got)} tokens for a prompt of {len(ids)} tokens (another "
+                          "request's file?)")
+    if hs.dim() != 3 or hs.shape[1] != layers:
+        raise ServerError(f"{path}: hidden states of shape {list(hs.shape)}, expected [{len(ids)}, {layers}, H]: the "
+                          "server extracts other layers than this run's aux layers + the last one (start it with "
+                          "`eagle3-zoo serve RECIPE` for this recipe)")
+    return hs
+
+
+def split_states(hs: torch.Tensor, final_norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(aux_hidden [T, (L-1) * H], final_hidden [T, H])` of `[T, L, H]` states: the last layer is vLLM's residual
+    stream before the final norm, so `final_norm` (the target's) is applied to it."""
+    aux = hs[:, :-1].reshape(hs.shape[0], -1)
+    return aux, final_norm(hs[:, -1])
 
 
 class VLLMFeatureExtractor:
@@ -97,21 +145,9 @@ class VLLMFeatureExtractor:
         """
         self.start()
         ids = [int(i) for i in (input_ids.tolist() if isinstance(input_ids, torch.Tensor) else input_ids)]
-        out = self.client.post("/v1/completions", {"model": self.model_name, "prompt": ids, "max_tokens": 1,
-                                                   "temperature": 0.0, "kv_transfer_params": {}})
-        path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
-        if not path:
-            raise ServerError(f"{self.server.base_url}: the completion carries no kv_transfer_params."
-                              "hidden_states_path (is the hidden-states connector loaded? log "
-                              f"{self.server.log_path})")
-        data = _read_locked(path)
-        if data["token_ids"].tolist() != ids:
-            raise ServerError(f"{self.server.base_url}: hidden states of {data['token_ids'].numel()} tokens came back "
-                              f"for a prompt of {len(ids)} tokens ({path})")
-        hs = data["hidden_states"].float()  # [T, len(aux)+1, H]
-        aux = hs[:, :-1].reshape(hs.shape[0], -1)
-        final = _rms_norm(hs[:, -1], self.norm_weight, self.eps)
-        return aux, final
+        path = request_hidden_states(self.client, self.model_name, ids)
+        hs = read_hidden_states(self.storage / Path(path).name, ids, len(self.aux_layer_ids) + 1).float()
+        return split_states(hs, lambda x: _rms_norm(x, self.norm_weight, self.eps))
 
     def batch(self, sequences: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded `(aux [B, T, len(aux)*H], final [B, T, H])` for `write_features`' `features_fn`."""

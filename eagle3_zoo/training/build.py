@@ -121,13 +121,16 @@ def build_run(recipe: Any, source: str = "recipe", device: Any = None) -> Traini
     from eagle3_zoo.data.datamodule import Eagle3DataModule
     from eagle3_zoo.data.prepare import prepare_data
     from eagle3_zoo.data.ranks import data_barrier
+    from eagle3_zoo.recipe_engine import streams_features, target_in_training_step, target_sharded_in_trainer
     from eagle3_zoo.training.module import Eagle3Module
     from eagle3_zoo.training.strategies import enable_activation_checkpointing, target_skeleton_reason
 
     L.seed_everything(recipe.trainer.seed, workers=True, verbose=False)
     d = recipe.data
-    # offline mode keeps the full target only when tau is measured during training (speculative decoding needs it)
-    keep_target = d.mode == "online" or bool(recipe.trainer.tau_eval.every_n_steps)
+    # features from the store or the engine: the full target only when tau is measured during training (speculative
+    # decoding needs it)
+    in_step = target_in_training_step(recipe)
+    keep_target = in_step or bool(recipe.trainer.tau_eval.every_n_steps)
     heads_only = not keep_target and not recipe.target.lora_path and not (
         d.regenerate.enabled and d.regenerate.backend == "hf")
     whole = target_skeleton_reason(recipe)  # FSDP reads the decoder layers shard by shard unless this says why not
@@ -144,18 +147,28 @@ def build_run(recipe: Any, source: str = "recipe", device: Any = None) -> Traini
                             target_head=(adapter.lm_head(target).weight, getattr(norm, "weight", None)))
     if recipe.trainer.activation_checkpointing:
         enable_activation_checkpointing(drafter)
-    train_set, val_set, features = _datasets(recipe, data, target, tokenizer, adapter, aux_ids)
+    loader_kw = dict(batch_size=recipe.trainer.batch_size, seed=recipe.data.seed, num_workers=recipe.data.num_workers,
+                     pad_id=tokenizer.pad_token_id or 0)
+    if streams_features(recipe):  # hidden states streamed from the engine (online, or hybrid's first pass)
+        from eagle3_zoo.data.engine_stream import streaming_datamodule
+
+        datamodule, features = streaming_datamodule(recipe, data, target, adapter, aux_ids, **loader_kw)
+        train_set = datamodule.train_set
+    else:
+        train_set, val_set, features = _datasets(recipe, data, target, tokenizer, adapter, aux_ids)
+        datamodule = Eagle3DataModule(train_set, val_set, **loader_kw)
     if recipe.optim.precondition_fc and not recipe.drafter.init_from:
+        if streams_features(recipe):
+            datamodule.feed.start()  # the statistics read the first samples' states now, before training
         drafter.set_fc_input_scale(fc_input_scale(train_set, target, adapter, aux_ids))
     t, o = recipe.ttt, recipe.optim
     module = Eagle3Module(
         drafter, adapter, target if keep_target else None, embed_tokens=adapter.embed_tokens(target),
-        lm_head=adapter.lm_head(target), mode=recipe.data.mode, ttt_steps=t.steps,
+        lm_head=adapter.lm_head(target), mode="online" if in_step else "offline", ttt_steps=t.steps,
         step_weights=t.step_weights or [t.step_weight_decay**k for k in range(t.steps)], lr=o.lr,
         betas=tuple(o.betas), weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, decay=o.decay,
-        min_lr_ratio=o.min_lr_ratio, loss=recipe.loss.name, lk_eta=recipe.loss.lk_eta)
-    datamodule = Eagle3DataModule(train_set, val_set, batch_size=recipe.trainer.batch_size, seed=recipe.data.seed,
-                                  num_workers=recipe.data.num_workers, pad_id=tokenizer.pad_token_id or 0)
+        min_lr_ratio=o.min_lr_ratio, loss=recipe.loss.name, lk_eta=recipe.loss.lk_eta,
+        shard_target=target_sharded_in_trainer(recipe))
     data_barrier()
     return TrainingRun(recipe, target, tokenizer, adapter, data, module, datamodule, features)
 

@@ -30,6 +30,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
+from eagle3_zoo.data.engine_feed import EngineFeedError
 from eagle3_zoo.data.tokenize import draft_vocab_coverage
 from eagle3_zoo.modeling.io import atomic_write, recover_replaced_directory
 from eagle3_zoo.progress import use_bar
@@ -38,6 +39,7 @@ from eagle3_zoo.targets.loading import target_device, use_device
 from eagle3_zoo.training import resume
 from eagle3_zoo.training.build import build_run
 from eagle3_zoo.training.callbacks import ProgressLogCallback, StepProgressBar, TTTScheduleCallback
+from eagle3_zoo.training.engine_callback import EngineFeedCallback
 from eagle3_zoo.training.module import NonFiniteError, all_finite
 from eagle3_zoo.training.outputs import build_provenance, drafter_info, full_drafter, git_info, write_drafter_folder
 from eagle3_zoo.training.record import TrainingRecordCallback
@@ -268,12 +270,20 @@ def _fit(recipe: Any, source: str) -> Path:
         recipe_dict=recipe_to_dict(recipe), target=target_info, data=data_summary, drafter=run.module.drafter,
         training={"strategy": t.strategy, "precision": t.precision}, git=git))
     record = TrainingRecordCallback(start, static={"strategy": t.strategy, "precision": t.precision})
-    trainer = build_trainer(recipe, adapter, [resume.RunIdentityCallback(identity, info), record,
+    feed = getattr(run.datamodule, "feed", None)  # hidden states streamed from the engine
+    engine = [EngineFeedCallback(feed)] if feed is not None else []
+    trainer = build_trainer(recipe, adapter, [resume.RunIdentityCallback(identity, info), record, *engine,
                                               *_tau_eval_callbacks(recipe, run.tokenizer)], has_val=bool(data.val))
     record.hardware, record.static["world_size"] = _hardware(trainer), trainer.world_size
     for lg in trainer.loggers:  # the resolved recipe as the run's hyperparameters (hparams.yaml, TensorBoard)
         lg.log_hyperparams(recipe_to_dict(recipe))
-    trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=str(last) if last.exists() else None)
+    try:
+        trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=str(last) if last.exists() else None)
+    except EngineFeedError as e:  # one error that says what the run keeps
+        raise EngineFeedError(f"{e}; {engine[0].kept}" if engine and engine[0].kept else str(e)) from None
+    finally:
+        if feed is not None:
+            feed.close()  # servers launched for the run stop, whatever happened
     trained = full_drafter(run.module)  # collective under FSDP: every rank takes part, rank 0 gets the weights
     bad = [] if trained is None else [k for k, v in trained.state_dict().items()
                                       if v.is_floating_point() and not all_finite(v)]

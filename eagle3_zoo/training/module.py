@@ -161,6 +161,8 @@ class Eagle3Module(L.LightningModule):
         logits_chunk_size: rows per chunk of the frozen lm_head product.
         loss, lk_eta: the per-position objective (`objectives.OBJECTIVES`; default EAGLE-3's soft cross-entropy)
             and lk_hybrid's eta.
+        shard_target: FSDP shards the target too (default: in online mode; features streamed from an engine: for
+            tau evaluation).
     """
 
     def __init__(self, drafter: Eagle3Drafter, adapter: Any, target: nn.Module | None = None, *,
@@ -168,7 +170,7 @@ class Eagle3Module(L.LightningModule):
                  ttt_steps: int = 7, step_weights: list[float] | None = None, lr: float = 1e-4,
                  betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0, warmup_steps: int = 0,
                  decay: str = "cosine", min_lr_ratio: float = 0.0, logits_chunk_size: int = 1024,
-                 loss: str = "soft_ce", lk_eta: float = DEFAULT_ETA):
+                 loss: str = "soft_ce", lk_eta: float = DEFAULT_ETA, shard_target: bool | None = None):
         super().__init__()
         if mode not in ("online", "offline"):
             raise ValueError(f"unknown data mode {mode!r}; valid: online, offline")
@@ -189,6 +191,7 @@ class Eagle3Module(L.LightningModule):
         self.logits_chunk_size = logits_chunk_size
         self.val_metrics = StepMetrics(ttt_steps)
         self._sharded = False
+        self.shard_target = mode == "online" if shard_target is None else shard_target
 
     @property
     def drafter(self) -> Eagle3Drafter:
@@ -205,7 +208,7 @@ class Eagle3Module(L.LightningModule):
             return
         from eagle3_zoo.training.strategies import fsdp_mesh, shard_fsdp2
 
-        read = shard_fsdp2(self.target if self.mode == "online" else None, self.adapter, self.objective,
+        read = shard_fsdp2(self.target if self.shard_target else None, self.adapter, self.objective,
                            fsdp_mesh(self.device_mesh, self.trainer.num_nodes), precision=str(self.trainer.precision),
                            device=self.trainer.strategy.root_device)
         if read:
@@ -311,6 +314,18 @@ class Eagle3Module(L.LightningModule):
         self.val_metrics.reset()
 
     # ------------------------------------------------------------------------------------------ optim
+    def _total_steps(self) -> float:
+        """The run's optimizer steps, as `trainer.estimated_stepping_batches` counts them, but for an epoch-based run
+        counted on the datamodule's own training loader: Lightning's estimate loads the fit loop's loader now, before
+        a checkpoint is restored, and a loader loaded then never receives its saved position (Lightning applies
+        loader states only to a loader it loads while restarting): a resumed run would start its epoch over."""
+        t = self.trainer
+        if t.max_epochs in (None, -1) or t.datamodule is None or t.limit_train_batches != 1.0:
+            return t.estimated_stepping_batches
+        batches = len(t.datamodule.train_dataloader())
+        steps = math.ceil(batches / t.accumulate_grad_batches) * max(t.max_epochs, 1)
+        return min(steps, t.max_steps) if t.max_steps != -1 else steps
+
     @override
     def configure_optimizers(self) -> dict[str, Any]:
         decay, no_decay = [], []
@@ -320,7 +335,7 @@ class Eagle3Module(L.LightningModule):
         groups = [{"params": decay, "weight_decay": self.optim_args["weight_decay"]},
                   {"params": no_decay, "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(groups, lr=self.optim_args["lr"], betas=self.optim_args["betas"])
-        total = self.trainer.estimated_stepping_batches
+        total = self._total_steps()
         total = int(total) if math.isfinite(total) else self.schedule_args["warmup_steps"]
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_lambda(step, total_steps=total, **self.schedule_args))

@@ -338,12 +338,17 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
                       tr.gpu_memory_gb)
     quant = (getattr(target_config, "quantization_config", None) or {}).get("quant_method")
     dequant = f"; its {quant} checkpoint dequantised to {t.dtype}" if quant else ""
+    from eagle3_zoo.recipe_engine import features_from_engine, target_in_training_step, target_sharded_in_trainer
+
     tau = bool(tr.tau_eval.every_n_steps)
-    keep_target = recipe.data.mode == "online" or tau
-    shard_target = fsdp and recipe.data.mode == "online"  # offline, FSDP shards the drafter only (`shard_fsdp2`)
+    in_step = target_in_training_step(recipe)
+    keep_target = in_step or tau
+    shard_target = target_sharded_in_trainer(recipe)  # offline: FSDP shards the drafter only
     train = "training step"
+    source_of_features = "the engine (streamed)" if features_from_engine(recipe) and recipe.data.mode != "offline" \
+        else "the store"
     if keep_target:
-        why = "online features" if recipe.data.mode == "online" else "tau evaluation during training"
+        why = "online features" if in_step else "tau evaluation during training"
         where = (f"sharded over {shard}" + (f", replicated over {tr.num_nodes} nodes" if shard < world else "")
                  if shard_target else "a full copy per GPU")
         plan.lines.append(PlanLine("target weights", counts["total"] * tbytes / (shard if shard_target else 1),
@@ -353,11 +358,11 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
                                        "two decoder layers unsharded at a time (prefetch)"))
     else:
         plan.lines.append(PlanLine("target embed + lm_head", (counts["embed"] + counts["lm_head"]) * tbytes,
-                                   "offline: features come from the store"))
+                                   f"features come from {source_of_features}"))
     state = 4 * stored_dtype(tr.precision).itemsize  # weights + grads + AdamW (m, v), all in the stored dtype
     plan.lines.append(PlanLine("drafter weights+grads+AdamW", n_drafter * state / shard,
                                f"{n_drafter / 1e6:.0f}M params x {state} B{f' / {shard}' if fsdp else ''}"))
-    if recipe.data.mode == "online":
+    if in_step:
         h, inter = target_config.hidden_size, target_config.intermediate_size
         plan.lines.append(PlanLine("target forward", tokens * (6 * h + 3 * inter) * tbytes
                                    + LOGITS_CHUNK * target_config.vocab_size * 4,
@@ -390,7 +395,7 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     subtotal = plan.total
     plan.lines.append(PlanLine("reserve", RESERVE_FIXED_GIB * GIB + RESERVE_FRACTION * subtotal,
                                f"{RESERVE_FIXED_GIB:g} GiB CUDA context + {RESERVE_FRACTION:.0%} fragmentation"))
-    if recipe.data.mode == "offline":
+    if recipe.data.mode == "offline" and not features_from_engine(recipe):  # else the engine runs the feature job
         job = [PlanLine("target weights", counts["total"] * tbytes,
                         f"{counts['total'] / 1e9:.2f}B params in {t.dtype}, whole in each process{dequant}"),
                PlanLine("target forward", tokens * (6 * target_config.hidden_size + 3 * target_config.intermediate_size)

@@ -101,8 +101,11 @@ def target_skeleton_reason(recipe: Any) -> str | None:
     Only FSDP in online mode shards the target; the data stage must not run the target before it is sharded
     (in-process regeneration, `optim.precondition_fc`'s feature statistics), and a LoRA is merged into full weights.
     """
-    if recipe.trainer.strategy != "fsdp" or recipe.data.mode != "online":
-        return "only FSDP in online mode shards the target"
+    from eagle3_zoo.recipe_engine import target_sharded_in_trainer
+
+    if not target_sharded_in_trainer(recipe):
+        return "only FSDP with the target in the training step (or, features from the engine, for tau evaluation) " \
+               "shards the target"
     if recipe.target.lora_path:
         return "target.lora_path is merged into the full weights"
     if recipe.data.regenerate.enabled and recipe.data.regenerate.backend == "hf":

@@ -1,0 +1,166 @@
+"""The recipe's `engine` section: the inference engine (vLLM) that serves the target to the phases that use one.
+
+One deployment for every phase that takes the target from an engine (today: hidden states, `data.features_backend:
+vllm`, streamed in `data.mode: online | hybrid` or stored by the offline feature job). It is either
+
+- **launch**: this project starts the servers on the node it runs on (`replicas` servers, each with the given
+  tensor / data / expert parallelism on its share of `devices`) and stops them at the end, or
+- **attach**: servers someone started (`urls`, e.g. with `eagle3-zoo serve RECIPE` on the engine's node), whose
+  hidden-states connector writes to `hidden_states_dir`, a directory this machine sees too.
+
+The launch settings also say how `eagle3-zoo serve` starts a server for attach mode, so one recipe describes both
+sides. `engine_problems` holds the rules that read several fields (each field's own rule sits on the field).
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from eagle3_zoo.dtypes import DTYPE_NAMES
+from eagle3_zoo.locations import path_problem
+from eagle3_zoo.schema import GE0, GT0, ConfigProblem, rule, ruled
+
+
+def _url_problem(url: str) -> str | None:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises on a bad port)
+    except ValueError as e:
+        return f"not a URL ({e})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "expected a server root like http://10.0.0.5:8000"
+    if parts.username or parts.password:
+        return "credentials in a URL are not accepted (they would be logged); a server key goes in an environment " \
+               "variable"
+    return None
+
+
+def _redacted(url: str) -> str:
+    return re.sub(r"(://)[^/@\s]*@", r"\1***@", url)
+
+
+def _urls_problems(urls: list[str]) -> list[ConfigProblem]:
+    """One problem per bad URL, its value shown without any `user:password@` (set by `engine_problems`)."""
+    out = [ConfigProblem(f"engine.urls[{i}]", p, _redacted(url)) for i, url in enumerate(urls)
+           if (p := _url_problem(url))]
+    if len(set(urls)) < len(urls):
+        out.append(ConfigProblem("engine.urls", "the same server is listed twice", [_redacted(u) for u in urls]))
+    return out
+
+
+def _device_list(devices: int | str | None) -> list[int] | None:
+    return None if devices is None else [int(p) for p in str(devices).split(",") if p.strip().isdigit()]
+
+
+def _devices_problem(devices: int | str) -> str | None:
+    parts = [p.strip() for p in str(devices).split(",")]
+    if not all(p.isdigit() for p in parts) or len(set(parts)) < len(parts):
+        return 'expected distinct device indices, e.g. "4,5,6,7" (GPUs; on a CPU machine: core ids)'
+    return None
+
+
+@dataclass
+class EngineConfig:
+    """Where the target runs for the phases that use an inference engine (see the module docstring)."""
+    mode: Literal["launch", "attach"] = "launch"  # launch = started here for the run; attach = already running
+    urls: list[str] = field(default_factory=list)  # attach: every server's root (several share the work)
+    # where the servers' hidden-states connector writes, as this machine sees it (attach: the shared directory their
+    # connector was given; launch: null = <output_dir>/engine/hidden_states). Files are read once and deleted.
+    hidden_states_dir: str | None = ruled(None, lambda v: path_problem(v))
+    python: str | None = None  # launch: the engine's python; null = $EAGLE3_ZOO_VLLM_PYTHON, else ./.venv-vllm
+    replicas: int = ruled(1, GT0)  # launch: independent servers started here (requests split among them)
+    tensor_parallel_size: int = ruled(1, GT0)  # per server (vLLM --tensor-parallel-size)
+    data_parallel_size: int = ruled(1, GT0)  # per server, vLLM's own (--data-parallel-size; one URL)
+    expert_parallel: bool = False  # MoE experts sharded over the server's TP x DP GPUs (--enable-expert-parallel)
+    # GPUs (on a CPU machine: core ids) the launched servers use, split evenly over the replicas; null = all
+    devices: int | str | None = ruled(None, _devices_problem)  # one index (4) or a list ("4,5,6,7")
+    dtype: Literal[DTYPE_NAMES] | None = None  # activations / unquantised weights; null = target.dtype
+    quantization: str | None = None  # vLLM --quantization; null = as the checkpoint declares (e.g. DeepSeek FP8)
+    max_model_len: int | None = ruled(None, GT0)  # null = data.max_length + 1 (the prompt and the one token made)
+    gpu_memory_utilization: float | None = ruled(None, rule(lambda v: 0 < v <= 1, "must be in (0, 1]"))
+    cpu_kv_cache_gib: float = ruled(2.0, GT0)  # CPU builds only: KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    enforce_eager: bool | None = None  # null = eager on a CPU (seconds to start), CUDA graphs on GPUs
+    extra_args: list[str] = field(default_factory=list)  # more server arguments, e.g. ["--max-num-seqs", "64"]
+    startup_timeout: float = ruled(1800.0, GT0)  # seconds for a launched server to become healthy (671B: long)
+    max_restarts: int = ruled(2, GE0)  # launch: a server that dies is restarted up to this many times per run
+    concurrency: int = ruled(16, GT0)  # requests in flight per server at most (the engine batches them)
+    timeout: float = ruled(600.0, GT0)  # seconds per request
+    retries: int = ruled(4, GE0)  # retries of a failed request (429, 5xx, refused, timeouts), backoff from 1 s
+
+
+def features_from_engine(recipe: Any) -> bool:
+    """Whether the run's hidden states come from the engine (`data.features_backend: vllm`)."""
+    return recipe.data.features_backend == "vllm"
+
+
+def streams_features(recipe: Any) -> bool:
+    """Whether training reads hidden states streamed from the engine (online or hybrid with the vllm backend)."""
+    return features_from_engine(recipe) and recipe.data.mode in ("online", "hybrid")
+
+
+def target_in_training_step(recipe: Any) -> bool:
+    """Whether the frozen target runs inside the training step (online mode with the in-process backend)."""
+    return recipe.data.mode == "online" and not features_from_engine(recipe)
+
+
+def target_sharded_in_trainer(recipe: Any) -> bool:
+    """Whether FSDP shards the frozen target over the trainer's GPUs: when it runs in the training step, or (states
+    streamed from the engine) to measure tau during training (speculative decoding needs the target there too)."""
+    tau = bool(recipe.trainer.tau_eval.every_n_steps)
+    return recipe.trainer.strategy == "fsdp" and (target_in_training_step(recipe) or (streams_features(recipe) and tau))
+
+
+def engine_max_model_len(recipe: Any) -> int:
+    """`engine.max_model_len`, or what a hidden-states request needs: the longest sample plus the token made."""
+    return recipe.engine.max_model_len or recipe.data.max_length + 1
+
+
+def replica_devices(engine: EngineConfig) -> list[list[int] | None]:
+    """The devices of each launched replica (`devices` split evenly in order; None = not pinned)."""
+    devices = _device_list(engine.devices)
+    if devices is None:
+        return [None] * engine.replicas
+    per = len(devices) // engine.replicas
+    return [devices[i * per : (i + 1) * per] for i in range(engine.replicas)]
+
+
+def _trainer_gpus(trainer: Any) -> set[int]:
+    if trainer.accelerator != "gpu":
+        return set()
+    if isinstance(trainer.devices, str):
+        return {int(p) for p in trainer.devices.split(",") if p.strip().isdigit()}
+    return set(range(trainer.devices)) if trainer.devices > 0 else set()
+
+
+def engine_problems(recipe: Any) -> list[ConfigProblem]:
+    """The engine rules that read several fields (attach needs URLs, hybrid needs the engine, device overlaps)."""
+    e, d = recipe.engine, recipe.data
+    uses = features_from_engine(recipe)
+    devices = _device_list(e.devices) or []
+    overlap = sorted(_trainer_gpus(recipe.trainer) & set(devices)) if e.mode == "launch" else []
+    rules = [
+        ("engine.mode", e.mode == "attach" and not e.urls, "attach needs the servers' URLs in engine.urls, e.g. "
+         "[http://10.0.0.5:8000] (or engine.mode: launch to start them here)", ()),
+        ("engine.urls", e.mode == "launch" and bool(e.urls), "launch starts its own servers, but engine.urls lists "
+         "some: set engine.mode: attach to use them (or empty engine.urls)", ("engine.mode",)),
+        ("engine.replicas", e.mode == "attach" and e.replicas != 1, "replicas are started in launch mode only; in "
+         "attach mode list one URL per server in engine.urls", ("engine.mode",)),
+        ("engine.hidden_states_dir", uses and e.mode == "attach" and not e.hidden_states_dir, "attach mode with "
+         "data.features_backend: vllm needs the directory the servers' hidden-states connector writes to, as this "
+         "machine sees it", ("engine.mode", "data.features_backend")),
+        ("engine.devices", bool(devices) and len(devices) % e.replicas != 0, f"{len(devices)} devices cannot be "
+         f"split evenly over {e.replicas} replicas", ("engine.replicas",)),
+        ("engine.devices", bool(overlap), f"GPUs {overlap} are also the trainer's (trainer.devices = "
+         f"{recipe.trainer.devices!r}); give the engine other GPUs", ("trainer.devices", "trainer.accelerator")),
+        ("engine.max_model_len", uses and e.max_model_len is not None and e.max_model_len <= d.max_length,
+         f"must exceed data.max_length ({d.max_length}): a hidden-states request is the sample plus one token made",
+         ("data.max_length",)),
+        ("data.mode", d.mode == "hybrid" and not uses, "hybrid (the first pass streams from the engine and writes the "
+         "feature store) needs data.features_backend: vllm", ("data.features_backend",)),
+    ]
+    return _urls_problems(e.urls) + [ConfigProblem(key, msg, operator.attrgetter(key)(recipe), related=rel)
+                                     for key, broken, msg, rel in rules if broken]

@@ -1,0 +1,293 @@
+"""The recipe's engine deployment (`engine:`): vLLM servers that extract hidden states, launched here or attached.
+
+`EngineDeployment` turns the section into running servers: in *launch* mode it starts `engine.replicas` vLLM servers
+on this node (loopback ports, each pinned to its share of `engine.devices`, with the section's tensor / data / expert
+parallelism, quantisation, context length and extra arguments), restarts one that dies (`engine.max_restarts`) and
+stops them all at the end; in *attach* mode it checks the servers at `engine.urls` and starts nothing. Either way
+the servers run vLLM's `extract_hidden_states` method with a hidden-states connector writing safetensors files to
+`storage` (`engine.hidden_states_dir`).
+
+Under torch.distributed the first rank of each node launches the node's servers and the node's other ranks attach
+to them (`attach_launched`; `eagle3_zoo.data.engine_feed` shares the URLs). `serve_command` is the same server as
+one command line, for `eagle3-zoo serve` on an engine node (attach mode's other side).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3_zoo.targets.openai_client import OpenAIClient, ServerError
+from eagle3_zoo.targets.server import VLLMServer
+from eagle3_zoo.targets.vllm_features import PLUGIN_DIR, hidden_states_configs
+
+logger = logging.getLogger(__name__)
+
+
+def cuda_engine() -> bool:
+    """Whether the engine runs on GPUs here (CUDA visible to this process); else a CPU build of vLLM."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def server_args(engine: Any, cuda: bool) -> list[str]:
+    """vLLM server arguments of the section's parallelism, quantisation, memory and extra arguments."""
+    args = []
+    if engine.tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(engine.tensor_parallel_size)]
+    if engine.data_parallel_size > 1:
+        args += ["--data-parallel-size", str(engine.data_parallel_size)]
+    if engine.expert_parallel:
+        args.append("--enable-expert-parallel")
+    if engine.quantization:
+        args += ["--quantization", engine.quantization]
+    if engine.gpu_memory_utilization is not None and cuda:
+        args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
+    return args + list(engine.extra_args)
+
+
+def device_env(devices: list[int] | None, ranks: int, cuda: bool) -> dict[str, str]:
+    """The environment that pins one server to `devices`: CUDA_VISIBLE_DEVICES on GPUs, else vLLM's per-rank OpenMP
+    core binding (`ranks` = its TP x DP processes, cores split evenly among them)."""
+    if devices is None:
+        return {}
+    if cuda:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
+    per = max(1, len(devices) // ranks)
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, devices[r * per:(r + 1) * per]))
+                                                  for r in range(ranks))}
+
+
+@dataclass
+class EngineServer:
+    """One server of the deployment: where it answers and, when launched here, its process."""
+
+    url: str
+    client: OpenAIClient
+    model: str = ""  # the served model name (`/v1/models`)
+    process: VLLMServer | None = None
+    restarts: int = 0
+
+    def __str__(self) -> str:
+        return self.url
+
+
+class EngineDeployment:
+    """The engine of a recipe for hidden states (see the module docstring); a context manager.
+
+    Args:
+        recipe: the loaded recipe (its `engine`, `target`, `data` and `output_dir`).
+        aux_layer_ids: HF hidden-state indices to extract; the final layer's index is added.
+        num_layers: the target's number of decoder layers.
+    """
+
+    def __init__(self, recipe: Any, aux_layer_ids: tuple[int, ...], num_layers: int) -> None:
+        from eagle3_zoo.recipe_engine import engine_max_model_len
+
+        e = recipe.engine
+        self.engine, self.mode = e, e.mode
+        self.storage = Path(e.hidden_states_dir or Path(recipe.output_dir) / "engine" / "hidden_states").absolute()
+        self.model = recipe.target.name_or_path
+        self.dtype = e.dtype or recipe.target.dtype
+        self.max_model_len = engine_max_model_len(recipe)
+        self.aux_layer_ids, self.num_layers = tuple(aux_layer_ids), num_layers
+        self.log_dir = Path(recipe.output_dir) / "engine"
+        self.servers: list[EngineServer] = []
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------------ start
+    def client(self, url: str) -> OpenAIClient:
+        e = self.engine
+        return OpenAIClient(url, timeout=e.timeout, retries=e.retries)
+
+    def _process(self, index: int, devices: list[int] | None, cuda: bool) -> VLLMServer:
+        e = self.engine
+        connector = "stock" if cuda else "cpu"  # the stock connector's CUDA copies fail on a CPU build
+        spec, kv = hidden_states_configs(self.aux_layer_ids, self.num_layers, self.storage, connector=connector)
+        ranks = e.tensor_parallel_size * e.data_parallel_size
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")])),
+               **device_env(devices, ranks, cuda)}
+        eager = (not cuda) if e.enforce_eager is None else e.enforce_eager
+        return VLLMServer(self.model, speculative_config=spec, kv_transfer_config=kv, dtype=self.dtype,
+                          enforce_eager=eager, kv_cache_gib=e.cpu_kv_cache_gib, max_model_len=self.max_model_len,
+                          extra_args=server_args(e, cuda), env=env, python=e.python,
+                          startup_timeout=e.startup_timeout, log_path=self.log_dir / f"server-{index}.log")
+
+    def _launch(self) -> list[EngineServer]:
+        from eagle3_zoo.recipe_engine import replica_devices
+
+        cuda = cuda_engine()
+        self.storage.mkdir(parents=True, exist_ok=True)
+        processes = [self._process(i, devices, cuda) for i, devices in enumerate(replica_devices(self.engine))]
+        servers = []
+        try:
+            for proc in processes:  # one after another: starting them together would compete for the host's cores
+                proc.start()
+                proc.port = int(proc.base_url.rsplit(":", 1)[1])  # a restart serves on the same port
+                servers.append(EngineServer(proc.base_url, self.client(proc.base_url), process=proc))
+        except BaseException:
+            for proc in processes:
+                proc.stop()
+            raise
+        logger.info("engine: %d vLLM server(s) for %s on %s (logs in %s)", len(servers), self.model,
+                    ", ".join(s.url for s in servers), self.log_dir)
+        return servers
+
+    def start(self, launch: bool = True) -> EngineDeployment:
+        """Launch the servers (launch mode, unless `launch` is False: then `attach_launched` names them) or check the
+        attached ones, and read each one's served model name.
+
+        Raises:
+            ServerError: a server did not start (the message quotes its log) or does not answer at its URL.
+        """
+        if not self.servers:
+            if self.mode == "attach":
+                self.servers = [EngineServer(url, self.client(url)) for url in self.engine.urls]
+            elif launch:
+                self.servers = self._launch()
+            self._check()
+        return self
+
+    def attach_launched(self, urls: list[str]) -> EngineDeployment:
+        """Use servers of this deployment that another process (this node's first rank) launched."""
+        self.servers = [EngineServer(url, self.client(url)) for url in urls]
+        self._check()
+        return self
+
+    def _check(self) -> None:
+        for server in self.servers:
+            server.client.check()
+            server.model = server.client.models()[0]
+
+    # ----------------------------------------------------------------------------------------- health
+    def restart(self, server: EngineServer, seen: int) -> bool:
+        """Bring back a server that went down: one launched here whose process died is started again on its port (at
+        most `engine.max_restarts` times); one another rank launched is awaited until it answers again. True also
+        when it was restarted since the failure (`seen`: its restart count then). False when none of this applies
+        (attached, alive but failing requests, or restarts spent)."""
+        with self._lock:
+            if server.restarts > seen:
+                return True  # another request's failure restarted it meanwhile
+            if server.process is None:  # attached, or launched by this node's first rank
+                return self.mode == "launch" and self._await(server)
+            proc = server.process
+            if proc.proc is not None and proc.proc.poll() is None:
+                return False  # alive: its failures are not a crash
+            if server.restarts >= self.engine.max_restarts:
+                return False
+            server.restarts += 1
+            code = proc.proc.returncode if proc.proc is not None else None
+            logger.warning("engine server %s exited (code %s); restarting it (%d of %d; log %s)", server.url, code,
+                           server.restarts, self.engine.max_restarts, proc.log_path)
+            proc.stop()
+            try:
+                proc.start()
+            except ServerError as e:  # it did not come back: the caller's error names the servers and this
+                logger.error("engine server %s did not restart: %s", server.url, e)
+                return False
+            return True
+
+    def _await(self, server: EngineServer) -> bool:
+        deadline = time.monotonic() + self.engine.startup_timeout
+        while time.monotonic() < deadline:
+            if server.client.healthy():
+                return True
+            time.sleep(2.0)
+        return False
+
+    def stop(self) -> None:
+        """Stop the servers launched here (attached ones are left running)."""
+        for server in self.servers:
+            if server.process is not None:
+                server.process.stop()
+        self.servers = []
+
+    def __enter__(self) -> EngineDeployment:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def describe(self) -> str:
+        """One line: how many servers, where, and the hidden-states directory."""
+        e = self.engine
+        shape = f"TP {e.tensor_parallel_size} x DP {e.data_parallel_size}" + (" with EP" if e.expert_parallel else "")
+        where = ", ".join(s.url for s in self.servers) or ", ".join(e.urls) or f"{e.replicas} to launch"
+        return f"{e.mode}: {len(self.servers) or len(e.urls) or e.replicas} server(s) ({shape} each) at {where}; " \
+               f"hidden states in {self.storage}"
+
+
+def serve_command(recipe: Any, aux_layer_ids: tuple[int, ...], num_layers: int, host: str, port: int,
+                  python: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command line and extra environment of one hidden-states server as the recipe's engine section describes it
+    (`eagle3-zoo serve`): its connector writes to `engine.hidden_states_dir`, which the trainers must see too.
+    `python`: the engine's interpreter (default `engine.python`, else found as `targets.engine.vllm_python` does)."""
+    from eagle3_zoo.recipe_engine import engine_max_model_len
+
+    e, cuda = recipe.engine, cuda_engine()
+    if not e.hidden_states_dir:
+        raise ValueError("engine.hidden_states_dir is not set: the server's connector writes the hidden states there, "
+                         "and the trainers read them from there (a directory both machines see)")
+    spec, kv = hidden_states_configs(aux_layer_ids, num_layers, Path(e.hidden_states_dir).absolute(),
+                                     connector="stock" if cuda else "cpu")
+    proc = VLLMServer(recipe.target.name_or_path, speculative_config=spec, kv_transfer_config=kv,
+                      dtype=e.dtype or recipe.target.dtype,
+                      enforce_eager=(not cuda) if e.enforce_eager is None else e.enforce_eager,
+                      max_model_len=engine_max_model_len(recipe), extra_args=server_args(e, cuda),
+                      python=python or e.python)
+    cmd = proc.command(port)
+    cmd[cmd.index("--host") + 1] = host
+    devices = [int(d) for d in str(e.devices).split(",")] if e.devices is not None else None  # one server: all
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")])),
+           **device_env(devices, e.tensor_parallel_size * e.data_parallel_size, cuda)}
+    if not cuda:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(e.cpu_kv_cache_gib)
+    return cmd, env
+
+
+def serve_recipe(recipe: Any, host: str = "0.0.0.0", port: int = 8000, dry_run: bool = False) -> str:
+    """`eagle3-zoo serve`: the recipe's hidden-states server, in the foreground (this process becomes vLLM); with
+    `dry_run`, only the command line (for a launcher of your own, e.g. an `srun` line). Returns the command shown.
+
+    Raises:
+        ValueError: no `engine.hidden_states_dir`; TargetNotFoundError / UnknownAdapterError: as loading the target.
+    """
+    import shlex
+    import sys
+
+    from eagle3_zoo.adapters import adapter_for
+    from eagle3_zoo.adapters.shipped import shipped_target_config
+
+    config = shipped_target_config(recipe.target.name_or_path)  # zoo targets: no download to name the layers
+    if config is None:
+        from transformers import AutoConfig
+
+        from eagle3_zoo.adapters.loading import resolve_target
+
+        path, local_only = resolve_target(recipe.target.name_or_path)
+        config = AutoConfig.from_pretrained(path, local_files_only=local_only,
+                                            trust_remote_code=recipe.target.trust_remote_code)
+    n = config.num_hidden_layers
+    aux = tuple(recipe.drafter.aux_layer_ids or adapter_for(config).aux_layer_ids(n))
+    python = recipe.engine.python
+    if dry_run and python is None:  # the command may be for another machine: name the engine venv's python if here
+        from eagle3_zoo.targets.engine import vllm_python
+
+        try:
+            python = str(vllm_python())
+        except FileNotFoundError:
+            python = "python"
+    cmd, env = serve_command(recipe, aux, n, host, port, python)
+    shown = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), *map(shlex.quote, cmd)])
+    if dry_run:
+        return shown
+    print(shown, file=sys.stderr, flush=True)
+    Path(recipe.engine.hidden_states_dir).mkdir(parents=True, exist_ok=True)
+    os.execvpe(cmd[0], cmd, {**os.environ, **env})  # noqa: S606  (the engine's python, from the recipe)
+
