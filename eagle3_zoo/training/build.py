@@ -121,23 +121,18 @@ def build_run(recipe: Any, source: str = "recipe", device: Any = None) -> Traini
     from eagle3_zoo.data.datamodule import Eagle3DataModule
     from eagle3_zoo.data.prepare import prepare_data
     from eagle3_zoo.data.ranks import data_barrier
-    from eagle3_zoo.recipe_engine import streams_features, target_in_training_step, target_sharded_in_trainer
     from eagle3_zoo.training.module import Eagle3Module
-    from eagle3_zoo.training.strategies import enable_activation_checkpointing, target_skeleton_reason
+    from eagle3_zoo.training.run_plan import run_plan
+    from eagle3_zoo.training.strategies import enable_activation_checkpointing
 
     L.seed_everything(recipe.trainer.seed, workers=True, verbose=False)
-    d = recipe.data
-    # features from the store or the engine: the full target only when tau is measured during training (speculative
-    # decoding needs it)
-    in_step = target_in_training_step(recipe)
-    keep_target = in_step or bool(recipe.trainer.tau_eval.every_n_steps)
-    heads_only = not keep_target and not recipe.target.lora_path and not (
-        d.regenerate.enabled and d.regenerate.backend == "hf")
-    whole = target_skeleton_reason(recipe)  # FSDP reads the decoder layers shard by shard unless this says why not
-    if whole and recipe.trainer.strategy == "fsdp":
-        logger.info("every rank loads the whole target: %s", whole)
-    target, tokenizer, adapter = load_recipe_target(recipe, source, device=device, heads_only=heads_only,
-                                                    skeleton=whole is None and not heads_only)
+    plan = run_plan(recipe)  # what of the target this rank loads: the decision `eagle3-zoo plan` prints
+    in_step, keep_target = plan.target_in_step, plan.target_kept
+    if plan.target_load == "whole" and plan.strategy == "fsdp":
+        logger.info("every rank loads the whole target: %s", plan.target_load_reason)
+    target, tokenizer, adapter = load_recipe_target(recipe, source, device=device,
+                                                    heads_only=plan.target_load == "heads only",
+                                                    skeleton=plan.target_load == "fsdp shard")
     data = prepare_data(recipe, tokenizer, adapter, target=target, target_id=recipe.target.name_or_path,
                         vocab_size=target.config.vocab_size)
     aux_ids = aux_layer_ids_for(recipe, target, adapter)
@@ -149,7 +144,7 @@ def build_run(recipe: Any, source: str = "recipe", device: Any = None) -> Traini
         enable_activation_checkpointing(drafter)
     loader_kw = dict(batch_size=recipe.trainer.batch_size, seed=recipe.data.seed, num_workers=recipe.data.num_workers,
                      pad_id=tokenizer.pad_token_id or 0)
-    if streams_features(recipe):  # hidden states streamed from the engine (online, or hybrid's first pass)
+    if plan.streams:  # hidden states streamed from the engine (online, or hybrid's first pass)
         from eagle3_zoo.data.engine_stream import streaming_datamodule
 
         datamodule, features = streaming_datamodule(recipe, data, target, adapter, aux_ids, **loader_kw)
@@ -158,7 +153,7 @@ def build_run(recipe: Any, source: str = "recipe", device: Any = None) -> Traini
         train_set, val_set, features = _datasets(recipe, data, target, tokenizer, adapter, aux_ids)
         datamodule = Eagle3DataModule(train_set, val_set, **loader_kw)
     if recipe.optim.precondition_fc and not recipe.drafter.init_from:
-        if streams_features(recipe):
+        if plan.streams:
             datamodule.feed.start()  # the statistics read the first samples' states now, before training
         drafter.set_fc_input_scale(fc_input_scale(train_set, target, adapter, aux_ids))
     t, o = recipe.ttt, recipe.optim
@@ -168,7 +163,7 @@ def build_run(recipe: Any, source: str = "recipe", device: Any = None) -> Traini
         step_weights=t.step_weights or [t.step_weight_decay**k for k in range(t.steps)], lr=o.lr,
         betas=tuple(o.betas), weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, decay=o.decay,
         min_lr_ratio=o.min_lr_ratio, loss=recipe.loss.name, lk_eta=recipe.loss.lk_eta,
-        shard_target=target_sharded_in_trainer(recipe))
+        shard_target=plan.target_sharded)
     data_barrier()
     return TrainingRun(recipe, target, tokenizer, adapter, data, module, datamodule, features)
 

@@ -43,7 +43,8 @@ from eagle3_zoo.training.engine_callback import EngineFeedCallback
 from eagle3_zoo.training.module import NonFiniteError, all_finite
 from eagle3_zoo.training.outputs import build_provenance, drafter_info, full_drafter, git_info, write_drafter_folder
 from eagle3_zoo.training.record import TrainingRecordCallback
-from eagle3_zoo.training.strategies import build_strategy, world_size_of
+from eagle3_zoo.training.run_plan import devices_per_node, world_size
+from eagle3_zoo.training.strategies import build_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ def require_accelerator(recipe: Any, source: str = "recipe") -> None:
     if t.accelerator != "gpu":
         return
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    want = t.devices if isinstance(t.devices, int) and t.devices > 0 else 1
+    want = devices_per_node(t.devices, t.accelerator)  # "0,1" wants two, as the strategy will start
     if have < want:
         found = f"only {have} CUDA device(s)" if have else "no CUDA GPU (torch.cuda.is_available() is False)"
         raise ValueError(f"{source}: trainer.accelerator = 'gpu' with trainer.devices = {t.devices}, but this machine "
@@ -259,7 +260,7 @@ def _fit(recipe: Any, source: str) -> Path:
     t = recipe.trainer
     identity = resume.run_identity(recipe_to_dict(recipe), data_fingerprint=data.fingerprint,
                                    d2t=run.module.drafter.d2t, target=target_info,
-                                   world_size=world_size_of(t.devices, t.num_nodes, t.accelerator))
+                                   world_size=world_size(t.devices, t.num_nodes, t.accelerator))
     if last.exists():
         resume.check_resume(last, identity)
         logger.info("resuming from %s (same run settings)", last)

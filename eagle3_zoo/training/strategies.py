@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from eagle3_zoo.modeling.io import replace_directory
+from eagle3_zoo.training.run_plan import fsdp_shard_size, target_skeleton_reason, world_size  # noqa: F401
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
@@ -49,17 +50,6 @@ logger = logging.getLogger(__name__)
 
 # DeepSpeed is not offered: nothing here tested it working, and FSDP2 covers what ZeRO would do for a drafter
 STRATEGIES = ("auto", "ddp", "fsdp")
-
-
-def _num_devices(devices: int | str, accelerator: str) -> int:
-    """Devices per node as Lightning will resolve them ("auto"/-1 = all GPUs, or one CPU process)."""
-    if isinstance(devices, str) and devices not in ("auto", "-1"):
-        parts = [p for p in devices.split(",") if p.strip()]
-        return len(parts) if len(parts) > 1 or devices.endswith(",") else int(parts[0])
-    if isinstance(devices, int) and devices > 0:
-        return devices
-    use_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-    return max(torch.cuda.device_count(), 1) if use_gpu else 1
 
 
 def build_strategy(
@@ -90,34 +80,9 @@ def build_strategy(
         # every drafter parameter receives a gradient at every step (ttt_loss keeps them all in the graph)
         return DDPStrategy(find_unused_parameters=False)
     if name == "fsdp":
-        world = _num_devices(devices, accelerator) * num_nodes
+        world = world_size(devices, num_nodes, accelerator)
         return _sharded_checkpoint_strategy()(data_parallel_size=world, tensor_parallel_size=1)
     raise ValueError(f"unknown strategy {name!r} (recipe trainer.strategy); valid: {', '.join(STRATEGIES)}")
-
-
-def target_skeleton_reason(recipe: Any) -> str | None:
-    """Why the recipe's target must be loaded whole before training (None: FSDP can load it shard by shard).
-
-    Only FSDP in online mode shards the target; the data stage must not run the target before it is sharded
-    (in-process regeneration, `optim.precondition_fc`'s feature statistics), and a LoRA is merged into full weights.
-    """
-    from eagle3_zoo.recipe_engine import target_sharded_in_trainer
-
-    if not target_sharded_in_trainer(recipe):
-        return "only FSDP with the target in the training step (or, features from the engine, for tau evaluation) " \
-               "shards the target"
-    if recipe.target.lora_path:
-        return "target.lora_path is merged into the full weights"
-    if recipe.data.regenerate.enabled and recipe.data.regenerate.backend == "hf":
-        return "data.regenerate runs the target in this process (backend hf) before training"
-    if recipe.optim.precondition_fc and not recipe.drafter.init_from:
-        return "optim.precondition_fc runs the target on training samples before training"
-    return None
-
-
-def world_size_of(devices: int | str, num_nodes: int, accelerator: str) -> int:
-    """The number of processes a recipe's trainer settings resolve to."""
-    return _num_devices(devices, accelerator) * num_nodes
 
 
 def _sharded_checkpoint_strategy() -> type:
@@ -147,11 +112,12 @@ def fsdp_mesh(mesh: Any, num_nodes: int) -> Any:
     (`("replicate", "shard")`, HSDP: parameters sharded within a node, replicated across nodes, so the slow
     inter-node links carry one gradient all-reduce instead of every all-gather)."""
     world = mesh.size()
-    if num_nodes <= 1 or world % num_nodes or world == num_nodes:
+    shard = fsdp_shard_size(world, num_nodes)  # the shard group `plan` reports (eagle3_zoo.training.run_plan)
+    if shard == world:
         return mesh["data_parallel"]
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(mesh.device_type, (num_nodes, world // num_nodes), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(mesh.device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
 
 
 def drafter_mixed_precision(precision: str) -> Any:

@@ -1,0 +1,164 @@
+"""The decisions a training run takes once, from the recipe alone: the number of processes, what of the target each
+trainer rank loads, how FSDP lays out its shards, the dtypes, and where each phase runs (in this process or in the
+recipe's engine).
+
+    rp = run_plan(load_recipe("recipes/llama3_70b.yaml"))
+    rp.world_size, rp.target_load, rp.regeneration, rp.hidden_states   # 8, "fsdp shard", "server", "engine"
+
+`eagle3-zoo plan` prints these decisions with their memory, `build_run` loads the target as `target_load` says and
+the strategy builder sizes its mesh with `world_size` / `fsdp_shard_size`: each decision is one function here, so
+what `plan` reports is what the run does. Pure Python on the recipe (torch only for dtypes); nothing is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from eagle3_zoo.dtypes import torch_dtype
+from eagle3_zoo.recipe_engine import (
+    features_from_engine,
+    streams_features,
+    target_in_training_step,
+    target_sharded_in_trainer,
+)
+
+TargetLoad = Literal["whole", "fsdp shard", "heads only"]
+Site = Literal["off", "in process", "vllm server", "server", "engine", "training step", "feature job"]
+
+
+def devices_per_node(devices: int | str, accelerator: str) -> int:
+    """Devices per node as Lightning resolves `trainer.devices` ("0,1" = 2, "3" = 3, "auto"/-1 = all GPUs, else
+    one CPU process)."""
+    if isinstance(devices, str) and devices not in ("auto", "-1"):
+        parts = [p for p in devices.split(",") if p.strip()]
+        return len(parts) if len(parts) > 1 or devices.endswith(",") else int(parts[0])
+    if isinstance(devices, int) and devices > 0:
+        return devices
+    use_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    return max(torch.cuda.device_count(), 1) if use_gpu else 1
+
+
+def world_size(devices: int | str, num_nodes: int, accelerator: str) -> int:
+    """The number of trainer processes (`devices_per_node` x `num_nodes`)."""
+    return devices_per_node(devices, accelerator) * num_nodes
+
+
+def fsdp_shard_size(world: int, num_nodes: int) -> int:
+    """Ranks one FSDP shard group spans: all of them on one node; across nodes the ranks of a node (HSDP: sharded
+    within a node, replicated across nodes), unless each node has a single rank."""
+    if num_nodes <= 1 or world % num_nodes or world == num_nodes:
+        return world
+    return world // num_nodes
+
+
+def target_skeleton_reason(recipe: Any) -> str | None:
+    """Why the recipe's target must be loaded whole before training (None: FSDP can load it shard by shard).
+
+    Only FSDP in online mode shards the target; the data stage must not run the target before it is sharded
+    (in-process regeneration, `optim.precondition_fc`'s feature statistics), and a LoRA is merged into full weights.
+    """
+    if not target_sharded_in_trainer(recipe):
+        return "only FSDP with the target in the training step (or, features from the engine, for tau evaluation) " \
+               "shards the target"
+    if recipe.target.lora_path:
+        return "target.lora_path is merged into the full weights"
+    if regeneration_site(recipe) == "in process":
+        return "data.regenerate runs the target in this process (backend hf) before training"
+    if recipe.optim.precondition_fc and not recipe.drafter.init_from:
+        return "optim.precondition_fc runs the target on training samples before training"
+    return None
+
+
+def regeneration_site(recipe: Any) -> Site:
+    """Where `data.regenerate` runs: off, in process (hf `generate` on every trainer rank), a vLLM server started
+    here for the target (backend vllm: one server, no parallelism) or a server started outside (backend openai)."""
+    r = recipe.data.regenerate
+    if not r.enabled:
+        return "off"
+    return {"hf": "in process", "vllm": "vllm server", "openai": "server"}[r.backend]
+
+
+def hidden_states_site(recipe: Any) -> Site:
+    """Where the target's hidden states are computed: in the training step (online, hf), by the recipe's engine
+    (`data.features_backend: vllm`) or by the feature job in process (offline, hf)."""
+    if features_from_engine(recipe):
+        return "engine"
+    return "training step" if target_in_training_step(recipe) else "feature job"
+
+
+def target_load(recipe: Any) -> tuple[TargetLoad, str]:
+    """What of the target each trainer rank loads, and why: the whole model, its FSDP shard (decoder layers read
+    slice by slice after sharding) or only its embedding, final norm and lm_head (features from a store or the
+    engine, no tau evaluation, nothing else running the target in this process)."""
+    tau = bool(recipe.trainer.tau_eval.every_n_steps)
+    if not (target_in_training_step(recipe) or tau or recipe.target.lora_path
+            or regeneration_site(recipe) == "in process"):
+        return "heads only", "features come from " + ("the engine" if features_from_engine(recipe) else "the store")
+    reason = target_skeleton_reason(recipe)
+    if reason is None:
+        return "fsdp shard", "online features" if target_in_training_step(recipe) else "tau evaluation during training"
+    if target_sharded_in_trainer(recipe):
+        return "whole", reason  # loaded whole on every rank, then sharded
+    why = [w for w, on in (("online features", target_in_training_step(recipe)), ("tau evaluation during training",
+           tau), ("data.regenerate in process", regeneration_site(recipe) == "in process"),
+           ("target.lora_path merged", bool(recipe.target.lora_path))) if on]
+    return "whole", ", ".join(why)
+
+
+def stored_dtype(precision: str) -> torch.dtype:
+    """The dtype of the drafter's stored parameters under a `trainer.precision` (Lightning converts the module
+    under the `*-true` precisions; the mixed precisions keep fp32 weights)."""
+    return {"64-true": torch.float64, "bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision,
+                                                                                                torch.float32)
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype of the drafter's matmuls under a `trainer.precision` (autocast's under `*-mixed`)."""
+    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision, stored_dtype(precision))
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A recipe's run decisions (see the module docstring); `run_plan` builds it."""
+
+    world_size: int
+    num_nodes: int
+    strategy: str
+    shard: int  # ranks an FSDP shard group spans (1: nothing sharded)
+    target_load: TargetLoad
+    target_load_reason: str
+    target_in_step: bool  # the target runs in the training step (online, in process)
+    target_kept: bool  # the trainer keeps the target after the data stage (training step or tau evaluation)
+    target_sharded: bool  # FSDP shards the kept target over the trainer's ranks
+    tau: bool
+    regeneration: Site
+    hidden_states: Site
+    streams: bool  # hidden states streamed from the engine into training (online / hybrid)
+    target_dtype: torch.dtype
+    drafter_dtype: torch.dtype  # stored (weights, grads, AdamW)
+    compute_dtype: torch.dtype
+
+    @property
+    def replicas(self) -> int:
+        """Copies of each FSDP shard (nodes under HSDP; 1 on one node)."""
+        return self.world_size // self.shard if self.strategy == "fsdp" else self.world_size
+
+
+def run_plan(recipe: Any) -> RunPlan:
+    """The decisions of `recipe`'s run (nothing loaded, nothing allocated)."""
+    tr = recipe.trainer
+    world = world_size(tr.devices, tr.num_nodes, tr.accelerator)
+    load, why = target_load(recipe)
+    tau = bool(tr.tau_eval.every_n_steps)
+    in_step = target_in_training_step(recipe)
+    return RunPlan(
+        world_size=world, num_nodes=tr.num_nodes, strategy=tr.strategy,
+        shard=fsdp_shard_size(world, tr.num_nodes) if tr.strategy == "fsdp" else 1,
+        target_load=load, target_load_reason=why, target_in_step=in_step, target_kept=in_step or tau,
+        target_sharded=target_sharded_in_trainer(recipe), tau=tau, regeneration=regeneration_site(recipe),
+        hidden_states=hidden_states_site(recipe), streams=streams_features(recipe),
+        target_dtype=torch_dtype(recipe.target.dtype), drafter_dtype=stored_dtype(tr.precision),
+        compute_dtype=compute_dtype(tr.precision))
