@@ -42,9 +42,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from eagle3_zoo.training.plan import plan_recipe
 
     plan = plan_recipe(load_recipe(args.recipe, args.overrides), source=args.recipe)
-    print(plan.table())
-    # any phase that does not fit fails the plan: a feature job that cannot run is as much a blocker as training
-    return 1 if False in (plan.fits, plan.feature_job_fits) else 0
+    print(plan.table())  # its last line names the phases that do not fit
+    # any phase that does not fit fails the plan: a regeneration or feature job that cannot run blocks as training does
+    return 1 if plan.not_fitting() else 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -92,11 +92,14 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--world-size", type=int, default=1, help="processes of a distributed data stage (>= 1)")
     p.set_defaults(func=cmd_prepare)
 
-    p = sub.add_parser("plan", help="per-GPU memory of a recipe's training (and feature job), and whether it fits",
-                       description="Print what one GPU holds when the recipe trains (target shard, drafter weights + "
-                       "grads + AdamW, TTT activations, loss buffers, reserve) and, for an offline recipe, when its "
-                       "feature job runs, and whether each fits trainer.gpu_memory_gb; exit 1 when one does not. "
-                       "Offline: uses the target configs shipped in the package for zoo targets.", parents=[common])
+    p = sub.add_parser("plan", help="per-GPU memory of every phase of a recipe's run, and whether each fits",
+                       description="Print the run's decisions (world size, what of the target each trainer rank "
+                       "loads, shard layout, dtypes, where each phase runs) and what one GPU holds in every phase: "
+                       "regeneration (in process: the target + its KV cache; in an engine: weights per GPU and KV "
+                       "budget), hidden states (training step, feature job or engine), the training step and the tau "
+                       "evaluation, each against the GPU memory it runs on (trainer.gpu_memory_gb, "
+                       "engine.gpu_memory_gb); exit 1 naming the phases that do not fit. Offline: uses the target "
+                       "configs shipped in the package for zoo targets.", parents=[common])
     _recipe_arguments(p, "OmegaConf dotlist overrides, e.g. trainer.devices=4")
     p.set_defaults(func=cmd_plan)
 

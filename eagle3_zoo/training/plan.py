@@ -18,116 +18,23 @@ allocated.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from eagle3_zoo.dtypes import torch_dtype
+from eagle3_zoo.training.plan_report import (  # noqa: F401  (re-exported: the plan's API)
+    RESERVE_FIXED_GIB,
+    RESERVE_FRACTION,
+    MemoryPlan,
+    PhasePlan,
+    PlanLine,
+    peak,
+    reserve_line,
+)
+from eagle3_zoo.training.run_plan import compute_dtype, stored_dtype  # noqa: F401
 
-GIB = 1024**3
-RESERVE_FIXED_GIB = 1.0  # CUDA context, NCCL buffers
-RESERVE_FRACTION = 0.10  # allocator fragmentation
 LOGITS_CHUNK = 1024  # rows per chunk of the frozen lm_head product (Eagle3Module.logits_chunk_size)
-
-
-@dataclass
-class PlanLine:
-    what: str
-    bytes: float
-    note: str = ""
-    phase: str = ""  # "" = held throughout; else the phase that holds it (only the largest phase counts)
-
-
-@dataclass
-class MemoryPlan:
-    """Per-GPU memory of a recipe's training step (and, for offline recipes, of its feature job)."""
-
-    source: str
-    target: str
-    strategy: str
-    world_size: int
-    gpu_memory_gb: float | None
-    lines: list[PlanLine] = field(default_factory=list)
-    feature_job: list[PlanLine] = field(default_factory=list)
-
-    @property
-    def total(self) -> float:
-        """The peak: the persistent lines plus the largest phase."""
-        return peak(self.lines)[0]
-
-    @property
-    def peak_phase(self) -> str | None:
-        """The phase that sets the peak (None without phases)."""
-        return peak(self.lines)[1]
-
-    @property
-    def fits(self) -> bool | None:
-        return None if self.gpu_memory_gb is None else self.total <= self.gpu_memory_gb * 1e9
-
-    @property
-    def feature_job_fits(self) -> bool | None:
-        if not self.feature_job or self.gpu_memory_gb is None:
-            return None
-        return peak(self.feature_job)[0] <= self.gpu_memory_gb * 1e9
-
-    def table(self) -> str:
-        """The plan as a text table with a verdict line."""
-        out = [f"{self.source}: target {self.target}, strategy {self.strategy}, {self.world_size} device(s); "
-               "per device (GB = 1e9 bytes):"]
-        out += _rows(self.lines)
-        out.append(_verdict(self.total, self.gpu_memory_gb, "training"))
-        if self.feature_job:
-            out += ["", "feature job (`eagle3-zoo prepare`, one target per process, data split by rank); per device:"]
-            out += _rows(self.feature_job)
-            job = peak(self.feature_job)[0]
-            out.append(_verdict(job, self.gpu_memory_gb, "feature job"))
-            if self.feature_job_fits is False:
-                out.append("  -> the target does not fit one process: extract its features with an inference engine "
-                           "(tensor/expert parallel) instead")
-        return "\n".join(out)
-
-
-def peak(lines: list[PlanLine]) -> tuple[float, str | None]:
-    """Bytes of the persistent lines plus the largest phase, and that phase (None without phases)."""
-    phases: dict[str, float] = {}
-    for line in lines:
-        if line.phase:
-            phases[line.phase] = phases.get(line.phase, 0.0) + line.bytes
-    held = sum(line.bytes for line in lines if not line.phase)
-    if not phases:
-        return held, None
-    top = max(phases, key=phases.__getitem__)
-    return held + phases[top], top
-
-
-def _rows(lines: list[PlanLine]) -> list[str]:
-    """One row per line, each phase's lines under a header row with the phase's sum, then the peak."""
-    total, top = peak(lines)
-    phases = {line.phase for line in lines if line.phase}
-    width = max(len(line.what) + (2 if line.phase else 0) for line in lines)
-    width = max([width, *(len(p) + 1 for p in phases)])
-
-    def row(what: str, size: float, note: str = "") -> str:
-        return f"  {what.ljust(width)}  {size / 1e9:9.2f} GB  {note}".rstrip()
-
-    rows, seen = [], set()
-    for line in lines:
-        if line.phase and line.phase not in seen:
-            seen.add(line.phase)
-            size = sum(x.bytes for x in lines if x.phase == line.phase)
-            note = ("sets the peak" if line.phase == top else "smaller, not counted") if len(phases) > 1 else ""
-            rows.append(row(f"{line.phase}:", size, note))
-        rows.append(row(f"  {line.what}" if line.phase else line.what, line.bytes, line.note))
-    rows.append(row("total", total, f"peak: the lines held throughout + the {top}" if len(phases) > 1 else ""))
-    return rows
-
-
-def _verdict(total: float, gpu_memory_gb: float | None, what: str) -> str:
-    if gpu_memory_gb is None:
-        return f"{what}: no trainer.gpu_memory_gb declared, so no verdict ({total / 1e9:.1f} GB needed)"
-    word = "fits" if total <= gpu_memory_gb * 1e9 else "does NOT fit"
-    return f"{what}: {word}: {total / 1e9:.1f} GB of {gpu_memory_gb:g} GB per GPU (trainer.gpu_memory_gb)"
 
 
 def _meta_model(config: Any) -> torch.nn.Module:
@@ -140,14 +47,19 @@ def _meta_model(config: Any) -> torch.nn.Module:
 
 
 def target_parameter_counts(config: Any, adapter: Any) -> dict[str, int]:
-    """`total`, `embed`, `lm_head` and `largest_layer` parameter counts of the target (meta-device build)."""
+    """`total`, `embed`, `lm_head` and `largest_layer` parameter counts of the target (meta-device build), and of
+    its decoder layers' `layer_matrices` (parameters of 2 or more dims: what FP8 checkpoints quantise) and routed
+    `experts` (what expert parallelism splits)."""
     model = _meta_model(config)
     embed, head = adapter.embed_tokens(model).weight, adapter.lm_head(model).weight
     layers = list(adapter.decoder_layers(model))
     unique = {id(p): p.numel() for p in model.parameters()}
+    named = [(n, p) for m in layers for n, p in m.named_parameters()]
     return {"total": sum(unique.values()), "embed": embed.numel(),
             "lm_head": 0 if head is embed else head.numel(),
-            "largest_layer": max((sum(p.numel() for p in m.parameters()) for m in layers), default=0)}
+            "largest_layer": max((sum(p.numel() for p in m.parameters()) for m in layers), default=0),
+            "layer_matrices": sum(p.numel() for _, p in named if p.dim() >= 2),
+            "experts": sum(p.numel() for n, p in named if ".experts." in f".{n}")}
 
 
 def _meta_drafter(config: Any) -> torch.nn.Module:
@@ -166,18 +78,6 @@ def fsdp_padded_numel(config: Any, shard: int) -> int:
     """Elements of a drafter's parameters as FSDP2 lays them out unsharded over `shard` ranks: each parameter's
     dim 0 padded to a multiple of `shard` (the all-gather output and the reduce-scatter input have this size)."""
     return sum(-(-p.shape[0] // shard) * shard * (p.numel() // p.shape[0]) for p in _meta_drafter(config).parameters())
-
-
-def stored_dtype(precision: str) -> torch.dtype:
-    """The dtype of the drafter's stored parameters under a `trainer.precision` (Lightning converts the module
-    under the `*-true` precisions; the mixed precisions keep fp32 weights)."""
-    return {"64-true": torch.float64, "bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision,
-                                                                                                torch.float32)
-
-
-def compute_dtype(precision: str) -> torch.dtype:
-    """The dtype of the drafter's matmuls under a `trainer.precision` (autocast's under `*-mixed`)."""
-    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision, stored_dtype(precision))
 
 
 def fsdp_drafter_lines(config: Any, precision: str, shard: int) -> list[PlanLine]:
@@ -299,7 +199,7 @@ def tau_eval_lines(recipe: Any, target_config: Any, dcfg: Any, n_drafter: int, g
 
 
 def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") -> MemoryPlan:
-    """The per-GPU memory plan of a recipe.
+    """The per-GPU memory plan of every phase of a recipe's run, from its run plan (`run_plan`).
 
     Args:
         recipe: a loaded `Recipe`.
@@ -310,7 +210,8 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     from eagle3_zoo.adapters import get_adapter
     from eagle3_zoo.adapters.shipped import shipped_target_config
     from eagle3_zoo.training.build import drafter_config
-    from eagle3_zoo.training.strategies import drafter_mixed_precision
+    from eagle3_zoo.training.plan_phases import hidden_states_phase, regeneration_phase
+    from eagle3_zoo.training.run_plan import run_plan
 
     t, tr = recipe.target, recipe.trainer
     if target_config is None:
@@ -320,86 +221,97 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
 
         target_config = resolve_target_config(t.name_or_path)
     adapter = get_adapter(target_config.model_type)
-    world = (tr.devices if isinstance(tr.devices, int) and tr.devices > 0 else 1) * tr.num_nodes
-    fsdp = tr.strategy == "fsdp"
-    per_node = world // tr.num_nodes
-    # FSDP shards within a node and replicates across nodes (HSDP, `strategies.fsdp_mesh`) when there are several
-    shard = (per_node if tr.num_nodes > 1 and per_node > 1 else world) if fsdp else 1
-    tbytes = torch_dtype(t.dtype).itemsize
-    compute = compute_dtype(tr.precision)
-    compute_name = str(compute).removeprefix("torch.")
+    rp = run_plan(recipe)
     counts = target_parameter_counts(target_config, adapter)
     aux = tuple(recipe.drafter.aux_layer_ids or adapter.aux_layer_ids(target_config.num_hidden_layers))
     dcfg = drafter_config(recipe, target_config, aux)
-    n_drafter = drafter_parameter_count(dcfg)
-    tokens = tr.batch_size * recipe.data.max_length
-    steps = recipe.ttt.steps
-    plan = MemoryPlan(source, getattr(target_config, "_name_or_path", "") or t.name_or_path, tr.strategy, world,
-                      tr.gpu_memory_gb)
     quant = (getattr(target_config, "quantization_config", None) or {}).get("quant_method")
     dequant = f"; its {quant} checkpoint dequantised to {t.dtype}" if quant else ""
-    from eagle3_zoo.recipe_engine import features_from_engine, target_in_training_step, target_sharded_in_trainer
+    plan = MemoryPlan(source, getattr(target_config, "_name_or_path", "") or t.name_or_path, tr.strategy,
+                      rp.world_size, tr.gpu_memory_gb, decisions=_decisions(rp),
+                      tau_off="" if rp.tau else "off (trainer.tau_eval.every_n_steps: null)")
+    kv = kv_elements_per_token(target_config)
+    plan.phases = [regeneration_phase(recipe, target_config, counts, kv, dequant),
+                   hidden_states_phase(recipe, target_config, counts, kv, dequant)]
+    plan.lines = _training_lines(recipe, rp, target_config, dcfg, counts, dequant)
+    return plan
 
-    tau = bool(tr.tau_eval.every_n_steps)
-    in_step = target_in_training_step(recipe)
-    keep_target = in_step or tau
-    shard_target = target_sharded_in_trainer(recipe)  # offline: FSDP shards the drafter only
+
+def _decisions(rp: Any) -> str:
+    """The run plan in one line: what of the target a trainer rank loads, the shard layout, the dtypes."""
+    dt = {k: str(v).removeprefix("torch.") for k, v in
+          (("t", rp.target_dtype), ("s", rp.drafter_dtype), ("c", rp.compute_dtype))}
+    layout = f"FSDP shard group {rp.shard} x {rp.replicas} replica(s)" if rp.strategy == "fsdp" else \
+        f"{rp.world_size} data-parallel replica(s)"
+    return (f"run plan: the target on each trainer rank: {rp.target_load} ({rp.target_load_reason}), "
+            f"{dt['t']}; {layout}; drafter {dt['s']} weights, {dt['c']} matmuls; regeneration: {rp.regeneration}; "
+            f"hidden states: {rp.hidden_states}")
+
+
+def _training_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any, counts: dict[str, int],
+                    dequant: str) -> list[PlanLine]:
+    """Per trainer GPU during training: the target (as `rp.target_load` says), the drafter and its optimizer, the
+    training step's buffers and the tau evaluation's transient."""
+    from eagle3_zoo.training.strategies import drafter_mixed_precision
+
+    t, tr = recipe.target, recipe.trainer
+    tbytes, compute = rp.target_dtype.itemsize, rp.compute_dtype
+    compute_name = str(compute).removeprefix("torch.")
+    fsdp, shard, world = tr.strategy == "fsdp", rp.shard, rp.world_size
+    n_drafter = drafter_parameter_count(dcfg)
+    tokens, steps = tr.batch_size * recipe.data.max_length, recipe.ttt.steps
     train = "training step"
-    source_of_features = "the engine (streamed)" if features_from_engine(recipe) and recipe.data.mode != "offline" \
-        else "the store"
-    if keep_target:
-        why = "online features" if in_step else "tau evaluation during training"
+    lines = []
+    if rp.target_kept:
+        why = "online features" if rp.target_in_step else "tau evaluation during training"
         where = (f"sharded over {shard}" + (f", replicated over {tr.num_nodes} nodes" if shard < world else "")
-                 if shard_target else "a full copy per GPU")
-        plan.lines.append(PlanLine("target weights", counts["total"] * tbytes / (shard if shard_target else 1),
-                                   f"{counts['total'] / 1e9:.2f}B params in {t.dtype}, {where} ({why}){dequant}"))
-        if shard_target:
-            plan.lines.append(PlanLine("target all-gather", 2 * counts["largest_layer"] * tbytes,
-                                       "two decoder layers unsharded at a time (prefetch)"))
+                 if rp.target_sharded else "a full copy per GPU")
+        lines.append(PlanLine("target weights", counts["total"] * tbytes / (shard if rp.target_sharded else 1),
+                              f"{counts['total'] / 1e9:.2f}B params in {t.dtype}, {where} ({why}){dequant}"))
+        if rp.target_sharded:
+            lines.append(PlanLine("target all-gather", 2 * counts["largest_layer"] * tbytes,
+                                  "two decoder layers unsharded at a time (prefetch)"))
+            if rp.target_load == "whole":  # loaded whole on every rank, then sharded: the load is a phase of its own
+                lines.append(PlanLine("whole target before sharding", counts["total"] * tbytes * (1 - 1 / shard),
+                                      f"the rest of the target, on every rank until FSDP shards it "
+                                      f"({rp.target_load_reason})", "target load"))
+    elif rp.target_load == "whole":  # loaded for the data stage (or a LoRA merge), and the run keeps it
+        lines.append(PlanLine("target weights", counts["total"] * tbytes,
+                              f"{counts['total'] / 1e9:.2f}B params in {t.dtype}, loaded whole "
+                              f"({rp.target_load_reason}) and kept; training reads its embedding and lm_head"
+                              f"{dequant}"))
     else:
-        plan.lines.append(PlanLine("target embed + lm_head", (counts["embed"] + counts["lm_head"]) * tbytes,
-                                   f"features come from {source_of_features}"))
-    state = 4 * stored_dtype(tr.precision).itemsize  # weights + grads + AdamW (m, v), all in the stored dtype
-    plan.lines.append(PlanLine("drafter weights+grads+AdamW", n_drafter * state / shard,
-                               f"{n_drafter / 1e6:.0f}M params x {state} B{f' / {shard}' if fsdp else ''}"))
-    if in_step:
+        lines.append(PlanLine("target embed + lm_head", (counts["embed"] + counts["lm_head"]) * tbytes,
+                              f"features come from {'the engine (streamed)' if rp.streams else 'the store'}"))
+    state = 4 * rp.drafter_dtype.itemsize  # weights + grads + AdamW (m, v), all in the stored dtype
+    lines.append(PlanLine("drafter weights+grads+AdamW", n_drafter * state / shard,
+                          f"{n_drafter / 1e6:.0f}M params x {state} B{f' / {shard}' if fsdp else ''}"))
+    if rp.target_in_step:
         h, inter = target_config.hidden_size, target_config.intermediate_size
-        plan.lines.append(PlanLine("target forward", tokens * (6 * h + 3 * inter) * tbytes
-                                   + LOGITS_CHUNK * target_config.vocab_size * 4,
-                                   "one layer's activations (no grad) + a chunk of fp32 logits", train))
+        lines.append(PlanLine("target forward", tokens * (6 * h + 3 * inter) * tbytes
+                              + LOGITS_CHUNK * target_config.vocab_size * 4,
+                              "one layer's activations (no grad) + a chunk of fp32 logits", train))
     else:
-        plan.lines.append(PlanLine("target logits chunk", LOGITS_CHUNK * target_config.vocab_size * 4,
-                                   "fp32 lm_head logits of the stored final hidden, a chunk at a time", train))
+        lines.append(PlanLine("target logits chunk", LOGITS_CHUNK * target_config.vocab_size * 4,
+                              "fp32 lm_head logits of the stored final hidden, a chunk at a time", train))
     saved = ttt_saved_bytes(dcfg, tokens, steps, compute)
     act = saved["activations"]
     note = f"{steps} TTT steps x {tokens} tokens (batch {tr.batch_size} x {recipe.data.max_length}), {compute_name}"
     if tr.activation_checkpointing:  # the MLP's 4 [T, I] tensors are recomputed in backward, one step at a time
         act -= (steps - 1) * 4 * dcfg.intermediate_size * tokens * compute.itemsize
         note += "; MLP activations recomputed (activation checkpointing)"
-    plan.lines.append(PlanLine("TTT activations", act + saved["loss_rows"] + saved["fc_input"], note, train))
+    lines.append(PlanLine("TTT activations", act + saved["loss_rows"] + saved["fc_input"], note, train))
     # autocast keeps a compute-dtype copy of each fp32 matmul weight for backward (FSDP's bf16 policy has none)
     copies = saved["autocast_weights"] if tr.precision.endswith("-mixed") and not (
         fsdp and drafter_mixed_precision(tr.precision) is not None) else 0
     if copies:
-        plan.lines.append(PlanLine("autocast weight copies", copies,
-                                   f"{compute_name} copies of the drafter's fp32 matmul weights (kept for backward)",
-                                   train))
+        lines.append(PlanLine("autocast weight copies", copies,
+                              f"{compute_name} copies of the drafter's fp32 matmul weights (kept for backward)", train))
     vd = dcfg.draft_vocab_size
-    plan.lines.append(PlanLine("loss buffers", tokens * vd * 4 + vd * dcfg.hidden_size * 4,
-                               f"target probabilities over {vd} draft tokens + one lm_head gradient buffer (fp32)",
-                               train))
+    lines.append(PlanLine("loss buffers", tokens * vd * 4 + vd * dcfg.hidden_size * 4,
+                          f"target probabilities over {vd} draft tokens + one lm_head gradient buffer (fp32)", train))
     if fsdp:
-        plan.lines += fsdp_drafter_lines(dcfg, tr.precision, shard)
-    if tau:
-        plan.lines += tau_eval_lines(recipe, target_config, dcfg, n_drafter, gathers=fsdp)
-    subtotal = plan.total
-    plan.lines.append(PlanLine("reserve", RESERVE_FIXED_GIB * GIB + RESERVE_FRACTION * subtotal,
-                               f"{RESERVE_FIXED_GIB:g} GiB CUDA context + {RESERVE_FRACTION:.0%} fragmentation"))
-    if recipe.data.mode == "offline" and not features_from_engine(recipe):  # else the engine runs the feature job
-        job = [PlanLine("target weights", counts["total"] * tbytes,
-                        f"{counts['total'] / 1e9:.2f}B params in {t.dtype}, whole in each process{dequant}"),
-               PlanLine("target forward", tokens * (6 * target_config.hidden_size + 3 * target_config.intermediate_size)
-                        * tbytes, "one layer's activations (no grad)")]
-        job.append(PlanLine("reserve", RESERVE_FIXED_GIB * GIB + RESERVE_FRACTION * sum(x.bytes for x in job), ""))
-        plan.feature_job = job
-    return plan
+        lines += fsdp_drafter_lines(dcfg, tr.precision, shard)
+    if rp.tau:
+        lines += tau_eval_lines(recipe, target_config, dcfg, n_drafter, gathers=fsdp)
+    return [*lines, reserve_line(lines)]

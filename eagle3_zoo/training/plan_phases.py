@@ -1,0 +1,168 @@
+"""The phases of `eagle3-zoo plan` before training: regeneration and hidden states, each on the hardware it runs on.
+
+Regeneration in process (`data.regenerate.backend: hf`) holds, on every trainer GPU, the whole target and one
+`generate` batch: the prefill of `batch_size` prompts (at most `data.max_length - 1` tokens each: longer ones are
+dropped) and then their KV cache growing by `max_new_tokens`. In the engine (the recipe's `engine:` for hidden
+states, or the one vLLM server regeneration starts with backend vllm) each GPU holds the engine's weights at its
+tensor / expert parallel size, one forward's activations and the KV cache that `gpu_memory_utilization` leaves: the
+phase fits when that budget holds at least one sequence of the engine's context length. A server someone else runs
+(backend openai) is outside the plan: one line says so. Nothing is allocated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eagle3_zoo.dtypes import torch_dtype
+from eagle3_zoo.training.plan_report import PhasePlan, PlanLine, reserve_line
+
+VLLM_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
+VLLM_BATCHED_TOKENS = 8192  # tokens of one vLLM forward (its chunked-prefill budget on large GPUs): activations
+
+
+def forward_bytes(config: Any, tokens: int, itemsize: int, tp: int = 1) -> float:
+    """One decoder layer's activations over `tokens` (no grad): residual stream, norms and attention (6 hidden
+    widths) and the MLP's gate, up and product (3 intermediate widths), the widths split over `tp` GPUs."""
+    return tokens * (6 * config.hidden_size + 3 * config.intermediate_size / tp) * itemsize
+
+
+def regeneration_in_process(recipe: Any, config: Any, counts: dict[str, int], kv_per_token: int,
+                            dequant: str) -> list[PlanLine]:
+    """Per trainer GPU: the whole target and one `generate` batch (prefill, then decode to `max_new_tokens`)."""
+    r, t = recipe.data.regenerate, recipe.target
+    tb = torch_dtype(t.dtype).itemsize
+    b, p, n = r.batch_size, recipe.data.max_length - 1, r.max_new_tokens
+    kv = kv_per_token * tb
+    logits = b * config.vocab_size * 4  # the last position's fp32 logits of each row
+    lines = [PlanLine("target weights", counts["total"] * tb,
+                      f"{counts['total'] / 1e9:.2f}B params in {t.dtype}, whole on every GPU{dequant}"),
+             PlanLine("KV cache", b * p * kv, f"batch {b} x {p}-token prompts", "prefill"),
+             PlanLine("prefill forward", forward_bytes(config, b * p, tb) + logits,
+                      "one layer's activations over the batch (no grad) + last-position fp32 logits", "prefill"),
+             PlanLine("KV cache", b * (p + n) * kv, f"batch {b} x ({p} prompt + {n} new) tokens "
+                      f"({kv / 1e3:.0f} KB per token)", "decode"),
+             PlanLine("decode step", logits + forward_bytes(config, b, tb), "one token per row", "decode")]
+    return [*lines, reserve_line(lines)]
+
+
+def engine_weight_bytes(config: Any, counts: dict[str, int], dtype: str, tp: int, ep_group: int) -> tuple[float, str]:
+    """Weight bytes per engine GPU and how they are stored: the checkpoint's FP8 decoder matrices (block scales
+    left out) or MXFP4 experts as vLLM serves them, the rest in `dtype`; everything split over the `tp` GPUs but the
+    routed experts, split over `ep_group` (tp x dp under expert parallelism)."""
+    db = torch_dtype(dtype).itemsize
+    quant = (getattr(config, "quantization_config", None) or {}).get("quant_method")
+    experts, matrices, total = counts["experts"], counts["layer_matrices"], counts["total"]
+    if quant == "fp8":
+        expert_b, other_b = experts * 1.0, (matrices - experts) * 1.0 + (total - matrices) * db
+        how = f"the checkpoint's FP8 decoder matrices (1 B), the rest in {dtype}"
+    elif quant == "mxfp4":
+        expert_b, other_b = experts * (0.5 + 1 / 32), (total - experts) * db
+        how = f"MXFP4 experts (4.25 bits), the rest in {dtype}"
+    else:
+        expert_b, other_b = experts * db, (total - experts) * db
+        how = f"{dtype}"
+    return other_b / tp + expert_b / ep_group, how
+
+
+def engine_lines(config: Any, counts: dict[str, int], kv_per_token: int, *, dtype: str, tp: int, dp: int,
+                 expert_parallel: bool, max_len: int, utilization: float, concurrency: int | None,
+                 capacity_gb: float | None) -> tuple[list[PlanLine], list[str]]:
+    """One engine GPU: its weights, one forward's activations and one `max_len` sequence's KV cache; and the KV
+    budget `utilization` leaves (`capacity_gb` x utilization - weights - activations) in sequences."""
+    db = torch_dtype(dtype).itemsize
+    ep_group = tp * dp if expert_parallel and counts["experts"] else tp
+    weights, how = engine_weight_bytes(config, counts, dtype, tp, ep_group)
+    mla = getattr(config, "kv_lora_rank", None) is not None
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    split = 1 if mla else min(tp, kv_heads)  # vLLM replicates MLA's latent, and KV heads beyond the head count
+    kv = kv_per_token * db / split
+    tokens = max(VLLM_BATCHED_TOKENS, max_len)
+    experts = f", experts over {ep_group}" if ep_group != tp else ""
+    lines = [PlanLine("weights", weights, f"{counts['total'] / 1e9:.2f}B params: {how}; / {tp} (tensor "
+                      f"parallel){experts}"),
+             PlanLine("forward activations", forward_bytes(config, tokens, db, tp),
+                      f"one layer over {tokens} batched tokens (an estimate; vLLM measures its own at start)"),
+             PlanLine("KV cache, one sequence", kv * max_len, f"{max_len} tokens x {kv / 1e3:.1f} KB per token "
+                      "per GPU")]
+    after = []
+    if capacity_gb is not None:
+        budget = capacity_gb * 1e9 - lines[0].bytes - lines[1].bytes
+        seqs = max(budget, 0) / (kv * max_len)
+        after.append(f"  KV budget: {budget / 1e9:.1f} GB per GPU = {seqs:.0f} sequences of {max_len} tokens"
+                     + (f" (engine.concurrency {concurrency} in flight)" if concurrency else ""))
+    return lines, after
+
+
+def engine_capacity(recipe: Any, utilization: float | None) -> tuple[float | None, str]:
+    """GB per engine GPU that vLLM may use: `gpu_memory_utilization` x `engine.gpu_memory_gb` (null: the trainer's
+    GPUs), and the keys it comes from."""
+    e = recipe.engine
+    gpu, key = (e.gpu_memory_gb, "engine.gpu_memory_gb") if e.gpu_memory_gb is not None else (
+        recipe.trainer.gpu_memory_gb, "trainer.gpu_memory_gb")
+    util = utilization or VLLM_UTILIZATION
+    return (None if gpu is None else gpu * util), f"{util:g} (engine.gpu_memory_utilization) x {key}"
+
+
+def regeneration_phase(recipe: Any, config: Any, counts: dict[str, int], kv_per_token: int,
+                       dequant: str) -> PhasePlan:
+    """Regeneration where `run_plan.regeneration_site` puts it: off, in process on every trainer GPU, one vLLM
+    server started here (backend vllm: the whole target on one GPU) or a server outside the run (not planned)."""
+    from eagle3_zoo.training.run_plan import regeneration_site
+
+    site, r, d, tr = regeneration_site(recipe), recipe.data.regenerate, recipe.data, recipe.trainer
+    name = "regeneration"
+    if site == "off":
+        return PhasePlan(name, "off (data.regenerate.enabled: false)")
+    if site == "server":
+        return PhasePlan(name, f"on the OpenAI-compatible server at data.regenerate.base_url ({r.base_url}), "
+                         "started outside this run: its memory is not planned here, and no trainer rank loads the "
+                         "target for it")
+    if site == "in process":
+        return PhasePlan(name, f"in process (backend hf), every trainer rank generating batches of {r.batch_size} "
+                         "with the whole target", regeneration_in_process(recipe, config, counts, kv_per_token,
+                                                                         dequant), tr.gpu_memory_gb)
+    capacity = None if tr.gpu_memory_gb is None else tr.gpu_memory_gb * VLLM_UTILIZATION
+    lines, after = engine_lines(config, counts, kv_per_token, dtype=recipe.target.dtype, tp=1, dp=1,
+                                expert_parallel=False, max_len=d.max_length + r.max_new_tokens,
+                                utilization=VLLM_UTILIZATION, concurrency=r.concurrency, capacity_gb=capacity)
+    return PhasePlan(name, "one vLLM server started here for the target (backend vllm: one GPU, no tensor "
+                     "parallelism)", lines, capacity, f"{VLLM_UTILIZATION:g} (vLLM's default) x trainer.gpu_memory_gb",
+                     after)
+
+
+def hidden_states_phase(recipe: Any, config: Any, counts: dict[str, int], kv_per_token: int,
+                        dequant: str) -> PhasePlan:
+    """The target's hidden states where `run_plan.hidden_states_site` puts them: in the training step (its lines are
+    the training phase's), the offline feature job in process, or the recipe's engine."""
+    from eagle3_zoo.recipe_engine import engine_max_model_len
+    from eagle3_zoo.training.run_plan import hidden_states_site
+
+    site, t, tr = hidden_states_site(recipe), recipe.target, recipe.trainer
+    name = "hidden states"
+    if site == "training step":
+        return PhasePlan(name, "in the training step, by the target on the trainer's GPUs (planned with training)")
+    if site == "feature job":
+        tb = torch_dtype(t.dtype).itemsize
+        tokens = tr.batch_size * recipe.data.max_length
+        job = [PlanLine("target weights", counts["total"] * tb,
+                        f"{counts['total'] / 1e9:.2f}B params in {t.dtype}, whole in each process{dequant}"),
+               PlanLine("target forward", forward_bytes(config, tokens, tb), "one layer's activations (no grad)")]
+        job.append(PlanLine("reserve", reserve_line(job).bytes, ""))
+        phase = PhasePlan(name, "feature job (`eagle3-zoo prepare`, one target per process, data split by rank)", job,
+                          tr.gpu_memory_gb)
+        if phase.fits is False:
+            phase.after.append("  -> the target does not fit one process: extract its features with an inference "
+                               "engine (tensor/expert parallel) instead")
+        return phase
+    e = recipe.engine
+    capacity, key = engine_capacity(recipe, e.gpu_memory_utilization)
+    lines, after = engine_lines(config, counts, kv_per_token, dtype=e.dtype or t.dtype, tp=e.tensor_parallel_size,
+                                dp=e.data_parallel_size, expert_parallel=e.expert_parallel,
+                                max_len=engine_max_model_len(recipe), utilization=e.gpu_memory_utilization or
+                                VLLM_UTILIZATION, concurrency=e.concurrency, capacity_gb=capacity)
+    servers = f"{e.replicas} server(s) launched here" if e.mode == "launch" else f"{len(e.urls)} attached server(s)"
+    how = {"online": "streamed to the trainers", "hybrid": "streamed, stored on the first pass",
+           "offline": "stored before training"}[recipe.data.mode]
+    return PhasePlan(name, f"in the engine ({servers}, each tensor parallel {e.tensor_parallel_size} x data parallel "
+                     f"{e.data_parallel_size}{', expert parallel' if e.expert_parallel else ''}), {how}", lines,
+                     capacity, key, after)
