@@ -1,0 +1,176 @@
+"""`eagle3-zoo plan` covers every phase of a run (regeneration, hidden states, training step, tau evaluation), each
+shipped recipe's phases fit the hardware it declares and no shipped FSDP recipe loads the whole target on a rank;
+`plan`, `build_run` and the strategy builder take their decisions from the one run plan (world size, what of the
+target a rank loads, the FSDP shard group)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eagle3_zoo.adapters import get_adapter
+from eagle3_zoo.cli import main
+from eagle3_zoo.recipe import load_recipe
+from eagle3_zoo.training import build, run_plan, strategies
+from eagle3_zoo.training.plan import plan_recipe, target_parameter_counts
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+PHASES = ("regeneration", "hidden states", "training", "tau evaluation")
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_every_phase_of_every_shipped_recipe_is_planned_and_fits(recipe, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the shipped target configs are enough
+    r = load_recipe(recipe)
+    plan = plan_recipe(r, source=str(recipe))
+    table = plan.table()
+    lines = table.splitlines()
+    for phase in PHASES:  # each phase has its own verdict line, or one line saying it is off / runs elsewhere
+        assert any(line.startswith(f"{phase}: ") for line in lines), (phase, table)
+    assert plan.not_fitting() == [], table
+    if r.trainer.accelerator == "gpu":  # declared hardware: every phase planned here has a verdict, and fits
+        assert plan.fits, table
+        for p in plan.phases:
+            assert p.fits is (True if p.lines else None), table
+        assert table.splitlines()[-1] == "plan: every phase planned here fits"
+    rp = run_plan.run_plan(r)
+    if r.trainer.strategy == "fsdp":  # no shipped FSDP recipe loads the whole target on a rank
+        assert rp.target_load != "whole", (rp.target_load, rp.target_load_reason)
+        assert run_plan.target_skeleton_reason(r) is None or rp.target_load == "heads only"
+
+
+def test_plan_exits_1_naming_the_phases_that_do_not_fit(capsys):
+    # in-process regeneration of the 70B target: the whole target + its KV cache on every trainer GPU, and every
+    # rank loads it whole before FSDP shards it
+    assert main(["plan", "recipes/llama3_70b.yaml", "data.regenerate.backend=hf"]) == 1
+    out = capsys.readouterr().out
+    assert "regeneration: does NOT fit: 203.6 GB of 80 GB" in out and "whole target before sharding" in out
+    assert out.rstrip().splitlines()[-1] == "plan: does NOT fit: regeneration, training"
+    # the FP8 671B engine on the trainer's 80 GB GPUs instead of its 141 GB ones
+    assert main(["plan", "recipes/deepseek_v3.yaml", "engine.gpu_memory_gb=null"]) == 1
+    out = capsys.readouterr().out
+    assert "hidden states: does NOT fit" in out and out.rstrip().endswith("plan: does NOT fit: hidden states")
+    assert main(["plan", "recipes/llama3_8b.yaml", "trainer.gpu_memory_gb=40"]) == 1  # regeneration: 57.1 GB
+    assert capsys.readouterr().out.rstrip().endswith("plan: does NOT fit: regeneration")
+
+
+def test_plan_of_a_phase_that_is_off_or_elsewhere_is_one_line():
+    table = plan_recipe(load_recipe("recipes/deepseek_v3.yaml")).table()
+    assert "\nregeneration: off (data.regenerate.enabled: false)\n" in table
+    assert "\ntau evaluation: off (trainer.tau_eval.every_n_steps: null)" in table
+    table = plan_recipe(load_recipe("recipes/mistral_small.yaml")).table()
+    assert "\nregeneration: on the OpenAI-compatible server at data.regenerate.base_url" in table
+
+
+def test_devices_as_a_list_count_each_device_in_plan_and_strategy():
+    r = load_recipe("recipes/llama3_70b.yaml", ['trainer.devices="0,1"'])
+    assert r.trainer.devices == "0,1"
+    assert run_plan.run_plan(r).world_size == 2
+    plan = plan_recipe(r)
+    assert plan.world_size == 2 and "2 device(s)" in plan.table() and "sharded over 2" in plan.table()
+    strategy = strategies.build_strategy("fsdp", devices=r.trainer.devices, num_nodes=1, accelerator="gpu")
+    assert strategy._data_parallel_size == 2
+    assert run_plan.devices_per_node("3", "gpu") == 3 and run_plan.devices_per_node("1,", "gpu") == 1
+
+
+def test_strategies_read_the_run_plan_functions():
+    assert strategies.world_size is run_plan.world_size
+    assert strategies.target_skeleton_reason is run_plan.target_skeleton_reason
+    assert strategies.fsdp_shard_size is run_plan.fsdp_shard_size
+
+
+def test_fsdp_mesh_is_the_shard_group_plan_reports(monkeypatch):
+    """Across nodes the strategy's mesh is (replicate, shard) with the shard group the run plan (and `plan`) says."""
+    import torch.distributed.device_mesh as dm
+
+    r = load_recipe("recipes/llama3_70b.yaml", ["trainer.num_nodes=2"])
+    rp = run_plan.run_plan(r)
+    assert (rp.world_size, rp.shard, rp.replicas) == (16, 8, 2)
+
+    class Mesh:
+        device_type = "cpu"
+
+        def size(self):
+            return rp.world_size
+
+        def __getitem__(self, name):
+            return ("flat", name)
+
+    made = {}
+    monkeypatch.setattr(dm, "init_device_mesh", lambda dev, shape, mesh_dim_names: made.setdefault("shape", shape))
+    strategies.fsdp_mesh(Mesh(), r.trainer.num_nodes)
+    assert made["shape"] == (rp.replicas, rp.shard)
+    assert "FSDP shard group 8 x 2 replica(s)" in plan_recipe(r).table()
+    assert strategies.fsdp_mesh(Mesh(), 1) == ("flat", "data_parallel")
+
+
+class _Loaded(Exception):
+    pass
+
+
+@pytest.mark.parametrize("overrides, load", [
+    ([], "fsdp shard"),  # tau evaluation on the sharded target, regeneration on a server
+    (["data.regenerate.backend=hf"], "whole"),  # in-process regeneration: the whole target first
+    (["trainer.tau_eval.every_n_steps=null"], "heads only"),  # streamed features, no tau: the heads
+    (["trainer.strategy=ddp"], "whole"),  # tau evaluation without FSDP: a full copy per rank
+])
+def test_build_run_loads_the_target_as_the_run_plan_says(overrides, load, monkeypatch):
+    r = load_recipe("recipes/llama3_70b.yaml", overrides)
+    assert run_plan.run_plan(r).target_load == load
+    seen = {}
+
+    def fake_load(recipe, source, device=None, heads_only=False, skeleton=False):
+        seen.update(heads_only=heads_only, skeleton=skeleton)
+        raise _Loaded
+
+    monkeypatch.setattr(build, "load_recipe_target", fake_load)
+    with pytest.raises(_Loaded):
+        build.build_run(r)
+    assert seen == {"heads_only": load == "heads only", "skeleton": load == "fsdp shard"}
+
+
+def test_plan_and_build_run_read_the_one_target_load(monkeypatch):
+    """Change the decision in `run_plan.target_load` alone: `plan` prints it and `build_run` loads it."""
+    monkeypatch.setattr(run_plan, "target_load", lambda recipe: ("heads only", "patched decision"))
+    r = load_recipe("recipes/llama3_8b.yaml", ["trainer.tau_eval.every_n_steps=null"])
+    assert "heads only (patched decision)" in plan_recipe(r).table()
+    seen = {}
+
+    def fake_load(recipe, source, device=None, heads_only=False, skeleton=False):
+        seen.update(heads_only=heads_only, skeleton=skeleton)
+        raise _Loaded
+
+    monkeypatch.setattr(build, "load_recipe_target", fake_load)
+    with pytest.raises(_Loaded):
+        build.build_run(r)
+    assert seen == {"heads_only": True, "skeleton": False}
+
+
+def test_expert_and_matrix_counts_equal_the_built_moe_model():
+    """The engine's weights per GPU split the routed experts (expert parallel) and store FP8 matrices: their
+    counts come from the model itself."""
+    adapter = get_adapter("qwen3_moe")
+    config = adapter.tiny_config()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config)
+    counts = target_parameter_counts(config, adapter)
+    layers = list(adapter.decoder_layers(model))
+    experts = sum(p.numel() for m in layers for n, p in m.named_parameters() if n.startswith("mlp.experts."))
+    assert experts > 0 and counts["experts"] == experts
+    assert counts["layer_matrices"] == sum(p.numel() for m in layers for p in m.parameters() if p.dim() >= 2)
+
+
+def test_engine_weights_split_by_tensor_and_expert_parallelism():
+    def weights(*overrides):
+        plan = plan_recipe(load_recipe("recipes/qwen3_30b_a3b.yaml", list(overrides)))
+        return plan.phase("hidden states").lines[0].bytes
+
+    tp2, tp4 = weights(), weights("engine.tensor_parallel_size=4", "engine.replicas=1")
+    assert tp4 == pytest.approx(tp2 / 2)
+    dp_ep, dp = weights("engine.data_parallel_size=2"), weights("engine.data_parallel_size=2",
+                                                                "engine.expert_parallel=false")
+    assert dp == pytest.approx(tp2) and dp_ep < tp2 * 0.6  # the experts (most of 30B-A3B) over 4 GPUs
+    fp8 = plan_recipe(load_recipe("recipes/deepseek_v3.yaml")).phase("hidden states").lines[0]
+    assert 80e9 < fp8.bytes < 90e9 and "FP8" in fp8.note  # ~690 GB of FP8 checkpoint over 8 GPUs
