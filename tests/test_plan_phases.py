@@ -174,3 +174,35 @@ def test_engine_weights_split_by_tensor_and_expert_parallelism():
     assert dp == pytest.approx(tp2) and dp_ep < tp2 * 0.6  # the experts (most of 30B-A3B) over 4 GPUs
     fp8 = plan_recipe(load_recipe("recipes/deepseek_v3.yaml")).phase("hidden states").lines[0]
     assert 80e9 < fp8.bytes < 90e9 and "FP8" in fp8.note  # ~690 GB of FP8 checkpoint over 8 GPUs
+
+
+def _phase_numbers(plan) -> dict[str, str]:
+    """Each phase's peak as recipes/README.md's table writes it ("57.1 of 80"; "server", "step", "off")."""
+    def cell(total: float, capacity: float | None) -> str:
+        return f"{total / 1e9:.1f}" + ("" if capacity is None else f" of {capacity:g}")
+
+    out = {}
+    for p in plan.phases:
+        out[p.name] = cell(p.total, p.capacity_gb) if p.lines else p.where.split()[0]
+    out["training"] = cell(plan.total, plan.gpu_memory_gb)
+    held = sum(x.bytes for x in plan.lines if not x.phase)
+    tau = held + sum(x.bytes for x in plan.lines if x.phase == "tau evaluation")
+    out["tau evaluation"] = "off" if plan.tau_off else cell(tau, plan.gpu_memory_gb)
+    return out
+
+
+def test_the_recipes_readme_quotes_what_plan_prints(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    text = (RECIPES[0].parent / "README.md").read_text()
+    rows = [line for line in text.split("### Memory per phase")[1].split("\n## ")[0].splitlines()
+            if line.startswith("| ") and not line.startswith("| Recipe")]
+    assert len(rows) == len(RECIPES)
+    words = {"on": "server", "in": "step", "off": "off"}
+    for row in rows:
+        name, _, regen, hidden, training, tau = (c.strip() for c in row.strip("|").split("|"))
+        plan = plan_recipe(load_recipe(RECIPES[0].parent / f"{name.split()[0]}.yaml"))
+        got = _phase_numbers(plan)
+        for phase, doc in (("regeneration", regen), ("hidden states", hidden), ("training", training),
+                           ("tau evaluation", tau)):
+            want = words.get(got[phase], got[phase])
+            assert doc.split(" (")[0] == want, (name, phase, doc, got[phase])
