@@ -84,10 +84,11 @@ def test_help_and_version_exit_0(capsys):
 
 
 def test_plan_fails_when_any_phase_does_not_fit(capsys):
-    """DeepSeek-V3's training fits a GPU, its in-process feature job (the whole 671B target per process) does not."""
-    assert main(["plan", "recipes/deepseek_v3.yaml"]) == 1
+    """DeepSeek-V3's training fits a GPU, an in-process feature job (the whole 671B target per process) does not."""
+    assert main(["plan", "recipes/deepseek_v3.yaml", "data.mode=offline", "data.features_backend=hf"]) == 1
     out = capsys.readouterr().out
-    assert "training: fits" in out and "feature job: does NOT fit" in out
+    assert "training: fits" in out and "hidden states: does NOT fit" in out
+    assert out.rstrip().splitlines()[-1] == "plan: does NOT fit: hidden states"
 
 
 def test_an_unreachable_hub_is_not_bad_input(tmp_path, monkeypatch, capsys):
