@@ -109,42 +109,41 @@ class _Loaded(Exception):
     pass
 
 
+@pytest.fixture
+def loads(monkeypatch) -> dict:
+    """What `build_run` asks `load_recipe_target` for (heads_only, skeleton); the load itself stops the run."""
+    seen = {}
+
+    def fake_load(recipe, source, device=None, heads_only=False, skeleton=False):
+        seen.update(heads_only=heads_only, skeleton=skeleton)
+        raise _Loaded
+
+    monkeypatch.setattr(build, "load_recipe_target", fake_load)
+    return seen
+
+
 @pytest.mark.parametrize("overrides, load", [
     ([], "fsdp shard"),  # tau evaluation on the sharded target, regeneration on a server
     (["data.regenerate.backend=hf"], "whole"),  # in-process regeneration: the whole target first
     (["trainer.tau_eval.every_n_steps=null"], "heads only"),  # streamed features, no tau: the heads
     (["trainer.strategy=ddp"], "whole"),  # tau evaluation without FSDP: a full copy per rank
 ])
-def test_build_run_loads_the_target_as_the_run_plan_says(overrides, load, monkeypatch):
+def test_build_run_loads_the_target_as_the_run_plan_says(overrides, load, loads):
     r = load_recipe("recipes/llama3_70b.yaml", overrides)
     assert run_plan.run_plan(r).target_load == load
-    seen = {}
-
-    def fake_load(recipe, source, device=None, heads_only=False, skeleton=False):
-        seen.update(heads_only=heads_only, skeleton=skeleton)
-        raise _Loaded
-
-    monkeypatch.setattr(build, "load_recipe_target", fake_load)
     with pytest.raises(_Loaded):
         build.build_run(r)
-    assert seen == {"heads_only": load == "heads only", "skeleton": load == "fsdp shard"}
+    assert loads == {"heads_only": load == "heads only", "skeleton": load == "fsdp shard"}
 
 
-def test_plan_and_build_run_read_the_one_target_load(monkeypatch):
+def test_plan_and_build_run_read_the_one_target_load(monkeypatch, loads):
     """Change the decision in `run_plan.target_load` alone: `plan` prints it and `build_run` loads it."""
     monkeypatch.setattr(run_plan, "target_load", lambda recipe: ("heads only", "patched decision"))
     r = load_recipe("recipes/llama3_8b.yaml", ["trainer.tau_eval.every_n_steps=null"])
     assert "heads only (patched decision)" in plan_recipe(r).table()
-    seen = {}
-
-    def fake_load(recipe, source, device=None, heads_only=False, skeleton=False):
-        seen.update(heads_only=heads_only, skeleton=skeleton)
-        raise _Loaded
-
-    monkeypatch.setattr(build, "load_recipe_target", fake_load)
     with pytest.raises(_Loaded):
         build.build_run(r)
-    assert seen == {"heads_only": True, "skeleton": False}
+    assert loads == {"heads_only": True, "skeleton": False}
 
 
 def test_expert_and_matrix_counts_equal_the_built_moe_model():
