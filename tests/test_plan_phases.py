@@ -205,3 +205,15 @@ def test_the_recipes_readme_quotes_what_plan_prints(monkeypatch):
                            ("tau evaluation", tau)):
             want = words.get(got[phase], got[phase])
             assert doc.split(" (")[0] == want, (name, phase, doc, got[phase])
+
+
+def test_regeneration_on_a_vllm_server_started_here_holds_the_whole_target_on_one_gpu():
+    """backend vllm starts one server with no tensor parallelism: an 8B target fits one 80 GB GPU, a 70B one not."""
+    small = plan_recipe(load_recipe("recipes/llama3_8b.yaml", ["data.regenerate.backend=vllm"])).phase("regeneration")
+    assert small.fits and small.lines[0].what == "weights" and small.capacity_gb == pytest.approx(72)
+    assert small.lines[0].bytes == pytest.approx(8.03e9 * 2, rel=0.01)
+    assert "data.regenerate.concurrency 4 in flight" in "\n".join(small.table())
+    big = plan_recipe(load_recipe("recipes/llama3_70b.yaml", ["data.regenerate.backend=vllm"]))
+    assert big.phase("regeneration").fits is False and big.not_fitting() == ["regeneration"]
+    assert run_plan.run_plan(load_recipe("recipes/llama3_70b.yaml", ["data.regenerate.backend=vllm"])).target_load \
+        == "fsdp shard"  # the server holds the target, not the trainer ranks

@@ -65,7 +65,7 @@ def engine_weight_bytes(config: Any, counts: dict[str, int], dtype: str, tp: int
 
 
 def engine_lines(config: Any, counts: dict[str, int], kv_per_token: int, *, dtype: str, tp: int, dp: int,
-                 expert_parallel: bool, max_len: int, utilization: float, concurrency: int | None,
+                 expert_parallel: bool, max_len: int, utilization: float, concurrency: tuple[int, str] | None,
                  capacity_gb: float | None) -> tuple[list[PlanLine], list[str]]:
     """One engine GPU: its weights, one forward's activations and one `max_len` sequence's KV cache; and the KV
     budget `utilization` leaves (`capacity_gb` x utilization - weights - activations) in sequences."""
@@ -89,7 +89,7 @@ def engine_lines(config: Any, counts: dict[str, int], kv_per_token: int, *, dtyp
         budget = capacity_gb * 1e9 - lines[0].bytes - lines[1].bytes
         seqs = max(budget, 0) / (kv * max_len)
         after.append(f"  KV budget: {budget / 1e9:.1f} GB per GPU = {seqs:.0f} sequences of {max_len} tokens"
-                     + (f" (engine.concurrency {concurrency} in flight)" if concurrency else ""))
+                     + (f" ({concurrency[1]} {concurrency[0]} in flight)" if concurrency else ""))
     return lines, after
 
 
@@ -124,7 +124,8 @@ def regeneration_phase(recipe: Any, config: Any, counts: dict[str, int], kv_per_
     capacity = None if tr.gpu_memory_gb is None else tr.gpu_memory_gb * VLLM_UTILIZATION
     lines, after = engine_lines(config, counts, kv_per_token, dtype=recipe.target.dtype, tp=1, dp=1,
                                 expert_parallel=False, max_len=d.max_length + r.max_new_tokens,
-                                utilization=VLLM_UTILIZATION, concurrency=r.concurrency, capacity_gb=capacity)
+                                utilization=VLLM_UTILIZATION, capacity_gb=capacity,
+                                concurrency=(r.concurrency, "data.regenerate.concurrency"))
     return PhasePlan(name, "one vLLM server started here for the target (backend vllm: one GPU, no tensor "
                      "parallelism)", lines, capacity, f"{VLLM_UTILIZATION:g} (vLLM's default) x trainer.gpu_memory_gb",
                      after)
@@ -159,7 +160,8 @@ def hidden_states_phase(recipe: Any, config: Any, counts: dict[str, int], kv_per
     lines, after = engine_lines(config, counts, kv_per_token, dtype=e.dtype or t.dtype, tp=e.tensor_parallel_size,
                                 dp=e.data_parallel_size, expert_parallel=e.expert_parallel,
                                 max_len=engine_max_model_len(recipe), utilization=e.gpu_memory_utilization or
-                                VLLM_UTILIZATION, concurrency=e.concurrency, capacity_gb=capacity)
+                                VLLM_UTILIZATION, concurrency=(e.concurrency, "engine.concurrency"),
+                                capacity_gb=capacity)
     servers = f"{e.replicas} server(s) launched here" if e.mode == "launch" else f"{len(e.urls)} attached server(s)"
     how = {"online": "streamed to the trainers", "hybrid": "streamed, stored on the first pass",
            "offline": "stored before training"}[recipe.data.mode]
