@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from eagle3_zoo.adapters import get_adapter
 from eagle3_zoo.cli import main
@@ -217,3 +218,37 @@ def test_regeneration_on_a_vllm_server_started_here_holds_the_whole_target_on_on
     assert big.phase("regeneration").fits is False and big.not_fitting() == ["regeneration"]
     assert run_plan.run_plan(load_recipe("recipes/llama3_70b.yaml", ["data.regenerate.backend=vllm"])).target_load \
         == "fsdp shard"  # the server holds the target, not the trainer ranks
+
+
+def test_regeneration_kv_estimate_matches_the_cache_of_a_real_generate_batch():
+    """The decode KV line of in-process regeneration against the cache `generate_replies` (the hf backend's one
+    `generate` per batch) really holds: `batch_size` rows of the longest prompt the recipe lets through
+    (`data.max_length - 1`) + `max_new_tokens` (the last token made is never fed back: one position less)."""
+    from transformers import LlamaForCausalLM
+
+    from eagle3_zoo.data.regenerate import generate_replies
+    from eagle3_zoo.training.plan import kv_elements_per_token
+    from eagle3_zoo.training.plan_phases import regeneration_in_process
+
+    adapter = get_adapter("llama")
+    config = adapter.tiny_config()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    batch, max_length, new = 3, 17, 9
+    caches = []
+    model.register_forward_pre_hook(lambda m, a, kw: caches.append(kw.get("cache", kw.get("past_key_values"))),
+                                    with_kwargs=True)  # the cache object generate feeds the model
+    prompts = [list(range(1, max_length)), list(range(2, max_length - 3)), list(range(5, max_length - 1))]
+    with torch.no_grad():
+        generate_replies(model, prompts, max_new_tokens=new, temperature=0.0, pad_id=0,
+                         end_ids=[config.vocab_size + 1])  # never made: every row runs to max_new_tokens
+    held = sum((layer.keys.numel() + layer.values.numel()) * layer.keys.element_size()
+               for layer in caches[-1].layers if layer.is_initialized)
+    recipe = load_recipe("recipes/llama3_8b.yaml", [f"data.max_length={max_length}", "target.dtype=float32",
+                                                    f"data.regenerate.batch_size={batch}",
+                                                    f"data.regenerate.max_new_tokens={new}"])
+    lines = regeneration_in_process(recipe, config, target_parameter_counts(config, adapter),
+                                    kv_elements_per_token(config), "")
+    decode_kv = next(x for x in lines if x.what == "KV cache" and x.phase == "decode").bytes
+    assert held == decode_kv * (max_length - 1 + new - 1) / (max_length - 1 + new)
+    assert lines[0].bytes == sum(p.numel() * 4 for p in model.parameters())  # the whole target, fp32
