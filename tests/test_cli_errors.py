@@ -84,8 +84,9 @@ def test_help_and_version_exit_0(capsys):
 
 
 def test_plan_fails_when_any_phase_does_not_fit(capsys):
-    """DeepSeek-V3's training fits a GPU, its in-process feature job (the whole 671B target per process) does not."""
-    assert main(["plan", "recipes/deepseek_v3.yaml"]) == 1
+    """DeepSeek-V3's training fits a GPU; with its features extracted in process instead of by its engine, the
+    feature job (the whole 671B target per process) does not."""
+    assert main(["plan", "recipes/deepseek_v3.yaml", "data.mode=offline", "data.features_backend=hf"]) == 1
     out = capsys.readouterr().out
     assert "training: fits" in out and "feature job: does NOT fit" in out
 

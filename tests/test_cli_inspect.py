@@ -23,7 +23,8 @@ def test_print_config_resolves_every_shipped_recipe(recipe, capsys):
     assert resolved["trainer"]["seed"] == 1234  # the override is applied
     assert resolved["target"]["name_or_path"] == written.get("target", {}).get("name_or_path",
                                                                                resolved["target"]["name_or_path"])
-    assert set(resolved) == {"target", "drafter", "data", "ttt", "optim", "trainer", "output_dir", "demo"}  # defaults
+    assert set(resolved) == {"target", "drafter", "data", "ttt", "optim", "loss", "trainer", "engine", "output_dir",
+                             "demo"}  # defaults
     assert "tau_eval" in resolved["trainer"] and "regenerate" in resolved["data"]
 
 
