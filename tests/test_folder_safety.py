@@ -356,7 +356,8 @@ def test_check_with_the_engine_leaves_no_temporary_folder(tmp_path, monkeypatch)
         seen.append(Path(work_dir))
         assert Path(work_dir).is_dir()
         return {"overall": {"drafts": 4, "accepted_tokens": 2, "draft_tokens": 12, "tau": 1.5, "requests": 2},
-                "versions": {"vllm": "fake"}, "settings": {"target": "t"}}
+                "versions": {"vllm": "fake"}, "settings": {"target": "t", "drafter_format_served": "canonical",
+                                                           "drafter_dir_served": str(Path(drafter).resolve())}}
 
     monkeypatch.setattr(engine_eval, "evaluate_in_vllm", fake_evaluate_in_vllm)
     assert engine_eval.engine_smoke("drafter")["ok"]
@@ -375,7 +376,8 @@ def test_a_failed_publish_leaves_nothing_in_its_stage_dir(tmp_path, capsys, monk
         if existed:
             stage.mkdir()
         code, line = _cli(capsys, "publish", src, "--repo-id", "me/x", "--endpoint", url, "--stage-dir", stage)
-        assert code == 2 and f"Hub endpoint {url} is not reachable" in line  # it failed after staging everything
+        # an unreachable Hub is not bad input (exit 1); it failed after staging everything
+        assert code == 1 and f"Hub endpoint {url} is not reachable" in line
         assert (list(stage.iterdir()) == []) if existed else not stage.exists()  # as it was before: nothing staged
 
 

@@ -76,7 +76,8 @@ class TTTScheduleCallback(L.Callback):
 
 class ProgressLogCallback(L.Callback):
     """Training progress in words: what is trained (once), and where no live bar shows the steps (log files, CI),
-    a line about every `log_every_s` seconds and at the last step with the step, rate, ETA and training metrics;
+    a line about every `log_every_s` seconds and at the last step (the end of an epoch-limited run too) with the step,
+    rate, ETA and training metrics;
     after each validation a line with its metrics (written above the bar on a terminal).
 
     Args:
@@ -115,6 +116,15 @@ class ProgressLogCallback(L.Callback):
             return
         self._last_step, self._last_log = step, now
         logger.info("%s: %s", self._progress(trainer, step, now), self._line(trainer.callback_metrics, "train"))
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # an epoch-limited run (or one stopped early) has no "last step" line yet: its final state, once
+        if self.bar or not trainer.is_global_zero or trainer.global_step in (self._last_step, self._first_step):
+            return
+        self._last_step = trainer.global_step
+        logger.info("%s: %s", self._progress(trainer, trainer.global_step, time.monotonic()),
+                    self._line(trainer.callback_metrics, "train"))
 
     def _progress(self, trainer: L.Trainer, step: int, now: float) -> str:
         """`step 40/60 (67%), 0.21 steps/s, 245 tokens/s on this rank, ETA 0:01:35, 190 s elapsed`."""

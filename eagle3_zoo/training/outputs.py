@@ -136,7 +136,7 @@ def drafter_out_dir(out_dir: str | Path) -> Path:
     """
     path = Path(os.path.abspath(out_dir))
     if not path.name or Path.cwd() == path or path in Path.cwd().parents:
-        raise ValueError(f"drafter folder {out_dir!r} is {path}, which holds the current directory; the folder is "
+        raise ValueError(f"drafter folder '{out_dir}' is {path}, which holds the current directory; the folder is "
                          "replaced when it is written: name a new folder, e.g. ./drafter")
     if path.is_dir() and any(path.iterdir()) and not (path / "config.json").exists():
         raise ValueError(f"{path} exists and is not a drafter folder (no config.json); it would be replaced: name a "
