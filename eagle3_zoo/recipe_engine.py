@@ -83,7 +83,7 @@ class EngineConfig:
     max_model_len: int | None = ruled(None, GT0)  # null = data.max_length + 1 (the prompt and the one token made)
     gpu_memory_utilization: float | None = ruled(None, rule(lambda v: 0 < v <= 1, "must be in (0, 1]"))
     gpu_memory_gb: float | None = ruled(None, GT0)  # memory of one engine GPU, for `plan`; null = trainer.gpu_memory_gb
-    cpu_kv_cache_gib: int = ruled(2, GT0)  # CPU builds only: KV cache GiB (VLLM_CPU_KVCACHE_SPACE: vLLM reads an integer)
+    cpu_kv_cache_gib: int = ruled(2, GT0)  # CPU builds only: KV cache GiB (VLLM_CPU_KVCACHE_SPACE, an integer)
     enforce_eager: bool | None = None  # null = eager on a CPU (seconds to start), CUDA graphs on GPUs
     extra_args: list[str] = field(default_factory=list)  # more server arguments, e.g. ["--max-num-seqs", "64"]
     startup_timeout: float = ruled(1800.0, GT0)  # seconds for a launched server to become healthy (671B: long)
