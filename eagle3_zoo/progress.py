@@ -19,6 +19,25 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 LOG_EVERY_S = 30.0  # seconds between progress lines in a log file (README: "a log line ... every 30 s")
+LOG_EVERY_ENV = "EAGLE3_ZOO_LOG_EVERY_S"  # overrides it (0: a line per step / item)
+
+
+def progress_interval_s() -> float:
+    """Seconds between progress lines in a log file: `EAGLE3_ZOO_LOG_EVERY_S` if set, else 30.
+
+    Raises:
+        ValueError: the variable is not a number of seconds >= 0.
+    """
+    raw = os.environ.get(LOG_EVERY_ENV, "").strip()
+    if not raw:
+        return LOG_EVERY_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"{LOG_EVERY_ENV}={raw!r}: expected a number of seconds >= 0 (0: a line per step)")
+    return value
 
 
 def _eta(seconds: float) -> str:
@@ -82,7 +101,8 @@ class Progress:
     """
 
     def __init__(self, total: int, desc: str, unit: str = "it", *, logger: logging.Logger | None = None,
-                 log_every_s: float = LOG_EVERY_S, bar: bool | None = None, enabled: bool = True):
+                 log_every_s: float | None = None, bar: bool | None = None, enabled: bool = True):
+        log_every_s = progress_interval_s() if log_every_s is None else log_every_s
         self.total, self.desc, self.unit = total, desc, unit
         self.done, self.counters, self.status = 0, {}, ""
         self.logger = logger or logging.getLogger(__name__)

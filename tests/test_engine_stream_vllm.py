@@ -26,18 +26,18 @@ pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "smollm2_135m.yaml"
 RTOL, ATOL = 1e-4, 1e-4  # the engine tier's bound (tests/test_engine_vllm.py): fp32, kernel summation orders
-SMALL = ["data.regenerate.enabled=false", "data.max_samples=26", "data.max_length=96", "data.val_fraction=0.1",
-         "drafter.draft_vocab_size=2048", "ttt.steps=3", "ttt.schedule=constant", "optim.warmup_steps=2",
-         "trainer.max_steps=null", "trainer.max_epochs=1", "trainer.batch_size=2", "trainer.val_check_interval=null",
-         "trainer.checkpoint_every_n_steps=3", "trainer.log_every_n_steps=1", "trainer.logger=[csv]",
-         "data.features_dtype=float32", "data.features_backend=vllm", "engine.max_model_len=128",
-         "engine.retries=3"]
+SMALL = ["data.regenerate.enabled=false", "data.mode=online", "data.max_samples=26", "data.max_length=96",
+         "data.val_fraction=0.1", "drafter.draft_vocab_size=2048", "ttt.steps=3", "ttt.schedule=constant",
+         "optim.warmup_steps=2", "trainer.max_steps=null", "trainer.max_epochs=1", "trainer.batch_size=2",
+         "trainer.val_check_interval=null", "trainer.checkpoint_every_n_steps=3", "trainer.log_every_n_steps=1",
+         "trainer.logger=[csv]", "data.features_dtype=float32", "data.features_backend=vllm",
+         "engine.max_model_len=128", "engine.retries=3"]
 
 
 def _env() -> dict[str, str]:
     from training_fixtures import subprocess_env
 
-    env = subprocess_env(PYTHONPATH=str(ROOT))
+    env = subprocess_env(PYTHONPATH=str(ROOT), EAGLE3_ZOO_LOG_EVERY_S="0")  # a log line per step: kill_at
     env.setdefault("EAGLE3_ZOO_VLLM_PYTHON", os.environ.get("EAGLE3_ZOO_VLLM_PYTHON",
                                                            str(ROOT / ".venv-vllm" / "bin" / "python")))
     return env
@@ -147,7 +147,7 @@ def test_the_engine_written_store_equals_hf(work, online):
 
 def test_a_trainer_killed_mid_epoch_resumes_to_the_same_weights(work, servers, online):
     out = work / "killed-trainer"
-    code, log = _fit(out, *_attach(work, servers), kill_at="step 5 (",
+    code, log = _fit(out, *_attach(work, servers), kill_at="step 5, ",
                      victim=lambda p: os.killpg(p.pid, signal.SIGKILL))
     assert code == -signal.SIGKILL and (out / "checkpoints" / "last.ckpt").exists(), log[-3000:]
     code, log = _fit(out, *_attach(work, servers))
@@ -172,7 +172,7 @@ def test_a_server_killed_mid_epoch_is_restarted_and_the_weights_are_the_same(wor
                 return
         raise AssertionError("the launched server was not found")
 
-    code, log = _fit(out, f"data.cache_dir={work / 'cache'}", "engine.devices=0", kill_at="step 5 (",
+    code, log = _fit(out, f"data.cache_dir={work / 'cache'}", "engine.devices=0", kill_at="step 5, ",
                      victim=kill_server)
     assert code == 0, log[-4000:]
     assert "exited (code -9); restarting it (1 of 2" in log

@@ -64,3 +64,27 @@ def test_training_log_lines_come_every_log_every_s_seconds_not_every_n_steps(tmp
     assert len(_logged_steps(tmp_path, caplog, log_every_s=0.0)) == 5
     caplog.clear()
     assert _logged_steps(tmp_path, caplog, log_every_s=0.0, bar=True) == []  # the bar shows the steps
+
+
+def test_the_log_interval_comes_from_the_environment_and_an_epoch_limited_run_logs_its_end(tmp_path, caplog,
+                                                                                          monkeypatch):
+    import logging
+
+    import pytest
+
+    from eagle3_zoo.training.callbacks import ProgressLogCallback
+
+    monkeypatch.setenv("EAGLE3_ZOO_LOG_EVERY_S", "0")
+    assert len(_logged_steps(tmp_path, caplog)) == 5  # a line per step
+    caplog.clear()
+    monkeypatch.setenv("EAGLE3_ZOO_LOG_EVERY_S", "3600")
+    trainer = L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, default_root_dir=tmp_path,
+                        callbacks=[ProgressLogCallback()], enable_model_summary=False, enable_progress_bar=False,
+                        accelerator="cpu")
+    with caplog.at_level(logging.INFO, logger="eagle3_zoo.training.callbacks"):
+        trainer.fit(_Tiny(), DataLoader(_batches(3), batch_size=None))
+    steps = [r.getMessage().split(",")[0] for r in caplog.records if r.getMessage().startswith("step ")]
+    assert steps == ["step 1", "step 6"]  # the first step and the end (no max_steps: no "last step" line before)
+    monkeypatch.setenv("EAGLE3_ZOO_LOG_EVERY_S", "soon")
+    with pytest.raises(ValueError, match="EAGLE3_ZOO_LOG_EVERY_S='soon': expected a number of seconds >= 0"):
+        ProgressLogCallback()

@@ -16,7 +16,7 @@ import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
 
-from eagle3_zoo.progress import LOG_EVERY_S, _eta
+from eagle3_zoo.progress import _eta, progress_interval_s
 
 logger = logging.getLogger(__name__)
 
@@ -81,12 +81,13 @@ class ProgressLogCallback(L.Callback):
     after each validation a line with its metrics (written above the bar on a terminal).
 
     Args:
-        log_every_s: seconds between step lines (README: every 30 s).
+        log_every_s: seconds between step lines (default: `EAGLE3_ZOO_LOG_EVERY_S`, else 30).
         bar: a live bar shows the steps (`eagle3_zoo.progress.use_bar()`): no step lines then.
     """
 
-    def __init__(self, log_every_s: float = LOG_EVERY_S, bar: bool = False):
-        self.log_every_s, self.bar = log_every_s, bar
+    def __init__(self, log_every_s: float | None = None, bar: bool = False):
+        self.log_every_s = progress_interval_s() if log_every_s is None else log_every_s
+        self.bar = bar
         self._start = self._last_log = time.monotonic()
         self._first_step, self._last_step, self._tokens = 0, -1, 0
 
