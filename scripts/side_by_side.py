@@ -21,7 +21,7 @@ machine interleave between arms; finished pieces are not redone, so an interrupt
 fit and of each arm's evaluations go to OUT/<arm>.fit_seconds / .eval_seconds, the machine's load before and after
 each piece to OUT/<arm>.log. The table goes to OUT/table.md.
 
-    python scripts/side_by_side.py --steps 600 --out runs/side_by_side --lock /work/notes/heavy.lock \\
+    python scripts/side_by_side.py --steps 400 --out runs/side_by_side --lock /work/notes/heavy.lock \\
         data.cache_dir=$HOME/.cache/eagle3_zoo
     python scripts/side_by_side.py --table-only --out runs/side_by_side     # the table of what exists
 """
@@ -182,7 +182,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("overrides", nargs="*", help="recipe overrides for every arm (e.g. data.cache_dir=...)")
     ap.add_argument("--recipe", default="recipes/smollm2_135m.yaml")
-    ap.add_argument("--steps", type=int, default=600, help="optimizer steps of every arm")
+    ap.add_argument("--steps", type=int, default=400, help="optimizer steps of every arm")
     ap.add_argument("--acceptance-loss", default="lk_hybrid", choices=("tv", "neg_log_alpha", "lk_hybrid"))
     ap.add_argument("--arms", default=",".join(ARMS), help="comma list of arms to run")
     ap.add_argument("--limit", type=int, default=16, help="MT-bench questions (spread over the categories)")
