@@ -132,3 +132,10 @@ def test_python_dash_m_runs_the_same_command_line():
     out = subprocess.run([sys.executable, "-m", "eagle3_zoo", "zoo", "show", "nosuch"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.strip() == "error: no zoo entry named 'nosuch'; see `eagle3-zoo zoo list`"
+
+
+def test_a_bad_log_interval_is_refused_before_any_work(monkeypatch, capsys):
+    monkeypatch.setenv("EAGLE3_ZOO_LOG_EVERY_S", "soon")
+    assert main(["plan", "recipes/smollm2_135m.yaml"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "error: EAGLE3_ZOO_LOG_EVERY_S='soon': expected a number of seconds >= 0 (0: a line per step)"

@@ -148,9 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parse(build_parser(), argv)
         configure_logging(logging.DEBUG if args.verbose else logging.INFO)
-        from eagle3_zoo.progress import bars_and_logs, quiet_third_party_output
+        from eagle3_zoo.progress import bars_and_logs, progress_interval_s, quiet_third_party_output
         from eagle3_zoo.threads import configure_threads
 
+        progress_interval_s()  # a bad EAGLE3_ZOO_LOG_EVERY_S is refused now, not after a long data stage
         # before the handler imports torch and the Hugging Face libraries: they read these settings at import
         choice = configure_threads(args.threads)
         quiet_third_party_output()
