@@ -415,7 +415,7 @@ def resolved_recipe_yaml(recipe: Recipe | DictConfig) -> str:
 
 def save_resolved_recipe(recipe: Recipe | DictConfig, path: str | os.PathLike) -> Path:
     """Write the resolved recipe as YAML atomically (temp file in the same directory, fsync, rename); the path."""
-    from eagle3_zoo.modeling.io import atomic_write_text
+    from eagle3_zoo.fileio import atomic_write_text
 
     atomic_write_text(Path(path), resolved_recipe_yaml(recipe))
     return Path(path)

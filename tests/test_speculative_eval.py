@@ -156,7 +156,7 @@ def test_eval_cli_end_to_end(tmp_path, capsys):
     saved = json.loads(out.read_text())
     assert saved["lossless"] is True and saved["benchmarks"]["mtbench"]["requests"] == 2
     assert saved["settings"]["target"] == str(target_dir) and out.with_suffix(".png").is_file()
-    from eagle3_zoo.modeling.io import sha256_file
+    from eagle3_zoo.fileio import sha256_file
 
     assert saved["settings"]["drafter_weights_sha256"] == sha256_file(drafter_dir / "model.safetensors")
     assert eval_main([str(drafter_dir), "--bench", "nope", "--out", str(out)]) == 2

@@ -23,8 +23,8 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3_zoo.adapters.chat import load_chat_format
+from eagle3_zoo.fileio import exclusive_lock, replace_directory
 from eagle3_zoo.locations import EMBEDDED_NAMES, EMBEDDED_TARGET, cache_root
-from eagle3_zoo.modeling.io import exclusive_lock, replace_directory
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import torch
 from eagle3_zoo.data.datamodule import collate_right_padded
 from eagle3_zoo.data.features import MANIFEST, FeatureStoreError, FeatureWriter, shard_problem
 from eagle3_zoo.data.ranks import RankSplit, split_for, wait_until
-from eagle3_zoo.modeling.io import atomic_write_bytes, exclusive_lock
+from eagle3_zoo.fileio import atomic_write_bytes, exclusive_lock
 from eagle3_zoo.progress import Progress
 
 logger = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ from torch.utils.data import Dataset
 
 from eagle3_zoo.data.readers import DataError
 from eagle3_zoo.dtypes import dtype_name, torch_dtype
-from eagle3_zoo.modeling.io import atomic_write, atomic_write_bytes, exclusive_lock, sha256_file  # noqa: F401
+from eagle3_zoo.fileio import atomic_write, atomic_write_bytes, exclusive_lock, sha256_file  # noqa: F401
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from eagle3_zoo.data.vocab_cache import (
     tokenizer_fingerprint,
     vocab_cache_key,
 )
-from eagle3_zoo.modeling.io import atomic_write_bytes
+from eagle3_zoo.fileio import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 

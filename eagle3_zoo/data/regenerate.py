@@ -39,7 +39,7 @@ import torch
 from eagle3_zoo.adapters.chat import render_prompt, thinking_enabled
 from eagle3_zoo.data.ranks import RankSplit, wait_until
 from eagle3_zoo.data.readers import Conversation
-from eagle3_zoo.modeling.io import atomic_write_bytes, exclusive_lock
+from eagle3_zoo.fileio import atomic_write_bytes, exclusive_lock
 from eagle3_zoo.progress import Progress
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
 from eagle3_zoo.data.readers import source_files
-from eagle3_zoo.modeling.io import atomic_write_bytes, sha256_file
+from eagle3_zoo.fileio import atomic_write_bytes, sha256_file
 
 logger = logging.getLogger(__name__)
 

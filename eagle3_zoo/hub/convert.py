@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3_zoo.dtypes import torch_dtype
+from eagle3_zoo.fileio import atomic_write, atomic_write_text, move_files_into, staged_directory
 from eagle3_zoo.hub.check import require_valid_drafter, require_valid_stage
 from eagle3_zoo.hub.formats import (
     CANONICAL_KEYS,
@@ -32,7 +33,6 @@ from eagle3_zoo.hub.formats import (
 from eagle3_zoo.hub.variants import SGLANG_RISK, eagle31_options
 from eagle3_zoo.hub.weights import SAFETENSORS_NAME, inside_folder, load_weights
 from eagle3_zoo.modeling import CONFIG_NAME, WEIGHTS_NAME, Eagle3Drafter, identity_vocab
-from eagle3_zoo.modeling.io import atomic_write, atomic_write_text, move_files_into, staged_directory
 
 __all__ = ["CANONICAL_KEYS", "convert_to_canonical", "export_drafter", "extra_files", "import_drafter",
            "load_any_drafter", "tensors_digest"]

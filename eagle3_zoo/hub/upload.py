@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import eagle3_zoo
+from eagle3_zoo.fileio import atomic_write
 from eagle3_zoo.hub.card import render_card
 from eagle3_zoo.hub.check import CheckReport, require_valid_drafter
 from eagle3_zoo.hub.convert import export_drafter
 from eagle3_zoo.hub.formats import EXPORT_FORMATS, load_drafter_config
-from eagle3_zoo.modeling.io import atomic_write
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from eagle3_zoo.dtypes import SAFETENSORS_FLOATS, SAFETENSORS_ITEMSIZE, safetensors_code
-from eagle3_zoo.modeling.io import pickle_refusal
+from eagle3_zoo.fileio import pickle_refusal
 
 SAFETENSORS_NAME = "model.safetensors"
 PICKLE_NAME = "pytorch_model.bin"
@@ -112,7 +112,7 @@ def find_weight_files(folder: str | Path) -> tuple[str, list[Path]]:
 def weights_digest(folder: str | Path) -> str:
     """sha256 over a checkpoint folder's weight files (in order): what `eval` records, so that results can be tied
     to the weights they were measured on."""
-    from eagle3_zoo.modeling.io import sha256_file
+    from eagle3_zoo.fileio import sha256_file
 
     _, files = find_weight_files(folder)
     if len(files) == 1:

@@ -335,7 +335,7 @@ class Eagle3Config:
             raise ValueError(f"{source}: {e}") from e
 
     def save(self, path: str | Path) -> None:
-        from eagle3_zoo.modeling.io import atomic_write_text
+        from eagle3_zoo.fileio import atomic_write_text
 
         atomic_write_text(Path(path), json.dumps(self.to_json_dict(), indent=2, sort_keys=False) + "\n")
 

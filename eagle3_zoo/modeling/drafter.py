@@ -26,9 +26,9 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from eagle3_zoo.dtypes import torch_dtype
+from eagle3_zoo.fileio import atomic_write
 from eagle3_zoo.modeling.attention import cached_attention, ttt_attention
 from eagle3_zoo.modeling.config import Eagle3Config
-from eagle3_zoo.modeling.io import atomic_write
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

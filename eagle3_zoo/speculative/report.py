@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from eagle3_zoo.modeling.io import atomic_write_text
+from eagle3_zoo.fileio import atomic_write_text
 
 
 def load_average() -> list[float] | None:

@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from eagle3_zoo.data.engine_feed import EngineFeedError
 from eagle3_zoo.data.tokenize import draft_vocab_coverage
-from eagle3_zoo.modeling.io import atomic_write, recover_replaced_directory
+from eagle3_zoo.fileio import atomic_write, recover_replaced_directory
 from eagle3_zoo.progress import use_bar
 from eagle3_zoo.recipe import recipe_to_dict
 from eagle3_zoo.targets.loading import target_device, use_device

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from eagle3_zoo.fileio import pickle_refusal, recover_replaced_directory, replace_directory, staged_directory
 from eagle3_zoo.modeling import Eagle3Drafter
-from eagle3_zoo.modeling.io import pickle_refusal, recover_replaced_directory, replace_directory, staged_directory
 
 PACKAGES = ("eagle3-zoo", "torch", "lightning", "transformers", "torchmetrics", "safetensors", "omegaconf", "peft")
 
@@ -149,7 +149,7 @@ def drafter_out_dir(out_dir: str | Path) -> Path:
 def _save_recipe(recipe: Any, path: Path) -> None:
     """recipe.yaml: a typed recipe resolved (the run's own), a plain dict (read from a checkpoint) as data: any
     `${...}` in it stays literal text, never resolved (it could name an environment variable holding a token)."""
-    from eagle3_zoo.modeling.io import atomic_write_text
+    from eagle3_zoo.fileio import atomic_write_text
     from eagle3_zoo.recipe import save_resolved_recipe
 
     if isinstance(recipe, dict):

@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from eagle3_zoo.modeling.io import atomic_write_text, exclusive_lock, remove_dead_stages
+from eagle3_zoo.fileio import atomic_write_text, exclusive_lock, remove_dead_stages
 
 logger = logging.getLogger(__name__)
 

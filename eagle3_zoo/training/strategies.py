@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from eagle3_zoo.modeling.io import replace_directory
+from eagle3_zoo.fileio import replace_directory
 from eagle3_zoo.training.run_plan import fsdp_shard_size, target_skeleton_reason, world_size  # noqa: F401
 
 if TYPE_CHECKING:
