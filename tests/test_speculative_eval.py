@@ -12,9 +12,9 @@ import torch
 
 from eagle3_zoo.adapters import get_adapter
 from eagle3_zoo.cli import main as cli_main
+from eagle3_zoo.draft_shapes import TreeSpec, parse_shapes
 from eagle3_zoo.speculative import PROTOCOL, TauEvalCallback, evaluate, format_table, load_benchmark
 from eagle3_zoo.speculative.evaluation import evaluate_shapes, format_shapes_table
-from eagle3_zoo.speculative.shapes import TreeSpec, parse_shapes
 from tests.hub_fixtures import edit_config, edit_weights
 from tests.test_speculative_support import OracleDraftModel, random_drafter, tiny_target
 

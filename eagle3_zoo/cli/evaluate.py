@@ -19,8 +19,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from eagle3_zoo.draft_shapes import (
+    DEFAULT_DEPTH,
+    DEFAULT_TOP_K,
+    DEFAULT_TOTAL_TOKENS,
+    SHAPE_SYNTAX,
+    TreeSpec,
+    parse_shapes,
+)
 from eagle3_zoo.dtypes import DTYPE_NAMES
-from eagle3_zoo.speculative.shapes import SHAPE_SYNTAX, TreeSpec, parse_shapes
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +36,11 @@ MODES = ("tree", "chain")  # = eagle3_zoo.speculative.generate.MODES
 BUILTIN_BENCHES = ("mtbench", "humaneval")  # = eagle3_zoo.speculative.benchmarks.BUILTIN
 _SHAPE_FLAGS = ("mode", "depth", "top_k", "total_tokens", "min_prob")
 DEFAULTS = {  # per device type: the shape, the answer length and the prompts of an `eval` without those options
-    "cuda": {"mode": "tree", "depth": 8, "top_k": 10, "total_tokens": 60, "min_prob": 0.0, "max_new_tokens": 256,
+    "cuda": {"mode": "tree", "depth": DEFAULT_DEPTH, "top_k": DEFAULT_TOP_K,
+             "total_tokens": DEFAULT_TOTAL_TOKENS, "min_prob": 0.0, "max_new_tokens": 256,
              "limit": None, "spread": False},
-    "cpu": {"mode": "tree", "depth": 8, "top_k": 10, "total_tokens": 60, "min_prob": 0.2, "max_new_tokens": 128,
+    "cpu": {"mode": "tree", "depth": DEFAULT_DEPTH, "top_k": DEFAULT_TOP_K,
+             "total_tokens": DEFAULT_TOTAL_TOKENS, "min_prob": 0.2, "max_new_tokens": 128,
             "limit": 8, "spread": True},
 }
 

@@ -8,7 +8,7 @@ import json
 import time
 from typing import Any
 
-from eagle3_zoo.speculative.shapes import TreeSpec, spec_from_settings
+from eagle3_zoo.draft_shapes import TreeSpec, spec_from_settings
 
 PROTOCOL_SHORT = (
     "tau = tokens per target forward pass (accepted draft tokens + the target's bonus token), pooled over the "

@@ -28,6 +28,7 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
+    from eagle3_zoo.draft_shapes import TreeSpec, parse_shapes
     from eagle3_zoo.speculative.acceptance import Acceptance, SamplingParams, accept, next_token
     from eagle3_zoo.speculative.benchmarks import Benchmark, BenchPrompt, load_benchmark
     from eagle3_zoo.speculative.callback import TauEvalCallback
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
     from eagle3_zoo.speculative.evaluation import evaluate, format_table, plot_acceptance, write_results
     from eagle3_zoo.speculative.generate import MODES, GenerationOutput, SpeculativeGenerator, plain_generate, tree_spec
     from eagle3_zoo.speculative.metrics import PROTOCOL, BenchStats
-    from eagle3_zoo.speculative.shapes import TreeSpec, parse_shapes
     from eagle3_zoo.speculative.target import NodeLogits, TargetRunner
     from eagle3_zoo.speculative.tree import DraftTree, build_tree
 

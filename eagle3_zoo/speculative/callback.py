@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
+from eagle3_zoo.draft_shapes import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS
 from eagle3_zoo.speculative.benchmarks import chat_input_ids, completion_input_ids
 from eagle3_zoo.speculative.generate import SpeculativeGenerator, tree_spec
 from eagle3_zoo.speculative.metrics import BenchStats
@@ -48,8 +49,8 @@ class TauEvalCallback(L.Callback):
     """
 
     def __init__(self, prompts: Sequence[str | Sequence[int] | torch.Tensor], every_n_steps: int = 500,
-                 max_new_tokens: int = 64, mode: str = "tree", depth: int = 8, top_k: int = 10,
-                 total_tokens: int = 60, tokenizer: Any = None):
+                 max_new_tokens: int = 64, mode: str = "tree", depth: int = DEFAULT_DEPTH,
+                 top_k: int = DEFAULT_TOP_K, total_tokens: int = DEFAULT_TOTAL_TOKENS, tokenizer: Any = None):
         if not prompts:
             raise ValueError("TauEvalCallback needs at least one prompt")
         if every_n_steps < 1:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from eagle3_zoo.adapters import TargetAdapter
+from eagle3_zoo.draft_shapes import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, TreeSpec, shape_problem
 from eagle3_zoo.modeling import Eagle3Drafter
 from eagle3_zoo.progress import Progress
 from eagle3_zoo.speculative.acceptance import SamplingParams
@@ -37,7 +38,6 @@ from eagle3_zoo.speculative.report import (  # noqa: F401 (format_* and write_re
     versions,
     write_results,
 )
-from eagle3_zoo.speculative.shapes import TreeSpec, shape_problem
 
 log = logging.getLogger(__name__)
 # where HF configs keep the context length (Llama/Qwen/DeepSeek, GPT-2, some remote-code models)
@@ -65,9 +65,9 @@ def evaluate(
     limit: int | None = None,
     *,
     spread: bool = False,
-    depth: int = 8,
-    top_k: int = 10,
-    total_tokens: int = 60,
+    depth: int = DEFAULT_DEPTH,
+    top_k: int = DEFAULT_TOP_K,
+    total_tokens: int = DEFAULT_TOTAL_TOKENS,
     min_prob: float = 0.0,
     sample_top_k: int = 0,
     sample_top_p: float = 1.0,

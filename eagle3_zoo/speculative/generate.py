@@ -21,17 +21,18 @@ from transformers import DynamicCache
 
 from eagle3_zoo.adapters import TargetAdapter, adapter_for
 from eagle3_zoo.adapters.capture import cache_kwargs
+from eagle3_zoo.draft_shapes import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, TreeSpec
 from eagle3_zoo.modeling import Eagle3Drafter
 from eagle3_zoo.speculative.acceptance import SamplingParams, accept, next_token
 from eagle3_zoo.speculative.draft import DraftModel, Eagle3DraftModel
-from eagle3_zoo.speculative.shapes import TreeSpec
 from eagle3_zoo.speculative.target import TargetRunner
 from eagle3_zoo.speculative.tree import build_tree
 
 MODES = ("tree", "chain")
 
 
-def tree_spec(mode: str, depth: int = 8, top_k: int = 10, total_tokens: int = 60, min_prob: float = 0.0) -> TreeSpec:
+def tree_spec(mode: str, depth: int = DEFAULT_DEPTH, top_k: int = DEFAULT_TOP_K,
+              total_tokens: int = DEFAULT_TOTAL_TOKENS, min_prob: float = 0.0) -> TreeSpec:
     """The draft shape of a mode: `tree` (EAGLE-2 dynamic tree) or `chain` (`depth` tokens, top-1 each), cut where
     the cumulative draft probability drops below `min_prob` (0 = never)."""
     if mode == "tree":

@@ -1,7 +1,7 @@
 """Draft shapes: `TreeSpec`, its text form (`chain:K`, `tree:D/K/N`) and the serving engines' flags for it.
 
-Torch-free, so the `eval` argument parser can validate `--shapes` and the model card can map a shape to flags
-without importing torch.
+Torch-free, and below every folder that uses it: the `eval` argument parser validates `--shapes` and the model card
+maps a shape to flags without importing torch (or `speculative/`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,11 @@ from typing import Any
 
 SHAPE_SYNTAX = ("chain:K (K draft tokens, top-1 each) or tree:D/K/N (depth D, top-k K, N draft nodes), optionally "
                 "followed by @P (draft only nodes whose cumulative draft probability is >= P, 0 <= P < 1)")
+# the default draft shape (the EAGLE-3 paper's tree: depth 8, top-k 10, 60 draft nodes): `eval`, the tau callback,
+# `tree_spec` and the model card read it from here
+DEFAULT_DEPTH = 8
+DEFAULT_TOP_K = 10
+DEFAULT_TOTAL_TOKENS = 60
 _CHAIN = re.compile(r"chain:(\d+)(?:@([0-9.eE+-]+))?")
 _TREE = re.compile(r"tree:(\d+)/(\d+)/(\d+)(?:@([0-9.eE+-]+))?")
 
@@ -31,9 +36,9 @@ class TreeSpec:
             cycle is then one plain decoding step). Lossless either way: the verifier checks whatever is drafted.
     """
 
-    depth: int = 8
-    top_k: int = 10
-    total_tokens: int = 60
+    depth: int = DEFAULT_DEPTH
+    top_k: int = DEFAULT_TOP_K
+    total_tokens: int = DEFAULT_TOTAL_TOKENS
     min_prob: float = 0.0
 
     def __post_init__(self) -> None:
