@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, Gemma3Config
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
 
 from eagle3_zoo.adapters import UnknownAdapterError, adapter_for, available_adapters, get_adapter, load_target
-from eagle3_zoo.hub import check_drafter, convert_to_canonical, export_drafter
+from eagle3_zoo.checkpoint import check_drafter, convert_to_canonical, export_drafter
 from eagle3_zoo.modeling import Eagle3Config
 from eagle3_zoo.recipe import Recipe
 from eagle3_zoo.speculative import Eagle3DraftModel

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from eagle3_zoo.checkpoint import check_drafter
 from eagle3_zoo.cli import main
-from eagle3_zoo.hub import check_drafter
 from eagle3_zoo.modeling import Eagle3Config
 from tests.hub_fixtures import canonical_dir, edit_config
 from tests.tiny import tiny_config

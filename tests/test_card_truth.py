@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import logging
 
+from eagle3_zoo.checkpoint.weights import weights_digest
 from eagle3_zoo.hub.card import card_variables, render_card
-from eagle3_zoo.hub.weights import weights_digest
 from tests.hub_fixtures import canonical_dir, edit_weights
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
+from eagle3_zoo.checkpoint.check_target import resolve_target_config
 from eagle3_zoo.cli import main
-from eagle3_zoo.hub.check_target import resolve_target_config
 from tests.hub_fixtures import canonical_dir
 
 

@@ -11,7 +11,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from tiny import tiny_drafter
 
-from eagle3_zoo.training.outputs import DRAFTER_INFO_KEY, consolidate_checkpoint, drafter_info
+from eagle3_zoo.training.checkpoint_io import DRAFTER_INFO_KEY
+from eagle3_zoo.training.outputs import consolidate_checkpoint, drafter_info
 from eagle3_zoo.training.resume import IDENTITY_KEY, ResumeError, read_checkpoint_identity
 
 IDENTITY = {"optim.lr": "0.001", "data.fingerprint": "abc"}

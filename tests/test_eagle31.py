@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle3_zoo.hub import convert_to_canonical, export_drafter, import_drafter
-from eagle3_zoo.hub.check import check_drafter
-from eagle3_zoo.hub.formats import is_canonical
+from eagle3_zoo.checkpoint import convert_to_canonical, export_drafter, import_drafter
+from eagle3_zoo.checkpoint.check import check_drafter
+from eagle3_zoo.checkpoint.formats import is_canonical
 from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter
 from tests.hub_fixtures import FIT, canonical_dir, edit_config, edit_weights, step_logits, tiny_target_config
 from tests.tiny import tiny_config
@@ -159,14 +159,14 @@ def test_check_warns_that_specforge_once_meant_something_else_by_norm_output(tmp
 
 def test_sglang_export_of_a_31_drafter_warns_about_sglang(tmp_path, caplog):
     src, _ = canonical_dir(tmp_path, fc_norm=True, norm_output=True)
-    with caplog.at_level(logging.WARNING, logger="eagle3_zoo.hub.convert"):
+    with caplog.at_level(logging.WARNING, logger="eagle3_zoo.checkpoint.convert"):
         export_drafter(src, "sglang", tmp_path / "out")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "EAGLE-3.1 drafter (fc_norm, norm_output) in the SGLang layout" in warnings[0]
     assert "serve this drafter wrongly" in warnings[0]
     caplog.clear()
     plain, _ = canonical_dir(tmp_path, name="plain")
-    with caplog.at_level(logging.WARNING, logger="eagle3_zoo.hub.convert"):
+    with caplog.at_level(logging.WARNING, logger="eagle3_zoo.checkpoint.convert"):
         export_drafter(plain, "sglang", tmp_path / "plain_out")
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 

@@ -5,7 +5,7 @@ server (tests/test_engine_vllm.py)."""
 
 from __future__ import annotations
 
-from eagle3_zoo.hub import detect_format, export_drafter
+from eagle3_zoo.checkpoint import detect_format, export_drafter
 from eagle3_zoo.speculative.engine_eval import served_drafter_dir
 from tests.hub_fixtures import canonical_dir, official_dir
 

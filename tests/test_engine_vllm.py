@@ -186,7 +186,7 @@ def test_check_engine_vllm(drafter_dir, capsys):
 def test_check_engine_vllm_loads_the_speculators_export_as_shipped(drafter_dir, tmp_path):
     """The speculators folder goes to vLLM itself (no conversion back to canonical first) and accepts exactly what the
     canonical folder of the same weights accepts on the same prompts."""
-    from eagle3_zoo.hub import export_drafter
+    from eagle3_zoo.checkpoint import export_drafter
     from eagle3_zoo.speculative.engine_eval import engine_smoke
 
     spec = export_drafter(drafter_dir, "speculators", tmp_path / "speculators")

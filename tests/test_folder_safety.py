@@ -19,10 +19,11 @@ from safetensors.torch import save_file
 from tiny import tiny_drafter
 from training_fixtures import REPO, subprocess_env
 
+from eagle3_zoo.checkpoint import check_drafter
+from eagle3_zoo.checkpoint.convert import export_drafter
 from eagle3_zoo.cli import main
-from eagle3_zoo.hub import check_drafter
-from eagle3_zoo.hub.convert import export_drafter
-from eagle3_zoo.training.outputs import DRAFTER_INFO_KEY, drafter_info
+from eagle3_zoo.training.checkpoint_io import DRAFTER_INFO_KEY
+from eagle3_zoo.training.outputs import drafter_info
 from tests.hub_fixtures import canonical_dir
 
 SECRET = "SECRET-outside-content-0xC0FFEE"
@@ -315,13 +316,13 @@ def test_a_killed_export_leaves_nothing_a_rerun_keeps(tmp_path):
     out, marker = tmp_path / "out", tmp_path / "writing"
     script = (
         "import sys, time, safetensors.torch as st\n"
-        "from eagle3_zoo.hub.convert import export_drafter\n"
+        "from eagle3_zoo.checkpoint.convert import export_drafter\n"
         "real = st.save_file\n"
         "def slow(tensors, path, metadata=None):\n"
         "    open(path, 'wb').write(b'half a file')\n"
         f"    open({str(marker)!r}, 'w').close()\n"
         "    time.sleep(60)\n"
-        "import eagle3_zoo.hub.convert as c\n"
+        "import eagle3_zoo.checkpoint.convert as c\n"
         "c.save_file = slow\n"
         f"export_drafter({str(src)!r}, 'speculators', {str(out)!r})\n")
     proc = subprocess.Popen([sys.executable, "-c", script], env=subprocess_env(), cwd=REPO,
@@ -382,8 +383,8 @@ def test_a_failed_publish_leaves_nothing_in_its_stage_dir(tmp_path, capsys, monk
 
 
 def test_export_checks_what_it_staged_before_it_reaches_the_output(tmp_path, monkeypatch):
-    from eagle3_zoo.hub import convert
-    from eagle3_zoo.hub.check import InvalidDrafterError
+    from eagle3_zoo.checkpoint import convert
+    from eagle3_zoo.checkpoint.check import InvalidDrafterError
 
     src, _ = canonical_dir(tmp_path)
     real = convert.speculators_config

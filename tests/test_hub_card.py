@@ -7,9 +7,9 @@ import json
 import jinja2
 from huggingface_hub import ModelCard
 
+from eagle3_zoo.checkpoint.convert import extra_files
 from eagle3_zoo.hub import render_card
 from eagle3_zoo.hub.card import template_text
-from eagle3_zoo.hub.convert import extra_files
 from tests.hub_fixtures import canonical_dir
 
 # TEST DATA: shaped like eagle3_zoo.speculative.evaluate's output; the numbers are made up for this test.

@@ -7,13 +7,7 @@ import os
 import pytest
 import torch
 
-from eagle3_zoo.hub import (
-    UnsafeCheckpointError,
-    check_drafter,
-    export_drafter,
-    import_drafter,
-    live_check,
-)
+from eagle3_zoo.checkpoint import UnsafeCheckpointError, check_drafter, export_drafter, import_drafter
 from tests.hub_fixtures import (
     canonical_dir,
     edit_config,
@@ -244,19 +238,3 @@ def test_rope_and_speculators_fields(tmp_path):
     edit_config(spec, lambda c: c.update(norm_before_residual=True))
     assert "norm_before_residual=true" in only(check_drafter(spec), "NON_CANONICAL_VARIANT").message
 
-
-def test_live_check_measures_tau(tmp_path):
-    from transformers import LlamaForCausalLM
-
-    from eagle3_zoo.adapters import get_adapter
-    from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter
-
-    torch.manual_seed(0)
-    tcfg = get_adapter("llama").tiny_config()
-    target = LlamaForCausalLM(tcfg).eval()
-    drafter = Eagle3Drafter(Eagle3Config.from_target_config(tcfg, draft_vocab_size=tcfg.vocab_size)).eval()
-    prompts = [[1, 5, 9, 23, 7], torch.tensor([4, 8, 15, 16])]
-    result = live_check(drafter, target, None, prompts, min_tau=8.0, max_new_tokens=12)
-    assert result.tau is not None and 1.0 <= result.tau < 8.0 and len(result.per_prompt_tau) == 2
-    assert not result.ok and result.problems[0].code == "LOW_TAU"
-    assert live_check(drafter, target, None, prompts, min_tau=1.0, max_new_tokens=12).ok

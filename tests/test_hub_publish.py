@@ -11,9 +11,10 @@ import pytest
 import torch
 from huggingface_hub import HfApi
 
+from eagle3_zoo.checkpoint import DrafterCheckError, import_drafter
 from eagle3_zoo.cli import main as cli
-from eagle3_zoo.hub import DrafterCheckError, TokenLeakError, import_drafter, load_any_drafter, publish, pull
-from eagle3_zoo.hub.upload import HubUnreachableError
+from eagle3_zoo.hub import TokenLeakError, load_any_drafter, publish, pull
+from eagle3_zoo.hub.endpoint import HubUnreachableError
 from eagle3_zoo.hub.zoo import find_zoo
 from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab, default_aux_layer_ids
 from tests.hub_fixtures import canonical_dir, edit_weights, official_dir, tiny_target_config
@@ -233,7 +234,7 @@ def test_publish_to_a_silent_endpoint_gives_up_after_the_probe_timeout(tmp_path,
     import threading
 
     monkeypatch.setenv("HF_TOKEN", SECRET)
-    monkeypatch.setattr("eagle3_zoo.hub.upload.PROBE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("eagle3_zoo.hub.endpoint.PROBE_TIMEOUT_S", 0.5)
     src, _ = canonical_dir(tmp_path)
     with socket.socket() as silent:  # accepts connections (backlog) and never answers: a blackholed proxy
         silent.bind(("127.0.0.1", 0))

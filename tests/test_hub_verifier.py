@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from eagle3_zoo.checkpoint import check_drafter, export_drafter
 from eagle3_zoo.cli import main
-from eagle3_zoo.hub import check_drafter, export_drafter
 from tests.hub_fixtures import canonical_dir, edit_config
 
 

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_zoo.checkpoint import FORMATS, detect_format
 from eagle3_zoo.cli import hub as hub_cli
 from eagle3_zoo.cli import main as cli
-from eagle3_zoo.hub import FORMATS, detect_format, list_zoo, show_zoo
-from eagle3_zoo.hub.zoo import STATUSES, target_hub_id
+from eagle3_zoo.hub import list_zoo, show_zoo
+from eagle3_zoo.zoo_registry import STATUSES, target_hub_id
 from tests.hub_fixtures import canonical_dir, edit_weights
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -55,8 +56,8 @@ def test_zoo_entries_are_consistent():
 
 def test_a_bad_registry_names_every_problem_by_entry():
     """zoo.yaml is read with the recipe's schema checker: every problem at once, each naming its entry and field."""
-    from eagle3_zoo.hub.zoo import FORMATS as ZOO_FORMATS
-    from eagle3_zoo.hub.zoo import ZooRegistryError, read_registry
+    from eagle3_zoo.zoo_registry import FORMATS as ZOO_FORMATS
+    from eagle3_zoo.zoo_registry import ZooRegistryError, read_registry
 
     assert ZOO_FORMATS == FORMATS  # the registry's copy of the drafter formats (hub.formats loads torch)
     ok = dict(name="a", repo_id="org/a", target="org/t", family="llama", format="sglang", recipe=None,
@@ -94,7 +95,7 @@ def test_add_subparsers_registers_five_commands():
     sub = parser.add_subparsers(dest="command")
     hub_cli.register(sub, argparse.ArgumentParser(add_help=False))
     assert set(sub.choices) == {"export", "check", "publish", "pull", "zoo"}
-    from eagle3_zoo.hub import EXPORT_FORMATS
+    from eagle3_zoo.checkpoint import EXPORT_FORMATS
     assert hub_cli._FORMATS == sorted(EXPORT_FORMATS)
     args = parser.parse_args(["pull", "org/x", "--convert-to", "speculators"])
     assert callable(args.func) and args.convert_to == "speculators"

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from eagle3_zoo.adapters import capture_aux_hidden, get_adapter
+from eagle3_zoo.draft_shapes import TreeSpec
 from eagle3_zoo.modeling import DraftStepOutput
 from eagle3_zoo.speculative import (
     DraftTree,
     Eagle3DraftModel,
     SpeculativeGenerator,
     TargetRunner,
-    TreeSpec,
     build_tree,
     plain_generate,
     tree_spec,

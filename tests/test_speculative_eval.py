@@ -166,7 +166,7 @@ def test_eval_cli_end_to_end(tmp_path, capsys):
 def test_eval_reads_a_drafter_in_the_speculators_format_as_its_canonical_twin(tmp_path):
     """`eval` takes any drafter format `check` accepts: the same weights exported for vLLM (speculators) decode
     exactly as the canonical folder (the same cycles, drafts and acceptances)."""
-    from eagle3_zoo.hub import export_drafter
+    from eagle3_zoo.checkpoint import export_drafter
 
     _, drafter_dir = _saved_target_and_drafter(tmp_path)
     spec_dir = export_drafter(drafter_dir, "speculators", tmp_path / "speculators")

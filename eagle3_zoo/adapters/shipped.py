@@ -22,7 +22,7 @@ def shipped_target_ids() -> list[str]:
 
 def shipped_target_dict(name: str) -> dict[str, Any] | None:
     """The shipped config.json of a target (Hub id, or a local alias the zoo maps to one), or None."""
-    from eagle3_zoo.hub.zoo import target_hub_id
+    from eagle3_zoo.zoo_registry import target_hub_id
 
     hub_id = target_hub_id(name) or name
     path = resources.files("eagle3_zoo").joinpath(*_DIR, _file_name(hub_id))

@@ -164,9 +164,9 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from eagle3_zoo.adapters import load_target
-    from eagle3_zoo.hub.check import require_valid_drafter
-    from eagle3_zoo.hub.convert import import_drafter, tensors_digest
-    from eagle3_zoo.hub.weights import weights_digest
+    from eagle3_zoo.checkpoint.check import require_valid_drafter
+    from eagle3_zoo.checkpoint.convert import import_drafter, tensors_digest
+    from eagle3_zoo.checkpoint.weights import weights_digest
     from eagle3_zoo.speculative.benchmarks import load_benchmark
     from eagle3_zoo.speculative.evaluation import evaluate, evaluate_shapes, format_shapes_table, format_table
 

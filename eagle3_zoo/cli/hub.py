@@ -13,13 +13,13 @@ import logging
 from dataclasses import asdict
 
 log = logging.getLogger(__name__)
-# = sorted(eagle3_zoo.hub.formats.EXPORT_FORMATS), spelled out so that registering the commands imports no torch
+# = sorted(eagle3_zoo.checkpoint.formats.EXPORT_FORMATS), spelled out so that registering the commands imports no torch
 _FORMATS = ["canonical", "sglang", "speculators"]
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from eagle3_zoo.hub.convert import export_drafter
-    from eagle3_zoo.hub.formats import EXPORT_FORMATS
+    from eagle3_zoo.checkpoint.convert import export_drafter
+    from eagle3_zoo.checkpoint.formats import EXPORT_FORMATS
 
     out = export_drafter(args.drafter_dir, args.format, args.out, num_speculative_tokens=args.num_speculative_tokens,
                          verifier=args.verifier)
@@ -28,7 +28,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from eagle3_zoo.hub.check import check_drafter
+    from eagle3_zoo.checkpoint.check import check_drafter
 
     report = check_drafter(args.path, target_config=args.target)
     if args.json:

@@ -1,6 +1,7 @@
-"""Hub and model zoo: export/import formats, compatibility checks, model cards, publish, pull, the zoo registry.
+"""The Hugging Face Hub side: the endpoint probe, pull (download + check + convert), publish (stage + upload), the
+model card and the zoo commands. Reading, writing and checking drafter folders is `eagle3_zoo.checkpoint`, below.
 
-    from eagle3_zoo.hub import check_drafter, export_drafter, import_drafter, publish, pull, list_zoo
+    from eagle3_zoo.hub import publish, pull, list_zoo
 
 Names are imported on first use (PEP 562): the CLI registers its subcommands without loading torch/transformers.
 """
@@ -12,15 +13,10 @@ from typing import Any
 
 _EXPORTS = {
     "card": ("render_card",),
-    "check": ("CheckReport", "DrafterCheckError", "InvalidDrafterError", "Problem", "check_drafter",
-              "require_valid_drafter", "vocab_mapping_problems"),
-    "convert": ("convert_to_canonical", "export_drafter", "import_drafter", "load_any_drafter"),
-    "formats": ("CANONICAL_KEYS", "EXPORT_FORMATS", "FORMATS", "detect_format"),
-    "live": ("LiveCheckResult", "live_check"),
+    "download": ("PullResult", "load_any_drafter", "pull"),
+    "endpoint": ("HubUnreachableError",),
     "upload": ("PublishResult", "TokenLeakError", "publish"),
-    "download": ("PullResult", "pull"),
-    "weights": ("CheckpointError", "UnsafeCheckpointError"),
-    "zoo": ("ZooEntry", "list_zoo", "show_zoo"),
+    "zoo": ("list_zoo", "show_zoo"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -23,11 +23,11 @@ import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
 import eagle3_zoo
+from eagle3_zoo.checkpoint.convert import extra_files, tensors_digest
+from eagle3_zoo.checkpoint.formats import load_drafter_config, read_config
+from eagle3_zoo.checkpoint.variants import eagle31_options, engine_note
+from eagle3_zoo.checkpoint.weights import FLOAT_DTYPES, read_infos, weights_digest
 from eagle3_zoo.hub import card_rows
-from eagle3_zoo.hub.convert import extra_files, tensors_digest
-from eagle3_zoo.hub.formats import load_drafter_config, read_config
-from eagle3_zoo.hub.variants import eagle31_options, engine_note
-from eagle3_zoo.hub.weights import FLOAT_DTYPES, read_infos, weights_digest
 
 log = logging.getLogger(__name__)
 
@@ -131,13 +131,13 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
     they load the drafter from `drafter_dir` and the card says so, so no snippet points at a repo that may not exist.
     """
     from eagle3_zoo.adapters.embedded import EMBEDDED_WEIGHTS_NOTE, is_embedded_name
-    from eagle3_zoo.hub.zoo import target_hub_id
+    from eagle3_zoo.zoo_registry import target_hub_id
 
     folder = Path(drafter_dir)
     cfg, detected = load_drafter_config(folder)
     fmt = fmt or detected
     infos, _, _ = read_infos(folder)
-    from eagle3_zoo.hub.check import recipe_file_problem
+    from eagle3_zoo.checkpoint.check import recipe_file_problem
 
     if problem := recipe_file_problem(folder):
         raise ValueError(f"{problem}: the model card shows the recipe; fix or remove recipe.yaml")
@@ -204,7 +204,7 @@ def _demo_note(recipe: dict[str, Any], prov: dict[str, Any]) -> str | None:
 def card_metadata(recipe_text: str, target: str | None, family: str | None, fmt: str | None, license: str,
                   tags: tuple[str, ...] = (), eagle31: bool = False) -> ModelCardData:
     """The card's YAML metadata: the target as base_model, Hub dataset ids, library and tags; no pipeline_tag."""
-    from eagle3_zoo.hub.zoo import dataset_hub_id, target_hub_id
+    from eagle3_zoo.zoo_registry import dataset_hub_id, target_hub_id
 
     recipe = (yaml.safe_load(recipe_text) if recipe_text else None) or {}
     sources = [s.get("path") for s in (recipe.get("data") or {}).get("sources") or [] if isinstance(s, dict)]

@@ -216,7 +216,7 @@ def duration(seconds: Any) -> str | None:
 
 def data_line(recipe: dict[str, Any], prov: dict[str, Any]) -> str | None:
     """The training data in words: the sources (with their Hub ids), the selection and the regeneration."""
-    from eagle3_zoo.hub.zoo import dataset_hub_id
+    from eagle3_zoo.zoo_registry import dataset_hub_id
 
     data = recipe.get("data") or {}
     sources = [str(s.get("path")) for s in data.get("sources") or [] if isinstance(s, dict)]

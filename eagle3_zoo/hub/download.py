@@ -1,4 +1,5 @@
-"""Pull a drafter from the Hub (or the zoo): download, detect its format, check it against the target, convert.
+"""Pull a drafter from the Hub (or the zoo): download, detect its format, check it against the target, convert;
+and `load_any_drafter`, a drafter from a local folder, a Hub repo or a zoo name.
 
     result = pull("yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", target="meta-llama/Llama-3.1-8B-Instruct",
                   convert_to="sglang", out_dir="drafters/llama31")
@@ -12,11 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3_zoo.hub.check import CheckReport, check_drafter
-from eagle3_zoo.hub.convert import export_drafter
-from eagle3_zoo.hub.formats import EXPORT_FORMATS, detect_format
-from eagle3_zoo.hub.upload import HubUnreachableError, hub_url, require_reachable, resolve_endpoint, unreachable_error
+import torch
+
+from eagle3_zoo.checkpoint.check import check_drafter
+from eagle3_zoo.checkpoint.check_report import CheckReport
+from eagle3_zoo.checkpoint.convert import export_drafter, import_drafter
+from eagle3_zoo.checkpoint.formats import EXPORT_FORMATS, detect_format
+from eagle3_zoo.hub.endpoint import HubUnreachableError, hub_url, require_reachable, resolve_endpoint, unreachable_error
 from eagle3_zoo.hub.zoo import find_zoo, resolve_repo_id, zoo_hint
+from eagle3_zoo.modeling import Eagle3Drafter
 
 log = logging.getLogger(__name__)
 
@@ -127,3 +132,18 @@ def _download(name: str, repo_id: str, *, revision: str | None, endpoint: str | 
             raise HubUnreachableError(f"cannot download {what}: {cause}") from None
         raise HubUnreachableError(f"{what} is neither a known zoo name ({zoo_hint(name, list_all=False)}) nor a "
                                   f"reachable repo id: {cause}") from None
+
+
+def load_any_drafter(
+    path_or_repo: str | Path, revision: str | None = None, endpoint: str | None = None, dtype: torch.dtype | None = None
+) -> Eagle3Drafter:
+    """A drafter from a local folder (any format), a Hub repo id or a zoo name; for `drafter.init_from`.
+
+    Hub repos are downloaded with `pull` (snapshot_download) and imported; nothing is executed from them.
+    """
+    if Path(path_or_repo).is_dir():
+        return import_drafter(path_or_repo, dtype=dtype)
+    if str(path_or_repo).startswith(("/", ".", "~")):
+        raise FileNotFoundError(f"{path_or_repo}: no such drafter folder")
+    return import_drafter(pull(str(path_or_repo), revision=revision, endpoint=endpoint).path, dtype=dtype)
+

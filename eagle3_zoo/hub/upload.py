@@ -7,40 +7,31 @@ ever passed to `HfApi`, never written to the staged folder, the card or a log, a
 it before anything is uploaded (`--dry-run` included). A failed publish removes what it staged (its temporary
 stage, or the files it put into `--stage-dir`).
 
-With no network, publishing fails within `PROBE_TIMEOUT_S` seconds with one line naming the endpoint (a
-`HubUnreachableError`) instead of an HTTP client traceback after the client's own retries and timeouts.
+With no network, publishing fails within `eagle3_zoo.hub.endpoint.PROBE_TIMEOUT_S` seconds with one line naming the
+endpoint (a `HubUnreachableError`) instead of an HTTP client traceback after the client's own retries and timeouts.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import eagle3_zoo
+from eagle3_zoo.checkpoint.check import require_valid_drafter
+from eagle3_zoo.checkpoint.check_report import CheckReport
+from eagle3_zoo.checkpoint.convert import export_drafter
+from eagle3_zoo.checkpoint.formats import EXPORT_FORMATS, load_drafter_config
 from eagle3_zoo.fileio import atomic_write
 from eagle3_zoo.hub.card import render_card
-from eagle3_zoo.hub.check import CheckReport, require_valid_drafter
-from eagle3_zoo.hub.convert import export_drafter
-from eagle3_zoo.hub.formats import EXPORT_FORMATS, load_drafter_config
+from eagle3_zoo.hub.endpoint import is_transport_error, require_reachable, resolve_endpoint, unreachable_error
 
 log = logging.getLogger(__name__)
 
-PROBE_TIMEOUT_S = 5.0  # seconds an unreachable Hub may take to fail (DNS included): fail fast, not after retries
-# base classes of "no answer at all" errors in the HTTP clients huggingface_hub uses (httpx, older: requests)
-_TRANSPORT_ERRORS = {"TransportError", "ConnectionError", "Timeout", "TimeoutException"}
-
-
 class TokenLeakError(RuntimeError):
     """The Hub token was found in a staged file; nothing was uploaded."""
-
-
-class HubUnreachableError(ConnectionError):
-    """The Hub endpoint did not answer (no network, DNS, proxy, firewall, wrong `--endpoint`)."""
 
 
 @dataclass
@@ -55,69 +46,6 @@ class PublishResult:
     repo_url: str | None = None
     commit_url: str | None = None
     pr_url: str | None = None
-
-
-def resolve_endpoint(endpoint: str | None) -> str | None:
-    """`endpoint`, else `HF_ENDPOINT` read now (huggingface_hub reads it once, at import time)."""
-    return endpoint or os.environ.get("HF_ENDPOINT") or None
-
-
-def hub_url(endpoint: str | None) -> str:
-    """The URL requests go to: `resolve_endpoint(endpoint)`, else huggingface_hub's default."""
-    from huggingface_hub import constants
-
-    return (resolve_endpoint(endpoint) or constants.ENDPOINT).rstrip("/")
-
-
-def unreachable_error(url: str, cause: BaseException | str) -> HubUnreachableError:
-    """One line: which endpoint did not answer, why, and what to do."""
-    if not isinstance(cause, str):
-        first_line = next(iter(str(cause).splitlines()), "")
-        cause = f"{type(cause).__name__}: {first_line}" if first_line else type(cause).__name__
-    return HubUnreachableError(f"Hub endpoint {url} is not reachable ({cause}); check the network or "
-                               "proxy (HTTPS_PROXY), or pass --endpoint / set HF_ENDPOINT to a reachable Hub")
-
-
-def is_transport_error(error: BaseException) -> bool:
-    """Whether `error` means no answer came back (refused, DNS, timeout), as opposed to an HTTP error status."""
-    if isinstance(error, (ConnectionError, TimeoutError)):
-        return True
-    return any(c.__name__ in _TRANSPORT_ERRORS and c.__module__.split(".")[0] in ("httpx", "httpx2", "requests")
-               for c in type(error).__mro__)
-
-
-def require_reachable(endpoint: str | None, timeout: float | None = None) -> str:
-    """Return the Hub URL if it answers an HTTP request within `timeout` seconds (default `PROBE_TIMEOUT_S`; any
-    status counts as an answer), else raise.
-
-    The probe runs in a daemon thread joined with a deadline: the client's connect timeout does not cover DNS.
-
-    Raises:
-        HubUnreachableError: no answer (or `HF_HUB_OFFLINE` is set).
-    """
-    from huggingface_hub import constants, get_session
-
-    url = hub_url(endpoint)
-    timeout = PROBE_TIMEOUT_S if timeout is None else timeout
-    if constants.HF_HUB_OFFLINE:
-        raise unreachable_error(url, "HF_HUB_OFFLINE is set")
-    outcome: dict[str, BaseException | None] = {}
-
-    def probe() -> None:
-        try:
-            get_session().head(url, timeout=timeout)  # no token: an anonymous request is enough to see an answer
-            outcome["error"] = None
-        except Exception as e:  # any failure to get an answer means unreachable
-            outcome["error"] = e
-
-    thread = threading.Thread(target=probe, name="eagle3-zoo-hub-probe", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if "error" not in outcome:
-        raise unreachable_error(url, f"no answer within {timeout:g} s")
-    if outcome["error"] is not None:
-        raise unreachable_error(url, outcome["error"])
-    return url
 
 
 def check_repo_id(repo_id: str) -> None:
@@ -214,7 +142,7 @@ def publish(
             found for a real publish.
         DrafterCheckError: the static check found errors (nothing staged or sent).
         TokenLeakError: the token appears in a staged file (nothing sent; the staged files are removed).
-        HubUnreachableError: the endpoint does not answer (within `PROBE_TIMEOUT_S` seconds).
+        HubUnreachableError: the endpoint does not answer (within `endpoint.PROBE_TIMEOUT_S` seconds).
     """
     from huggingface_hub import get_token
 
@@ -223,7 +151,7 @@ def publish(
         raise ValueError("no Hugging Face token: log in with `hf auth login` or set HF_TOKEN to a token with write "
                          f"access to {repo_id.split('/')[0]} (`--dry-run` stages the folder without one)")
     report = require_valid_drafter(drafter_dir, purpose="publish")  # its warnings are logged by the export
-    from eagle3_zoo.hub.check import recipe_file_problem
+    from eagle3_zoo.checkpoint.check import recipe_file_problem
 
     if problem := recipe_file_problem(drafter_dir):  # the card shows the recipe: say so before staging anything
         raise ValueError(f"{problem}: the model card shows the recipe; fix or remove recipe.yaml")

@@ -23,12 +23,10 @@ _EXPORTS = {
     "plain_generate": "generate", "tree_spec": "generate",
     "PROTOCOL": "metrics", "BenchStats": "metrics",
     "NodeLogits": "target", "TargetRunner": "target",
-    "TreeSpec": "shapes", "parse_shapes": "shapes",
     "DraftTree": "tree", "build_tree": "tree",
 }
 
 if TYPE_CHECKING:
-    from eagle3_zoo.draft_shapes import TreeSpec, parse_shapes
     from eagle3_zoo.speculative.acceptance import Acceptance, SamplingParams, accept, next_token
     from eagle3_zoo.speculative.benchmarks import Benchmark, BenchPrompt, load_benchmark
     from eagle3_zoo.speculative.callback import TauEvalCallback
@@ -67,14 +65,12 @@ __all__ = [
     "SpeculativeGenerator",
     "TargetRunner",
     "TauEvalCallback",
-    "TreeSpec",
     "accept",
     "build_tree",
     "evaluate",
     "format_table",
     "load_benchmark",
     "next_token",
-    "parse_shapes",
     "plain_generate",
     "plot_acceptance",
     "tree_spec",

@@ -79,14 +79,14 @@ def spec_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
     }
 
 
-SERVED_AS_IS = ("sglang", "speculators")  # layouts vLLM loads itself (`eagle3_zoo.hub.formats.FORMATS`)
+SERVED_AS_IS = ("sglang", "speculators")  # layouts vLLM loads itself (`eagle3_zoo.checkpoint.formats.FORMATS`)
 
 
 def served_drafter_dir(drafter: str | Path, export_dir: str | Path) -> Path:
     """The folder vLLM is given: `drafter` itself when vLLM loads its layout as shipped (the canonical layout, and
     vLLM's own speculators format, so that what a user downloads is what is checked), else its canonical export
     under `export_dir` (official releases with a pickle, SpecForge's `model.`-prefixed keys, ...)."""
-    from eagle3_zoo.hub.formats import detect_format, is_canonical
+    from eagle3_zoo.checkpoint.formats import detect_format, is_canonical
 
     drafter = Path(drafter)
     if not (drafter / "config.json").exists():
@@ -177,11 +177,12 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
     """
     from transformers import AutoTokenizer
 
-    from eagle3_zoo.hub.convert import tensors_digest
-    from eagle3_zoo.hub.formats import detect_format, load_drafter_config
-    from eagle3_zoo.hub.weights import weights_digest
+    from eagle3_zoo.checkpoint.convert import tensors_digest
+    from eagle3_zoo.checkpoint.formats import detect_format, load_drafter_config
+    from eagle3_zoo.checkpoint.weights import weights_digest
+    from eagle3_zoo.provenance import versions
     from eagle3_zoo.speculative.evaluation import _load_benches
-    from eagle3_zoo.speculative.report import versions, write_results
+    from eagle3_zoo.speculative.report import write_results
 
     if temperature > 0:
         raise ValueError(f"--engine vllm evaluates greedy decoding only (--temperature {temperature} given): the "
@@ -273,7 +274,7 @@ def compare_with_our_decoder(engine: dict[str, Any], benches: str | Sequence[str
     import torch
 
     from eagle3_zoo.adapters import load_target
-    from eagle3_zoo.hub.convert import import_drafter
+    from eagle3_zoo.checkpoint.convert import import_drafter
     from eagle3_zoo.speculative.evaluation import evaluate
 
     k = engine["settings"]["num_speculative_tokens"]

@@ -17,6 +17,7 @@ from eagle3_zoo.adapters import TargetAdapter
 from eagle3_zoo.draft_shapes import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, TreeSpec, shape_problem
 from eagle3_zoo.modeling import Eagle3Drafter
 from eagle3_zoo.progress import Progress
+from eagle3_zoo.provenance import load_average, machine_info, versions
 from eagle3_zoo.speculative.acceptance import SamplingParams
 from eagle3_zoo.speculative.benchmarks import (
     Benchmark,
@@ -31,11 +32,8 @@ from eagle3_zoo.speculative.metrics import PROTOCOL, BenchStats
 from eagle3_zoo.speculative.report import (  # noqa: F401 (format_* and write_results: the package's public API)
     format_shapes_table,
     format_table,
-    load_average,
-    machine_info,
     plot_acceptance,
     plot_shapes,
-    versions,
     write_results,
 )
 

@@ -1,62 +1,14 @@
-"""Reporting of speculative-decoding evaluations: the machine and software they ran on, the results JSON, the
-text tables and the plots. No decoding here (`evaluation.py` decodes; `training/fit.py` reads the machine info)."""
+"""Reporting of speculative-decoding evaluations: the results JSON, the text tables and the plots (the machine and
+software they ran on: `eagle3_zoo.provenance`). No decoding here (`evaluation.py` decodes)."""
 
 from __future__ import annotations
 
 import json
 import os
-import platform
-import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from eagle3_zoo.fileio import atomic_write_text
-
-
-def load_average() -> list[float] | None:
-    """The machine's load average over 1, 5 and 15 minutes (None where the OS does not say)."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
-
-
-def machine_info(device: torch.device | str = "cpu", load_at_start: list[float] | None = None) -> dict[str, Any]:
-    """What a measurement ran on: processor (or GPU), cores, torch threads, and the load average at the start of
-    the run (`load_at_start`) and now, so that speeds can be read next to how busy the machine was."""
-    device = torch.device(device)
-    info = {"platform": platform.platform(), "processor": _cpu_name(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": str(device)}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    if load_at_start is not None:
-        info["load_average"] = {"start": load_at_start, "end": load_average()}
-    return info
-
-
-def _cpu_name() -> str:
-    try:  # Linux names the CPU model here; platform.processor() is often empty or just the architecture
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def versions() -> dict[str, Any]:
-    """Package versions and the git commit of the code (``{"sha", "dirty"}``; None outside a git checkout), so a
-    figure can name the commit it ran on."""
-    import transformers
-
-    import eagle3_zoo
-    from eagle3_zoo.training.outputs import git_info
-
-    return {"eagle3_zoo": eagle3_zoo.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": sys.version.split()[0], "git": git_info()}
 
 
 def write_results(results: dict[str, Any], path: str | os.PathLike) -> Path:

@@ -18,7 +18,46 @@ from typing import Any
 
 import torch
 
-from eagle3_zoo.training.outputs import DRAFTER_INFO_KEY, UnreadableCheckpointError
+from eagle3_zoo.fileio import pickle_refusal
+
+DRAFTER_INFO_KEY = "eagle3_zoo_drafter"
+"""Checkpoint entry with what `consolidate_checkpoint` needs besides the weights: the drafter config, its fc
+preconditioning scale (not a checkpointed buffer), the resolved recipe, and the provenance known at the start."""
+
+
+class UnreadableCheckpointError(ValueError):
+    """A checkpoint whose header torch cannot load (truncated, foreign pickle, not a torch file); `error_type` and
+    `first_line` say what torch said. The message names the file that failed (a sharded checkpoint's meta.pt)."""
+
+    def __init__(self, file: Path, cause: BaseException):
+        import pickle
+
+        self.error_type = type(cause).__name__
+        self.first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else self.error_type
+        if isinstance(cause, pickle.UnpicklingError) and "weights_only" in str(cause):
+            self.first_line = pickle_refusal(cause)  # never pass on torch's advice to load it unsafely
+        super().__init__(f"{file} is not a readable checkpoint ({self.error_type}: {self.first_line})")
+
+
+def read_checkpoint_header(checkpoint: Path, key: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The header of a Lightning checkpoint of `fit` (a file, or a sharded checkpoint's directory, whose `meta.pt`
+    holds everything but the weights and optimizer states) and its entry `key` (None where it has no such dict).
+
+    A file is memory-mapped: only the pickled header is read, not the tensors (a 70B drafter's optimizer state is
+    large); its `state_dict` entry stays lazy until used.
+
+    Raises:
+        UnreadableCheckpointError: torch cannot load it (`weights_only`: a foreign pickle is refused, never run).
+    """
+    sharded = checkpoint.is_dir()
+    file = checkpoint / "meta.pt" if sharded else checkpoint
+    try:
+        header = torch.load(file, map_location="cpu", weights_only=True, mmap=not sharded)
+    except Exception as e:  # truncated zip, foreign pickle (weights_only refuses it), not a torch file at all
+        raise UnreadableCheckpointError(file, e) from None
+    header = header if isinstance(header, dict) else {}
+    entry = header.get(key)
+    return header, entry if isinstance(entry, dict) else None
 
 
 def info_json(info: dict[str, Any], key: str, checkpoint: Path) -> dict[str, Any]:

@@ -30,10 +30,12 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
+from eagle3_zoo.checkpoint.folder import write_drafter_folder
 from eagle3_zoo.data.engine_feed import EngineFeedError
 from eagle3_zoo.data.tokenize import draft_vocab_coverage
 from eagle3_zoo.fileio import atomic_write, recover_replaced_directory
 from eagle3_zoo.progress import use_bar
+from eagle3_zoo.provenance import git_info
 from eagle3_zoo.recipe import recipe_to_dict
 from eagle3_zoo.targets.loading import target_device, use_device
 from eagle3_zoo.training import resume
@@ -41,7 +43,7 @@ from eagle3_zoo.training.build import build_run
 from eagle3_zoo.training.callbacks import ProgressLogCallback, StepProgressBar, TTTScheduleCallback
 from eagle3_zoo.training.engine_callback import EngineFeedCallback
 from eagle3_zoo.training.module import NonFiniteError, all_finite
-from eagle3_zoo.training.outputs import build_provenance, drafter_info, full_drafter, git_info, write_drafter_folder
+from eagle3_zoo.training.outputs import build_provenance, drafter_info, full_drafter
 from eagle3_zoo.training.record import TrainingRecordCallback
 from eagle3_zoo.training.run_plan import devices_per_node, world_size
 from eagle3_zoo.training.strategies import build_strategy
@@ -305,7 +307,7 @@ def _fit(recipe: Any, source: str) -> Path:
 
 def _hardware(trainer: L.Trainer) -> str:
     """"2 x NVIDIA H100 80GB HBM3" or "Intel(R) Xeon(R) Processor, 2 cores, 2 threads" (for provenance/cards)."""
-    from eagle3_zoo.speculative.report import machine_info
+    from eagle3_zoo.provenance import machine_info
 
     root = trainer.strategy.root_device
     info = machine_info(root)

@@ -221,7 +221,7 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     if target_config is None:
         target_config = shipped_target_config(t.name_or_path)
     if target_config is None:
-        from eagle3_zoo.hub.check_target import resolve_target_config
+        from eagle3_zoo.checkpoint.check_target import resolve_target_config
 
         target_config = resolve_target_config(t.name_or_path)
     adapter = get_adapter(target_config.model_type)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from eagle3_zoo.hub.check import CheckReport
+from eagle3_zoo.checkpoint.check_report import CheckReport
 from eagle3_zoo.modeling import Eagle3Config, default_aux_layer_ids
 
 

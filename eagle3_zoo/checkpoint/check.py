@@ -10,13 +10,13 @@ read once to find NaN/Inf (a diverged run writes a drafter that loads fine and p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from eagle3_zoo.hub.formats import (
+from eagle3_zoo.checkpoint.check_report import CheckReport, InvalidDrafterError, Problem
+from eagle3_zoo.checkpoint.formats import (
     SPECULATORS_ARCHITECTURE,
     NonCanonicalDrafterError,
     canonical_keys,
@@ -28,7 +28,7 @@ from eagle3_zoo.hub.formats import (
     read_config,
     verifier_resolvable,
 )
-from eagle3_zoo.hub.weights import (
+from eagle3_zoo.checkpoint.weights import (
     FLOAT_DTYPES,
     CheckpointError,
     OutsideFolderError,
@@ -49,75 +49,6 @@ _TOLERATED_ARCHITECTURES = {
                         "the method (some SGLang versions need LlamaForCausalLMEagle3)",
     "Eagle3LlamaForCausalLM": "vLLM's class name; SGLang registers LlamaForCausalLMEagle3",
 }
-
-
-@dataclass
-class Problem:
-    """One finding: a stable `code`, what is wrong (`message`) and how to fix it (`fix`)."""
-
-    code: str
-    message: str
-    fix: str
-    severity: Literal["error", "warning"] = "error"
-
-    def __str__(self) -> str:
-        return f"[{self.severity}] {self.code}: {self.message}\n    fix: {self.fix}"
-
-
-@dataclass
-class CheckReport:
-    """All problems found in one drafter folder (and against one target config, when given)."""
-
-    path: str
-    format: str | None = None
-    problems: list[Problem] = field(default_factory=list)
-    config: Eagle3Config | None = None
-
-    @property
-    def errors(self) -> list[Problem]:
-        return [p for p in self.problems if p.severity == "error"]
-
-    @property
-    def warnings(self) -> list[Problem]:
-        return [p for p in self.problems if p.severity == "warning"]
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-    @property
-    def codes(self) -> list[str]:
-        return [p.code for p in self.problems]
-
-    def add(self, code: str, message: str, fix: str, severity: Literal["error", "warning"] = "error") -> None:
-        self.problems.append(Problem(code, message, fix, severity))
-
-    def __str__(self) -> str:
-        head = f"{self.path} ({self.format or 'unknown format'}): {len(self.errors)} error(s), " \
-               f"{len(self.warnings)} warning(s)"
-        return "\n".join([head, *(str(p) for p in self.problems)])
-
-    def raise_for_errors(self) -> None:
-        """Raise `DrafterCheckError` (listing every error) when the report has errors."""
-        if self.errors:
-            raise DrafterCheckError(self)
-
-
-class DrafterCheckError(ValueError):
-    """Raised by `CheckReport.raise_for_errors`; carries the report."""
-
-    def __init__(self, report: CheckReport):
-        self.report = report
-        super().__init__(str(report))
-
-
-class InvalidDrafterError(DrafterCheckError):
-    """Raised by `require_valid_drafter`: one line with every error's code, message and fix."""
-
-    def __init__(self, report: CheckReport, purpose: str):
-        found = "; ".join(f"{p.code}: {p.message} (fix: {p.fix})" for p in report.errors).replace("\n", " ")
-        ValueError.__init__(self, f"{report.path}: refusing to {purpose} an invalid drafter: {found}")
-        self.report = report
 
 
 def require_valid_drafter(path_or_dir: str | Path, target_config: Any = None, *, purpose: str = "use") -> CheckReport:
@@ -233,7 +164,7 @@ def check_drafter(path_or_dir: str | Path, target_config: Any = None) -> CheckRe
     _eagle31_problems(raw, fmt, cfg, report)
     _weight_problems(folder, fmt, cfg, report)
     if target_config is not None:  # config-level: reported even when the weights are unreadable
-        from eagle3_zoo.hub.check_target import resolve_target_config, target_problems
+        from eagle3_zoo.checkpoint.check_target import resolve_target_config, target_problems
 
         target_problems(raw, fmt, cfg, resolve_target_config(target_config), report)
     return report
@@ -368,7 +299,7 @@ def _config_problems(raw: dict[str, Any], fmt: str, report: CheckReport) -> None
 def _eagle31_problems(raw: dict[str, Any], fmt: str, cfg: Eagle3Config, report: CheckReport) -> None:
     """EAGLE-3.1 options: which engines serve them as trained (a warning: such a folder is checked, evaluated and
     published like any other), and the SpecForge spelling of norm_output that meant something else."""
-    from eagle3_zoo.hub import variants
+    from eagle3_zoo.checkpoint import variants
 
     note = variants.engine_note(cfg)
     if note is None:

@@ -15,10 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eagle3_zoo.dtypes import torch_dtype
-from eagle3_zoo.fileio import atomic_write, atomic_write_text, move_files_into, staged_directory
-from eagle3_zoo.hub.check import require_valid_drafter, require_valid_stage
-from eagle3_zoo.hub.formats import (
+from eagle3_zoo.checkpoint.check import require_valid_drafter, require_valid_stage
+from eagle3_zoo.checkpoint.formats import (
     CANONICAL_KEYS,
     EXPORT_FORMATS,
     canonical_name,
@@ -30,12 +28,14 @@ from eagle3_zoo.hub.formats import (
     read_config,
     speculators_config,
 )
-from eagle3_zoo.hub.variants import SGLANG_RISK, eagle31_options
-from eagle3_zoo.hub.weights import SAFETENSORS_NAME, inside_folder, load_weights
+from eagle3_zoo.checkpoint.variants import SGLANG_RISK, eagle31_options
+from eagle3_zoo.checkpoint.weights import SAFETENSORS_NAME, inside_folder, load_weights
+from eagle3_zoo.dtypes import torch_dtype
+from eagle3_zoo.fileio import atomic_write, atomic_write_text, move_files_into, staged_directory
 from eagle3_zoo.modeling import CONFIG_NAME, WEIGHTS_NAME, Eagle3Drafter, identity_vocab
 
 __all__ = ["CANONICAL_KEYS", "convert_to_canonical", "export_drafter", "extra_files", "import_drafter",
-           "load_any_drafter", "tensors_digest"]
+           "tensors_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def tensors_digest(folder: str | Path) -> str:
 
 def _vocab_tensors(state: dict[str, torch.Tensor], cfg, source: str) -> None:
     """Fill in / validate d2t and t2d in place so that `load_state_dict` gets exact int64 / bool buffers."""
-    from eagle3_zoo.hub.check import vocab_mapping_problems
+    from eagle3_zoo.checkpoint.check import vocab_mapping_problems
 
     if "d2t" not in state and "t2d" not in state and cfg.draft_vocab_size == cfg.vocab_size:
         state["d2t"], state["t2d"] = identity_vocab(cfg.vocab_size)  # full-vocab drafter: identity mapping
@@ -207,20 +207,3 @@ def export_drafter(
 def convert_to_canonical(path: str | Path, out_dir: str | Path) -> Path:
     """Any supported format -> the canonical SGLang layout (what `Eagle3Drafter.from_pretrained` reads)."""
     return export_drafter(path, "sglang", out_dir)
-
-
-def load_any_drafter(
-    path_or_repo: str | Path, revision: str | None = None, endpoint: str | None = None, dtype: torch.dtype | None = None
-) -> Eagle3Drafter:
-    """A drafter from a local folder (any format), a Hub repo id or a zoo name; for `drafter.init_from`.
-
-    Hub repos are downloaded with `pull` (snapshot_download) and imported; nothing is executed from them.
-    """
-    if Path(path_or_repo).is_dir():
-        return import_drafter(path_or_repo, dtype=dtype)
-    if str(path_or_repo).startswith(("/", ".", "~")):
-        raise FileNotFoundError(f"{path_or_repo}: no such drafter folder")
-    from eagle3_zoo.hub.download import pull
-
-    return import_drafter(pull(str(path_or_repo), revision=revision, endpoint=endpoint).path, dtype=dtype)
-

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from eagle3_zoo.hub.weights import CheckpointError, find_weight_files, inside_folder
+from eagle3_zoo.checkpoint.weights import CheckpointError, find_weight_files, inside_folder
 from eagle3_zoo.modeling import Eagle3Config
 from eagle3_zoo.modeling.config import ARCHITECTURE
 
@@ -237,7 +237,7 @@ def speculators_config(
     Raises:
         ValueError: the drafter does not record its target, or the verifier is neither a Hub id nor a local folder.
     """
-    from eagle3_zoo.hub.zoo import target_hub_id
+    from eagle3_zoo.zoo_registry import target_hub_id
 
     name = verifier or target_hub_id(cfg.target_name_or_path) or cfg.target_name_or_path
     if not name:
@@ -280,7 +280,7 @@ def is_canonical(folder: str | Path) -> bool:
     try:
         if detect_format(folder) != "sglang" or read_config(folder).get("architectures") != [ARCHITECTURE]:
             return False
-        from eagle3_zoo.hub.weights import read_infos
+        from eagle3_zoo.checkpoint.weights import read_infos
 
         infos, _, files = read_infos(folder)
         cfg = drafter_config(read_config(folder), "sglang")

@@ -1,0 +1,36 @@
+"""Drafter folders: their formats (SGLang/canonical, official EAGLE-3, speculators), weights read safely, import and
+export between formats, the static checks of `eagle3-zoo check` (and against a target's config), and the writer of
+the canonical folder a run leaves behind. No network: `eagle3_zoo.hub` downloads and publishes on top of it.
+
+    from eagle3_zoo.checkpoint import check_drafter, export_drafter, import_drafter
+
+Names are imported on first use (PEP 562): the CLI registers its subcommands without loading torch/transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "check": ("check_drafter", "require_valid_drafter", "vocab_mapping_problems"),
+    "check_report": ("CheckReport", "DrafterCheckError", "InvalidDrafterError", "Problem"),
+    "convert": ("convert_to_canonical", "export_drafter", "import_drafter"),
+    "formats": ("CANONICAL_KEYS", "EXPORT_FORMATS", "FORMATS", "detect_format"),
+    "weights": ("CheckpointError", "UnsafeCheckpointError"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

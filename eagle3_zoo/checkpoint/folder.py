@@ -1,0 +1,117 @@
+"""The canonical drafter folder a run (or `eagle3-zoo consolidate`) leaves behind, written safely.
+
+    output_dir/drafter/config.json          # canonical SGLang/official layout (Eagle3Drafter.save_pretrained)
+    output_dir/drafter/model.safetensors
+    output_dir/drafter/recipe.yaml          # the resolved recipe (overrides applied)
+    output_dir/drafter/provenance.json      # git SHA, package versions, target, data summary, training summary
+
+The folder is staged in a temp directory and renamed into place, so a crash never leaves a half-written drafter
+(and a rerun removes what a killed one staged). Files in an existing folder that the project does not write (e.g.
+the `eval_results*.json` of README's commands) are carried over into the new folder: a rerun replaces only what it
+owns. The staged folder passes the checks of `eagle3-zoo check` before it replaces anything: no command writes a
+drafter that `check`, `export` or `eval` would refuse.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from eagle3_zoo.checkpoint.check import require_valid_stage
+from eagle3_zoo.fileio import atomic_write_text, recover_replaced_directory, replace_directory, staged_directory
+from eagle3_zoo.modeling import Eagle3Drafter
+from eagle3_zoo.provenance import provenance_json
+
+
+def _finish_tree(directory: Path) -> None:
+    """fsync every file and give the folder ordinary permissions (temp files and dirs are created private)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in directory.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+        f.chmod(0o666 & ~umask)
+    directory.chmod(0o777 & ~umask)
+
+
+def _carry_over(old_dir: Path, staged: Path) -> None:
+    """Hard-link (or copy) into `staged` every entry of `old_dir` that the new folder does not write itself."""
+    for entry in old_dir.iterdir():
+        dest = staged / entry.name
+        if dest.exists() or entry.name.startswith("."):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, dest, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, dest)
+
+
+def _link_or_copy(src: Any, dest: Any) -> None:
+    if os.path.islink(src):
+        os.symlink(os.readlink(src), dest)
+        return
+    try:
+        os.link(src, dest)  # no copy of a large file; the old folder keeps its own link until it is removed
+    except OSError:
+        shutil.copy2(src, dest)
+
+
+def drafter_out_dir(out_dir: str | Path) -> Path:
+    """`out_dir` as an absolute path that may be replaced by a drafter folder.
+
+    Raises:
+        ValueError: it names no folder (`.`, `/`), holds the current directory, or is an existing folder that is not
+            a drafter folder (no config.json): replacing it would delete what it holds.
+    """
+    path = Path(os.path.abspath(out_dir))
+    if not path.name or Path.cwd() == path or path in Path.cwd().parents:
+        raise ValueError(f"drafter folder '{out_dir}' is {path}, which holds the current directory; the folder is "
+                         "replaced when it is written: name a new folder, e.g. ./drafter")
+    if path.is_dir() and any(path.iterdir()) and not (path / "config.json").exists():
+        raise ValueError(f"{path} exists and is not a drafter folder (no config.json); it would be replaced: name a "
+                         "new folder, or the drafter folder to rewrite")
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file; a drafter is written as a folder: name a new folder")
+    return path
+
+
+def _save_recipe(recipe: Any, path: Path) -> None:
+    """recipe.yaml: a typed recipe resolved (the run's own), a plain dict (read from a checkpoint) as data: any
+    `${...}` in it stays literal text, never resolved (it could name an environment variable holding a token)."""
+    from eagle3_zoo.recipe import save_resolved_recipe
+
+    if isinstance(recipe, dict):
+        from omegaconf import OmegaConf
+
+        atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.create(recipe), resolve=False))
+    else:
+        save_resolved_recipe(recipe, path)
+
+
+def write_drafter_folder(drafter: Eagle3Drafter, out_dir: str | Path, recipe: Any,
+                         provenance: dict[str, Any]) -> Path:
+    """Stage `drafter` + recipe.yaml + provenance.json in a temp dir with the files of an existing `out_dir` that the
+    project does not own, check it, then rename it to `out_dir` (replacing it).
+
+    `recipe`: a typed recipe (written resolved) or a plain dict read from a checkpoint (written as it is).
+
+    Raises:
+        ValueError: `out_dir` may not be replaced (`drafter_out_dir`).
+        InvalidDrafterError: the staged folder fails `eagle3-zoo check` (NaN weights, a bad vocab map): nothing is
+            replaced.
+        DiskFullError: the disk (or the file-size limit) is full; nothing is replaced.
+    """
+    out_dir = drafter_out_dir(out_dir)
+    with staged_directory(out_dir) as tmp:
+        recover_replaced_directory(out_dir)  # a replacement cut short: its user files are carried over below
+        drafter.save_pretrained(tmp)
+        _save_recipe(recipe, tmp / "recipe.yaml")
+        (tmp / "provenance.json").write_text(provenance_json(provenance))
+        _finish_tree(tmp)
+        require_valid_stage(tmp, out_dir)
+        if out_dir.exists():
+            _carry_over(out_dir, tmp)
+        replace_directory(tmp, out_dir)
+    return out_dir
