@@ -1,12 +1,15 @@
 """What a location written in a recipe, a card or on the command line names: an embedded default, a Hub repo id or
-a local path; and whether a local path can be (or become) the file or folder expected there. One rule each, used by
-the recipe checks, the data readers, the model cards and the zoo. Imports nothing heavy (no torch)."""
+a local path; whether a local path can be (or become) the file or folder expected there; and whether a server URL
+(and the name of the variable holding its key) can be used, shown with any password redacted. One rule each, used by
+the recipe checks, the OpenAI-compatible client, the data readers, the model cards and the zoo. Imports nothing
+heavy (no torch)."""
 
 from __future__ import annotations
 
 import os
 import re
 from pathlib import Path
+from urllib.parse import urlsplit
 
 EMBEDDED_TARGET = "smollm2-135m-instruct"  # the embedded GGUF target (eagle3_zoo.adapters.embedded)
 EMBEDDED_NAMES = (EMBEDDED_TARGET, "embedded")
@@ -14,6 +17,7 @@ EMBEDDED_SHAREGPT = "sharegpt-embedded"  # the embedded ShareGPT sample (eagle3_
 DATA_SUFFIXES = (".json", ".jsonl", ".gz", ".parquet", ".yaml", ".txt")  # local data files, never Hub ids
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 CACHE_ENV = "EAGLE3_ZOO_CACHE"
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def cache_root() -> Path:
@@ -72,3 +76,33 @@ def source_problem(path: str) -> str | None:
     return "must not be empty" if not path.strip() else (
         f"data file not found (relative paths are resolved against the working directory {os.getcwd()}; or use "
         f"'{EMBEDDED_SHAREGPT}')" if missing_path(path) else None)
+
+
+def redact_url(url: str) -> str:
+    """`url` with any ``user:password@`` part replaced by ``***@`` (for messages)."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    return parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
+
+
+def url_problem(url: str) -> str | None:
+    """Why `url` cannot be a server root (not http/https, no host, credentials in it), else None."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises ValueError on a bad port)
+    except ValueError as e:
+        return f"not a URL ({e})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "expected an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000"
+    if parts.username is not None or parts.password is not None:
+        return ("credentials in the URL (user:password@) are refused: they would end up in logs and error messages; "
+                "put the key in an environment variable and name it in api_key_env")
+    return None
+
+
+def env_name_problem(name: str) -> str | None:
+    """Why `name` cannot be the name of the environment variable holding a key (it may be the key itself)."""
+    if _ENV_NAME.fullmatch(name):
+        return None
+    return "must be the NAME of an environment variable (letters, digits, _), e.g. OPENAI_API_KEY, not the key"

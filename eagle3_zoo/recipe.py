@@ -265,7 +265,7 @@ def _cross_field_rules(r: Recipe) -> list[tuple[str, bool, str, tuple[str, ...]]
 def _secret_problems(r: Recipe) -> list[ConfigProblem]:
     """The server URL and the key variable's name: their problems show a redacted value (a URL with a password in it,
     or a key pasted where its variable's name belongs, must not be printed)."""
-    from eagle3_zoo.targets.openai_client import env_name_problem, redact_url, url_problem
+    from eagle3_zoo.locations import env_name_problem, redact_url, url_problem
 
     g = r.data.regenerate
     return [ConfigProblem(key, msg, shown) for key, msg, shown in (

@@ -94,7 +94,7 @@ def main() -> None:
 
     from eagle3_zoo.data.extract import extract_features
     from eagle3_zoo.recipe import load_recipe
-    from eagle3_zoo.training.build import load_recipe_target
+    from eagle3_zoo.targets.loading import load_recipe_target
 
     work = Path(tempfile.mkdtemp(prefix="bench_train_"))
     recipe = load_recipe(args.recipe, [

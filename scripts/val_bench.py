@@ -46,7 +46,7 @@ def main() -> None:
     from eagle3_zoo.data.features import atomic_write_bytes
     from eagle3_zoo.data.prepare import prepare_data
     from eagle3_zoo.recipe import load_recipe
-    from eagle3_zoo.training.build import load_recipe_target
+    from eagle3_zoo.targets.loading import load_recipe_target
 
     recipe = load_recipe(args.recipe, args.overrides)
     target, tokenizer, adapter = load_recipe_target(recipe, args.recipe)

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from training_fixtures import run_fit_cli, save_tiny_target, tiny_recipe, write_chat_jsonl, write_recipe
 
 from eagle3_zoo.data.datamodule import LengthBucketBatchSampler
-from eagle3_zoo.data.engine_feed import EngineFeed, EngineFeedError, run_tag
-from eagle3_zoo.data.engine_stream import FeatureStream, final_norm_on_cpu
+from eagle3_zoo.data.engine_feed import EngineFeed, EngineFeedError, final_norm_on_cpu, run_tag
+from eagle3_zoo.data.engine_stream import FeatureStream
 from eagle3_zoo.recipe import load_recipe
 from eagle3_zoo.targets.deployment import EngineDeployment
 

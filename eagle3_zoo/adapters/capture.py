@@ -10,14 +10,23 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from eagle3_zoo.adapters.base import TargetAdapter
+
+class TargetLayout(Protocol):
+    """What capture needs to know of a target: where its decoder layers and lm_head are, and its default aux layers
+    (a `TargetAdapter` is one; typed structurally so that this module, which `adapters.base` uses, imports nothing
+    back from it)."""
+
+    def aux_layer_ids(self, num_layers: int) -> tuple[int, int, int]: ...
+
+    def decoder_layers(self, model: nn.Module) -> nn.ModuleList: ...
+
+    def lm_head(self, model: nn.Module) -> nn.Linear: ...
 
 
 class AuxHiddenCapture:
@@ -51,7 +60,7 @@ class AuxHiddenCapture:
 
 @contextmanager
 def capture_aux_hidden(
-    model: nn.Module, adapter: TargetAdapter, layer_ids: Sequence[int] | None = None
+    model: nn.Module, adapter: TargetLayout, layer_ids: Sequence[int] | None = None
 ) -> Iterator[AuxHiddenCapture]:
     """Capture the residual stream entering `layer_ids` during forwards run inside the block.
 
@@ -124,7 +133,7 @@ def output_cache(outputs: Any) -> Any:
 @torch.no_grad()
 def target_logits(
     model: nn.Module,
-    adapter: TargetAdapter,
+    adapter: TargetLayout,
     final_hidden: torch.Tensor,
     vocab_ids: torch.Tensor | None = None,
     chunk_size: int = 1024,

@@ -16,6 +16,7 @@ starts again removes the files its killed predecessor left, and nobody else's.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import logging
 import os
@@ -32,6 +33,11 @@ from typing import Any
 from eagle3_zoo.targets.openai_client import ServerError
 
 logger = logging.getLogger(__name__)
+
+
+def final_norm_on_cpu(norm: Any) -> Any:
+    """A CPU copy of the target's final norm module (the engine's files are read on the host)."""
+    return copy.deepcopy(norm).to("cpu")
 
 
 class EngineFeedError(ServerError):

@@ -12,7 +12,6 @@ write what they read to a feature store and read it once complete (`eagle3_zoo.d
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import time
 from pathlib import Path
@@ -224,11 +223,6 @@ class StreamingDataModule(Eagle3DataModule):
         return StreamingLoader(dataset, sampler, position=position, training=shuffle, **kwargs)
 
 
-def final_norm_on_cpu(norm: Any) -> Any:
-    """A CPU copy of the target's final norm module (the engine's files are read on the host)."""
-    return copy.deepcopy(norm).to("cpu")
-
-
 def streaming_datamodule(recipe: Any, data: Any, target: Any, adapter: Any, aux_ids: tuple[int, ...],
                          **kwargs: Any) -> tuple[StreamingDataModule, dict[str, Any]]:
     """The DataModule of a run whose states are streamed from the recipe's engine, and the run's feature summary.
@@ -239,7 +233,7 @@ def streaming_datamodule(recipe: Any, data: Any, target: Any, adapter: Any, aux_
         aux_ids: the aux layers the drafter reads.
         **kwargs: `Eagle3DataModule`'s (batch_size, seed, num_workers, pad_id).
     """
-    from eagle3_zoo.data.engine_feed import EngineFeed, run_tag
+    from eagle3_zoo.data.engine_feed import EngineFeed, final_norm_on_cpu, run_tag
     from eagle3_zoo.data.extract import features_dir_for, store_meta
     from eagle3_zoo.dtypes import torch_dtype
     from eagle3_zoo.targets.deployment import EngineDeployment

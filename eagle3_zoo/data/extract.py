@@ -245,8 +245,7 @@ def _engine_features_fn(recipe: Any, target: Any, adapter: Any, aux_ids: tuple[i
                         stack: contextlib.ExitStack) -> Any:
     """`features_fn` of the feature job through the recipe's engine (`engine:`; launched or attached at the first
     batch that needs features, stopped when `stack` closes)."""
-    from eagle3_zoo.data.engine_feed import EngineFeed, run_tag
-    from eagle3_zoo.data.engine_stream import final_norm_on_cpu
+    from eagle3_zoo.data.engine_feed import EngineFeed, final_norm_on_cpu, run_tag
     from eagle3_zoo.targets.deployment import EngineDeployment
 
     deployment = EngineDeployment(recipe, aux_ids, target.config.num_hidden_layers)

@@ -34,7 +34,7 @@ from eagle3_zoo.draft_shapes import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_
 from eagle3_zoo.speculative.benchmarks import chat_input_ids, completion_input_ids
 from eagle3_zoo.speculative.generate import SpeculativeGenerator, tree_spec
 from eagle3_zoo.speculative.metrics import BenchStats
-from eagle3_zoo.training.strategies import is_sharded, reshard, unsharded_drafter
+from eagle3_zoo.speculative.sharded import is_sharded, reshard, unsharded_drafter
 
 
 class TauEvalCallback(L.Callback):

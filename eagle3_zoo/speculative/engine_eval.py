@@ -94,7 +94,7 @@ def served_drafter_dir(drafter: str | Path, export_dir: str | Path) -> Path:
     fmt = detect_format(drafter)
     if (fmt == "sglang" and is_canonical(drafter)) or fmt == "speculators":
         return drafter.resolve()
-    from eagle3_zoo.hub import load_any_drafter
+    from eagle3_zoo.hub.download import load_any_drafter
 
     out = Path(export_dir)
     load_any_drafter(drafter).save_pretrained(out)

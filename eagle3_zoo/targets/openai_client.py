@@ -22,7 +22,6 @@ import json
 import logging
 import math
 import os
-import re
 import socket
 import ssl
 import threading
@@ -31,12 +30,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
+from eagle3_zoo.locations import env_name_problem, redact_url, url_problem
+
 logger = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 REDIRECT_STATUS = frozenset({301, 302, 303, 307, 308})
 MAX_REDIRECTS = 5
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class ServerError(ConnectionError):
@@ -49,36 +49,6 @@ class BadAnswerError(ServerError):
 
 class _Transient(Exception):
     """A failure worth retrying (no answer in time, connection trouble, HTTP 429/5xx); its text is the reason."""
-
-
-def redact_url(url: str) -> str:
-    """`url` with any ``user:password@`` part replaced by ``***@`` (for messages)."""
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    return parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
-
-
-def url_problem(url: str) -> str | None:
-    """Why `url` cannot be a server root (not http/https, no host, credentials in it), else None."""
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018  (raises ValueError on a bad port)
-    except ValueError as e:
-        return f"not a URL ({e})"
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return "expected an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000"
-    if parts.username is not None or parts.password is not None:
-        return ("credentials in the URL (user:password@) are refused: they would end up in logs and error messages; "
-                "put the key in an environment variable and name it in api_key_env")
-    return None
-
-
-def env_name_problem(name: str) -> str | None:
-    """Why `name` cannot be the name of the environment variable holding a key (it may be the key itself)."""
-    if _ENV_NAME.fullmatch(name):
-        return None
-    return "must be the NAME of an environment variable (letters, digits, _), e.g. OPENAI_API_KEY, not the key"
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:

@@ -10,11 +10,7 @@ from typing import Any
 import torch
 
 from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab
-from eagle3_zoo.targets.loading import (  # noqa: F401  moved below data/ and training/; re-exported
-    aux_layer_ids_for,
-    load_recipe_target,
-    target_device,
-)
+from eagle3_zoo.targets.loading import aux_layer_ids_for, load_recipe_target
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +65,8 @@ def build_drafter(recipe: Any, target_config: Any, counts: torch.Tensor, aux_lay
 
 
 def _load_init(path: str, target_config: Any, aux_layer_ids: tuple[int, ...], wanted: Any = None) -> Eagle3Drafter:
-    try:
-        from eagle3_zoo.hub import load_any_drafter
-    except ImportError:  # the hub package is optional for training
-        load_any_drafter = Eagle3Drafter.from_pretrained
+    from eagle3_zoo.hub.download import load_any_drafter
+
     drafter = load_any_drafter(path)
     drafter = drafter.float()  # trained in fp32 master weights; saved back in its config dtype
     cfg = drafter.config

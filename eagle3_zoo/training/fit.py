@@ -46,13 +46,12 @@ from eagle3_zoo.training.module import NonFiniteError, all_finite
 from eagle3_zoo.training.outputs import build_provenance, drafter_info, full_drafter
 from eagle3_zoo.training.record import TrainingRecordCallback
 from eagle3_zoo.training.run_plan import devices_per_node, world_size
+from eagle3_zoo.training.rundir import CHECKPOINT_DIR, DRAFTER_DIR
 from eagle3_zoo.training.strategies import build_strategy
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
-DRAFTER_DIR = "drafter"
 
 
 class LastCheckpoint(ModelCheckpoint):

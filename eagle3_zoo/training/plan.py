@@ -170,7 +170,7 @@ def tau_eval_lines(recipe: Any, target_config: Any, dcfg: Any, n_drafter: int, g
     """The transient buffers of one tau evaluation (`TauEvalCallback.measure`, between training steps).
 
     Under FSDP every rank gathers the drafter into a plain copy in the parameters' stored dtype
-    (`strategies.unsharded_drafter`; fp32 under bf16-mixed); under ddp/auto the drafter decodes in place. Then one
+    (`sharded.unsharded_drafter`; fp32 under bf16-mixed); under ddp/auto the drafter decodes in place. Then one
     prompt at a time (freed before the next): the target's and the drafter's KV caches over the prompt,
     `max_new_tokens` and the draft tree, the prompt's target pass (one layer's activations, the aux features and
     final hidden it returns) and the drafter's pass over the prompt (at most what a TTT step saves, a causal mask),

@@ -33,6 +33,8 @@ from eagle3_zoo.fileio import atomic_write_text, exclusive_lock, remove_dead_sta
 
 logger = logging.getLogger(__name__)
 
+CHECKPOINT_DIR = "checkpoints"  # an output_dir holds its checkpoints/ and the drafter/ folder a finished run writes
+DRAFTER_DIR = "drafter"
 RUN_LOCK = ".eagle3-zoo-run.lock"
 RUN_HOLDER = ".eagle3-zoo-run.json"
 # set in the processes a launcher starts for a run's ranks; "0" (or unset) in the one that starts the run
@@ -98,7 +100,6 @@ def _remove_if_only_the_lock(output_dir: Path) -> None:
 
 def remove_leftovers(output_dir: Path) -> None:
     """What interrupted runs left in `output_dir` (call it holding the run lock: nothing else works there)."""
-    from eagle3_zoo.training.fit import CHECKPOINT_DIR, DRAFTER_DIR
     from eagle3_zoo.training.resume import remove_stale_temporaries
 
     checkpoints = output_dir / CHECKPOINT_DIR
