@@ -154,7 +154,7 @@ class DataConfig:
 
 @dataclass
 class TTTConfig:
-    """Training-time test: the K-step unrolled loss (DESIGN.md section 5)."""
+    """Training-time test: the loss unrolled over K drafter steps, step k reading the drafter's own step k-1 output."""
     steps: int = ruled(7, rule(lambda v: v >= 1, "must be >= 1 (number of TTT unroll steps)"))  # official EAGLE-3 K
     step_weight_decay: float = ruled(0.8, GT0)  # step k weighs step_weight_decay ** k unless step_weights is given
     step_weights: list[float] | None = None  # explicit per-step weights (length ttt.steps)

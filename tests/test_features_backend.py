@@ -57,7 +57,7 @@ def test_features_fn_writes_the_same_store_as_the_in_process_forward(tmp_path):
 
 def test_vllm_hidden_states_request_uses_hf_indices_plus_the_last_layer(tmp_path):
     spec, kv = hidden_states_configs((2, 15, 27), 30, tmp_path)
-    # vLLM reads these ids as HF hidden_states indices (ENGINE.md) = our internal ids, unchanged; 30 = the last state
+    # vLLM reads these ids as HF hidden_states indices = our internal ids, unchanged; 30 = the last state
     assert spec == {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                     "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27, 30]}}}
     assert kv["kv_connector"] == CONNECTOR and kv["kv_connector_module_path"] == CONNECTOR_MODULE

@@ -19,7 +19,8 @@ def _batch(drafter, b=2, t=16, seed=1):
 
 
 def _naive_ttt_loss(drafter, embed, ids, aux, target_logits, mask, steps, weights):
-    """Straight per-position loops over the definition in DESIGN.md section 5."""
+    """Straight per-position loops over the TTT loss's definition: at step k, position t reads its step k-1 output
+    and the embedding of x_{t+1+k} and is trained towards the target's distribution at t+1+k."""
     b, t = ids.shape
     t2d = drafter.t2d
     next_ids = torch.cat([ids[:, 1:], ids.new_zeros(b, steps)], 1)

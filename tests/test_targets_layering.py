@@ -1,4 +1,4 @@
-"""The data flow runs one way (DESIGN.md section 2): `targets/` sits below `data/` and `training/`."""
+"""The data flow runs one way: `targets/` sits below `data/` and `training/` (the whole order: test_layering.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Checks of a drafter against its target's config: sizes, aux layers (range and convention), RoPE, context length.
 
-Aux layer conventions (DESIGN.md section 3): internally and in vLLM/speculators an id is a HF `output_hidden_states`
+Aux layer conventions: internally and in vLLM/speculators an id is a HF `output_hidden_states`
 index (the residual stream entering decoder layer i, valid 0..N-1); SGLang's `eagle_config` field stores `id - 1`.
 An id list equal to the default in the *other* convention is the classic off-by-one, so it is flagged.
 """

@@ -6,10 +6,11 @@ an oracle built in a test) plugs in. The EAGLE-3 drafter keeps one KV cache laid
     [ step-0 rows of the accepted context (one per target position) | nodes of the tree being drafted ]
 
 Row t of the context reads the target features of position t and the embedding of token t+1 at RoPE position t,
-exactly as in training (DESIGN.md section 5). A tree node at depth d hangs below the last context row, so it sits at
-RoPE position `ctx_len - 1 + d` and attends to every context row plus its own ancestors: the pattern TTT step d
-trains. When a cycle's tokens are accepted the tree entries are dropped and the accepted tokens are appended as new
-context rows with their real target features, so the drafter never recomputes the prefix.
+exactly as at TTT step 0 in training (`eagle3_zoo.training.loss`). A tree node at depth d hangs below the last
+context row, so it sits at RoPE position `ctx_len - 1 + d` and attends to every context row plus its own ancestors:
+the pattern TTT step d trains. When a cycle's tokens are accepted the tree entries are dropped and the accepted
+tokens are appended as new context rows with their real target features, so the drafter never recomputes the
+prefix.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The target model as a backend: where the frozen target runs for the operations a run needs from it.
 
-Below `data/` and `training/` in the data flow (DESIGN.md section 2): both import from here, never the reverse.
+Below `data/` and `training/` in the data flow: both import from here, never the reverse (tests/test_layering.py).
 
 - `loading`: load a recipe's target in process (Hugging Face, the `hf` backend) and choose its aux layers.
 - `engine`: find the inference engine's virtual environment (`EAGLE3_ZOO_VLLM_PYTHON`).

