@@ -59,7 +59,7 @@ def test_a_bad_registry_names_every_problem_by_entry():
     from eagle3_zoo.zoo_registry import FORMATS as ZOO_FORMATS
     from eagle3_zoo.zoo_registry import ZooRegistryError, read_registry
 
-    assert ZOO_FORMATS == FORMATS  # the registry's copy of the drafter formats (hub.formats loads torch)
+    assert ZOO_FORMATS == FORMATS  # the registry's copy of the drafter formats (checkpoint.formats loads torch)
     ok = dict(name="a", repo_id="org/a", target="org/t", family="llama", format="sglang", recipe=None,
               status="published", verified=True, source="https://example.org")
     text = json.dumps({"targets": {}, "drafters": [
