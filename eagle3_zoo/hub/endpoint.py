@@ -13,10 +13,8 @@ PROBE_TIMEOUT_S = 5.0  # seconds an unreachable Hub may take to fail (DNS includ
 _TRANSPORT_ERRORS = {"TransportError", "ConnectionError", "Timeout", "TimeoutException"}
 
 
-
 class HubUnreachableError(ConnectionError):
     """The Hub endpoint did not answer (no network, DNS, proxy, firewall, wrong `--endpoint`)."""
-
 
 
 def resolve_endpoint(endpoint: str | None) -> str | None:
