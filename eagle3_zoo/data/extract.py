@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from eagle3_zoo.data.cache_keys import json_sha256, key_version
 from eagle3_zoo.data.datamodule import collate_right_padded
 from eagle3_zoo.data.features import MANIFEST, FeatureStoreError, FeatureWriter, shard_problem
 from eagle3_zoo.data.ranks import RankSplit, split_for, wait_until
@@ -42,10 +42,10 @@ def features_dir_for(recipe: Any, data_fingerprint: str, target_id: str, aux_lay
     """`data.features_dir`, or a directory under `data.cache_dir` keyed by everything the features depend on."""
     if recipe.data.features_dir:
         return Path(recipe.data.features_dir)
-    key = hashlib.sha256(json.dumps({"layout": "parts",
-        "data": data_fingerprint, "target": target_id, "target_dtype": recipe.target.dtype,
-        "lora": recipe.target.lora_path, "aux_layer_ids": list(aux_layer_ids), "dtype": recipe.data.features_dtype,
-        "shard_size": recipe.data.features_shard_size}, sort_keys=True).encode()).hexdigest()
+    key = json_sha256({"layout": key_version("features"), "data": data_fingerprint, "target": target_id,
+                       "target_dtype": recipe.target.dtype, "lora": recipe.target.lora_path,
+                       "aux_layer_ids": list(aux_layer_ids), "dtype": recipe.data.features_dtype,
+                       "shard_size": recipe.data.features_shard_size}, "features")
     return Path(recipe.data.cache_dir) / "features" / key[:16]
 
 
