@@ -189,10 +189,10 @@ def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, 
         path = regenerated_path(recipe, tokenizer, target_id)
         if split is None:
             split = split_for(path.parent)  # collective under torch.distributed: before any early return
-        if d.regenerate.backend != "hf":  # an OpenAI-compatible server: same file, same key
+        if d.regenerate.backend != "hf":  # an OpenAI-compatible server: same file, same key, same rank split
             from eagle3_zoo.data.regenerate_server import regenerate_for_recipe
 
-            conversations, rstats = regenerate_for_recipe(recipe, conversations, tokenizer, adapter, path)
+            conversations, rstats = regenerate_for_recipe(recipe, conversations, tokenizer, adapter, path, split=split)
         elif target is None:
             raise ValueError("data.regenerate.enabled needs the target model")
         else:
