@@ -9,7 +9,7 @@ from types import SimpleNamespace as NS
 import pytest
 
 from eagle3_zoo.data import cache_keys, prepare, vocab_cache
-from eagle3_zoo.data.extract import features_dir_for
+from eagle3_zoo.data.feature_job import features_dir_for
 from eagle3_zoo.data.readers import Conversation
 
 

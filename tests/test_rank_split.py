@@ -109,7 +109,7 @@ def test_offline_fit_reads_only_the_target_heads(tmp_path, monkeypatch):
     from training_fixtures import save_tiny_target, tiny_recipe, write_chat_jsonl, write_recipe
 
     from eagle3_zoo.adapters import loading
-    from eagle3_zoo.data.extract import prepare_recipe
+    from eagle3_zoo.data.stage import prepare_recipe
     from eagle3_zoo.recipe import load_recipe
     from eagle3_zoo.training.build import build_run
 

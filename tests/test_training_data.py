@@ -159,7 +159,7 @@ def test_regeneration_batched_equals_single_and_resumes(tiny, tmp_path):
 
 
 def test_feature_job_resumes_to_the_same_store(tiny, tmp_path):
-    from eagle3_zoo.data.extract import write_features
+    from eagle3_zoo.data.feature_job import write_features
     from eagle3_zoo.data.features import FeatureReader
 
     model, tok, adapter = tiny

@@ -187,7 +187,7 @@ def feature_examples(n: int = 11) -> list[dict[str, Any]]:
 
 def write_feature_share(rank: int, world_size: int, out: str) -> None:
     """Rank `rank` of `world_size` of the feature job over `feature_examples()` into `out`, waiting for the others."""
-    from eagle3_zoo.data.extract import write_features
+    from eagle3_zoo.data.feature_job import write_features
     from eagle3_zoo.data.ranks import RankSplit
 
     torch.set_num_threads(1)

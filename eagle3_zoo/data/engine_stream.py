@@ -12,7 +12,6 @@ write what they read to a feature store and read it once complete (`eagle3_zoo.d
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from eagle3_zoo.data.datamodule import Eagle3DataModule, ResumableDataLoader
+from eagle3_zoo.data.engine_feed import final_norm_on_cpu
 from eagle3_zoo.data.hybrid_store import HybridStore
 
 logger = logging.getLogger(__name__)
@@ -224,11 +224,6 @@ class StreamingDataModule(Eagle3DataModule):
         return StreamingLoader(dataset, sampler, position=position, training=shuffle, **kwargs)
 
 
-def final_norm_on_cpu(norm: Any) -> Any:
-    """A CPU copy of the target's final norm module (the engine's files are read on the host)."""
-    return copy.deepcopy(norm).to("cpu")
-
-
 def streaming_datamodule(recipe: Any, data: Any, target: Any, adapter: Any, aux_ids: tuple[int, ...],
                          **kwargs: Any) -> tuple[StreamingDataModule, dict[str, Any]]:
     """The DataModule of a run whose states are streamed from the recipe's engine, and the run's feature summary.
@@ -240,7 +235,7 @@ def streaming_datamodule(recipe: Any, data: Any, target: Any, adapter: Any, aux_
         **kwargs: `Eagle3DataModule`'s (batch_size, seed, num_workers, pad_id).
     """
     from eagle3_zoo.data.engine_feed import EngineFeed, run_tag
-    from eagle3_zoo.data.extract import features_dir_for, store_meta
+    from eagle3_zoo.data.feature_job import features_dir_for, store_meta
     from eagle3_zoo.dtypes import torch_dtype
     from eagle3_zoo.targets.deployment import EngineDeployment
 

@@ -245,8 +245,7 @@ def _engine_features_fn(recipe: Any, target: Any, adapter: Any, aux_ids: tuple[i
                         stack: contextlib.ExitStack) -> Any:
     """`features_fn` of the feature job through the recipe's engine (`engine:`; launched or attached at the first
     batch that needs features, stopped when `stack` closes)."""
-    from eagle3_zoo.data.engine_feed import EngineFeed, run_tag
-    from eagle3_zoo.data.engine_stream import final_norm_on_cpu
+    from eagle3_zoo.data.engine_feed import EngineFeed, final_norm_on_cpu, run_tag
     from eagle3_zoo.targets.deployment import EngineDeployment
 
     deployment = EngineDeployment(recipe, aux_ids, target.config.num_hidden_layers)
@@ -261,44 +260,3 @@ def _whole_target(recipe: Any, device: Any) -> Any:
     from eagle3_zoo.targets.loading import load_recipe_target
 
     return load_recipe_target(recipe, device=device)[0]
-
-
-def prepare_recipe(recipe: Any, *, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
-    """The whole data stage of a recipe as `fit` runs it, without training: read, regenerate, split, tokenise,
-    count the draft vocabulary and, for an offline recipe, the feature job. Everything lands in the caches `fit`
-    reads, so a later `fit` with the same data settings goes straight to training (a one-off preparation step).
-
-    An existing feature store is verified shard by shard (sha256 against the manifest): `prepare` is the step that
-    makes the store sound, so a truncated or corrupt shard is extracted again here rather than found by `fit`.
-
-    Returns:
-        The data summary of provenance.json, plus `features_dir` for an offline recipe.
-    """
-    from eagle3_zoo.data.prepare import prepare_data
-    from eagle3_zoo.targets.loading import hand_started_device, load_recipe_target
-
-    check_rank(rank, world_size)  # before the target is loaded
-    target, tokenizer, adapter = load_recipe_target(recipe, device=hand_started_device(recipe, rank))
-    split = RankSplit(rank, world_size) if world_size > 1 else None  # processes started by hand share the cache
-    data = prepare_data(recipe, tokenizer, adapter, target=target, target_id=recipe.target.name_or_path,
-                        vocab_size=target.config.vocab_size, split=split)
-    summary = data.summary()
-    if recipe.data.mode == "offline":
-        store = extract_features(recipe, target=target, tokenizer=tokenizer, adapter=adapter, data=data, rank=rank,
-                                 world_size=world_size, verify="hash")
-        summary["features_dir"] = str(store)
-    return summary
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m eagle3_zoo.data.extract RECIPE [key=value ...] [--rank r --world-size N]` = `eagle3-zoo prepare`
-    (the whole data stage; same options, exit codes and error policy: `eagle3_zoo.cli`)."""
-    import sys
-
-    from eagle3_zoo.cli import main as cli_main
-
-    return cli_main(["prepare", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
