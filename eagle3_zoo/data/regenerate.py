@@ -20,12 +20,13 @@ Resumable and split across ranks (`eagle3_zoo.data.ranks`), whatever the respond
 not hold yet are cut into batches the same way for any number of processes; rank r of W answers batches r, r + W,
 ... and appends each finished conversation to its own part file `<file>.part-<r>` (`{"id", "source", "index",
 "messages"}`, one `write()` per line on an `O_APPEND` descriptor, fsynced per batch). A conversation whose answer
-the responder refused (a server's garbage answer with `data.on_error: skip`) is written as ``{"id", "refused"}``:
-it is left out of the data, counted (`server_answer_refused`) and asked again by the next run. A rerun skips what
-any part already holds; a torn last line (killed mid-write) is cut off first. When every conversation is in some
-part, the new records are appended to the file in input order (one atomic rewrite, under a lock; whichever rank gets
-there first) and the parts are removed: the file is byte-identical for any world size and for one process. A rank
-that finishes early waits for the others' parts by polling the files. A single process stopped by an error (a
+the responder refused (a server's garbage answer with `data.on_error: skip`) is written as ``{"id", "refused"}``: it
+is left out of the data, counted (`server_answer_refused`) and asked again by the next run (the merge lists it in
+`<file>.refused`, so that the ranks still waiting see it accounted for). A rerun skips what any part already holds;
+a torn last line (killed mid-write) is cut off first. When every conversation is in some part and no rank is still
+writing one, the new records are appended to the file in input order (one atomic rewrite, under a lock; whichever
+rank gets there first) and the parts are removed: the file is byte-identical for any world size and for one process.
+A rank that finishes early waits for the others' parts by polling the files. A single process stopped by an error (a
 server that keeps failing, a refused answer with `data.on_error: raise`) first appends the conversations it finished
 to the file, and the error says how many it kept.
 """
@@ -38,6 +39,7 @@ import glob
 import json
 import logging
 import os
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -54,6 +56,10 @@ from eagle3_zoo.modeling.io import atomic_write_bytes, exclusive_lock
 from eagle3_zoo.progress import Progress
 
 logger = logging.getLogger(__name__)
+
+REFUSED_WAIT_S = 600.0
+"""How long a rank waits, with no rank writing, for conversations refused by an earlier run to be asked again
+before it takes them as refused (they are asked again by the next run)."""
 
 
 @dataclass
@@ -288,8 +294,8 @@ def _writing(out_path: Path) -> bool:
     return False
 
 
-def merge_parts(out_path: Path, uids: Sequence[str], complete: bool = True,
-                started_after: str | None = None) -> tuple[int, int]:
+def merge_parts(out_path: Path, uids: Sequence[str], complete: bool = True, started_after: str | None = None,
+                old_refused: bool = False) -> tuple[int, int]:
     """Once the file and its parts account for every id of `uids` and no rank is still writing a part, append the
     parts' records to the file (ids of `uids` in that order, then any other part record by id) and remove the parts.
     Returns (ids accounted for, len(uids)); fewer than all while a rank still writes.
@@ -297,14 +303,15 @@ def merge_parts(out_path: Path, uids: Sequence[str], complete: bool = True,
     A refused conversation (a refusal line in a part) is accounted for but not written: the merge lists it in
     `<file>.refused`, so that the ranks still waiting see it accounted for too, and the next run asks again. That list
     counts only for a rank that started before it was written (`started_after`: the token of the list it saw at its
-    start), so a run that asks again waits for the new answers. `complete=False` appends whatever the parts hold (a
-    single process stopped by an error).
+    start), so a run that asks again waits for the new answers; `old_refused` counts it whenever it was written (a
+    rank that started after the others had merged, which no one else will answer). `complete=False` appends whatever
+    the parts hold (a single process stopped by an error).
     """
     with _locked(out_path):
         main = _load_records(out_path)
         parts, records = _part_records(out_path)
         token, refused = _load_refused(out_path)
-        accepted = refused if token is not None and token != started_after else set()
+        accepted = refused if token is not None and (token != started_after or old_refused) else set()
         held = sum(uid in main or uid in records or uid in accepted for uid in uids)
         if complete and (held < len(uids) or _writing(out_path)):
             return min(held, max(len(uids) - 1, 0)), len(uids)
@@ -506,8 +513,16 @@ def regenerate_with(
             _run(batches, responder, tokenizer, adapter, out_path, part, stats, mine, uids, split,
                  max_length=max_length, max_turns=max_turns, template_kwargs=template_kwargs, ends=ends,
                  on_error=on_error)
-    wait_until(lambda: merge_parts(out_path, uids, started_after=start_token),
-               f"regenerated conversations ({out_path})")
+    quiet_since = time.monotonic()
+
+    def merged() -> tuple[int, int]:  # refused before and no rank writing for a while: nobody asks them again
+        nonlocal quiet_since
+        if _writing(out_path):
+            quiet_since = time.monotonic()
+        return merge_parts(out_path, uids, started_after=start_token,
+                           old_refused=time.monotonic() - quiet_since >= REFUSED_WAIT_S)
+
+    wait_until(merged, f"regenerated conversations ({out_path})")
     with _locked(out_path):
         done = _load_done(out_path)
     out = collect_regenerated(conversations, done, stats, refusal=responder.refusal)
