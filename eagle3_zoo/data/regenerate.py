@@ -138,18 +138,14 @@ class Responder(Protocol):
         ...
 
 
-def _end_ids(tokenizer: Any, adapter: Any) -> list[int]:
+def end_ids(tokenizer: Any, adapter: Any) -> list[int]:
+    """The ids that end the target's turn (end of sequence, the chat format's end-of-turn token)."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     with contextlib.suppress(ValueError):
         eot = tokenizer.convert_tokens_to_ids(adapter.chat_format(tokenizer).end_of_turn)
         if isinstance(eot, int) and eot != tokenizer.unk_token_id:
             ids.add(eot)
     return sorted(ids)
-
-
-def end_ids(tokenizer: Any, adapter: Any) -> list[int]:
-    """The ids that end the target's turn (end of sequence, the chat format's end-of-turn token)."""
-    return _end_ids(tokenizer, adapter)
 
 
 @torch.no_grad()
@@ -184,7 +180,7 @@ class InProcessResponder:
                  temperature: float = 0.0, seed: int = 0) -> None:
         self.model, self.max_new_tokens, self.temperature, self.seed = model, max_new_tokens, temperature, seed
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.end_ids = _end_ids(tokenizer, adapter)
+        self.end_ids = end_ids(tokenizer, adapter)
 
     def describe(self) -> str:
         return "with the target"
@@ -489,7 +485,7 @@ def regenerate_with(
     out_path = Path(out_path)
     split = split or RankSplit()
     stats = RegenerateStats()
-    ends = _end_ids(tokenizer, adapter)
+    ends = end_ids(tokenizer, adapter)
     uids = [c.uid for c in conversations]
     part = part_path(out_path, split.rank)
     with exclusive_lock(part.with_name(part.name + ".lock")):  # one writer per part (another run of this rank)
