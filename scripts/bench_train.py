@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="recipe overrides (key=value)")
     args = parser.parse_args()
 
-    from eagle3_zoo.data.extract import extract_features
+    from eagle3_zoo.data.feature_job import extract_features
     from eagle3_zoo.recipe import load_recipe
     from eagle3_zoo.targets.loading import load_recipe_target
 

@@ -29,9 +29,9 @@ def test_print_config_resolves_every_shipped_recipe(recipe, capsys):
 
 
 def test_prepare_print_config_loads_nothing(monkeypatch, capsys):
-    import eagle3_zoo.data.extract as extract
+    import eagle3_zoo.data.stage as stage
 
-    monkeypatch.setattr(extract, "prepare_recipe", lambda *a, **k: pytest.fail("prepare must not run"))
+    monkeypatch.setattr(stage, "prepare_recipe", lambda *a, **k: pytest.fail("prepare must not run"))
     assert main(["prepare", str(RECIPES[0]), "--print-config", "data.max_samples=7"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["data"]["max_samples"] == 7
 

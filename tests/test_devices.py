@@ -67,9 +67,9 @@ class _Loaded(Exception):
 @pytest.mark.parametrize("rank, local_rank, expected", [(1, None, 1), (3, None, 1), (0, None, 0), (1, "0", 0)])
 def test_prepare_by_hand_puts_each_rank_on_its_own_gpu(tmp_path, two_gpus, monkeypatch, rank, local_rank, expected):
     """`prepare --rank r --world-size 4` on a 2-GPU machine: GPU r mod 2 (a launcher's LOCAL_RANK wins); the same
-    for the feature job's entry point (`python -m eagle3_zoo.data.extract --rank r`)."""
+    for the feature job's entry point (`python -m eagle3_zoo prepare --rank r`)."""
     import eagle3_zoo.targets.loading as loading
-    from eagle3_zoo.data import extract
+    from eagle3_zoo.data import feature_job, stage
 
     if local_rank is not None:
         monkeypatch.setenv("LOCAL_RANK", local_rank)
@@ -81,7 +81,7 @@ def test_prepare_by_hand_puts_each_rank_on_its_own_gpu(tmp_path, two_gpus, monke
 
     monkeypatch.setattr(loading, "load_recipe_target", load)
     recipe = _recipe(tmp_path)  # trainer.accelerator auto
-    for job in (extract.prepare_recipe, extract.extract_features):
+    for job in (stage.prepare_recipe, feature_job.extract_features):
         with pytest.raises(_Loaded):
             job(recipe, rank=rank, world_size=4)
     assert placed == [torch.device("cuda", expected)] * 2 and two_gpus == [torch.device("cuda", expected)] * 2

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from eagle3_zoo.data.extract import write_features
+from eagle3_zoo.data.feature_job import write_features
 from eagle3_zoo.data.features import FeatureReader
 from eagle3_zoo.targets.vllm_features import CONNECTOR, CONNECTOR_MODULE, PLUGIN_DIR, hidden_states_configs
 

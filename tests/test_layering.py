@@ -47,7 +47,6 @@ RANK = {folder: rank for rank, folders in enumerate(LAYERS) for folder in folder
 
 # Edges owned by other issue-31 changes (the lead empties this set once they are merged), as (importer, imported):
 KNOWN_VIOLATIONS = {
-    ("eagle3_zoo.data.extract", "eagle3_zoo.cli"),  # the `prepare` command moves into cli/
     ("eagle3_zoo.training.fit", "eagle3_zoo.cli"),  # start_ranks: the processes are started by Lightning instead
 }
 

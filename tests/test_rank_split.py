@@ -33,6 +33,63 @@ def test_rank_split_regeneration_equals_one_process(tmp_path):
     assert two.read_bytes() == one.read_bytes()
 
 
+def _served_ranks(tmp_path, server, name, world_size, *overrides):
+    """The data stage over `tmp_path/chat.jsonl` by `world_size` processes (each its share) regenerating through
+    `server` into the cache `tmp_path/name`; every rank's regeneration summary, and the regenerated file's bytes."""
+    from training_fixtures import prepare_share_served, tiny_recipe, write_chat_jsonl, write_recipe
+
+    data = tmp_path / "chat.jsonl"
+    if not data.exists():
+        write_chat_jsonl(data, n=10, turns=2)
+    recipe = write_recipe(tmp_path / f"{name}.yaml", tiny_recipe(tmp_path / name, tmp_path, data))
+    args = [(r, world_size, str(recipe), server.url, "data.regenerate.concurrency=2", *overrides)
+            for r in range(world_size)]
+    with mp.get_context("fork").Pool(world_size) as pool:  # a rank waiting for a share nobody answers fails here
+        summaries = pool.starmap_async(prepare_share_served, args, chunksize=1).get(120)
+    cache = tmp_path / name / "cache" / "regenerated"
+    assert not list(cache.glob("*.part-[0-9]*[0-9]"))  # the parts are merged and gone
+    (answers,) = cache.glob("*.jsonl")
+    return summaries, answers.read_bytes()
+
+
+def _what_the_data_holds(summary):
+    return {k: summary[k] for k in ("conversations", "answer_turns", "skipped")}
+
+
+def test_rank_split_served_regeneration_equals_one_process(tmp_path):
+    """Regeneration through an OpenAI-compatible server split across two processes (`prepare --rank`, `fit` under
+    ddp): each rank sends its share of the conversations, and the file is byte-identical to one process's."""
+    from training_fixtures import in_vocabulary_server
+
+    with in_vocabulary_server() as server:
+        (one,), one_file = _served_ranks(tmp_path, server, "one", 1)
+        asked = len(server.completions)
+        two, two_file = _served_ranks(tmp_path, server, "two", 2)
+        assert len(server.completions) == 2 * asked  # every turn asked once by one of the ranks
+    assert one["generated"] == 10 and one["answer_turns"] == 20
+    assert [s["generated"] for s in two] == [6, 4]  # batches of 2 (concurrency): rank 0 takes 3 of the 5
+    assert two_file == one_file
+    assert [_what_the_data_holds(s) for s in two] == [_what_the_data_holds(one)] * 2
+
+
+def test_rank_split_served_regeneration_skips_refused_answers_like_one_process(tmp_path):
+    """With data.on_error=skip, the conversations whose answers are refused are left out and counted the same way
+    by one process and by every rank of two (none waits for them), and the next run asks again for exactly those."""
+    from training_fixtures import in_vocabulary_server
+
+    with in_vocabulary_server(refuse_every=3) as server:
+        (one,), one_file = _served_ranks(tmp_path, server, "one", 1)
+        two, two_file = _served_ranks(tmp_path, server, "two", 2)
+    refused = one["skipped"]["server_answer_refused"]
+    assert 0 < refused < 10 and one["generated"] == 10 - refused
+    assert two_file == one_file and sum(s["generated"] for s in two) == one["generated"]
+    assert [_what_the_data_holds(s) for s in two] == [_what_the_data_holds(one)] * 2
+    with in_vocabulary_server() as server:  # the server is fixed: only the refused conversations are asked again
+        again, _ = _served_ranks(tmp_path, server, "two", 2)
+    assert sum(s["generated"] for s in again) == refused and again[0]["conversations"] == 10
+    assert all(s["skipped"] == {} for s in again)
+
+
 def test_rank_split_feature_job_equals_one_process(tmp_path):
     from eagle3_zoo.data.features import FeatureReader
 
@@ -52,7 +109,7 @@ def test_offline_fit_reads_only_the_target_heads(tmp_path, monkeypatch):
     from training_fixtures import save_tiny_target, tiny_recipe, write_chat_jsonl, write_recipe
 
     from eagle3_zoo.adapters import loading
-    from eagle3_zoo.data.extract import prepare_recipe
+    from eagle3_zoo.data.stage import prepare_recipe
     from eagle3_zoo.recipe import load_recipe
     from eagle3_zoo.training.build import build_run
 

@@ -183,3 +183,40 @@ def test_served_prompts_carry_the_conversations_tool_definitions(tiny, tmp_path)
         prompt = server.completions[0]["prompt"]
     assert "Current weather of a city." in tok.decode(prompt)
     assert [c.messages for c in served] == [c.messages for c in hf] and served[0].tools == tools
+
+
+def test_a_rank_started_after_the_merge_does_not_wait_for_conversations_refused_before(tmp_path, monkeypatch):
+    """Rank 1 of 2 starting after the others finished and merged (processes started by hand, far apart) finds the
+    conversations refused by that run still to do: it asks again for its share of them and, once no rank has been
+    writing for `REFUSED_WAIT_S`, takes the rest as refused (asked again by the next run) instead of waiting forever
+    for a rank 0 that is gone."""
+    import threading
+
+    from training_fixtures import in_vocabulary_server, regen_conversations
+
+    from eagle3_zoo.adapters import get_adapter
+    from eagle3_zoo.data import regenerate
+    from eagle3_zoo.data.ranks import RankSplit
+
+    adapter = get_adapter("llama")
+    tok = adapter.tiny_tokenizer()
+    convs, path = regen_conversations(12), tmp_path / "answers.jsonl"
+    kw = dict(max_new_tokens=4, concurrency=1, on_error="skip")
+    with in_vocabulary_server(refuse_every=3) as server:
+        _, first = regenerate_with_client(convs, OpenAIClient(server.url, retries=0), tok, adapter, path, **kw)
+    refused = first.skipped["server_answer_refused"]
+    assert refused >= 2 and path.with_name(path.name + ".refused").is_file()
+    monkeypatch.setattr(regenerate, "REFUSED_WAIT_S", 0.0)
+    late = {}
+    with in_vocabulary_server() as server:  # fixed: rank 1's share is answered this time
+        def rank_1():
+            late["stats"] = regenerate_with_client(convs, OpenAIClient(server.url, retries=0), tok, adapter, path,
+                                                   split=RankSplit(1, 2), **kw)[1]
+        thread = threading.Thread(target=rank_1, daemon=True)
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive(), "rank 1 waits for conversations nobody answers"
+    stats = late["stats"]
+    assert stats.generated == refused // 2  # its share: batches 1, 3, ... of the refused ones (batches of 1)
+    assert stats.skipped["server_answer_refused"] == refused - stats.generated
+    assert stats.conversations == 12 - stats.skipped["server_answer_refused"]

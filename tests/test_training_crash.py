@@ -89,7 +89,7 @@ def test_killed_feature_job_resumes_to_the_same_store(setup):
 
     tmp, recipe = setup
     ref, crashed = tmp / "features_ref", tmp / "features_crashed"
-    extract = [sys.executable, "-m", "eagle3_zoo.data.extract", str(recipe), "data.mode=offline",
+    extract = [sys.executable, "-m", "eagle3_zoo", "prepare", str(recipe), "data.mode=offline",
                "data.features_shard_size=2"]  # = `eagle3-zoo prepare`: the feature job runs for an offline recipe
     r = subprocess.run([*extract, f"data.features_dir={ref}"], capture_output=True, text=True, env=subprocess_env(),
                        cwd=REPO, timeout=300)

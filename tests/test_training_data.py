@@ -8,6 +8,7 @@ import pytest
 import torch
 from training_fixtures import tiny_llama_target
 
+from eagle3_zoo.data.cache_keys import KEY_VERSIONS
 from eagle3_zoo.data.datamodule import (
     ExampleDataset,
     LengthBucketBatchSampler,
@@ -158,7 +159,7 @@ def test_regeneration_batched_equals_single_and_resumes(tiny, tmp_path):
 
 
 def test_feature_job_resumes_to_the_same_store(tiny, tmp_path):
-    from eagle3_zoo.data.extract import write_features
+    from eagle3_zoo.data.feature_job import write_features
     from eagle3_zoo.data.features import FeatureReader
 
     model, tok, adapter = tiny
@@ -234,7 +235,7 @@ def test_prepare_data_regenerates_caches_and_counts(tiny, tmp_path, monkeypatch)
     assert plain.fingerprint != first.fingerprint  # regeneration settings are part of the data key
     from eagle3_zoo.data import prepare
 
-    monkeypatch.setattr(prepare, "DATA_KEY_VERSION", prepare.DATA_KEY_VERSION + 1)  # new reading/tokenising rules
+    monkeypatch.setitem(KEY_VERSIONS, "token_stream", KEY_VERSIONS["token_stream"] + 1)  # new reading/tokenising rules
     assert prepare.data_fingerprint(recipe, tok, "tiny", "answers") != first.fingerprint
 
 
@@ -323,9 +324,9 @@ def test_regenerated_answers_are_shared_by_every_selection_of_the_records(tiny, 
 
 
 def test_reading_rules_version_keys_the_token_stream_not_the_regenerated_answers(tiny, tmp_path, monkeypatch):
-    """A change to which conversations are read (DATA_KEY_VERSION) must not throw away the answers already
+    """A change to which conversations are read (the "token_stream" key version) must not throw away the answers already
     generated (hours of target time), which are keyed per conversation; a change to how an answer is produced
-    (REGENERATION_KEY_VERSION) must."""
+    (the "regeneration" key version) must."""
     from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
 
     from eagle3_zoo.data import prepare
@@ -337,10 +338,10 @@ def test_reading_rules_version_keys_the_token_stream_not_the_regenerated_answers
                          ["data.regenerate.enabled=true"])
     tokens = prepare.data_fingerprint(recipe, tok, "tiny", "digest")
     answers = prepare.regeneration_key(recipe, tok, "tiny")
-    monkeypatch.setattr(prepare, "DATA_KEY_VERSION", prepare.DATA_KEY_VERSION + 1)
+    monkeypatch.setitem(KEY_VERSIONS, "token_stream", KEY_VERSIONS["token_stream"] + 1)
     assert prepare.data_fingerprint(recipe, tok, "tiny", "digest") != tokens
     assert prepare.regeneration_key(recipe, tok, "tiny") == answers
-    monkeypatch.setattr(prepare, "REGENERATION_KEY_VERSION", prepare.REGENERATION_KEY_VERSION + 1)
+    monkeypatch.setitem(KEY_VERSIONS, "regeneration", KEY_VERSIONS["regeneration"] + 1)
     assert prepare.regeneration_key(recipe, tok, "tiny") != answers
 
 

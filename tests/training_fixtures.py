@@ -146,6 +146,39 @@ def regenerate_share(rank: int, world_size: int, out: str, n: int = 5, batch_siz
     return stats.generated
 
 
+def in_vocabulary_server(refuse_every: int = 0) -> Any:
+    """A loopback OpenAI-compatible server (tests/openai_fake.py) whose answer to a prompt is three in-vocabulary ids
+    of the tiny tokenizer that depend on the prompt, then the stop id; with `refuse_every`, prompts whose id sum is a
+    multiple of it get an id outside the vocabulary instead (an answer the regeneration refuses)."""
+    from openai_fake import FakeOpenAIServer
+
+    def generate(prompt: list[int], max_tokens: int, stop: list[int]) -> list[int]:
+        if refuse_every and sum(prompt) % refuse_every == 0:
+            return [10**6]
+        return [10 + (sum(prompt) * 7 + i) % 400 for i in range(min(3, max_tokens))] + stop[:1]
+
+    return FakeOpenAIServer(generate=generate)
+
+
+def prepare_share_served(rank: int, world_size: int, recipe: str, url: str, *overrides: str) -> dict[str, Any]:
+    """Rank `rank` of `world_size` running the data stage of `recipe` (the tiny tokenizer) with regeneration through
+    the OpenAI-compatible server at `url` (`data.regenerate.backend=openai`); returns its regeneration summary."""
+    from eagle3_zoo.adapters import get_adapter
+    from eagle3_zoo.data.prepare import prepare_data
+    from eagle3_zoo.data.ranks import RankSplit
+    from eagle3_zoo.recipe import load_recipe
+
+    torch.set_num_threads(1)
+    adapter = get_adapter("llama")
+    tok = adapter.tiny_tokenizer()
+    loaded = load_recipe(recipe, ["data.regenerate.enabled=true", "data.regenerate.backend=openai",
+                                  f"data.regenerate.base_url={url}", "data.regenerate.retries=0",
+                                  "data.regenerate.max_new_tokens=4", *overrides])
+    prepared = prepare_data(loaded, tok, adapter, target_id="tiny", vocab_size=len(tok),
+                            split=RankSplit(rank, world_size))
+    return prepared.regenerate
+
+
 def feature_examples(n: int = 11) -> list[dict[str, Any]]:
     g = torch.Generator().manual_seed(0)
     return [{"id": f"s{i}", "input_ids": torch.randint(512, (int(k),), generator=g),
@@ -154,7 +187,7 @@ def feature_examples(n: int = 11) -> list[dict[str, Any]]:
 
 def write_feature_share(rank: int, world_size: int, out: str) -> None:
     """Rank `rank` of `world_size` of the feature job over `feature_examples()` into `out`, waiting for the others."""
-    from eagle3_zoo.data.extract import write_features
+    from eagle3_zoo.data.feature_job import write_features
     from eagle3_zoo.data.ranks import RankSplit
 
     torch.set_num_threads(1)

@@ -29,7 +29,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     if _print_config(args):
         return 0
-    from eagle3_zoo.data.extract import prepare_recipe
+    from eagle3_zoo.data.stage import prepare_recipe
     from eagle3_zoo.recipe import load_recipe
 
     summary = prepare_recipe(load_recipe(args.recipe, args.overrides), rank=args.rank, world_size=args.world_size)

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from eagle3_zoo.data.datamodule import Eagle3DataModule, ResumableDataLoader
+from eagle3_zoo.data.engine_feed import final_norm_on_cpu
 from eagle3_zoo.data.hybrid_store import HybridStore
 
 logger = logging.getLogger(__name__)
@@ -233,8 +234,8 @@ def streaming_datamodule(recipe: Any, data: Any, target: Any, adapter: Any, aux_
         aux_ids: the aux layers the drafter reads.
         **kwargs: `Eagle3DataModule`'s (batch_size, seed, num_workers, pad_id).
     """
-    from eagle3_zoo.data.engine_feed import EngineFeed, final_norm_on_cpu, run_tag
-    from eagle3_zoo.data.extract import features_dir_for, store_meta
+    from eagle3_zoo.data.engine_feed import EngineFeed, run_tag
+    from eagle3_zoo.data.feature_job import features_dir_for, store_meta
     from eagle3_zoo.dtypes import torch_dtype
     from eagle3_zoo.targets.deployment import EngineDeployment
 

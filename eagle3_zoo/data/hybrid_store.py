@@ -24,7 +24,7 @@ class HybridStore:
     """The feature store a hybrid run writes on its first pass and reads afterwards (see the module docstring).
 
     Args:
-        directory: the store (`eagle3_zoo.data.extract.features_dir_for`); this rank writes `part-<rank>` in it.
+        directory: the store (`eagle3_zoo.data.feature_job.features_dir_for`); this rank writes `part-<rank>` in it.
         examples: every example the store must hold (train and validation).
         shard_size, dtype, meta: as the offline feature job's (`FeatureWriter`).
     """
@@ -46,7 +46,7 @@ class HybridStore:
 
     def complete(self) -> bool:
         """Whether the store holds every sample in complete, size-checked shards (then `open` reads it)."""
-        from eagle3_zoo.data.extract import _is_complete
+        from eagle3_zoo.data.feature_job import _is_complete
 
         return _is_complete(self.directory, set(self.samples))
 
@@ -64,7 +64,7 @@ class HybridStore:
     def finish(self, fetch: Any) -> None:
         """Complete the store: every rank fetches (`fetch(example)`, which stores it) its share of the samples no
         part holds, closes its part, and the parts' manifests are merged; then `open`. Collective."""
-        from eagle3_zoo.data.extract import HYBRID_MARKER, merge_parts
+        from eagle3_zoo.data.feature_job import HYBRID_MARKER, merge_parts
         from eagle3_zoo.data.ranks import data_barrier
 
         if self._writer is not None:
@@ -99,7 +99,7 @@ class HybridStore:
         self._writer = None
 
     def _open_part(self) -> Any:
-        from eagle3_zoo.data.extract import HYBRID_MARKER, part_name
+        from eagle3_zoo.data.feature_job import HYBRID_MARKER, part_name
         from eagle3_zoo.data.features import MANIFEST, FeatureStoreError, FeatureWriter
 
         marker = self.directory / HYBRID_MARKER

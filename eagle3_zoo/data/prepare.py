@@ -8,7 +8,6 @@ tokenizer and the draft size.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from collections import Counter
@@ -20,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
+from eagle3_zoo.data.cache_keys import json_sha256, key_version
 from eagle3_zoo.data.readers import ReadStats, read_sources, split_train_val
 from eagle3_zoo.data.tokenize import TokenStats, supervised_token_counts, tokenize_conversations
 from eagle3_zoo.data.vocab_cache import (
@@ -33,18 +33,6 @@ from eagle3_zoo.fileio import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 
-# Part of every key of the token stream (token cache, draft-vocab counts, features): bump it when a change to
-# reading or tokenisation rules changes the examples a recipe produces, so caches built by older code stop matching
-# instead of being reused silently. 2: location-independent source keys and conversation uids. 3: conversations
-# whose first user turn is blank are skipped (`empty_user_turn`). (Regenerated data keyed by the answers' content,
-# `answers_digest`, changed only the keys of regenerated data, by construction, so it needed no bump.) 4: tool turns,
-# reasoning and tool calls are read, and masks follow templates that rewrite earlier turns (Qwen3, gpt-oss). 5: records'
-# tool definitions reach the template; Llama-3.1, Qwen-2.5 tool turns supervised; unrenderable tool calls are skipped.
-DATA_KEY_VERSION = 5
-# Part of the key of the regenerated answers (a per-conversation cache, see `regeneration_key`): bump it only when
-# a change alters the answer the target gives to one conversation, not which conversations are read. 3: answers keep
-# the target's reasoning; turns with tool calls are kept as recorded. 4: prompts carry the records' tool definitions.
-REGENERATION_KEY_VERSION = 4
 
 
 @dataclass
@@ -75,10 +63,6 @@ class PreparedData:
             "regeneration": self.regenerate,
             "fingerprint": self.fingerprint,
         }
-
-
-def _sha(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _examples_path(cache_dir: str | Path, fingerprint: str) -> Path:
@@ -132,14 +116,14 @@ def data_fingerprint(recipe: Any, tokenizer: Any, target_id: str, answers: str |
              "on_error": d.on_error, "val_fraction": d.val_fraction, "seed": d.seed,
              "chat_template_kwargs": dict(d.chat_template_kwargs),
              "regenerate": {"answers": answers, "target": target_id} if d.regenerate.enabled else None}
-    return _sha({"version": DATA_KEY_VERSION, "sources": fingerprint_sources(d.sources, extra),
-                 "tokenizer": tokenizer_fingerprint(tokenizer)})
+    return json_sha256({"version": key_version("token_stream"), "sources": fingerprint_sources(d.sources, extra),
+                        "tokenizer": tokenizer_fingerprint(tokenizer)}, "token_stream")
 
 
 def answers_digest(conversations: list[Any]) -> str:
     """sha256 of the conversations' content (uid, pinned split, messages, tool definitions when any), in order."""
-    return _sha([[c.uid, c.split, c.messages, *([c.tools] if getattr(c, "tools", None) else [])]
-                 for c in conversations])
+    return json_sha256([[c.uid, c.split, c.messages, *([c.tools] if getattr(c, "tools", None) else [])]
+                        for c in conversations], "answers")
 
 
 def regeneration_key(recipe: Any, tokenizer: Any, target_id: str) -> str:
@@ -152,9 +136,9 @@ def regeneration_key(recipe: Any, tokenizer: Any, target_id: str) -> str:
     settings = {"max_length": d.max_length, "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
                 "max_turns": r.max_turns, "seed": d.seed if r.temperature > 0 else None, "target": target_id,
                 "chat_template_kwargs": dict(d.chat_template_kwargs)}
-    return _sha({"version": REGENERATION_KEY_VERSION,
-                 "sources": fingerprint_sources(d.sources, settings, selection=False),
-                 "tokenizer": tokenizer_fingerprint(tokenizer)})
+    return json_sha256({"version": key_version("regeneration"),
+                        "sources": fingerprint_sources(d.sources, settings, selection=False),
+                        "tokenizer": tokenizer_fingerprint(tokenizer)}, "regeneration")
 
 
 def regenerated_path(recipe: Any, tokenizer: Any, target_id: str) -> Path:
@@ -205,10 +189,10 @@ def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, 
         path = regenerated_path(recipe, tokenizer, target_id)
         if split is None:
             split = split_for(path.parent)  # collective under torch.distributed: before any early return
-        if d.regenerate.backend != "hf":  # an OpenAI-compatible server: same file, same key
+        if d.regenerate.backend != "hf":  # an OpenAI-compatible server: same file, same key, same rank split
             from eagle3_zoo.data.regenerate_server import regenerate_for_recipe
 
-            conversations, rstats = regenerate_for_recipe(recipe, conversations, tokenizer, adapter, path)
+            conversations, rstats = regenerate_for_recipe(recipe, conversations, tokenizer, adapter, path, split=split)
         elif target is None:
             raise ValueError("data.regenerate.enabled needs the target model")
         else:

@@ -6,18 +6,29 @@ and the conversation's tool definitions.
 A target that thinks keeps its reasoning in the answer (``{"role": "assistant", "content", "reasoning"}``), so the
 loss mask covers the thinking it generated. Assistant turns that call tools are kept as recorded (the tool results
 that follow answer those calls; a tool cannot be run here); with `max_turns`, the conversation ends after that many
-answers (the cost of regeneration grows with every turn). Conversations are processed `batch_size` at a time,
-batched by the length of their first prompt (less padding, rows finishing together); prompts are left-padded so one
-`generate` call serves the whole batch. Greedy when `temperature == 0`, sampling otherwise.
+answers (the cost of regeneration grows with every turn); a turn whose prompt already has `max_length` tokens ends
+the conversation before it (training would truncate it away).
 
-Resumable and split across ranks (`eagle3_zoo.data.ranks`): the conversations the file does not hold yet are cut
-into batches the same way for any number of processes; rank r of W generates batches r, r + W, ... and appends
-each finished conversation to its own part file `<file>.part-<r>` (`{"id", "source", "index", "messages"}`, one
-`write()` per line on an `O_APPEND` descriptor, fsynced per batch). A rerun skips what any part already holds; a
-torn last line (killed mid-write) is cut off first. When every conversation is in some part, the new records are
-appended to the file in input order (one atomic rewrite, under a lock; whichever rank gets there first) and the
-parts are removed: the file is byte-identical for any world size and for one process. A rank that finishes early
-waits for the others' parts by polling the files.
+One loop (`regenerate_with`) does this for any `Responder`, the thing that answers prompts: `InProcessResponder`
+(the target in this process, one batched `generate` per round; `regenerate_conversations`, the `hf` backend) and
+`eagle3_zoo.data.regenerate_server.ServerResponder` (an OpenAI-compatible server, the `openai` and `vllm`
+backends). Conversations are processed `batch_size` at a time, batched by the length of their first prompt (less
+padding, rows finishing together); round j of a batch asks the responder for the j-th answer of every conversation
+of the batch that has one (`Responder.answer`: token-id prompts in, token ids or text and finish reasons out).
+
+Resumable and split across ranks (`eagle3_zoo.data.ranks`), whatever the responder: the conversations the file does
+not hold yet are cut into batches the same way for any number of processes; rank r of W answers batches r, r + W,
+... and appends each finished conversation to its own part file `<file>.part-<r>` (`{"id", "source", "index",
+"messages"}`, one `write()` per line on an `O_APPEND` descriptor, fsynced per batch). A conversation whose answer
+the responder refused (a server's garbage answer with `data.on_error: skip`) is written as ``{"id", "refused"}``: it
+is left out of the data, counted (`server_answer_refused`) and asked again by the next run (the merge lists it in
+`<file>.refused`, so that the ranks still waiting see it accounted for). A rerun skips what any part already holds;
+a torn last line (killed mid-write) is cut off first. When every conversation is in some part and no rank is still
+writing one, the new records are appended to the file in input order (one atomic rewrite, under a lock; whichever
+rank gets there first) and the parts are removed: the file is byte-identical for any world size and for one process.
+A rank that finishes early waits for the others' parts by polling the files. A single process stopped by an error (a
+server that keeps failing, a refused answer with `data.on_error: raise`) first appends the conversations it finished
+to the file, and the error says how many it kept.
 """
 
 from __future__ import annotations
@@ -28,11 +39,13 @@ import glob
 import json
 import logging
 import os
+import time
+import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -43,6 +56,10 @@ from eagle3_zoo.fileio import atomic_write_bytes, exclusive_lock
 from eagle3_zoo.progress import Progress
 
 logger = logging.getLogger(__name__)
+
+REFUSED_WAIT_S = 600.0
+"""How long a rank waits, with no rank writing, for conversations refused by an earlier run to be asked again
+before it takes them as refused (they are asked again by the next run)."""
 
 
 @dataclass
@@ -62,10 +79,143 @@ class RegenerateStats:
                 "generated": self.generated, "turns": self.turns, "skipped": dict(self.skipped)}
 
 
-def _load_records(path: Path, repair: bool = True) -> dict[str, tuple[bytes, list[dict[str, str]]]]:
-    """Finished records of a JSONL file by id: (line, messages). A torn trailing line (no newline or invalid JSON)
-    is cut off the file with `repair` (its writer is gone) and ignored without (another rank may be writing it)."""
-    done: dict[str, tuple[bytes, list[dict[str, str]]]] = {}
+# --- responders: what answers the prompts -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt to answer: the conversation's `uid`, which answer of it this is (`turn`, 0-based), and the prompt
+    (the conversation so far rendered with the chat template, generation header included) as token ids."""
+
+    uid: str
+    turn: int
+    prompt: list[int]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A responder's answer to one `Request`: the generated token ids (`ids`; the loop cuts them before the first
+    end token and decodes them with the target's tokenizer) or, from a server that returns no ids, the decoded
+    `text`; `finish_reason` as the responder reports it ("stop", "length"; None when it does not say)."""
+
+    ids: list[int] | None = None
+    text: str | None = None
+    finish_reason: str | None = None
+
+
+class Responder(Protocol):
+    """What `regenerate_with` asks for answers (`InProcessResponder`, `regenerate_server.ServerResponder`)."""
+
+    refusal: str
+    """The skip reason counted for a conversation whose answer was refused (`is_refusal`) with on_error=skip."""
+
+    def describe(self) -> str:
+        """How answers are made, for the log line ("with the target", "through URL (model, N in flight)")."""
+        ...
+
+    def open(self) -> None:
+        """Get ready; called once, only when this rank has conversations to answer (a server is checked here, so a
+        server that is down stops the run before anything is written)."""
+        ...
+
+    def batch(self, start: int) -> contextlib.AbstractContextManager[Any]:
+        """Held while the batch of conversations starting at `start` (in the sorted to-do list) is answered
+        (the in-process responder seeds its sampling here, so a rerun samples the remaining batches alike)."""
+        ...
+
+    def answer(self, requests: Sequence[Request]) -> list[Answer | BaseException | None]:
+        """One result per request, in order: an `Answer`, the exception that request ended with, or None for a
+        request not sent because another one failed (start nothing new after a failure that is not a refusal)."""
+        ...
+
+    def is_refusal(self, error: BaseException) -> bool:
+        """Whether `error` refuses one answer (its conversation may be skipped) rather than stops the run."""
+        ...
+
+    def stopped(self, error: BaseException, kept: str) -> BaseException:
+        """The exception the run raises when `error` stopped it; `kept` says what was kept ("2 of 6 conversations
+        done this run are kept in FILE (0 from before)")."""
+        ...
+
+
+def end_ids(tokenizer: Any, adapter: Any) -> list[int]:
+    """The ids that end the target's turn (end of sequence, the chat format's end-of-turn token)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    with contextlib.suppress(ValueError):
+        eot = tokenizer.convert_tokens_to_ids(adapter.chat_format(tokenizer).end_of_turn)
+        if isinstance(eot, int) and eot != tokenizer.unk_token_id:
+            ids.add(eot)
+    return sorted(ids)
+
+
+@torch.no_grad()
+def generate_replies(model: Any, prompts: Sequence[list[int]], *, max_new_tokens: int, temperature: float,
+                     pad_id: int, end_ids: list[int]) -> list[list[int]]:
+    """One batched `generate` over left-padded prompts; returns each reply's ids up to (excluding) the end token."""
+    width = max(len(p) for p in prompts)
+    device = next(model.parameters()).device
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        attention_mask[i, width - len(p) :] = 1
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {
+        "do_sample": False}
+    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                         max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=end_ids, **sampling)
+    replies = []
+    for row in out[:, width:].tolist():
+        cut = next((j for j, tok in enumerate(row) if tok in end_ids), len(row))
+        replies.append(row[:cut])
+    return replies
+
+
+class InProcessResponder:
+    """The target in this process (the `hf` backend): each round is one batched `generate` over left-padded
+    prompts, greedy when `temperature == 0`, else sampling seeded per batch (`seed` + the batch's start)."""
+
+    refusal = "answer_refused"  # never refuses
+
+    def __init__(self, model: Any, tokenizer: Any, adapter: Any, *, max_new_tokens: int = 1024,
+                 temperature: float = 0.0, seed: int = 0) -> None:
+        self.model, self.max_new_tokens, self.temperature, self.seed = model, max_new_tokens, temperature, seed
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.end_ids = end_ids(tokenizer, adapter)
+
+    def describe(self) -> str:
+        return "with the target"
+
+    def open(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def batch(self, start: int) -> Iterator[None]:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed + start)
+            yield
+
+    def answer(self, requests: Sequence[Request]) -> list[Answer | BaseException | None]:
+        replies = generate_replies(self.model, [r.prompt for r in requests], max_new_tokens=self.max_new_tokens,
+                                   temperature=self.temperature, pad_id=self.pad_id, end_ids=self.end_ids)
+        return [Answer(ids=reply) for reply in replies]
+
+    def is_refusal(self, error: BaseException) -> bool:
+        return False
+
+    def stopped(self, error: BaseException, kept: str) -> BaseException:
+        return error  # raised as it is (a CUDA error, an interrupted generate)
+
+
+# --- the answers file and its parts (resume, rank split) --------------------------------------------------------
+
+_Records = dict[str, tuple[bytes, "list[dict[str, str]] | None"]]  # uid -> (line, messages; None: refused)
+
+
+def _load_records(path: Path, repair: bool = True) -> _Records:
+    """Finished records of a JSONL file by id: (line, messages), messages None for a refusal line. A torn trailing
+    line (no newline or invalid JSON) is cut off the file with `repair` (its writer is gone) and ignored without
+    (another rank may be writing it)."""
+    done: _Records = {}
     if not path.exists():
         return done
     data = path.read_bytes()
@@ -77,7 +227,7 @@ def _load_records(path: Path, repair: bool = True) -> dict[str, tuple[bytes, lis
             record = json.loads(line)
         except json.JSONDecodeError:
             break
-        done[str(record["id"])] = (line, record["messages"])
+        done[str(record["id"])] = (line, None if "refused" in record else record["messages"])
         good += len(line)
     if good != len(data) and repair:
         logger.warning("%s: cutting %d bytes of a torn last record left by an interrupted run", path, len(data) - good)
@@ -88,11 +238,11 @@ def _load_records(path: Path, repair: bool = True) -> dict[str, tuple[bytes, lis
 
 def _load_done(path: Path) -> dict[str, list[dict[str, str]]]:
     """Finished records by id; cuts a torn trailing line (no newline or invalid JSON) off the file."""
-    return {uid: messages for uid, (_, messages) in _load_records(path).items()}
+    return {uid: messages for uid, (_, messages) in _load_records(path).items() if messages is not None}
 
 
 def _locked(path: Path) -> contextlib.AbstractContextManager[None]:
-    return exclusive_lock(path.with_name(path.name + ".lock"))  # blocks while another process regenerates this file
+    return exclusive_lock(path.with_name(path.name + ".lock"))  # blocks while another process merges this file
 
 
 def part_path(out_path: Path, rank: int) -> Path:
@@ -100,40 +250,87 @@ def part_path(out_path: Path, rank: int) -> Path:
     return out_path.with_name(f"{out_path.name}.part-{rank:05d}")
 
 
-def _part_records(out_path: Path) -> tuple[list[Path], dict[str, tuple[bytes, list[dict[str, str]]]]]:
+def _part_records(out_path: Path) -> tuple[list[Path], _Records]:
     parts = sorted(out_path.parent.glob(glob.escape(out_path.name) + ".part-[0-9]*[0-9]"))
-    records: dict[str, tuple[bytes, list[dict[str, str]]]] = {}
+    records: _Records = {}
     for part in parts:
         records.update(_load_records(part, repair=False))
     return parts, records
 
 
-def merge_parts(out_path: Path, uids: Sequence[str]) -> tuple[int, int]:
-    """Once the file and its parts hold every id of `uids`, append the parts' records to the file (ids of `uids`
-    in that order, then any other part record by id) and remove the parts. Returns (ids held, len(uids))."""
+def answered_ids(out_path: str | Path) -> set[str]:
+    """Ids of the conversations the file or its parts hold (refused ones included: asked again once merged)."""
+    out_path = Path(out_path)
+    with _locked(out_path):
+        return set(_load_records(out_path)) | set(_part_records(out_path)[1])
+
+
+def _refused_path(out_path: Path) -> Path:
+    return out_path.with_name(out_path.name + ".refused")
+
+
+def _load_refused(out_path: Path) -> tuple[str | None, set[str]]:
+    """The conversations left out as refused by the merges so far (`<file>.refused`, written only when there are
+    any) and the token of the merge that wrote the list last (None: no list)."""
+    try:
+        side = json.loads(_refused_path(out_path).read_text())
+        return str(side["merge"]), set(side["ids"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, set()
+
+
+def _writing(out_path: Path) -> bool:
+    """Whether a process holds the lock of one of the file's parts (a rank still answering its share)."""
+    for lock in out_path.parent.glob(glob.escape(out_path.name) + ".part-[0-9]*[0-9].lock"):
+        try:
+            with exclusive_lock(lock, blocking=False):
+                pass
+        except BlockingIOError:
+            return True
+    return False
+
+
+def merge_parts(out_path: Path, uids: Sequence[str], complete: bool = True, started_after: str | None = None,
+                old_refused: bool = False) -> tuple[int, int]:
+    """Once the file and its parts account for every id of `uids` and no rank is still writing a part, append the
+    parts' records to the file (ids of `uids` in that order, then any other part record by id) and remove the parts.
+    Returns (ids accounted for, len(uids)); fewer than all while a rank still writes.
+
+    A refused conversation (a refusal line in a part) is accounted for but not written: the merge lists it in
+    `<file>.refused`, so that the ranks still waiting see it accounted for too, and the next run asks again. That list
+    counts only for a rank that started before it was written (`started_after`: the token of the list it saw at its
+    start), so a run that asks again waits for the new answers; `old_refused` counts it whenever it was written (a
+    rank that started after the others had merged, which no one else will answer). `complete=False` appends whatever
+    the parts hold (a single process stopped by an error).
+    """
     with _locked(out_path):
         main = _load_records(out_path)
         parts, records = _part_records(out_path)
-        held = sum(uid in main or uid in records for uid in uids)
-        if held < len(uids):
-            return held, len(uids)
-        new = [uid for uid in uids if uid not in main and uid in records]
-        new += sorted(set(records) - set(main) - set(new))
-        if new:
+        token, refused = _load_refused(out_path)
+        accepted = refused if token is not None and (token != started_after or old_refused) else set()
+        held = sum(uid in main or uid in records or uid in accepted for uid in uids)
+        if complete and (held < len(uids) or _writing(out_path)):
+            return min(held, max(len(uids) - 1, 0)), len(uids)
+        answered = {uid for uid, (_, messages) in records.items() if messages is not None and uid not in main}
+        new = [uid for uid in uids if uid in answered]
+        new += sorted(answered - set(new))
+        if new or (parts and not out_path.exists()):
             old = b"".join(line for line, _ in main.values())
             atomic_write_bytes(out_path, old + b"".join(records[uid][0] for uid in new))
+        if parts:
+            left_out = (refused | {uid for uid, (_, messages) in records.items() if messages is None}) - set(
+                main) - answered
+            if left_out:
+                atomic_write_bytes(_refused_path(out_path), json.dumps(
+                    {"merge": uuid.uuid4().hex, "ids": sorted(left_out)}).encode())
+            else:
+                _refused_path(out_path).unlink(missing_ok=True)
         for part in parts:
             part.unlink(missing_ok=True)
         return held, len(uids)
 
 
-def _end_ids(tokenizer: Any, adapter: Any) -> list[int]:
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    with contextlib.suppress(ValueError):
-        eot = tokenizer.convert_tokens_to_ids(adapter.chat_format(tokenizer).end_of_turn)
-        if isinstance(eot, int) and eot != tokenizer.unk_token_id:
-            ids.add(eot)
-    return sorted(ids)
+# --- the loop ---------------------------------------------------------------------------------------------------
 
 
 def _render_prompt(tokenizer: Any, adapter: Any, messages: list[dict[str, Any]],
@@ -171,26 +368,206 @@ def reply_message(tokenizer: Any, adapter: Any, text: str, template_kwargs: dict
     return {"role": "assistant", "content": answer, **({"reasoning": reasoning} if reasoning else {})}
 
 
-@torch.no_grad()
-def generate_replies(model: Any, prompts: Sequence[list[int]], *, max_new_tokens: int, temperature: float,
-                     pad_id: int, end_ids: list[int]) -> list[list[int]]:
-    """One batched `generate` over left-padded prompts; returns each reply's ids up to (excluding) the end token."""
-    width = max(len(p) for p in prompts)
-    device = next(model.parameters()).device
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        attention_mask[i, width - len(p) :] = 1
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {
-        "do_sample": False}
-    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                         max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=end_ids, **sampling)
-    replies = []
-    for row in out[:, width:].tolist():
-        cut = next((j for j, tok in enumerate(row) if tok in end_ids), len(row))
-        replies.append(row[:cut])
-    return replies
+@dataclass
+class _Turns:
+    """One conversation being regenerated: the messages so far (`new`), those not copied or answered yet."""
+
+    conv: Conversation
+    new: list[dict[str, Any]] = field(default_factory=list)
+    pending: list[dict[str, Any]] = field(default_factory=list)
+    answered: int = 0
+    finished: bool = False
+    refused: BaseException | None = None
+
+    def next_prompt(self, tokenizer: Any, adapter: Any, max_length: int | None, max_turns: int | None,
+                    template_kwargs: dict[str, Any] | None) -> list[int] | None:
+        """The prompt of the next answer, or None once the conversation is finished (copying the messages that are
+        kept as recorded on the way)."""
+        if self.finished or self.refused is not None:
+            return None
+        if max_turns is not None and self.answered >= max_turns:
+            self.finished = True  # what follows is dropped
+            return None
+        while self.pending and not _to_answer(self.pending[0]):
+            self.new.append(self.pending.pop(0))
+        if not self.pending:
+            self.finished = True
+            return None
+        prompt = _render_prompt(tokenizer, adapter, self.new, template_kwargs, self.conv.tools)
+        if max_length is not None and len(prompt) >= max_length:
+            self.pending = []  # the rest of the conversation would be truncated away in training
+            while self.new and self.new[-1]["role"] != "assistant":
+                self.new.pop()
+            self.finished = True
+            return None
+        return prompt
+
+
+def _answer_batch(batch: Sequence[Conversation], responder: Responder, tokenizer: Any, adapter: Any,
+                  max_length: int | None, max_turns: int | None, template_kwargs: dict[str, Any] | None,
+                  ends: list[int], on_error: str) -> tuple[list[_Turns], BaseException | None]:
+    """Turn by turn over the batch: round j answers the j-th answer turn of every conversation that has one. Stops
+    at the first failure (returned, with the conversations in the state it left them)."""
+    turns = [_Turns(conv, pending=list(conv.messages)) for conv in batch]
+    while True:
+        asked = [(t, p) for t in turns
+                 if (p := t.next_prompt(tokenizer, adapter, max_length, max_turns, template_kwargs)) is not None]
+        if not asked:
+            return turns, None
+        results = responder.answer([Request(t.conv.uid, t.answered, p) for t, p in asked])
+        failure: BaseException | None = None
+        unsent = False
+        for (t, _), result in zip(asked, results):
+            if result is None:
+                unsent = True
+            elif isinstance(result, BaseException):
+                if responder.is_refusal(result):
+                    result = type(result)(f"conversation {t.conv.uid}, answer {t.answered + 1}: {result}")
+                    if on_error == "skip":
+                        t.refused = result
+                        continue
+                failure = failure or result
+            else:
+                ids = result.ids
+                if ids is not None:
+                    cut = next((j for j, tok in enumerate(ids) if tok in ends), len(ids))
+                    message = decode_reply(tokenizer, adapter, ids[:cut], template_kwargs)
+                else:
+                    message = reply_message(tokenizer, adapter, result.text or "", template_kwargs)
+                t.pending.pop(0)  # the original assistant turn
+                t.new.append(message)
+                t.answered += 1
+        if unsent and failure is None:
+            failure = RuntimeError(f"{responder.describe()}: requests left unanswered without an error")
+        if failure is not None:
+            for t in turns:  # finishes the conversations with nothing left to ask; the others are not kept
+                t.next_prompt(tokenizer, adapter, max_length, max_turns, template_kwargs)
+            return turns, failure
+
+
+def regenerate_with(
+    responder: Responder,
+    conversations: Sequence[Conversation],
+    tokenizer: Any,
+    adapter: Any,
+    out_path: str | Path,
+    *,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    max_turns: int | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    split: RankSplit | None = None,
+    on_error: str = "raise",
+) -> tuple[list[Conversation], RegenerateStats]:
+    """Replace every assistant turn by the responder's answer; resumable, split across ranks (module docstring).
+
+    Args:
+        responder: what answers the prompts (`InProcessResponder`, `regenerate_server.ServerResponder`).
+        conversations: normalised conversations (user/assistant/system/tool messages).
+        tokenizer, adapter: the target's tokenizer and adapter (chat template, end-of-turn token).
+        out_path: the JSONL file of regenerated conversations (appended to; reused on rerun).
+        batch_size: conversations answered together (one `Responder.answer` call per round).
+        max_length: a turn whose prompt already has this many tokens is dropped with the rest of the conversation
+            (training would truncate it anyway).
+        max_turns: answer at most this many assistant turns per conversation and drop what follows; None = all.
+        template_kwargs: chat-template variables (recipe `data.chat_template_kwargs`, e.g. ``enable_thinking``).
+        split: this process's share (`eagle3_zoo.data.ranks.RankSplit`); default: all of it. Every rank returns
+            once all shares are done.
+        on_error: an answer the responder refuses (`Responder.is_refusal`): "raise" stops the run, "skip" leaves
+            its conversation out (counted as `Responder.refusal`, asked again by the next run).
+
+    Returns:
+        The regenerated conversations in input order (same ids/sources/indices), and stats.
+
+    Raises:
+        What `Responder.stopped` makes of the failure that stopped the run (the conversations finished are kept).
+    """
+    out_path = Path(out_path)
+    split = split or RankSplit()
+    stats = RegenerateStats()
+    ends = end_ids(tokenizer, adapter)
+    uids = [c.uid for c in conversations]
+    part = part_path(out_path, split.rank)
+    with exclusive_lock(part.with_name(part.name + ".lock")):  # one writer per part (another run of this rank)
+        with _locked(out_path):
+            main = _load_records(out_path)
+            start_token = _load_refused(out_path)[0]
+        _load_records(part)  # cut a torn line of this rank's own part before appending to it
+        _, in_parts = _part_records(out_path)
+        todo = [c for c in conversations if c.uid not in main]
+        # similar prompt lengths share a batch; a stable sort keeps the order (and so resumption) deterministic
+        todo.sort(key=lambda c: len(next((m["content"] for m in c.messages if m["role"] != "assistant"), "")))
+        batches = split.share([(start, todo[start : start + batch_size]) for start in range(0, len(todo), batch_size)])
+        batches = [(start, [c for c in batch if c.uid not in in_parts]) for start, batch in batches]
+        batches = [(start, batch) for start, batch in batches if batch]
+        stats.reused = sum(c.uid in main or in_parts.get(c.uid, (b"", None))[1] is not None for c in conversations)
+        mine = sum(len(batch) for _, batch in batches)
+        if mine:
+            responder.open()  # a server that is down stops the run here, before anything is written
+            logger.info("regenerating %d conversations %s (rank %d of %d; %d already in %s)", mine,
+                        responder.describe(), split.rank, split.world_size, stats.reused, out_path)
+            _run(batches, responder, tokenizer, adapter, out_path, part, stats, mine, uids, split,
+                 max_length=max_length, max_turns=max_turns, template_kwargs=template_kwargs, ends=ends,
+                 on_error=on_error)
+    quiet_since = time.monotonic()
+
+    def merged() -> tuple[int, int]:  # refused before and no rank writing for a while: nobody asks them again
+        nonlocal quiet_since
+        if _writing(out_path):
+            quiet_since = time.monotonic()
+        return merge_parts(out_path, uids, started_after=start_token,
+                           old_refused=time.monotonic() - quiet_since >= REFUSED_WAIT_S)
+
+    wait_until(merged, f"regenerated conversations ({out_path})")
+    with _locked(out_path):
+        done = _load_done(out_path)
+    out = collect_regenerated(conversations, done, stats, refusal=responder.refusal)
+    if stats.skipped[responder.refusal]:
+        logger.warning("regeneration: left out %d conversations whose answers were refused (data.on_error=skip); "
+                       "the next run asks again", stats.skipped[responder.refusal])
+    return out, stats
+
+
+def _run(batches: list[tuple[int, list[Conversation]]], responder: Responder, tokenizer: Any, adapter: Any,
+         out_path: Path, part: Path, stats: RegenerateStats, mine: int, uids: list[str], split: RankSplit, *,
+         on_error: str, **kw: Any) -> None:
+    """Answer this rank's batches into its part file; see `regenerate_with`."""
+    fd = os.open(part, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    progress = Progress(mine, "regenerating", "conv", logger=logger)
+    try:
+        for start, batch in batches:
+            with responder.batch(start):
+                turns, failure = _answer_batch(batch, responder, tokenizer, adapter, on_error=on_error, **kw)
+            lines, answered = [], 0
+            for t in turns:
+                if t.refused is not None:
+                    logger.warning("skipping conversation %s (data.on_error=skip): %s", t.conv.uid, t.refused)
+                    lines.append({"id": t.conv.uid, "refused": responder.refusal})  # not kept: asked again
+                elif t.finished:
+                    lines.append({"id": t.conv.uid, "source": t.conv.source, "index": t.conv.index,
+                                  "messages": t.new})
+                    stats.generated += 1
+                    answered += t.answered
+            for record in lines:  # one write per line: whole lines only
+                os.write(fd, (json.dumps(record, ensure_ascii=False) + "\n").encode())
+            os.fsync(fd)
+            stats.turns += answered
+            progress.update(len(batch), turns=answered)
+            if failure is not None:
+                raise failure
+    except Exception as error:
+        where = part
+        if split.world_size == 1:  # one process: what it finished goes into the file now
+            merge_parts(out_path, uids, complete=False)
+            where = out_path
+        stopped = responder.stopped(error, f"{stats.generated} of {mine} conversations done this run are kept in "
+                                           f"{where} ({stats.reused} from before)")
+        if stopped is error:
+            raise
+        raise stopped from None
+    finally:
+        progress.close()
+        os.close(fd)
 
 
 def regenerate_conversations(
@@ -209,83 +586,31 @@ def regenerate_conversations(
     template_kwargs: dict[str, Any] | None = None,
     split: RankSplit | None = None,
 ) -> tuple[list[Conversation], RegenerateStats]:
-    """Replace every assistant turn by the target's own reply; resumable, split across ranks (module docstring).
+    """`regenerate_with` the target in this process (`InProcessResponder`; the `hf` backend).
 
     Args:
-        conversations: normalised conversations (user/assistant/system messages).
         model: the target (`generate`-capable causal LM).
-        tokenizer, adapter: the target's tokenizer and adapter (chat template, end-of-turn token).
-        out_path: the JSONL file of regenerated conversations (appended to; reused on rerun).
         max_new_tokens: cap per reply.
         temperature: 0 = greedy, else sampling at this temperature.
         batch_size: conversations per `generate` call.
-        max_length: a turn whose prompt already has this many tokens is dropped with the rest of the conversation
-            (training would truncate it anyway).
-        max_turns: answer at most this many assistant turns per conversation and drop what follows; None = all.
         seed: sampling seed (per batch, so a rerun samples the remaining batches reproducibly).
-        template_kwargs: chat-template variables (recipe `data.chat_template_kwargs`, e.g. ``enable_thinking``).
-        split: this process's share (`eagle3_zoo.data.ranks.RankSplit`); default: all of it. Every rank returns
-            once all shares are done.
-
-    Returns:
-        The regenerated conversations in input order (same ids/sources/indices), and stats.
+        Others: as `regenerate_with`.
     """
-    out_path = Path(out_path)
-    split = split or RankSplit()
-    stats = RegenerateStats()
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    end_ids = _end_ids(tokenizer, adapter)
-    part = part_path(out_path, split.rank)
-    with exclusive_lock(part.with_name(part.name + ".lock")):  # one writer per part (another run of this rank)
-        with _locked(out_path):
-            main = _load_records(out_path)
-        _load_records(part)  # cut a torn line of this rank's own part before appending to it
-        _, in_parts = _part_records(out_path)
-        todo = [c for c in conversations if c.uid not in main]
-        # similar prompt lengths share a batch; a stable sort keeps the order (and so resumption) deterministic
-        todo.sort(key=lambda c: len(next((m["content"] for m in c.messages if m["role"] != "assistant"), "")))
-        batches = split.share([(start, todo[start : start + batch_size]) for start in range(0, len(todo), batch_size)])
-        batches = [(start, [c for c in batch if c.uid not in in_parts]) for start, batch in batches]
-        batches = [(start, batch) for start, batch in batches if batch]
-        stats.reused = sum(c.uid in main or c.uid in in_parts for c in conversations)
-        mine = sum(len(batch) for _, batch in batches)
-        if mine:
-            logger.info("regenerating %d conversations with the target (rank %d of %d; %d already in %s)", mine,
-                        split.rank, split.world_size, stats.reused, out_path)
-            fd = os.open(part, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            progress = Progress(mine, "regenerating", "conv", logger=logger)
-            try:
-                for start, batch in batches:
-                    turns_before = stats.turns
-                    with torch.random.fork_rng(devices=[]):
-                        torch.manual_seed(seed + start)
-                        results = _regenerate_batch(batch, model, tokenizer, adapter, max_new_tokens, temperature,
-                                                    max_length, max_turns, pad_id, end_ids, stats,
-                                                    template_kwargs)
-                    for conv, messages in zip(batch, results):
-                        record = {"id": conv.uid, "source": conv.source, "index": conv.index, "messages": messages}
-                        os.write(fd, (json.dumps(record, ensure_ascii=False) + "\n").encode())
-                    os.fsync(fd)
-                    stats.generated += len(batch)
-                    progress.update(len(batch), turns=stats.turns - turns_before)
-            finally:
-                progress.close()
-                os.close(fd)
-    uids = [c.uid for c in conversations]
-    wait_until(lambda: merge_parts(out_path, uids), f"regenerated conversations ({out_path})")
-    with _locked(out_path):
-        done = _load_done(out_path)
-    return collect_regenerated(conversations, done, stats), stats
+    responder = InProcessResponder(model, tokenizer, adapter, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, seed=seed)
+    return regenerate_with(responder, conversations, tokenizer, adapter, out_path, batch_size=batch_size,
+                           max_length=max_length, max_turns=max_turns, template_kwargs=template_kwargs, split=split)
 
 
 def collect_regenerated(conversations: Sequence[Conversation], done: dict[str, list[dict[str, str]]],
-                        stats: RegenerateStats) -> list[Conversation]:
-    """The regenerated conversations in input order (any backend), counting what the data holds in `stats`; one
-    whose first prompt was already too long (no answer) is dropped and counted as `prompt_too_long`, one with no
-    record (its answer was refused and counted by the server backend) is left out."""
+                        stats: RegenerateStats, refusal: str = "server_answer_refused") -> list[Conversation]:
+    """The regenerated conversations in input order, counting what the data holds in `stats`; one whose first
+    prompt was already too long (no answer) is dropped and counted as `prompt_too_long`, one with no record (its
+    answer was refused) is left out and counted as `refusal`."""
     out = []
     for conv in conversations:
         if conv.uid not in done:
+            stats.skipped[refusal] += 1
             continue
         messages = done[conv.uid]
         if not any(m["role"] == "assistant" for m in messages):
@@ -295,41 +620,3 @@ def collect_regenerated(conversations: Sequence[Conversation], done: dict[str, l
         stats.conversations += 1
         stats.answer_turns += sum(m["role"] == "assistant" for m in messages)
     return out
-
-
-def _regenerate_batch(batch: Sequence[Conversation], model: Any, tokenizer: Any, adapter: Any, max_new_tokens: int,
-                      temperature: float, max_length: int | None, max_turns: int | None, pad_id: int,
-                      end_ids: list[int], stats: RegenerateStats,
-                      template_kwargs: dict[str, Any] | None = None) -> list[list[dict[str, Any]]]:
-    """Turn by turn over the batch: round j answers the j-th assistant turn of every conversation that has one."""
-    new: list[list[dict[str, str]]] = [[] for _ in batch]
-    pending = [list(c.messages) for c in batch]  # messages not yet copied/answered
-    open_ = set(range(len(batch)))
-    answered = 0
-    while open_ and (max_turns is None or answered < max_turns):
-        prompts, who = [], []
-        for i in sorted(open_):
-            while pending[i] and not _to_answer(pending[i][0]):
-                new[i].append(pending[i].pop(0))
-            if not pending[i]:
-                open_.discard(i)
-                continue
-            prompt = _render_prompt(tokenizer, adapter, new[i], template_kwargs, batch[i].tools)
-            if max_length is not None and len(prompt) >= max_length:
-                pending[i] = []  # the rest of the conversation would be truncated away in training
-                while new[i] and new[i][-1]["role"] != "assistant":
-                    new[i].pop()
-                open_.discard(i)
-                continue
-            prompts.append(prompt)
-            who.append(i)
-        if not prompts:
-            break
-        replies = generate_replies(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   pad_id=pad_id, end_ids=end_ids)
-        for i, reply in zip(who, replies):
-            pending[i].pop(0)  # the original assistant turn
-            new[i].append(decode_reply(tokenizer, adapter, reply, template_kwargs))
-            stats.turns += 1
-        answered += 1
-    return new

@@ -9,7 +9,6 @@ counts into the d2t/t2d mapping.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import re
@@ -21,22 +20,19 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
+from eagle3_zoo.data.cache_keys import json_sha256, key_version
 from eagle3_zoo.data.readers import source_files
 from eagle3_zoo.fileio import atomic_write_bytes, sha256_file
 
 logger = logging.getLogger(__name__)
 
-_KEY_VERSION = 1  # bump when the counting rules change, so old caches stop matching
-
-
-def _sha256_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
 def vocab_cache_key(data_fingerprint: str, tokenizer_fingerprint: str, draft_vocab_size: int) -> str:
     """sha256 hex key of a token-count cache entry."""
-    return _sha256_json({"kind": "draft-vocab-token-counts", "version": _KEY_VERSION, "data": data_fingerprint,
-                         "tokenizer": tokenizer_fingerprint, "draft_vocab_size": int(draft_vocab_size)})
+    return json_sha256({"kind": "draft-vocab-token-counts", "version": key_version("draft_vocab_counts"),
+                        "data": data_fingerprint, "tokenizer": tokenizer_fingerprint,
+                        "draft_vocab_size": int(draft_vocab_size)}, "draft_vocab_counts")
 
 
 @functools.lru_cache(maxsize=256)
@@ -73,7 +69,7 @@ def fingerprint_sources(sources: Iterable[Any], extra: dict[str, Any] | None = N
         if selection:
             entry.update(max_samples=get("max_samples"), split=get("split"))
         entries.append(entry)
-    return _sha256_json({"sources": entries, "extra": extra or {}})
+    return json_sha256({"sources": entries, "extra": extra or {}}, "fingerprint")
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -84,8 +80,8 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     spec = backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items())
     special = getattr(tokenizer, "special_tokens_map", None)
-    return _sha256_json({"spec": spec, "chat_template": getattr(tokenizer, "chat_template", None),
-                         "special_tokens": special if isinstance(special, dict) else None})
+    return json_sha256({"spec": spec, "chat_template": getattr(tokenizer, "chat_template", None),
+                        "special_tokens": special if isinstance(special, dict) else None}, "fingerprint")
 
 
 def _counts_path(cache_dir: str | Path, key: str) -> Path:

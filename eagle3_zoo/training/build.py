@@ -191,7 +191,7 @@ def _datasets(recipe: Any, data: Any, target: Any, tokenizer: Any, adapter: Any,
 
     if recipe.data.mode == "online":
         return ExampleDataset(data.train), ExampleDataset(data.val), {}
-    from eagle3_zoo.data.extract import extract_features
+    from eagle3_zoo.data.feature_job import extract_features
     from eagle3_zoo.data.features import FeatureReader
 
     store = extract_features(recipe, target=target, tokenizer=tokenizer, adapter=adapter, data=data)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from eagle3_zoo.data.cache_keys import json_sha256, key_version
 from eagle3_zoo.data.datamodule import collate_right_padded
 from eagle3_zoo.data.features import MANIFEST, FeatureStoreError, FeatureWriter, shard_problem
 from eagle3_zoo.data.ranks import RankSplit, split_for, wait_until
@@ -42,10 +42,10 @@ def features_dir_for(recipe: Any, data_fingerprint: str, target_id: str, aux_lay
     """`data.features_dir`, or a directory under `data.cache_dir` keyed by everything the features depend on."""
     if recipe.data.features_dir:
         return Path(recipe.data.features_dir)
-    key = hashlib.sha256(json.dumps({"layout": "parts",
-        "data": data_fingerprint, "target": target_id, "target_dtype": recipe.target.dtype,
-        "lora": recipe.target.lora_path, "aux_layer_ids": list(aux_layer_ids), "dtype": recipe.data.features_dtype,
-        "shard_size": recipe.data.features_shard_size}, sort_keys=True).encode()).hexdigest()
+    key = json_sha256({"layout": key_version("features"), "data": data_fingerprint, "target": target_id,
+                       "target_dtype": recipe.target.dtype, "lora": recipe.target.lora_path,
+                       "aux_layer_ids": list(aux_layer_ids), "dtype": recipe.data.features_dtype,
+                       "shard_size": recipe.data.features_shard_size}, "features")
     return Path(recipe.data.cache_dir) / "features" / key[:16]
 
 
@@ -260,44 +260,3 @@ def _whole_target(recipe: Any, device: Any) -> Any:
     from eagle3_zoo.targets.loading import load_recipe_target
 
     return load_recipe_target(recipe, device=device)[0]
-
-
-def prepare_recipe(recipe: Any, *, rank: int = 0, world_size: int = 1) -> dict[str, Any]:
-    """The whole data stage of a recipe as `fit` runs it, without training: read, regenerate, split, tokenise,
-    count the draft vocabulary and, for an offline recipe, the feature job. Everything lands in the caches `fit`
-    reads, so a later `fit` with the same data settings goes straight to training (a one-off preparation step).
-
-    An existing feature store is verified shard by shard (sha256 against the manifest): `prepare` is the step that
-    makes the store sound, so a truncated or corrupt shard is extracted again here rather than found by `fit`.
-
-    Returns:
-        The data summary of provenance.json, plus `features_dir` for an offline recipe.
-    """
-    from eagle3_zoo.data.prepare import prepare_data
-    from eagle3_zoo.targets.loading import hand_started_device, load_recipe_target
-
-    check_rank(rank, world_size)  # before the target is loaded
-    target, tokenizer, adapter = load_recipe_target(recipe, device=hand_started_device(recipe, rank))
-    split = RankSplit(rank, world_size) if world_size > 1 else None  # processes started by hand share the cache
-    data = prepare_data(recipe, tokenizer, adapter, target=target, target_id=recipe.target.name_or_path,
-                        vocab_size=target.config.vocab_size, split=split)
-    summary = data.summary()
-    if recipe.data.mode == "offline":
-        store = extract_features(recipe, target=target, tokenizer=tokenizer, adapter=adapter, data=data, rank=rank,
-                                 world_size=world_size, verify="hash")
-        summary["features_dir"] = str(store)
-    return summary
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m eagle3_zoo.data.extract RECIPE [key=value ...] [--rank r --world-size N]` = `eagle3-zoo prepare`
-    (the whole data stage; same options, exit codes and error policy: `eagle3_zoo.cli`)."""
-    import sys
-
-    from eagle3_zoo.cli import main as cli_main
-
-    return cli_main(["prepare", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
