@@ -40,6 +40,7 @@ from eagle3_zoo.training import resume
 from eagle3_zoo.training.build import build_run
 from eagle3_zoo.training.callbacks import ProgressLogCallback, StepProgressBar, TTTScheduleCallback
 from eagle3_zoo.training.engine_callback import EngineFeedCallback
+from eagle3_zoo.training.lightning_private import last_global_step_saved, save_last_checkpoint
 from eagle3_zoo.training.module import NonFiniteError, all_finite
 from eagle3_zoo.training.outputs import build_provenance, drafter_info, full_drafter, git_info, write_drafter_folder
 from eagle3_zoo.training.record import TrainingRecordCallback
@@ -69,8 +70,8 @@ class LastCheckpoint(ModelCheckpoint):
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         trained = trainer.global_step != self._start_step
-        if self.save_last and (trained or self._last_global_step_saved != trainer.global_step):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if self.save_last and (trained or last_global_step_saved(self) != trainer.global_step):
+            save_last_checkpoint(self, trainer)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

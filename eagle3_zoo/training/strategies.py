@@ -187,7 +187,8 @@ def load_target_shards(target: nn.Module, adapter: Any, device: torch.device | s
 
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from eagle3_zoo.training.lightning_private import local_shape_and_global_offset
 
     files: dict[str, Path] = target.eagle3_weight_files
     layers = adapter.decoder_layers(target)
@@ -213,8 +214,7 @@ def load_target_shards(target: nn.Module, adapter: Any, device: torch.device | s
             for name, param in layer.named_parameters():
                 key = f"{prefix}{i}.{name}"
                 if isinstance(param, DTensor):
-                    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
-                                                                          param.placements)
+                    shape, offset = local_shape_and_global_offset(param)
                     local = param.to_local()
                 else:
                     shape, offset, local = tuple(param.shape), (0,) * param.dim(), param
