@@ -172,6 +172,34 @@ class Eagle3Module(L.LightningModule):
                  decay: str = "cosine", min_lr_ratio: float = 0.0, logits_chunk_size: int = 1024,
                  loss: str = "soft_ce", lk_eta: float = DEFAULT_ETA, shard_target: bool | None = None):
         super().__init__()
+        self.assemble(drafter, adapter, target, embed_tokens=embed_tokens, lm_head=lm_head, mode=mode,
+                      ttt_steps=ttt_steps, step_weights=step_weights, lr=lr, betas=betas, weight_decay=weight_decay,
+                      warmup_steps=warmup_steps, decay=decay, min_lr_ratio=min_lr_ratio,
+                      logits_chunk_size=logits_chunk_size, loss=loss, lk_eta=lk_eta, shard_target=shard_target)
+
+    @classmethod
+    def deferred(cls) -> Eagle3Module:
+        """A module whose parts come later, from `assemble`: `fit` hands it to `trainer.fit` before the target and
+        the drafter exist, and builds them in a Lightning hook once Lightning has started the run's processes
+        (`eagle3_zoo.training.build.RecipeDataModule`). It holds no parameter until then."""
+        module = cls.__new__(cls)
+        L.LightningModule.__init__(module)
+        return module
+
+    @property
+    def assembled(self) -> bool:
+        """Whether the module has its drafter and target (`assemble` ran)."""
+        return "objective" in self._modules
+
+    def assemble(self, drafter: Eagle3Drafter, adapter: Any, target: nn.Module | None = None, *,
+                 embed_tokens: nn.Module | None = None, lm_head: nn.Module | None = None, mode: str = "online",
+                 ttt_steps: int = 7, step_weights: list[float] | None = None, lr: float = 1e-4,
+                 betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0, warmup_steps: int = 0,
+                 decay: str = "cosine", min_lr_ratio: float = 0.0, logits_chunk_size: int = 1024,
+                 loss: str = "soft_ce", lk_eta: float = DEFAULT_ETA, shard_target: bool | None = None) -> Eagle3Module:
+        """Give the module its parts (the arguments of the class); once. Returns the module."""
+        if self.assembled:
+            raise RuntimeError("Eagle3Module.assemble: the module already has its drafter")
         if mode not in ("online", "offline"):
             raise ValueError(f"unknown data mode {mode!r}; valid: online, offline")
         if mode == "online" and target is None:
@@ -192,6 +220,7 @@ class Eagle3Module(L.LightningModule):
         self.val_metrics = StepMetrics(ttt_steps)
         self._sharded = False
         self.shard_target = mode == "online" if shard_target is None else shard_target
+        return self
 
     @property
     def drafter(self) -> Eagle3Drafter:
