@@ -16,6 +16,9 @@ on lightning 2.6.0 (the low stack of `scripts/test_low_stack.sh`, which runs the
   link mode, the removal of the previous `last` and the loggers' `after_save_checkpoint` all live in these two.
 - `ModelCheckpoint._last_global_step_saved`: the step the callback last saved at (no public counterpart); the
   end-of-training save is skipped when it already saved this step and this start trained nothing.
+- `LightningModule._trainer`: the Trainer a module is attached to, or None. The public `trainer` property raises
+  when there is none; `Eagle3Module` runs outside a Trainer too (tests, evaluation), where its steps skip the
+  cross-rank reductions.
 - `torch.distributed.tensor._utils.compute_local_shape_and_global_offset(shape, mesh, placements)`: the rows of a
   sharded (DTensor) parameter this rank owns, so `eagle3_zoo.training.strategies.load_target_shards` reads only
   those from the safetensors files. torch has no public function for it (`DTensor.to_local()` gives the local
@@ -32,6 +35,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.callbacks", "ModelCheckpoint._save_last_checkpoint"),
     ("lightning.pytorch.callbacks", "ModelCheckpoint._monitor_candidates"),
     ("lightning.pytorch.callbacks", "ModelCheckpoint()._last_global_step_saved"),  # set by __init__: on an instance
+    ("lightning.pytorch", "LightningModule()._trainer"),
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
 )
 
@@ -59,6 +63,11 @@ def last_global_step_saved(checkpoint_callback: Any) -> int:
 def save_last_checkpoint(checkpoint_callback: Any, trainer: Any) -> None:
     """Save the callback's `last` checkpoint now, as it does itself (name, state, link mode, loggers notified)."""
     checkpoint_callback._save_last_checkpoint(trainer, checkpoint_callback._monitor_candidates(trainer))
+
+
+def attached_trainer(module: Any) -> Any:
+    """The Trainer a LightningModule is attached to, or None (outside `trainer.fit`/`validate`)."""
+    return module._trainer
 
 
 def local_shape_and_global_offset(param: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -22,6 +22,7 @@ from torch import nn
 from typing_extensions import override
 
 from eagle3_zoo.modeling import Eagle3Drafter
+from eagle3_zoo.training.lightning_private import attached_trainer
 from eagle3_zoo.training.loss import TTTLossOutput, default_step_weights, draft_vocab_mass, step_masks, ttt_loss
 from eagle3_zoo.training.metrics import StepMetrics, acceptance_length_tensor
 from eagle3_zoo.training.objectives import DEFAULT_ETA, check_objective
@@ -284,7 +285,7 @@ class Eagle3Module(L.LightningModule):
                                                   batch["loss_mask"], self.logits_chunk_size,
                                                   self.drafter.config.draft_vocab_size, with_mass=True)
         weights = self.step_weights[:steps]
-        if global_norm and self._trainer is not None and self.trainer.world_size > 1:
+        if global_norm and attached_trainer(self) is not None and self.trainer.world_size > 1:
             local = supervised_positions(batch["loss_mask"], valid, steps)
             total = self.trainer.strategy.reduce(local.clone(), reduce_op="sum")
             weights = rank_step_weights(weights, local, total, self.trainer.world_size)
@@ -308,7 +309,7 @@ class Eagle3Module(L.LightningModule):
         metrics["train/supervised_tokens"] = out.num_supervised[0].float()
         self.log_dict(metrics, batch_size=b)
         self.log("train/acc_0", out.step_acc[0].float(), prog_bar=True, batch_size=b)
-        if self._trainer is not None and self.trainer.lr_scheduler_configs:
+        if attached_trainer(self) is not None and self.trainer.lr_scheduler_configs:
             lr = self.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
             # a tensor filled on the device: Lightning turns a float into a tensor by a blocking host-to-device copy
             self.log("train/lr", torch.full((), lr, device=out.loss.device), batch_size=b)
@@ -319,7 +320,7 @@ class Eagle3Module(L.LightningModule):
         (every rank takes part in the check, so none is left waiting in a collective). The step's one wait for the
         device outside the loss: the flag is formed there and read once."""
         bad = (~torch.isfinite(loss.detach())).float()
-        if self._trainer is not None and self.trainer.world_size > 1:
+        if attached_trainer(self) is not None and self.trainer.world_size > 1:
             bad = self.trainer.strategy.reduce(bad, reduce_op="sum")
         ranks = int(bad.item())
         if ranks > 0:

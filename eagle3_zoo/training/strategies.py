@@ -54,7 +54,6 @@ STRATEGIES = ("auto", "ddp", "fsdp")
 
 def build_strategy(
     name: str,
-    adapter: Any | None = None,
     *,
     devices: int | str = "auto",
     num_nodes: int = 1,
@@ -64,7 +63,6 @@ def build_strategy(
 
     Args:
         name: "auto", "ddp" or "fsdp".
-        adapter: the target's adapter (FSDP reads its decoder layers when the module is configured).
         devices: `trainer.devices` (FSDP needs the world size for its data-parallel mesh).
         num_nodes: `trainer.num_nodes`.
         accelerator: the Trainer's accelerator.
