@@ -349,8 +349,8 @@ def check_fit(s: Shapes, device: torch.device, work: Path, strategy: str) -> Non
     recipe = load_recipe(recipe_file, overrides)
     build_trainer = fit_module.build_trainer
 
-    def with_meters(recipe, adapter, callbacks=(), *args, **kwargs):
-        return build_trainer(recipe, adapter, [*callbacks, timer, syncs], *args, **kwargs)
+    def with_meters(recipe, callbacks=(), *args, **kwargs):
+        return build_trainer(recipe, [*callbacks, timer, syncs], *args, **kwargs)
 
     fit_module.build_trainer = with_meters
     package_logger = logging.getLogger("eagle3_zoo")

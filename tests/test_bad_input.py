@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from training_fixtures import save_tiny_target, tiny_recipe, write_recipe
 
+from eagle3_zoo.cli import main
 from eagle3_zoo.data.readers import DataError
 from eagle3_zoo.recipe import RecipeError
-from eagle3_zoo.training.fit import fit_main, main
+from eagle3_zoo.training.fit import fit_main
 
 
 def _rec(q="What is the capital of France?", a="The capital of France is Paris.", **extra):
@@ -126,10 +127,10 @@ def test_bad_input(env, tmp_path, monkeypatch, name):
 def test_cli_exit_code_and_message_for_bad_yaml(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  max_steps: [1,\n")
-    assert main([str(bad)]) == 2
+    assert main(["fit", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: invalid recipe") and "YAML syntax error" in err
-    assert main([str(tmp_path / "missing.yaml")]) == 2
+    assert main(["fit", str(tmp_path / "missing.yaml")]) == 2
     assert "recipe file not found" in capsys.readouterr().err
 
 

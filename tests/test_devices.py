@@ -1,5 +1,5 @@
-"""Which GPU each process uses, checked on a CPU with `torch.cuda` faked: `start_ranks` makes the rank's GPU the
-current device before the data stage (regeneration and the feature job run before `trainer.fit`), and a data job
+"""Which GPU each process uses, checked on a CPU with `torch.cuda` faked: `fit`'s setup hook makes the rank's GPU
+the current device before the data stage (regeneration and the feature job run there, in `trainer.fit`), and a data job
 started by hand (`prepare --rank r --world-size N`) puts rank r on its own GPU, not every rank on GPU 0."""
 
 from __future__ import annotations
@@ -8,8 +8,6 @@ import types
 
 import pytest
 import torch
-from lightning.fabric.plugins.environments import LightningEnvironment
-from lightning.pytorch.strategies import DDPStrategy
 from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
 
 from eagle3_zoo.recipe import load_recipe
@@ -33,35 +31,29 @@ def _recipe(tmp_path, **trainer):
                                                                        trainer=trainer)))
 
 
-def test_start_ranks_makes_the_ranks_gpu_current_before_the_data_stage(tmp_path, two_gpus, monkeypatch):
-    """Rank 1 of 2 started by a launcher (LOCAL_RANK=1): cuda:1 is current when start_ranks returns, i.e. before
-    `build_run` prepares data; the process group is started (faked here)."""
-    import lightning.fabric.utilities.distributed as fabric_dist
-
-    from eagle3_zoo.training import fit
-
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("NODE_RANK", "0")
-    strategy = DDPStrategy(parallel_devices=[torch.device("cpu")] * 2, cluster_environment=LightningEnvironment())
-    monkeypatch.setattr(fit.L, "Trainer", lambda **kw: types.SimpleNamespace(strategy=strategy))
-    started = []
-    monkeypatch.setattr(fabric_dist, "_init_dist_connection", lambda *a, **kw: started.append(a))
-    device = fit.start_ranks(_recipe(tmp_path, accelerator="gpu", devices=2, strategy="ddp"))
-    assert device == torch.device("cuda", 1) and two_gpus == [torch.device("cuda", 1)] and len(started) == 1
-
-
-def test_start_ranks_single_process_uses_gpu_0(tmp_path, two_gpus, monkeypatch):
-    from eagle3_zoo.training import fit
-
-    plain = types.SimpleNamespace(launcher=None)  # the strategy of a one-process run (no launcher, no group)
-    monkeypatch.setattr(fit.L, "Trainer", lambda **kw: types.SimpleNamespace(strategy=plain))
-    assert fit.start_ranks(_recipe(tmp_path, accelerator="gpu", devices=1)) == torch.device("cuda", 0)
-    assert two_gpus == [torch.device("cuda", 0)]
-
-
 class _Loaded(Exception):
-    """Stops `prepare_recipe` where the target would be loaded."""
+    """Stops a job where the target would be loaded (`prepare_recipe`) or the data stage starts (`build_run`)."""
+
+
+@pytest.mark.parametrize("local_rank", [1, 0])
+def test_setup_makes_the_ranks_gpu_current_before_the_data_stage(tmp_path, two_gpus, monkeypatch, local_rank):
+    """Rank 1 of 2 started by Lightning (its local rank 1), or a one-process run (0): cuda:<local rank> is current
+    when `RecipeDataModule.setup` starts the data stage (`build_run`, which loads the target there)."""
+    from eagle3_zoo.training import build
+
+    seen = []
+
+    def build_run(recipe, source="recipe", device=None, module=None):
+        seen.append((device, list(two_gpus)))
+        raise _Loaded
+
+    monkeypatch.setattr(build, "build_run", build_run)
+    datamodule = build.RecipeDataModule(_recipe(tmp_path, accelerator="gpu", devices=2, strategy="ddp"), "r.yaml",
+                                        module=None)
+    datamodule.trainer = types.SimpleNamespace(local_rank=local_rank)
+    with pytest.raises(_Loaded):
+        datamodule.setup("fit")
+    assert seen == [(torch.device("cuda", local_rank), [torch.device("cuda", local_rank)])]
 
 
 @pytest.mark.parametrize("rank, local_rank, expected", [(1, None, 1), (3, None, 1), (0, None, 0), (1, "0", 0)])

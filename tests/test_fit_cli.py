@@ -79,7 +79,7 @@ def test_online_fit_outputs_and_resume(setup):
     assert all(k.startswith("objective.drafter.") for k in ckpt["state_dict"])  # the target is not saved
     assert _csv_steps(run / "logs/version_0/metrics.csv") == [0, 1, 2, 3]
 
-    r = run_fit_cli(recipe, "trainer.max_steps=6", use_cli=True)
+    r = run_fit_cli(recipe, "trainer.max_steps=6")
     assert r.returncode == 0, r.stderr[-4000:]
     assert "resuming from" in r.stderr
     assert _csv_steps(run / "logs/version_1/metrics.csv") == [4, 5]  # continues, not from 0
@@ -138,10 +138,10 @@ def test_preconditioned_fc_online_equals_offline_and_is_folded(setup, online_ste
 
 
 def test_cli_reports_user_errors_without_traceback(setup, capsys):
-    from eagle3_zoo.training.fit import main
+    from eagle3_zoo.cli import main
 
     tmp, recipe = setup
-    assert main([str(recipe), "trainer.max_stpes=3", "drafter.draft_vocab_size=0"]) == 2
+    assert main(["fit", str(recipe), "trainer.max_stpes=3", "drafter.draft_vocab_size=0"]) == 2
     err = capsys.readouterr().err
     assert "trainer.max_stpes" in err and "did you mean 'trainer.max_steps'" in err
     assert "drafter.draft_vocab_size" in err and "Traceback" not in err

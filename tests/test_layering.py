@@ -21,8 +21,6 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import pytest
-
 import eagle3_zoo
 
 PACKAGE = Path(os.environ.get("EAGLE3_ZOO_LAYERING_ROOT") or Path(eagle3_zoo.__file__).parent)
@@ -44,11 +42,6 @@ LAYERS = (  # top to bottom
      ""),  # utilities; "" = the package's own __init__
 )
 RANK = {folder: rank for rank, folders in enumerate(LAYERS) for folder in folders}
-
-# Edges owned by other issue-31 changes (the lead empties this set once they are merged), as (importer, imported):
-KNOWN_VIOLATIONS = {
-    ("eagle3_zoo.training.fit", "eagle3_zoo.cli"),  # start_ranks: the processes are started by Lightning instead
-}
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -161,14 +154,14 @@ def test_every_folder_has_a_layer():
 
 
 def test_no_import_circle():
-    cycles = _cycles(EDGES - KNOWN_VIOLATIONS)
+    cycles = _cycles(EDGES)
     assert not cycles, "import circles (imports inside functions count too):\n" + "\n".join(
         " -> ".join(c) + "\n    " + "; ".join(f"{a} -> {b} at {_lines(a, b)}" for a, b in zip(c, c[1:]))
         for c in cycles)
 
 
 def test_imports_run_downwards():
-    upward = sorted((a, b) for a, b in EDGES - KNOWN_VIOLATIONS
+    upward = sorted((a, b) for a, b in EDGES
                     if _folder(a) in RANK and _folder(b) in RANK and RANK[_folder(a)] > RANK[_folder(b)])
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(
         f"{_lines(a, b)}: {a} ({_folder(a) or NAME}) imports {b} ({_folder(b) or NAME})" for a, b in upward)
@@ -177,13 +170,6 @@ def test_imports_run_downwards():
 def test_hub_imports_neither_speculative_nor_training():
     bad = sorted((a, b) for a, b in EDGES if _folder(a) == "hub" and _folder(b) in ("speculative", "training"))
     assert not bad, "\n".join(f"{_lines(a, b)}: {a} imports {b}" for a, b in bad)
-
-
-@pytest.mark.skipif(bool(os.environ.get("EAGLE3_ZOO_LAYERING_ROOT")), reason="the list is this checkout's")
-def test_known_violations_are_exact():
-    """Each listed edge still exists and still breaks the order: an edge that is gone must leave the list."""
-    stale = sorted(e for e in KNOWN_VIOLATIONS if e not in EDGES or RANK[_folder(e[0])] <= RANK[_folder(e[1])])
-    assert not stale, f"remove from KNOWN_VIOLATIONS (no longer imported, or no longer upward): {stale}"
 
 
 def test_the_parser_sees_every_kind_of_import(tmp_path):

@@ -65,7 +65,7 @@ def test_a_second_run_on_a_busy_output_dir_refuses_and_the_holder_cleans_up(env)
     tmp, recipe = env
     run = tmp / "busy"
     young, stage = _leftovers(run)
-    cmd = [sys.executable, *cli_entry(use_cli=True), str(recipe), f"output_dir={run}"]
+    cmd = [sys.executable, *cli_entry(), str(recipe), f"output_dir={run}"]
     first = subprocess.Popen([*cmd, "trainer.max_steps=100000", "trainer.checkpoint_every_n_steps=null"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=subprocess_env(), cwd=REPO)
     try:

@@ -138,7 +138,7 @@ def test_stale_checkpoint_temporaries_are_removed(env):
     stale.write_bytes(b"half a checkpoint")
     old = time.time() - 3600
     os.utime(stale, (old, old))
-    r = run_fit_cli(recipe, f"output_dir={run}", "trainer.max_steps=1", use_cli=True)  # `eagle3-zoo fit`
+    r = run_fit_cli(recipe, f"output_dir={run}", "trainer.max_steps=1")  # `eagle3-zoo fit`
     assert r.returncode == 0, r.stderr[-3000:]
     assert not stale.exists() and "removed 1 stale temporary" in r.stderr
     assert sorted(p.name for p in stale.parent.iterdir()) == ["last.ckpt"]

@@ -224,6 +224,41 @@ def test_build_strategy_names_and_errors():
         build_strategy("deepspeed")
 
 
+def test_deferred_module_is_assembled_once_into_the_module_of_its_parts(tiny_target):
+    """`fit` hands `trainer.fit` an empty `Eagle3Module.deferred()` and assembles it in the setup hook: the result is
+    the module the constructor builds from the same parts (same state, same settings), and it is assembled once."""
+    model, adapter = tiny_target
+    built = _module(model, adapter)
+    deferred = Eagle3Module.deferred()
+    assert not deferred.assembled and not list(deferred.parameters())
+    assert deferred.assemble(built.drafter, adapter, model, ttt_steps=3, lr=1e-3, warmup_steps=1) is deferred
+    assert deferred.assembled and deferred.state_dict().keys() == built.state_dict().keys()
+    for name in ("mode", "ttt_steps", "step_weights", "optim_args", "schedule_args", "shard_target"):
+        assert getattr(deferred, name) == getattr(built, name), name
+    with pytest.raises(RuntimeError, match="already has its drafter"):
+        deferred.assemble(built.drafter, adapter, model)
+
+
+@pytest.mark.parametrize("val_check_interval", [None, 3])
+def test_a_trainer_told_in_setup_that_there_is_no_validation_equals_one_built_without(tmp_path, val_check_interval):
+    """`fit` builds its Trainer before the data stage, then learns there is no validation split: `without_validation`
+    gives it the settings Lightning makes of `build_trainer(has_val=False)`."""
+    from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
+
+    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.training.fit import build_trainer, without_validation
+
+    (tmp_path / "target").mkdir()
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", tiny_recipe(
+        tmp_path, tmp_path / "target", write_chat_jsonl(tmp_path / "d.jsonl", n=2),
+        trainer={"val_check_interval": val_check_interval})))
+    names = ("limit_val_batches", "val_check_interval", "check_val_every_n_epoch")
+    without, told = build_trainer(recipe, has_val=False, logger=False), build_trainer(recipe, logger=False)
+    assert [getattr(told, n) for n in names] != [getattr(without, n) for n in names]  # else nothing is tested
+    without_validation(told)
+    assert [getattr(told, n) for n in names] == [getattr(without, n) for n in names]
+
+
 def test_offline_module_reads_bf16_features(tiny_target):
     model, adapter = tiny_target
     online = _module(model, adapter)

@@ -62,7 +62,7 @@ def test_killed_fit_resumes_to_the_same_drafter(setup):
     assert r.returncode == 0, r.stderr[-4000:]
 
     ckpt = crashed / "checkpoints" / "last.ckpt"
-    code = _kill_when([sys.executable, "-m", "eagle3_zoo.training.fit", str(recipe), f"output_dir={crashed}"],
+    code = _kill_when([sys.executable, "-m", "eagle3_zoo.cli", "fit", str(recipe), f"output_dir={crashed}"],
                       ckpt.exists)
     assert code == -signal.SIGKILL, "the run finished before it could be killed"
     assert not (crashed / "drafter").exists()

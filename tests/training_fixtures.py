@@ -100,12 +100,9 @@ def tiny_run_files(tmp: Path, n: int = 24, **sections: Any) -> Path:
     return write_recipe(tmp / "tiny.yaml", tiny_recipe(tmp, target, data, **sections))
 
 
-def cli_entry(use_cli: bool = False) -> list[str]:
-    """`-m eagle3_zoo.cli fit` once the package CLI has a fit subcommand (and `use_cli`), else the training module."""
-    cli = REPO / "eagle3_zoo" / "cli.py"
-    if use_cli and cli.is_file() and "fit_main" in cli.read_text():
-        return ["-m", "eagle3_zoo.cli", "fit"]
-    return ["-m", "eagle3_zoo.training.fit"]
+def cli_entry() -> list[str]:
+    """`-m eagle3_zoo.cli fit`: the package CLI, the entry Lightning relaunches for the other ranks."""
+    return ["-m", "eagle3_zoo.cli", "fit"]
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -116,10 +113,10 @@ def subprocess_env(**extra: str) -> dict[str, str]:
             "PYTHONWARNINGS": "ignore", **extra}
 
 
-def run_fit_cli(recipe: Path, *overrides: str, timeout: float = 300, use_cli: bool = False,
+def run_fit_cli(recipe: Path, *overrides: str, timeout: float = 300,
                 cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """`python -m eagle3_zoo.training.fit RECIPE overrides...` in a subprocess (1 thread, no GPU)."""
-    return subprocess.run([sys.executable, *cli_entry(use_cli), str(recipe), *overrides], capture_output=True,
+    """`python -m eagle3_zoo.cli fit RECIPE overrides...` in a subprocess (1 thread, no GPU)."""
+    return subprocess.run([sys.executable, *cli_entry(), str(recipe), *overrides], capture_output=True,
                           text=True, timeout=timeout, env=subprocess_env(), cwd=cwd or REPO)
 
 

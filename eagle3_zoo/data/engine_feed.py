@@ -232,8 +232,3 @@ class EngineFeed:
         for i, (a, f) in enumerate(pairs):
             aux[i, : a.shape[0]], final[i, : f.shape[0]] = a, f
         return aux, final
-
-
-def final_norm_on_cpu(norm: Any) -> Any:
-    """A CPU copy of the target's final norm module (the engine's files are read on the host)."""
-    return copy.deepcopy(norm).to("cpu")

@@ -1,5 +1,6 @@
 """Recipe -> the pieces of a training run: target, aux layers, drafter (fresh or `drafter.init_from`), data,
-LightningModule and DataModule (`build_run`)."""
+LightningModule and DataModule (`build_run`), built by `fit` in Lightning's `setup` hook once the run's processes
+run (`RecipeDataModule`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import lightning as L
 import torch
+from typing_extensions import override
 
 from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab
 from eagle3_zoo.targets.loading import aux_layer_ids_for, load_recipe_target
@@ -99,9 +102,10 @@ class TrainingRun:
     features: dict[str, Any] = field(default_factory=dict)  # offline: store directory, bytes per token, dtype
 
 
-def build_run(recipe: Any, source: str = "recipe", device: Any = None) -> TrainingRun:
+def build_run(recipe: Any, source: str = "recipe", device: Any = None, module: Any = None) -> TrainingRun:
     """Seed, load the target, prepare the data, build the drafter, (offline) extract features, build the module and
-    the DataModule.
+    the DataModule. `module`: an `Eagle3Module.deferred()` to assemble (`fit`'s, handed to the Trainer before any of
+    this ran), else a new one.
 
     The target is loaded on `device` (default `target_device(recipe)`: this rank's GPU, else the CPU) and does all
     its work there. Offline without tau eval (and without in-process regeneration or a LoRA) only its embedding,
@@ -110,8 +114,6 @@ def build_run(recipe: Any, source: str = "recipe", device: Any = None) -> Traini
     cache (`eagle3_zoo.data.ranks`), and every rank waits for all of them before returning (no rank starts training
     collectives while another still prepares data).
     """
-    import lightning as L
-
     from eagle3_zoo.data.datamodule import Eagle3DataModule
     from eagle3_zoo.data.prepare import prepare_data
     from eagle3_zoo.data.ranks import data_barrier
@@ -151,7 +153,7 @@ def build_run(recipe: Any, source: str = "recipe", device: Any = None) -> Traini
             datamodule.feed.start()  # the statistics read the first samples' states now, before training
         drafter.set_fc_input_scale(fc_input_scale(train_set, target, adapter, aux_ids))
     t, o = recipe.ttt, recipe.optim
-    module = Eagle3Module(
+    module = (Eagle3Module.deferred() if module is None else module).assemble(
         drafter, adapter, target if keep_target else None, embed_tokens=adapter.embed_tokens(target),
         lm_head=adapter.lm_head(target), mode="online" if in_step else "offline", ttt_steps=t.steps,
         step_weights=t.step_weights or [t.step_weight_decay**k for k in range(t.steps)], lr=o.lr,
@@ -230,3 +232,90 @@ def verify_feature_hashes(reader: Any, store: Any) -> None:
                 "(%.0f MB/s%s) before training", store, shards, size / 1e6, seconds,
                 size / 1e6 / max(seconds, 1e-9), f", this rank's share of {split.world_size}"
                 if split.world_size > 1 else "")
+
+
+class RecipeDataModule(L.LightningDataModule):
+    """A recipe's training run built in Lightning's `setup` hook: `fit` hands this and an `Eagle3Module.deferred()`
+    to `trainer.fit`, which starts the run's processes and its process group (Lightning's own launcher, or the
+    processes torchrun or SLURM started) and then calls `setup` on every rank. There, before anything is placed on a
+    device, this rank's target device is made current (`use_device`: else every rank's data stage, regeneration
+    included, would allocate on GPU 0), the data stage's process group is created (`eagle3_zoo.data.ranks`), and
+    `build_run` loads the target, runs the data stage split across the ranks (regeneration, feature job), builds the
+    drafter and assembles the module; then `on_built(run)` (what `fit` derives from the run: identity, resume check,
+    provenance). Lightning calls this before the module's `setup` and `configure_model` (FSDP shards there) and
+    before it restores a checkpoint.
+
+    The loaders and the hooks (`setup`, `teardown`, `on_exception`, `state_dict`) are the built run's DataModule's
+    (`Eagle3DataModule`, or the engine's `StreamingDataModule`), as are `train_set`, `val_set` and `feed`.
+
+    Args:
+        recipe: a loaded `Recipe`.
+        source: where the recipe came from (error messages).
+        module: the `Eagle3Module` to assemble (`Eagle3Module.deferred()`).
+        on_built: called with the `TrainingRun` once it is built, on every rank.
+    """
+
+    def __init__(self, recipe: Any, source: str, module: Any, on_built: Any = None):
+        super().__init__()
+        self.recipe, self.source, self.module, self.on_built = recipe, source, module, on_built
+        self.run: TrainingRun | None = None
+
+    @property
+    def built(self) -> Any:
+        """The built run's DataModule."""
+        if self.run is None:
+            raise RuntimeError("RecipeDataModule: the run is built in setup(), which Lightning has not called yet")
+        return self.run.datamodule
+
+    @property
+    def train_set(self) -> Any:
+        return self.built.train_set
+
+    @property
+    def val_set(self) -> Any:
+        return self.built.val_set
+
+    @property
+    def feed(self) -> Any:
+        """The engine feed of a run that streams hidden states (None otherwise, or before `setup`)."""
+        return getattr(self.run.datamodule, "feed", None) if self.run is not None else None
+
+    @override
+    def setup(self, stage: str) -> None:
+        if self.run is None:
+            from eagle3_zoo.data.ranks import start_coordination
+            from eagle3_zoo.targets.loading import target_device, use_device
+
+            device = use_device(target_device(self.recipe, self.trainer.local_rank))
+            start_coordination()  # at the same point on every rank, before the data stage needs it
+            self.run = build_run(self.recipe, self.source, device=device, module=self.module)
+            self.run.datamodule.trainer = self.trainer
+            if self.on_built is not None:
+                self.on_built(self.run)
+        self.built.setup(stage)
+
+    @override
+    def teardown(self, stage: str) -> None:
+        if self.run is not None:
+            self.built.teardown(stage)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self.run is not None:
+            self.built.on_exception(exception)
+
+    @override
+    def train_dataloader(self) -> Any:
+        return self.built.train_dataloader()
+
+    @override
+    def val_dataloader(self) -> Any:
+        return self.built.val_dataloader()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.built.state_dict() if self.run is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.built.load_state_dict(state_dict)

@@ -166,8 +166,8 @@ class StepProgressBar(TQDMProgressBar):
         self._t0, self._tokens = 0.0, 0
 
     def _count_steps(self, trainer: L.Trainer) -> None:
-        bar = self._train_progress_bar
-        if trainer.max_steps > 0 and bar is not None:
+        bar = self.train_progress_bar  # set by on_train_start
+        if trainer.max_steps > 0:
             # the rate counts the steps since this bar (re)started, not the ones a resumed run did before
             bar.total, bar.n, bar.initial = trainer.max_steps, trainer.global_step, trainer.global_step
             bar.set_description(f"step (epoch {trainer.current_epoch})")  # refreshes the bar
@@ -189,8 +189,9 @@ class StepProgressBar(TQDMProgressBar):
         self._tokens += batch_tokens(batch)
         if trainer.max_steps <= 0:
             return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        bar, step = self._train_progress_bar, trainer.global_step
-        if bar is not None and not bar.disable and self._should_update(step, bar.total):
+        bar, step = self.train_progress_bar, trainer.global_step
+        # the stock bar's refresh rule (every `refresh_rate` steps and at the last), on optimizer steps
+        if self.is_enabled and not bar.disable and (step % self.refresh_rate == 0 or step == bar.total):
             bar.n = step
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
 

@@ -20,13 +20,21 @@ class EngineFeedCallback(L.Callback):
     run keeps (`fit` adds it to the error).
 
     Args:
-        feed: the run's `eagle3_zoo.data.engine_feed.EngineFeed`.
+        feed: the run's `eagle3_zoo.data.engine_feed.EngineFeed`; default: the DataModule's `feed`, read in `setup`
+            (Lightning calls the callbacks' `setup` after the DataModule's, which builds `fit`'s run).
     """
 
-    def __init__(self, feed: Any) -> None:
+    def __init__(self, feed: Any = None) -> None:
         self.feed = feed
         self.saved_step: int | None = None
         self.kept = ""
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.feed is None:
+            self.feed = getattr(trainer.datamodule, "feed", None)
+        if self.feed is None:
+            raise ValueError("EngineFeedCallback: the run streams no hidden states from an engine (no feed)")
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,

@@ -1,23 +1,24 @@
-"""`fit`: recipe -> trained drafter folder. Also the CLI entry `python -m eagle3_zoo.training.fit RECIPE k=v ...`.
+"""`fit`: recipe -> trained drafter folder (`eagle3-zoo fit RECIPE k=v ...`, `python -m eagle3_zoo.cli fit ...`).
 
     fit_main("recipes/smollm2_135m.yaml", ["trainer.max_steps=30"])  # -> Path("runs/smollm2_135m/drafter")
 
-Steps: seed -> load the target -> prepare data (read, regenerate, split, tokenise, draft-vocab counts) -> build the
-drafter -> (offline: extract features) -> Lightning Trainer (strategy, loggers, checkpoints every N steps with a
-`last.ckpt`) -> resume from `output_dir/checkpoints/last.ckpt` if it exists and was written by a run with the same
-settings (`eagle3_zoo.training.resume`) -> write `output_dir/drafter/`. A non-finite loss stops training; the last
-(finite) checkpoint stays.
+Steps: Lightning Trainer (strategy, loggers, checkpoints every N steps with a `last.ckpt`) -> `trainer.fit`, which
+starts the run's processes, then in its `setup` hook (`eagle3_zoo.training.build.RecipeDataModule`) on every rank:
+seed -> load the target -> prepare data (read, regenerate, split, tokenise, draft-vocab counts) -> build the
+drafter -> (offline: extract features) -> resume from `output_dir/checkpoints/last.ckpt` if it exists and was
+written by a run with the same settings (`eagle3_zoo.training.resume`) -> train -> write `output_dir/drafter/`. A
+non-finite loss stops training; the last (finite) checkpoint stays.
 
 Multi-process strategies (ddp, fsdp) relaunch the *command line* for the other ranks (Lightning's subprocess
-launcher), so run them through this module's CLI (or `eagle3-zoo fit`), not from an interactive session. The ranks
-are started before the data stage (`start_ranks`): the target sits on each rank's own GPU from the start, and
-regeneration and the feature job are split across the ranks (`eagle3_zoo.data.ranks`).
+launcher), so run them through the CLI (`eagle3-zoo fit` or `python -m eagle3_zoo.cli fit`), not from an
+interactive session. Lightning starts the ranks in `trainer.fit` before the data stage, which runs in its `setup`
+hook: the target sits on each rank's own GPU from the start, and regeneration and the feature job are split across
+the ranks (`eagle3_zoo.data.ranks`).
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,15 +38,15 @@ from eagle3_zoo.fileio import atomic_write, recover_replaced_directory
 from eagle3_zoo.progress import use_bar
 from eagle3_zoo.provenance import git_info
 from eagle3_zoo.recipe import recipe_to_dict
-from eagle3_zoo.targets.loading import target_device, use_device
 from eagle3_zoo.training import resume
-from eagle3_zoo.training.build import build_run
+from eagle3_zoo.training.build import RecipeDataModule
 from eagle3_zoo.training.callbacks import ProgressLogCallback, StepProgressBar, TTTScheduleCallback
 from eagle3_zoo.training.engine_callback import EngineFeedCallback
-from eagle3_zoo.training.module import NonFiniteError, all_finite
+from eagle3_zoo.training.lightning_private import last_global_step_saved, save_last_checkpoint
+from eagle3_zoo.training.module import Eagle3Module, NonFiniteError, all_finite
 from eagle3_zoo.training.outputs import build_provenance, drafter_info, full_drafter
 from eagle3_zoo.training.record import TrainingRecordCallback
-from eagle3_zoo.training.run_plan import devices_per_node, world_size
+from eagle3_zoo.training.run_plan import devices_per_node, run_plan, world_size
 from eagle3_zoo.training.rundir import CHECKPOINT_DIR, DRAFTER_DIR
 from eagle3_zoo.training.strategies import build_strategy
 
@@ -70,8 +71,8 @@ class LastCheckpoint(ModelCheckpoint):
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         trained = trainer.global_step != self._start_step
-        if self.save_last and (trained or self._last_global_step_saved != trainer.global_step):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if self.save_last and (trained or last_global_step_saved(self) != trainer.global_step):
+            save_last_checkpoint(self, trainer)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -122,9 +123,10 @@ def _tau_eval_callbacks(recipe: Any, tokenizer: Any) -> list[L.Callback]:
                             tokenizer=tokenizer)]
 
 
-def build_trainer(recipe: Any, adapter: Any, callbacks: Sequence[L.Callback] = (), has_val: bool = True,
+def build_trainer(recipe: Any, callbacks: Sequence[L.Callback] = (), has_val: bool = True,
                   **overrides: Any) -> L.Trainer:
-    """The Lightning Trainer of a recipe (strategy, precision, loggers, checkpoints, TTT schedule)."""
+    """The Lightning Trainer of a recipe (strategy, precision, loggers, checkpoints, TTT schedule). `has_val=False`:
+    no validation (`without_validation` gives a Trainer built with validation the same settings)."""
     t, output_dir = recipe.trainer, Path(recipe.output_dir)
     checkpoint = LastCheckpoint(dirpath=output_dir / CHECKPOINT_DIR, every_n_train_steps=t.checkpoint_every_n_steps,
                                 save_last=True, save_top_k=0, enable_version_counter=False)
@@ -133,8 +135,7 @@ def build_trainer(recipe: Any, adapter: Any, callbacks: Sequence[L.Callback] = (
     progress = ProgressLogCallback(bar=bar)
     kwargs: dict[str, Any] = dict(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
-        strategy=build_strategy(t.strategy, adapter, devices=t.devices, num_nodes=t.num_nodes,
-                                accelerator=t.accelerator),
+        strategy=build_strategy(t.strategy, devices=t.devices, num_nodes=t.num_nodes, accelerator=t.accelerator),
         precision=t.precision, max_steps=t.max_steps if t.max_steps is not None else -1, max_epochs=t.max_epochs,
         accumulate_grad_batches=t.accumulate_grad_batches, gradient_clip_val=recipe.optim.grad_clip,
         gradient_clip_algorithm="norm", val_check_interval=t.val_check_interval,
@@ -149,8 +150,19 @@ def build_trainer(recipe: Any, adapter: Any, callbacks: Sequence[L.Callback] = (
     if kwargs["enable_progress_bar"]:
         kwargs["callbacks"].append(StepProgressBar())
     if not has_val:  # no validation split (data.val_fraction = 0 and no val source)
-        kwargs.update(limit_val_batches=0, val_check_interval=None, check_val_every_n_epoch=1)
+        kwargs.update(NO_VALIDATION)
     return L.Trainer(**{**kwargs, **overrides})
+
+
+NO_VALIDATION = {"limit_val_batches": 0, "val_check_interval": None, "check_val_every_n_epoch": 1}
+
+
+def without_validation(trainer: L.Trainer) -> None:
+    """Give a Trainer the validation settings of `build_trainer(has_val=False)` (what Lightning makes of
+    `NO_VALIDATION`): `fit` builds its Trainer before the data stage shows whether there is a validation split, and
+    calls this from the `setup` hook, before the fit loop reads them. No validation runs, and `last.ckpt` is saved
+    at the end of every epoch as well."""
+    trainer.limit_val_batches, trainer.val_check_interval, trainer.check_val_every_n_epoch = 0, 1.0, 1
 
 
 def require_accelerator(recipe: Any, source: str = "recipe") -> None:
@@ -171,48 +183,6 @@ def require_accelerator(recipe: Any, source: str = "recipe") -> None:
                          f"has {found}. Run it on a machine with the GPUs it declares, or override "
                          "trainer.accelerator=cpu trainer.devices=1 to try it here (a CPU cannot train this target "
                          "in useful time)")
-
-
-def start_ranks(recipe: Any) -> torch.device:
-    """Start this run's other processes and its process group now, before the data stage (Lightning would start
-    them only in `trainer.fit`), so that regeneration and the feature job split across the ranks
-    (`eagle3_zoo.data.ranks`); returns this rank's target device (`target_device`), made the current CUDA device
-    before anything runs on it (else every rank's data stage, regeneration included, allocates on GPU 0).
-
-    Only Lightning's subprocess launcher is started early (ddp, fsdp; also a launcher that started the processes
-    itself, torchrun or SLURM); `trainer.fit` later finds the processes and the group there and starts neither again.
-    """
-    from lightning.fabric.utilities.distributed import _init_dist_connection
-    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
-    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-
-    from eagle3_zoo.data.ranks import start_coordination
-
-    t = recipe.trainer
-    quiet = logging.getLogger("lightning.pytorch")  # this throwaway Trainer would print the real one's banner too
-    level, quiet.level = quiet.level, logging.WARNING
-    try:
-        strategy = L.Trainer(accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, logger=False,
-                             strategy=build_strategy(t.strategy, devices=t.devices, num_nodes=t.num_nodes,
-                                                     accelerator=t.accelerator),
-                             enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False).strategy
-    finally:
-        quiet.setLevel(level)
-    if isinstance(strategy.launcher, _SubprocessScriptLauncher):
-        strategy.launcher.launch(lambda: None)  # the main process starts the others (a no-op in those)
-    if not isinstance(strategy, (DDPStrategy, ModelParallelStrategy)) or strategy.cluster_environment is None or \
-            not strategy.cluster_environment.creates_processes_externally:
-        return use_device(target_device(recipe))
-    strategy.set_world_ranks()
-    device = use_device(target_device(recipe, strategy.local_rank))
-    if strategy.world_size < 2:
-        return device
-    root = strategy.root_device
-    _init_dist_connection(strategy.cluster_environment, strategy._get_process_group_backend(),
-                          timeout=strategy._timeout, device_id=root if root.type != "cpu" else None)
-    start_coordination()
-    return device
 
 
 def fit(recipe: Any, source: str = "recipe") -> Path:
@@ -250,43 +220,57 @@ def _fit(recipe: Any, source: str) -> Path:
             from eagle3_zoo.training.checkpoint_io import read_sharded_metadata
 
             resume.refuse_unreadable(last, read_sharded_metadata)
-    device = start_ranks(recipe)
-    run = build_run(recipe, source, device=device)
-    data, target, adapter = run.data, run.target, run.adapter
-    cfg = target.config
-    target_info = {"name_or_path": recipe.target.name_or_path, "model_type": adapter.model_type,
-                   "dtype": recipe.target.dtype, "lora_path": recipe.target.lora_path,
-                   "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
-                   "vocab_size": cfg.vocab_size}
     t = recipe.trainer
-    identity = resume.run_identity(recipe_to_dict(recipe), data_fingerprint=data.fingerprint,
-                                   d2t=run.module.drafter.d2t, target=target_info,
-                                   world_size=world_size(t.devices, t.num_nodes, t.accelerator))
-    if last.exists():
-        resume.check_resume(last, identity)
-        logger.info("resuming from %s (same run settings)", last)
-    data_summary = {**data.summary(), "draft_vocab_coverage": draft_vocab_coverage(data.counts, run.module.drafter.t2d),
-                    "mode": recipe.data.mode, "features": run.features}
-    # what `eagle3-zoo consolidate` needs to write the drafter folder from a checkpoint alone
-    info = drafter_info(run.module.drafter, recipe_to_dict(recipe), build_provenance(
-        recipe_dict=recipe_to_dict(recipe), target=target_info, data=data_summary, drafter=run.module.drafter,
-        training={"strategy": t.strategy, "precision": t.precision}, git=git))
     record = TrainingRecordCallback(start, static={"strategy": t.strategy, "precision": t.precision})
-    feed = getattr(run.datamodule, "feed", None)  # hidden states streamed from the engine
-    engine = [EngineFeedCallback(feed)] if feed is not None else []
-    trainer = build_trainer(recipe, adapter, [resume.RunIdentityCallback(identity, info), record, *engine,
-                                              *_tau_eval_callbacks(recipe, run.tokenizer)], has_val=bool(data.val))
+    identity = resume.RunIdentityCallback({}, None)  # filled once the run is built
+    tau = _tau_eval_callbacks(recipe, None)  # the tokenizer too
+    engine = [EngineFeedCallback()] if run_plan(recipe).streams else []  # hidden states streamed from the engine
+    # the loggers are given once the run is built: a run refused by its data stage or its target writes nothing
+    trainer = build_trainer(recipe, [identity, record, *engine, *tau], logger=False)
+    built: dict[str, Any] = {}
+
+    def on_built(run: Any) -> None:
+        """On every rank, in Lightning's `setup` hook, once the run's target, data and drafter are built."""
+        data, target, adapter = run.data, run.target, run.adapter
+        cfg = target.config
+        target_info = {"name_or_path": recipe.target.name_or_path, "model_type": adapter.model_type,
+                       "dtype": recipe.target.dtype, "lora_path": recipe.target.lora_path,
+                       "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+                       "vocab_size": cfg.vocab_size}
+        identity.identity = resume.run_identity(recipe_to_dict(recipe), data_fingerprint=data.fingerprint,
+                                                d2t=run.module.drafter.d2t, target=target_info,
+                                                world_size=world_size(t.devices, t.num_nodes, t.accelerator))
+        if last.exists():
+            resume.check_resume(last, identity.identity)
+            logger.info("resuming from %s (same run settings)", last)
+        data_summary = {**data.summary(),
+                        "draft_vocab_coverage": draft_vocab_coverage(data.counts, run.module.drafter.t2d),
+                        "mode": recipe.data.mode, "features": run.features}
+        # what `eagle3-zoo consolidate` needs to write the drafter folder from a checkpoint alone
+        identity.info = drafter_info(run.module.drafter, recipe_to_dict(recipe), build_provenance(
+            recipe_dict=recipe_to_dict(recipe), target=target_info, data=data_summary, drafter=run.module.drafter,
+            training={"strategy": t.strategy, "precision": t.precision}, git=git))
+        for callback in tau:
+            callback.tokenizer = run.tokenizer
+        if not data.val:
+            without_validation(trainer)
+        trainer.loggers = _loggers(recipe, output_dir)
+        for lg in trainer.loggers:  # the resolved recipe as the run's hyperparameters (hparams.yaml, TensorBoard)
+            lg.log_hyperparams(recipe_to_dict(recipe))
+        built.update(target_info=target_info, data_summary=data_summary)
+
+    module = Eagle3Module.deferred()
+    datamodule = RecipeDataModule(recipe, source, module, on_built)
     record.hardware, record.static["world_size"] = _hardware(trainer), trainer.world_size
-    for lg in trainer.loggers:  # the resolved recipe as the run's hyperparameters (hparams.yaml, TensorBoard)
-        lg.log_hyperparams(recipe_to_dict(recipe))
     try:
-        trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=str(last) if last.exists() else None)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if last.exists() else None)
     except EngineFeedError as e:  # one error that says what the run keeps
         raise EngineFeedError(f"{e}; {engine[0].kept}" if engine and engine[0].kept else str(e)) from None
     finally:
-        if feed is not None:
-            feed.close()  # servers launched for the run stop, whatever happened
-    trained = full_drafter(run.module)  # collective under FSDP: every rank takes part, rank 0 gets the weights
+        if datamodule.feed is not None:
+            datamodule.feed.close()  # servers launched for the run stop, whatever happened
+    target_info, data_summary = built["target_info"], built["data_summary"]
+    trained = full_drafter(module)  # collective under FSDP: every rank takes part, rank 0 gets the weights
     bad = [] if trained is None else [k for k, v in trained.state_dict().items()
                                       if v.is_floating_point() and not all_finite(v)]
     if trainer.strategy.broadcast(bool(bad)):
@@ -320,15 +304,3 @@ def fit_main(recipe_path: str | Path, overrides: Sequence[str] = ()) -> Path:
     from eagle3_zoo.recipe import load_recipe
 
     return fit(load_recipe(recipe_path, list(overrides)), source=str(recipe_path))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m eagle3_zoo.training.fit RECIPE [key=value ...]` = `eagle3-zoo fit RECIPE ...` (same options, exit
-    codes and error policy: `eagle3_zoo.cli`)."""
-    from eagle3_zoo.cli import main as cli_main
-
-    return cli_main(["fit", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

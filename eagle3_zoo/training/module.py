@@ -22,6 +22,7 @@ from torch import nn
 from typing_extensions import override
 
 from eagle3_zoo.modeling import Eagle3Drafter
+from eagle3_zoo.training.lightning_private import attached_trainer
 from eagle3_zoo.training.loss import TTTLossOutput, default_step_weights, draft_vocab_mass, step_masks, ttt_loss
 from eagle3_zoo.training.metrics import StepMetrics, acceptance_length_tensor
 from eagle3_zoo.training.objectives import DEFAULT_ETA, check_objective
@@ -172,6 +173,34 @@ class Eagle3Module(L.LightningModule):
                  decay: str = "cosine", min_lr_ratio: float = 0.0, logits_chunk_size: int = 1024,
                  loss: str = "soft_ce", lk_eta: float = DEFAULT_ETA, shard_target: bool | None = None):
         super().__init__()
+        self.assemble(drafter, adapter, target, embed_tokens=embed_tokens, lm_head=lm_head, mode=mode,
+                      ttt_steps=ttt_steps, step_weights=step_weights, lr=lr, betas=betas, weight_decay=weight_decay,
+                      warmup_steps=warmup_steps, decay=decay, min_lr_ratio=min_lr_ratio,
+                      logits_chunk_size=logits_chunk_size, loss=loss, lk_eta=lk_eta, shard_target=shard_target)
+
+    @classmethod
+    def deferred(cls) -> Eagle3Module:
+        """A module whose parts come later, from `assemble`: `fit` hands it to `trainer.fit` before the target and
+        the drafter exist, and builds them in a Lightning hook once Lightning has started the run's processes
+        (`eagle3_zoo.training.build.RecipeDataModule`). It holds no parameter until then."""
+        module = cls.__new__(cls)
+        L.LightningModule.__init__(module)
+        return module
+
+    @property
+    def assembled(self) -> bool:
+        """Whether the module has its drafter and target (`assemble` ran)."""
+        return "objective" in self._modules
+
+    def assemble(self, drafter: Eagle3Drafter, adapter: Any, target: nn.Module | None = None, *,
+                 embed_tokens: nn.Module | None = None, lm_head: nn.Module | None = None, mode: str = "online",
+                 ttt_steps: int = 7, step_weights: list[float] | None = None, lr: float = 1e-4,
+                 betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0, warmup_steps: int = 0,
+                 decay: str = "cosine", min_lr_ratio: float = 0.0, logits_chunk_size: int = 1024,
+                 loss: str = "soft_ce", lk_eta: float = DEFAULT_ETA, shard_target: bool | None = None) -> Eagle3Module:
+        """Give the module its parts (the arguments of the class); once. Returns the module."""
+        if self.assembled:
+            raise RuntimeError("Eagle3Module.assemble: the module already has its drafter")
         if mode not in ("online", "offline"):
             raise ValueError(f"unknown data mode {mode!r}; valid: online, offline")
         if mode == "online" and target is None:
@@ -192,6 +221,7 @@ class Eagle3Module(L.LightningModule):
         self.val_metrics = StepMetrics(ttt_steps)
         self._sharded = False
         self.shard_target = mode == "online" if shard_target is None else shard_target
+        return self
 
     @property
     def drafter(self) -> Eagle3Drafter:
@@ -255,7 +285,7 @@ class Eagle3Module(L.LightningModule):
                                                   batch["loss_mask"], self.logits_chunk_size,
                                                   self.drafter.config.draft_vocab_size, with_mass=True)
         weights = self.step_weights[:steps]
-        if global_norm and self._trainer is not None and self.trainer.world_size > 1:
+        if global_norm and attached_trainer(self) is not None and self.trainer.world_size > 1:
             local = supervised_positions(batch["loss_mask"], valid, steps)
             total = self.trainer.strategy.reduce(local.clone(), reduce_op="sum")
             weights = rank_step_weights(weights, local, total, self.trainer.world_size)
@@ -279,7 +309,7 @@ class Eagle3Module(L.LightningModule):
         metrics["train/supervised_tokens"] = out.num_supervised[0].float()
         self.log_dict(metrics, batch_size=b)
         self.log("train/acc_0", out.step_acc[0].float(), prog_bar=True, batch_size=b)
-        if self._trainer is not None and self.trainer.lr_scheduler_configs:
+        if attached_trainer(self) is not None and self.trainer.lr_scheduler_configs:
             lr = self.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
             # a tensor filled on the device: Lightning turns a float into a tensor by a blocking host-to-device copy
             self.log("train/lr", torch.full((), lr, device=out.loss.device), batch_size=b)
@@ -290,7 +320,7 @@ class Eagle3Module(L.LightningModule):
         (every rank takes part in the check, so none is left waiting in a collective). The step's one wait for the
         device outside the loss: the flag is formed there and read once."""
         bad = (~torch.isfinite(loss.detach())).float()
-        if self._trainer is not None and self.trainer.world_size > 1:
+        if attached_trainer(self) is not None and self.trainer.world_size > 1:
             bad = self.trainer.strategy.reduce(bad, reduce_op="sum")
         ranks = int(bad.item())
         if ranks > 0:

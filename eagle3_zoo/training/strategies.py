@@ -54,7 +54,6 @@ STRATEGIES = ("auto", "ddp", "fsdp")
 
 def build_strategy(
     name: str,
-    adapter: Any | None = None,
     *,
     devices: int | str = "auto",
     num_nodes: int = 1,
@@ -64,7 +63,6 @@ def build_strategy(
 
     Args:
         name: "auto", "ddp" or "fsdp".
-        adapter: the target's adapter (FSDP reads its decoder layers when the module is configured).
         devices: `trainer.devices` (FSDP needs the world size for its data-parallel mesh).
         num_nodes: `trainer.num_nodes`.
         accelerator: the Trainer's accelerator.
@@ -187,7 +185,8 @@ def load_target_shards(target: nn.Module, adapter: Any, device: torch.device | s
 
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from eagle3_zoo.training.lightning_private import local_shape_and_global_offset
 
     files: dict[str, Path] = target.eagle3_weight_files
     layers = adapter.decoder_layers(target)
@@ -213,8 +212,7 @@ def load_target_shards(target: nn.Module, adapter: Any, device: torch.device | s
             for name, param in layer.named_parameters():
                 key = f"{prefix}{i}.{name}"
                 if isinstance(param, DTensor):
-                    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
-                                                                          param.placements)
+                    shape, offset = local_shape_and_global_offset(param)
                     local = param.to_local()
                 else:
                     shape, offset, local = tuple(param.shape), (0,) * param.dim(), param
