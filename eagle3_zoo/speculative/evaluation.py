@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from eagle3_zoo.adapters import TargetAdapter
+from eagle3_zoo.adapters.chat import ChatFormat
+from eagle3_zoo.adapters.conversation import Message
 from eagle3_zoo.modeling import Eagle3Drafter
 from eagle3_zoo.progress import Progress
 from eagle3_zoo.speculative.acceptance import SamplingParams
@@ -23,6 +25,7 @@ from eagle3_zoo.speculative.benchmarks import (
     chat_input_ids,
     completion_input_ids,
     load_benchmark,
+    prompt_chat_format,
 )
 from eagle3_zoo.speculative.draft import DraftModel
 from eagle3_zoo.speculative.generate import SpeculativeGenerator, eos_ids, plain_generate, tree_spec
@@ -44,14 +47,17 @@ log = logging.getLogger(__name__)
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
-def turn_input_ids(prompt: BenchPrompt, turn: int, history: list[dict[str, str]], tokenizer: Any) -> torch.Tensor:
-    """Input ids of `prompt`'s turn `turn`; chat turns are appended to `history` (the model's answers go there)."""
+def turn_input_ids(prompt: BenchPrompt, turn: int, history: list[Message], tokenizer: Any,
+                   chat_format: ChatFormat | None = None,
+                   template_kwargs: Mapping[str, Any] | None = None) -> torch.Tensor:
+    """Input ids of `prompt`'s turn `turn`; chat turns are appended to `history` (the model's answers go there) and
+    rendered as `chat_input_ids` renders them (the template, `template_kwargs` and `chat_format` of training)."""
     if not prompt.is_chat:
         return completion_input_ids(tokenizer, prompt.text)
     if turn == 0 and prompt.system:
-        history.append({"role": "system", "content": prompt.system})
-    history.append({"role": "user", "content": prompt.turns[turn]})
-    return chat_input_ids(tokenizer, history)
+        history.append(Message("system", prompt.system))
+    history.append(Message("user", prompt.turns[turn]))
+    return chat_input_ids(tokenizer, history, chat_format, template_kwargs)
 
 
 def evaluate(
@@ -80,6 +86,7 @@ def evaluate(
     plot: str | os.PathLike | None = None,
     progress: bool = True,
     extra_settings: dict[str, Any] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run speculative decoding (and the plain baseline) over benchmarks and measure acceptance and speed.
 
@@ -105,6 +112,9 @@ def evaluate(
         plot: Write the per-depth acceptance PNG here.
         progress: Show a progress bar over prompts.
         extra_settings: Merged into ``results["settings"]`` (e.g. the drafter path).
+        chat_template_kwargs: Variables of the chat template for chat prompts: those the drafter was trained with
+            (its recipe's ``data.chat_template_kwargs``, e.g. ``{"enable_thinking": False}``), so that it is
+            measured on prompts rendered as its training data was; recorded in ``settings``.
 
     Returns:
         The results dict (``protocol, settings, machine, versions, benchmarks, overall, lossless, requests,
@@ -121,13 +131,14 @@ def evaluate(
     stop = _stop_ids(target, tokenizer, eos_token_id)
     load = load_average()
     (results,) = _decode([generator], target, tokenizer, loaded, sampling, stop, max_new_tokens=max_new_tokens,
-                         baseline=baseline, warmup=warmup, seed=seed, progress=progress)
+                         baseline=baseline, warmup=warmup, seed=seed, progress=progress,
+                         template_kwargs=chat_template_kwargs)
     results = {"protocol": PROTOCOL, **results}
     results["settings"] = {
         "mode": mode, "depth": spec.depth, "top_k": spec.top_k, "total_tokens": spec.total_tokens,
         "min_prob": spec.min_prob,
         **_common_settings(target, generator, sampling, max_new_tokens, limit, spread, bench_names, seed, warmup,
-                           baseline, stop, extra_settings),
+                           baseline, stop, chat_template_kwargs, extra_settings),
     }
     results["machine"] = machine_info(generator.runner.device, load)
     results["versions"] = versions()
@@ -156,6 +167,7 @@ def evaluate_shapes(
     plot: str | os.PathLike | None = None,
     progress: bool = True,
     extra_settings: dict[str, Any] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Compare draft shapes on the same requests: which shape decodes fastest with this drafter on this machine.
 
@@ -181,7 +193,8 @@ def evaluate_shapes(
     stop = _stop_ids(target, tokenizer, eos_token_id)
     load = load_average()
     per_shape = _decode(generators, target, tokenizer, loaded, sampling, stop, max_new_tokens=max_new_tokens,
-                        baseline=baseline, warmup=warmup, seed=seed, progress=progress)
+                        baseline=baseline, warmup=warmup, seed=seed, progress=progress,
+                        template_kwargs=chat_template_kwargs)
     entries = [{"shape": spec.label, "depth": spec.depth, "top_k": spec.top_k, "total_tokens": spec.total_tokens,
                 "min_prob": spec.min_prob, "verified_tokens": spec.verified_tokens, **spec.serving_flags(), **res}
                for spec, res in zip(specs, per_shape)]
@@ -191,7 +204,7 @@ def evaluate_shapes(
         "protocol": PROTOCOL + " " + SHAPES_PROTOCOL,
         "settings": {"shapes": labels,
                      **_common_settings(target, generators[0], sampling, max_new_tokens, limit, spread, bench_names,
-                                        seed, warmup, baseline, stop, extra_settings)},
+                                        seed, warmup, baseline, stop, chat_template_kwargs, extra_settings)},
         "machine": machine_info(generators[0].runner.device, load),
         "versions": versions(),
         "shapes": entries,
@@ -236,10 +249,15 @@ def _stop_ids(target: nn.Module, tokenizer: Any, eos_token_id: int | Iterable[in
 
 def _decode(generators: Sequence[SpeculativeGenerator], target: nn.Module, tokenizer: Any, loaded: Sequence[Benchmark],
             sampling: SamplingParams, stop: set[int], *, max_new_tokens: int, baseline: bool, warmup: int, seed: int,
-            progress: bool) -> list[dict[str, Any]]:
+            progress: bool, template_kwargs: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """Decode every request with each generator, then (optionally) plain decoding; per generator its
-    ``benchmarks, overall, lossless, requests``."""
+    ``benchmarks, overall, lossless, requests``. Chat prompts are rendered with `template_kwargs`."""
     device = generators[0].runner.device
+    chat_format = prompt_chat_format(generators[0].runner.adapter, tokenizer)
+
+    def input_ids(prompt: BenchPrompt, turn: int, history: list[Message]) -> torch.Tensor:
+        return turn_input_ids(prompt, turn, history, tokenizer, chat_format, template_kwargs)
+
     context = context_length(target)
     for generator in generators:  # before any decoding: a shape that cannot fit would run for ever or exhaust memory
         if problem := shape_problem(generator.tree, context, max_new_tokens):
@@ -260,7 +278,7 @@ def _decode(generators: Sequence[SpeculativeGenerator], target: nn.Module, token
         base_out = plain_generate(target, ids, n_new, sampling, stop, rng(index)) if baseline else None
         return spec_outs, base_out
 
-    first_turns = (turn_input_ids(p, 0, [], tokenizer) for b in loaded for p in b.prompts)
+    first_turns = (input_ids(p, 0, []) for b in loaded for p in b.prompts)
     first = next((ids for ids in first_turns if too_long(ids) is None), None)
     for _ in range(warmup if first is not None else 0):
         run(first, 0, min(max_new_tokens, 32))
@@ -272,10 +290,10 @@ def _decode(generators: Sequence[SpeculativeGenerator], target: nn.Module, token
     for bench in loaded:
         stats, rows, skipped = [BenchStats() for _ in generators], [[] for _ in generators], []
         for prompt in bench.prompts:
-            history: list[dict[str, str]] = []
+            history: list[Message] = []
             n_turns = len(prompt.turns) if prompt.is_chat else 1
             for turn in range(n_turns):
-                ids = turn_input_ids(prompt, turn, history, tokenizer)
+                ids = input_ids(prompt, turn, history)
                 rid = prompt.id if n_turns == 1 else f"{prompt.id}/turn{turn + 1}"
                 if reason := too_long(ids):
                     log.warning("%s: skipping request %s: %s", bench.name, rid, reason)
@@ -295,8 +313,7 @@ def _decode(generators: Sequence[SpeculativeGenerator], target: nn.Module, token
                 tau = (overall[0].cycle_tokens + stats[0].cycle_tokens) / cycles if cycles else None
                 bar.update(1, status=f"{bench.name}, running tau {tau:.2f}" if tau else bench.name)
                 # the next turn is conditioned on the model's own answer (MT-bench protocol)
-                history.append({"role": "assistant",
-                                "content": tokenizer.decode(spec_outs[0].tokens, skip_special_tokens=True)})
+                history.append(Message("assistant", tokenizer.decode(spec_outs[0].tokens, skip_special_tokens=True)))
         total_skipped += len(skipped)
         for k in range(len(generators)):
             found[k]["benchmarks"][bench.name] = {"source": bench.source, "prompts": len(bench.prompts),
@@ -334,13 +351,14 @@ def context_length(target: nn.Module) -> int | None:
 
 def _common_settings(target: nn.Module, generator: SpeculativeGenerator, sampling: SamplingParams,
                      max_new_tokens: int, limit: int | None, spread: bool, bench_names: list[str], seed: int,
-                     warmup: int, baseline: bool, stop: set[int],
+                     warmup: int, baseline: bool, stop: set[int], chat_template_kwargs: Mapping[str, Any] | None,
                      extra_settings: dict[str, Any] | None) -> dict[str, Any]:
     return {
         "temperature": sampling.temperature, "sample_top_k": sampling.top_k, "sample_top_p": sampling.top_p,
         "max_new_tokens": max_new_tokens, "limit": limit, "spread": spread, "benches": bench_names,
         "seed": seed, "warmup": warmup,
         "baseline": baseline, "batch_size": 1, "eos_token_ids": sorted(stop), "humaneval_format": "chat",
+        "chat_template_kwargs": dict(chat_template_kwargs or {}),
         "target": getattr(target.config, "_name_or_path", None) or None,
         "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
         "device": str(generator.runner.device),
