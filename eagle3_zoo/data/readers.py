@@ -1,8 +1,10 @@
 """Conversation readers: ShareGPT and OpenAI-style records from JSON lists or JSONL, normalised to chat messages.
 
-Output is a `Conversation` with `messages=[{"role": "user"|"assistant"|"system"|"tool", "content": str}]`; an
-assistant turn keeps its ``reasoning`` (read from ``reasoning_content``, ``reasoning`` or ``thinking``) and
-``tool_calls`` (OpenAI layout; ``content`` may then be null), a tool turn its ``tool_call_id``/``name`` (see
+Output is a `Conversation` with `messages=[{"role": "user"|"assistant"|"system"|"tool", "content": str}]`, each turn
+read by `eagle3_zoo.adapters.conversation.Message.from_record` (the one table of role spellings) and stored in its
+`as_dict` form; an assistant turn keeps its ``reasoning`` (read from ``reasoning_content``, ``reasoning`` or
+``thinking``) and ``tool_calls`` (OpenAI layout; ``content`` may then be null), a tool turn its
+``tool_call_id``/``name`` (see
 `eagle3_zoo.adapters.chat` for how templates render them); the record's tool definitions (``tools``: a list of
 OpenAI function schemas, or that list as a JSON string; ``bad_tools`` otherwise) are kept on the `Conversation` for
 the template. Rendering with the chat template and tokenisation happen in the target adapter. Bad records either
