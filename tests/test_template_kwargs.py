@@ -144,8 +144,7 @@ def test_tau_callback_renders_prompts_as_the_running_recipe_trains(tmp_path):
 def test_benchmark_prompt_ids_equal_the_data_stage_prefix(tmp_path, kwargs):
     """`chat_input_ids` (evaluation) and the data stage agree for thinking on and off, multi-turn included."""
     from eagle3_zoo.adapters.conversation import Message
-    from eagle3_zoo.speculative.benchmarks import chat_input_ids
-    from eagle3_zoo.speculative.evaluation import prompt_chat_format
+    from eagle3_zoo.speculative.benchmarks import chat_input_ids, prompt_chat_format
 
     _, _, recipe, tokenizer, adapter = _trained_folder(tmp_path, kwargs)
     history = [Message("user", "Hello, how are you today?"), Message("assistant", "Thanks!"), Message("user", QUESTION)]

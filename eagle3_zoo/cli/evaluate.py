@@ -199,7 +199,13 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     from eagle3_zoo.hub.convert import import_drafter, tensors_digest
     from eagle3_zoo.hub.weights import weights_digest
     from eagle3_zoo.speculative.benchmarks import load_benchmark
-    from eagle3_zoo.speculative.evaluation import evaluate, evaluate_shapes, format_shapes_table, format_table
+    from eagle3_zoo.speculative.evaluation import (
+        EvalSettings,
+        evaluate,
+        evaluate_shapes,
+        format_shapes_table,
+        format_table,
+    )
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     s = settings_for(args, torch.device(device).type)
@@ -222,11 +228,13 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     target, tokenizer, adapter = load_target(target_name, dtype=dtype, device=device)
     require_valid_drafter(args.drafter, target.config, purpose=f"evaluate with target {target_name}")
     drafter = import_drafter(args.drafter, dtype=dtype, device=device).eval()  # any format `check` accepts
+    settings = EvalSettings(
+        benches=tuple(benches), mode=s["mode"], depth=s["depth"], top_k=s["top_k"], total_tokens=s["total_tokens"],
+        min_prob=s["min_prob"], temperature=args.temperature, sample_top_k=args.sample_top_k,
+        sample_top_p=args.sample_top_p, max_new_tokens=s["max_new_tokens"], limit=s["limit"], spread=s["spread"],
+        baseline=not args.no_baseline, warmup=args.warmup, seed=args.seed, chat_template_kwargs=template_kwargs)
     common = dict(
-        temperature=args.temperature, max_new_tokens=s["max_new_tokens"], limit=s["limit"], spread=s["spread"],
-        sample_top_k=args.sample_top_k, sample_top_p=args.sample_top_p, baseline=not args.no_baseline,
-        warmup=args.warmup, seed=args.seed, adapter=adapter, out=args.out, plot=args.plot,
-        progress=not args.no_progress, chat_template_kwargs=template_kwargs,
+        adapter=adapter, out=args.out, plot=args.plot, progress=not args.no_progress,
         # the weights' digests tie the results to these weights (the file's, and the tensors' whatever their layout):
         # the model card leaves out results of other weights
         extra_settings={"drafter": str(Path(args.drafter).resolve()), "target": str(target_name),
@@ -234,11 +242,10 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
                         "drafter_tensors_sha256": tensors_digest(args.drafter)},
     )
     if args.shapes:
-        results = evaluate_shapes(drafter, target, tokenizer, ",".join(benches), shapes=args.shapes, **common)
+        results = evaluate_shapes(drafter, target, tokenizer, args.shapes, settings, **common)
         print(format_shapes_table(results))
     else:
-        results = evaluate(drafter, target, tokenizer, ",".join(benches), mode=s["mode"], depth=s["depth"],
-                           top_k=s["top_k"], total_tokens=s["total_tokens"], min_prob=s["min_prob"], **common)
+        results = evaluate(drafter, target, tokenizer, settings, **common)
         print(format_table(results))
     print(f"wrote {args.out} and {args.plot or Path(args.out).with_suffix('.png')}")
     return results

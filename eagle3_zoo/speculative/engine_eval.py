@@ -185,7 +185,7 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
     from eagle3_zoo.hub.convert import tensors_digest
     from eagle3_zoo.hub.formats import detect_format, load_drafter_config
     from eagle3_zoo.hub.weights import weights_digest
-    from eagle3_zoo.speculative.evaluation import _load_benches
+    from eagle3_zoo.speculative.evaluation import EvalSettings, _load_benches
     from eagle3_zoo.speculative.report import versions, write_results
 
     if temperature > 0:
@@ -201,7 +201,8 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
     model_dir = resolve_model_dir(target)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     stop_ids = _stop_ids(model_dir, tokenizer)
-    bench_names, loaded = _load_benches(benches, limit, spread)
+    requested = EvalSettings(benches=benches, limit=limit, spread=spread)
+    bench_names, loaded = list(requested.benches), _load_benches(requested)
     spec_cfg = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
 
     spec_server = VLLMServer(model_dir, url=url, speculative_config=spec_cfg, python=python,
@@ -281,15 +282,15 @@ def compare_with_our_decoder(engine: dict[str, Any], benches: str | Sequence[str
 
     from eagle3_zoo.adapters import load_target
     from eagle3_zoo.hub.convert import import_drafter
-    from eagle3_zoo.speculative.evaluation import evaluate
+    from eagle3_zoo.speculative.evaluation import EvalSettings, evaluate
 
     k = engine["settings"]["num_speculative_tokens"]
     drafter = import_drafter(engine["settings"]["drafter_dir_served"], dtype=torch.float32).eval()
     target, tokenizer, adapter = load_target(engine["settings"]["target"], dtype=torch.float32)
-    ours = evaluate(drafter, target, tokenizer, benches, mode="chain", depth=k, top_k=1, total_tokens=k,
-                    temperature=0.0, max_new_tokens=max_new_tokens, limit=limit, spread=spread, baseline=baseline,
-                    warmup=0, adapter=adapter, out=None, plot=None, progress=progress,
-                    chat_template_kwargs=engine["settings"].get("chat_template_kwargs"))
+    settings = EvalSettings(benches=benches, mode="chain", depth=k, top_k=1, total_tokens=k, temperature=0.0,
+                            max_new_tokens=max_new_tokens, limit=limit, spread=spread, baseline=baseline, warmup=0,
+                            chat_template_kwargs=engine["settings"].get("chat_template_kwargs") or {})
+    ours = evaluate(drafter, target, tokenizer, settings, adapter=adapter, out=None, plot=None, progress=progress)
     o = ours["overall"]
     return {"mode": f"chain depth {k}", "tau": o["tau"], "acceptance_per_depth": o["acceptance_per_depth"],
             "requests": o["requests"], "new_tokens": o["new_tokens"], "lossless": o["lossless"],
