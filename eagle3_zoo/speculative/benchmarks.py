@@ -2,7 +2,9 @@
 
 Prompt formats:
 - chat: user turns replayed through the target's chat template (its default system prompt applies unless the
-  record has one); turn k is conditioned on the model's OWN answers to turns 1..k-1 (MT-bench protocol).
+  record has one); turn k is conditioned on the model's OWN answers to turns 1..k-1 (MT-bench protocol). Rendered
+  by the package's one prompt renderer (`chat_input_ids`) with the template variables the drafter was trained with
+  (`trained_chat_template_kwargs`), so the prompts are those of its training data.
 - completion: raw text continued by the model (tokenised with the tokenizer's usual special tokens).
 
 MT-bench: 80 questions x 2 turns (chat). HumanEval: 164 problems as a chat user message

@@ -9,9 +9,8 @@ mode or any module that keeps the target), optionally ``.adapter`` and ``.tokeni
 unless a tokenizer is given to the callback). Text prompts are rendered as the data stage renders the training
 conversations (`eagle3_zoo.adapters.chat.prompt_ids`: the tokenizer's chat template, else the adapter's chat format,
 with the recipe's ``data.chat_template_kwargs``), so tau is measured on prompts like those the drafter learns from.
-It runs greedily; under torch.distributed (ddp) rank r of W decodes
-prompts r, r + W, ... and the per-prompt results are gathered on every rank, so every rank logs exactly the figure
-one process would measure.
+It runs greedily; under torch.distributed (ddp) rank r of W decodes prompts r, r + W, ... and the per-prompt results
+are gathered on every rank, so every rank logs exactly the figure one process would measure.
 
 Under FSDP the drafter's shards are gathered into a plain copy on every rank (`unsharded_drafter`: its stored
 weights, fp32 under bf16-mixed, not the policy's bf16 compute copy). A target whose decoder layers are sharded
@@ -70,7 +69,7 @@ class TauEvalCallback(L.Callback):
 
     def _input_ids(self, pl_module: L.LightningModule) -> list[torch.Tensor]:
         tokenizer = self.tokenizer or getattr(pl_module, "tokenizer", None)
-        chat_format = prompt_chat_format(getattr(pl_module, "adapter", None), tokenizer) if tokenizer else None
+        chat_format = None if tokenizer is None else prompt_chat_format(getattr(pl_module, "adapter", None), tokenizer)
         chat = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None) or chat_format)
         ids = []
         for prompt in self.prompts:
