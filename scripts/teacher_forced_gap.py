@@ -39,7 +39,7 @@ def main() -> None:
 
     from eagle3_zoo.adapters import load_target
     from eagle3_zoo.modeling import Eagle3Drafter
-    from eagle3_zoo.speculative.benchmarks import load_benchmark
+    from eagle3_zoo.speculative.benchmarks import load_benchmark, prompt_chat_format, trained_chat_template_kwargs
     from eagle3_zoo.speculative.evaluation import turn_input_ids
 
     if args.threads:
@@ -48,6 +48,8 @@ def main() -> None:
     target_name = args.target or drafter.config.target_name_or_path
     target, tokenizer, adapter = load_target(target_name, dtype=torch.float32)
     embed = adapter.embed_tokens(target)
+    # rendered as `eagle3-zoo eval` renders them: the template variables the drafter was trained with
+    chat_format, template_kwargs = prompt_chat_format(adapter, tokenizer), trained_chat_template_kwargs(args.drafter)
     hits = {"fp32": [0, 0], "bf16": [0, 0]}
     after = {"miss": [0, 0], "hit": [0, 0]}
     recall = {"all": [0, 0], "after a miss": [0, 0]}
@@ -55,7 +57,8 @@ def main() -> None:
     prompts = load_benchmark(args.bench, limit=args.limit, spread=args.spread).prompts
     with torch.no_grad():
         for prompt in prompts:
-            ids = turn_input_ids(prompt, 0, [], tokenizer).view(1, -1)  # first turn, as the evaluation renders it
+            # first turn, as the evaluation renders it
+            ids = turn_input_ids(prompt, 0, [], tokenizer, chat_format, template_kwargs).view(1, -1)
             seq = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new,
                                   do_sample=False)
             aux, _, _ = adapter.forward_features(target, seq, layer_ids=drafter.config.aux_layer_ids, use_cache=False)

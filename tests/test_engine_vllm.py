@@ -228,15 +228,15 @@ def drafter31_dir(tmp_path_factory):
 def _our_chain(drafter_dir, hf_target, depth, limit, max_new, without_fc_norm=False):
     """Our decoder's overall figures (chain of `depth`, greedy) on the MT-bench requests `evaluate_in_vllm` sends."""
     from eagle3_zoo.modeling import Eagle3Drafter
-    from eagle3_zoo.speculative.evaluation import evaluate
+    from eagle3_zoo.speculative.evaluation import EvalSettings, evaluate
 
     model, tok, adapter = hf_target
     drafter = Eagle3Drafter.from_pretrained(drafter_dir, dtype=torch.float32).eval()
     if without_fc_norm:  # the same weights served as another forward pass (an engine that ignored fc_norm)
         drafter.fc_norm = None
-    res = evaluate(drafter, model, tok, "mtbench", mode="chain", depth=depth, top_k=1, total_tokens=depth,
-                   temperature=0.0, max_new_tokens=max_new, limit=limit, baseline=True, warmup=0, adapter=adapter,
-                   out=None, plot=None, progress=False)
+    settings = EvalSettings("mtbench", mode="chain", depth=depth, top_k=1, total_tokens=depth, temperature=0.0,
+                            max_new_tokens=max_new, limit=limit, baseline=True, warmup=0)
+    res = evaluate(drafter, model, tok, settings, adapter=adapter, out=None, plot=None, progress=False)
     return res["overall"]
 
 

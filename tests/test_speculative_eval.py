@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -14,7 +15,7 @@ from eagle3_zoo.adapters import get_adapter
 from eagle3_zoo.cli import main as cli_main
 from eagle3_zoo.draft_shapes import TreeSpec, parse_shapes
 from eagle3_zoo.speculative import PROTOCOL, TauEvalCallback, evaluate, format_table, load_benchmark
-from eagle3_zoo.speculative.evaluation import evaluate_shapes, format_shapes_table
+from eagle3_zoo.speculative.evaluation import EvalSettings, evaluate_shapes, format_shapes_table
 from tests.hub_fixtures import edit_config, edit_weights
 from tests.test_speculative_support import OracleDraftModel, random_drafter, tiny_target
 
@@ -83,9 +84,10 @@ def test_evaluate_writes_json_and_plot(tmp_path):
     jsonl = tmp_path / "extra.jsonl"
     jsonl.write_text(json.dumps({"prompt": "The quick brown fox"}) + "\n")
     out = tmp_path / "res" / "results.json"
-    results = evaluate(OracleDraftModel(target, "noisy"), target, tokenizer, f"mtbench,humaneval,{jsonl}",
-                       mode="tree", max_new_tokens=12, limit=2, depth=3, top_k=2, total_tokens=6, adapter=adapter,
-                       out=out, progress=False, extra_settings={"drafter": "oracle"})
+    settings = EvalSettings(f"mtbench,humaneval,{jsonl}", mode="tree", max_new_tokens=12, limit=2, depth=3, top_k=2,
+                            total_tokens=6)
+    results = evaluate(OracleDraftModel(target, "noisy"), target, tokenizer, settings, adapter=adapter, out=out,
+                       progress=False, extra_settings={"drafter": "oracle"})
     saved = json.loads(out.read_text())
     assert saved == json.loads(json.dumps(results))
     png = out.with_suffix(".png")
@@ -120,9 +122,10 @@ def test_evaluate_writes_json_and_plot(tmp_path):
 
 def test_evaluate_sampling_reports_no_lossless_check(tmp_path):
     target, tokenizer, adapter = _tiny_chat_target()
-    results = evaluate(random_drafter(target), target, tokenizer, ["humaneval"], mode="chain", temperature=0.8,
-                       max_new_tokens=6, limit=1, depth=2, warmup=0, baseline=False, adapter=adapter,
-                       plot=tmp_path / "p.png", progress=False)
+    settings = EvalSettings(["humaneval"], mode="chain", temperature=0.8, max_new_tokens=6, limit=1, depth=2,
+                            warmup=0, baseline=False)
+    results = evaluate(random_drafter(target), target, tokenizer, settings, adapter=adapter, plot=tmp_path / "p.png",
+                       progress=False)
     assert results["lossless"] is None and results["overall"]["speedup"] is None
     assert results["settings"]["top_k"] == 1 and (tmp_path / "p.png").is_file()
 
@@ -200,9 +203,10 @@ def test_evaluate_shapes_shares_one_baseline_and_matches_single_shape_runs(tmp_p
     target, tokenizer, adapter = _tiny_chat_target()
     draft = OracleDraftModel(target, "noisy")
     shapes = ["chain:1", "tree:3/2/6", "chain:3"]
-    kwargs = dict(max_new_tokens=10, limit=1, adapter=adapter, progress=False, warmup=0)
+    settings = EvalSettings("mtbench,humaneval", max_new_tokens=10, limit=1, warmup=0)
+    kwargs = dict(adapter=adapter, progress=False)
     out = tmp_path / "shapes.json"
-    results = evaluate_shapes(draft, target, tokenizer, "mtbench,humaneval", shapes=shapes, out=out, **kwargs)
+    results = evaluate_shapes(draft, target, tokenizer, shapes, settings, out=out, **kwargs)
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [e["shape"] for e in results["shapes"]] == shapes and results["settings"]["shapes"] == shapes
@@ -216,8 +220,8 @@ def test_evaluate_shapes_shares_one_baseline_and_matches_single_shape_runs(tmp_p
     # each shape decodes exactly as a single-shape evaluation of it does (same cycles and acceptance)
     for entry, (mode, depth, top_k, total) in zip(results["shapes"], [("chain", 1, 1, 1), ("tree", 3, 2, 6),
                                                                        ("chain", 3, 1, 3)]):
-        single = evaluate(draft, target, tokenizer, "mtbench,humaneval", mode=mode, depth=depth, top_k=top_k,
-                          total_tokens=total, **kwargs)
+        single = evaluate(draft, target, tokenizer, dataclasses.replace(settings, mode=mode, depth=depth, top_k=top_k,
+                                                                        total_tokens=total), **kwargs)
         for key in ("cycles", "tau", "depth_accepts", "depth_attempts", "new_tokens"):
             assert entry["overall"][key] == single["overall"][key], (entry["shape"], key)
     assert {e["shape"]: e["overall"]["tau"] for e in results["shapes"]}["tree:3/2/6"] > 1  # the noisy oracle hits
@@ -229,7 +233,7 @@ def test_evaluate_shapes_shares_one_baseline_and_matches_single_shape_runs(tmp_p
     assert "plain decoding is faster still" not in format_shapes_table(
         {**results, "shapes": [{**e, "overall": {**e["overall"], "speedup": 1.5}} for e in results["shapes"]]})
     with pytest.raises(ValueError, match="distinct draft shapes"):
-        evaluate_shapes(draft, target, tokenizer, "mtbench", shapes=["chain:2", "tree:2/1/2"], **kwargs)
+        evaluate_shapes(draft, target, tokenizer, ["chain:2", "tree:2/1/2"], EvalSettings("mtbench"), **kwargs)
 
 
 def test_min_prob_cut_drafts_only_confident_nodes_and_stays_lossless():
@@ -237,8 +241,9 @@ def test_min_prob_cut_drafts_only_confident_nodes_and_stays_lossless():
     just the top first token (the tree decodes as chain 1 does), a 0.5 cut drafts nothing (one token per cycle)."""
     target, tokenizer, adapter = _tiny_chat_target()
     draft = OracleDraftModel(target, "noisy")
-    results = evaluate_shapes(draft, target, tokenizer, "mtbench", shapes=["chain:1", "tree:3/2/6@0.3", "chain:4@0.5"],
-                              max_new_tokens=10, limit=1, adapter=adapter, progress=False, warmup=0)
+    results = evaluate_shapes(draft, target, tokenizer, ["chain:1", "tree:3/2/6@0.3", "chain:4@0.5"],
+                              EvalSettings("mtbench", max_new_tokens=10, limit=1, warmup=0), adapter=adapter,
+                              progress=False)
     chain1, cut, nothing = (e["overall"] for e in results["shapes"])
     assert results["lossless"] is True and results["shapes"][1]["min_prob"] == 0.3
     for key in ("cycles", "tau", "depth_accepts", "depth_attempts"):
@@ -383,8 +388,9 @@ def test_requests_longer_than_the_context_are_skipped_counted_and_listed(tmp_pat
     ]) + "\n")
     out = tmp_path / "res.json"
     caplog.set_level("WARNING")
-    results = evaluate(OracleDraftModel(target, "noisy"), target, tokenizer, str(bench), mode="chain", depth=2,
-                       max_new_tokens=8, adapter=adapter, out=out, progress=False)
+    results = evaluate(OracleDraftModel(target, "noisy"), target, tokenizer,
+                       EvalSettings(str(bench), mode="chain", depth=2, max_new_tokens=8), adapter=adapter, out=out,
+                       progress=False)
     saved = json.loads(out.read_text())
     assert saved == json.loads(json.dumps(results))
     assert saved["benchmarks"]["mixed"]["requests"] == 1 and saved["benchmarks"]["mixed"]["skipped"] == 3

@@ -29,9 +29,10 @@ end-of-turn token raise `TemplateMappingError` instead of yielding a silently wr
 The full text is tokenised once with character offsets, so the ids equal `apply_chat_template(messages,
 tokenize=True)` and BPE merges across turn boundaries cannot shift the mask.
 
-Messages (`build_chat_example`): ``{"role": "system"|"user"|"assistant"|"tool", "content": str}``; an assistant
-message may add ``"reasoning": str`` (the thinking the target generated before its answer; ``reasoning_content`` and
-``thinking`` are accepted as aliases) and ``"tool_calls": [{"id": str, "function": {"name": str, "arguments":
+Messages (`build_chat_example`, `render_prompt`: `eagle3_zoo.adapters.conversation.Message`s or their dict form):
+``{"role": "system"|"user"|"assistant"|"tool", "content": str}``; an assistant message may add ``"reasoning": str``
+(the thinking the target generated before its answer; ``reasoning_content`` and ``thinking`` are accepted as
+aliases) and ``"tool_calls": [{"id": str, "function": {"name": str, "arguments":
 dict | str}}]`` (``{"name", "arguments"}`` without ``function`` is accepted; a JSON-object string of arguments is
 decoded); a tool message may add ``"tool_call_id"`` and ``"name"``. Reasoning reaches the template under the field
 the format declares (``reasoning_content`` for Qwen3, ``thinking`` for harmony) and is dropped for formats that
@@ -60,12 +61,10 @@ import torch
 import yaml
 
 from eagle3_zoo import schema
+from eagle3_zoo.adapters.conversation import Message, parse_messages, validate_tools
 from eagle3_zoo.adapters.testing import TinyTokenizerSpec
 
-ROLES = ("system", "user", "assistant", "tool")
 FEATURES = ("thinking", "tools")
-_REASONING_KEYS = ("reasoning", "reasoning_content", "thinking")
-_MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id", "name", *_REASONING_KEYS}
 _SENTINELS = ("\ue000", "\ue001")  # private-use characters: differ from each other at both ends of every text
 
 
@@ -268,15 +267,54 @@ def resolve_chat_format(tokenizer: Any, formats: Sequence[ChatFormat]) -> ChatFo
     )
 
 
+def chat_template(tokenizer: Any, chat_format: ChatFormat | None = None) -> str:
+    """The template a target's conversations are rendered with: the tokenizer's own, else its family format's (as
+    the data stage renders them, so evaluation prompts are the training prompts).
+
+    Raises:
+        ValueError: neither has one.
+    """
+    template = getattr(tokenizer, "chat_template", None) or (chat_format.template if chat_format else None)
+    if not template:
+        raise ValueError(f"{type(tokenizer).__name__} has no chat_template and no chat format supplies one; chat "
+                         "prompts (mtbench, humaneval, JSONL turns/messages) need one, use a JSONL of raw 'prompt' "
+                         "records for base models")
+    return template
+
+
 def render_prompt(
-    tokenizer: Any, messages: Sequence[Mapping[str, Any]], chat_format: ChatFormat,
+    tokenizer: Any, messages: Sequence[Message | Mapping[str, Any]], chat_format: ChatFormat | None = None,
     template_kwargs: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
-    """The generation prompt for `messages` and `tools` (validated as in `build_chat_example`) as the target sees it."""
-    template = getattr(tokenizer, "chat_template", None) or chat_format.template
-    messages = _validated(messages, None, chat_format, template_kwargs)
-    renderer = _Renderer(tokenizer, template, template_kwargs, validate_tools(tools))
-    return renderer.render(messages, add_generation_prompt=True)
+    """The generation prompt for `messages` and `tools` as the target sees it: the one prompt renderer of the package
+    (regeneration, evaluation benchmarks and training-time tau call it; the data stage renders the turns of its
+    examples with the same template, kwargs and message validation).
+
+    Args:
+        tokenizer: The target's tokenizer.
+        messages: `Message`s or their dict form (validated as in `build_chat_example`).
+        chat_format: The family's format (its template when the tokenizer has none, its reasoning field); ``None``:
+            the tokenizer's template, without reasoning.
+        template_kwargs: Template variables (recipe ``data.chat_template_kwargs``, e.g. ``enable_thinking``).
+        tools: Tool definitions, passed to the template as ``tools``.
+
+    Raises:
+        ValueError: malformed messages or tools, no template.
+        TemplateMappingError: the template failed to render.
+    """
+    renderer = _Renderer(tokenizer, chat_template(tokenizer, chat_format), template_kwargs, validate_tools(tools))
+    return renderer.render(_validated(messages, None, chat_format, template_kwargs), add_generation_prompt=True)
+
+
+def prompt_ids(
+    tokenizer: Any, messages: Sequence[Message | Mapping[str, Any]], chat_format: ChatFormat | None = None,
+    template_kwargs: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[int]:
+    """`render_prompt` tokenised as `build_chat_example` tokenises a conversation (the rendering holds BOS and the
+    other special tokens, so none are added): the ids of a prompt equal those of its training example up to the
+    first supervised token."""
+    return list(tokenizer(render_prompt(tokenizer, messages, chat_format, template_kwargs, tools),
+                          add_special_tokens=False)["input_ids"])
 
 
 def build_chat_example(
@@ -316,8 +354,7 @@ def build_chat_example(
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
     messages = _validated(messages, system_prompt, chat_format, template_kwargs)
-    template = getattr(tokenizer, "chat_template", None) or chat_format.template
-    renderer = _Renderer(tokenizer, template, template_kwargs, validate_tools(tools))
+    renderer = _Renderer(tokenizer, chat_template(tokenizer, chat_format), template_kwargs, validate_tools(tools))
     mapper = _TurnMapper(renderer, messages, chat_format)
     spans = [mapper.span(i) for i, m in enumerate(messages) if m["role"] == "assistant" and _has_output(m)]
     ids, offsets = _tokenize_with_offsets(tokenizer, mapper.full)
@@ -326,65 +363,32 @@ def build_chat_example(
     return {"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long)}
 
 
-def thinking_enabled(chat_format: ChatFormat, template_kwargs: Mapping[str, Any] | None) -> bool:
+def thinking_enabled(chat_format: ChatFormat | None, template_kwargs: Mapping[str, Any] | None) -> bool:
     """Whether the target thinks under `template_kwargs`: the format has reasoning and the kwargs do not turn it off."""
+    if chat_format is None:
+        return False
     off = chat_format.thinking_off
     kwargs = template_kwargs or {}
     return chat_format.reasoning is not None and not (off and all(kwargs.get(k) == v for k, v in off.items()))
 
 
-def validate_tools(tools: Any) -> list[dict[str, Any]] | None:
-    """`tools` as templates read them: a list of OpenAI function schemas (``{"type": "function", "function":
-    {"name", "description", "parameters"}}``, or the bare ``{"name", ...}``), kept as given; ``None`` when empty.
-
-    Raises:
-        ValueError: not a list of objects that each name a function.
-    """
-    if tools is None or (isinstance(tools, Sequence) and not isinstance(tools, str) and not tools):
-        return None
-    if not isinstance(tools, Sequence) or isinstance(tools, str):
-        raise ValueError(f"tools must be a list of function schemas, got {type(tools).__name__}")
-    for j, tool in enumerate(tools):
-        function = tool.get("function", tool) if isinstance(tool, Mapping) else None
-        if not (isinstance(function, Mapping) and isinstance(function.get("name"), str) and function["name"]):
-            raise ValueError(f"tools[{j}] needs a function name ({{'type': 'function', 'function': {{'name': str, "
-                             f"'description': str, 'parameters': dict}}}}), got {tool!r:.80}")
-    return [dict(tool) for tool in tools]
-
-
 def _validated(
-    messages: Sequence[Mapping[str, Any]], system_prompt: str | None, chat_format: ChatFormat,
+    messages: Sequence[Message | Mapping[str, Any]], system_prompt: str | None, chat_format: ChatFormat | None,
     template_kwargs: Mapping[str, Any] | None,
 ) -> list[dict[str, Any]]:
-    """The messages as the template reads them (see the module docstring for the accepted input)."""
+    """The messages as the template reads them (`Message.parse`, then reasoning under the format's field when the
+    target thinks, tool calls in the layout transformers documents)."""
     thinking = thinking_enabled(chat_format, template_kwargs)
     out = []
-    for i, message in enumerate(messages):
-        role, content = message.get("role"), message.get("content")
-        if role not in ROLES:
-            raise ValueError(f"message {i}: role {role!r} is not one of {ROLES}")
-        if unknown := set(message) - _MESSAGE_KEYS:
-            raise ValueError(f"message {i} ({role}): unknown keys {sorted(unknown)}; valid: {sorted(_MESSAGE_KEYS)}")
-        if content is None and role == "assistant" and message.get("tool_calls"):
-            content = ""  # OpenAI records: a pure tool call has content null (transformers drops None keys anyway)
-        if not isinstance(content, str):
-            raise ValueError(f"message {i} ({role}): content must be a str, got {type(content).__name__}")
-        rendered: dict[str, Any] = {"role": role, "content": content}
-        reasoning = [message[k] for k in _REASONING_KEYS if message.get(k) is not None]
-        if reasoning and (role != "assistant" or len(reasoning) > 1 or not isinstance(reasoning[0], str)):
-            raise ValueError(f"message {i} ({role}): reasoning is one str on an assistant message "
-                             f"(one of the keys {', '.join(_REASONING_KEYS)})")
-        if reasoning and reasoning[0].strip() and thinking:
-            rendered[chat_format.reasoning.field] = reasoning[0]
-        if message.get("tool_calls"):
-            if role != "assistant":
-                raise ValueError(f"message {i} ({role}): only assistant messages carry tool_calls")
-            rendered["tool_calls"] = [_tool_call(i, j, c) for j, c in enumerate(message["tool_calls"])]
+    for i, message in enumerate(parse_messages(messages)):
+        rendered: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.reasoning is not None and message.reasoning.strip() and thinking:
+            rendered[chat_format.reasoning.field] = message.reasoning
+        if message.tool_calls:
+            rendered["tool_calls"] = [_tool_call(i, j, c) for j, c in enumerate(message.tool_calls)]
         for key in ("tool_call_id", "name"):
-            if message.get(key) is not None:
-                if role != "tool" or not isinstance(message[key], str):
-                    raise ValueError(f"message {i} ({role}): '{key}' is a str on tool messages only")
-                rendered[key] = message[key]
+            if getattr(message, key) is not None:
+                rendered[key] = getattr(message, key)
         out.append(rendered)
     if system_prompt is not None and not (out and out[0]["role"] == "system"):
         out.insert(0, {"role": "system", "content": system_prompt})

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import logging
 import sys
 from pathlib import Path
@@ -52,6 +53,19 @@ def _shapes_arg(text: str) -> list[TreeSpec]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """`--chat-template-kwargs`: a JSON object of template variables."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg} at character {e.pos}): {text!r}; expected an object "
+                                         "such as '{\"enable_thinking\": false}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of template variables such as "
+                                         f"'{{\"enable_thinking\": false}}', got a JSON {type(value).__name__}")
+    return value
+
+
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `eval` options to `parser`."""
     parser.add_argument("drafter", help="drafter folder in any format `eagle3-zoo check` reads (canonical/SGLang, "
@@ -84,6 +98,10 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--spread", action="store_true", default=None,
                         help="with --limit N: N prompts evenly spaced over each benchmark instead of the first N "
                              "(MT-bench is sorted by category: --limit 16 --spread = 2 per category)")
+    parser.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                        help="variables of the target's chat template for chat prompts, a JSON object such as "
+                             "'{\"enable_thinking\": false}' (default: data.chat_template_kwargs of the drafter "
+                             "folder's recipe.yaml, the ones it was trained with; none without a recipe.yaml)")
     parser.add_argument("--out", default="eval_results.json", help="results JSON (default: eval_results.json)")
     parser.add_argument("--plot", default=None, help="acceptance PNG (default: the --out path with .png)")
     parser.add_argument("--no-baseline", action="store_true",
@@ -150,6 +168,28 @@ def settings_for(args: argparse.Namespace, device_type: str) -> dict[str, Any]:
     return out
 
 
+def chat_template_kwargs_for(args: argparse.Namespace) -> dict[str, Any]:
+    """The chat-template variables of this evaluation: `--chat-template-kwargs`, else those the drafter was trained
+    with (its folder's recipe.yaml), else none.
+
+    Raises:
+        ValueError: the folder's recipe.yaml cannot be read or holds no valid ``data.chat_template_kwargs``.
+    """
+    from eagle3_zoo.speculative.benchmarks import trained_chat_template_kwargs
+
+    if args.chat_template_kwargs is not None:
+        log.info("chat prompts rendered with --chat-template-kwargs %s", json.dumps(args.chat_template_kwargs))
+        return dict(args.chat_template_kwargs)
+    trained = trained_chat_template_kwargs(args.drafter)
+    if trained is None:
+        log.info("%s has no recipe.yaml: chat prompts rendered with the template's defaults (set the variables the "
+                 "drafter was trained with by --chat-template-kwargs)", args.drafter)
+        return {}
+    log.info("chat prompts rendered with the drafter's training chat_template_kwargs %s (recipe.yaml)",
+             json.dumps(trained))
+    return trained
+
+
 def _target_checked_offline(name: str) -> str | None:
     """`name` when its config can be read without the network (a local folder, a config shipped in the package)."""
     from eagle3_zoo.adapters.shipped import shipped_target_config
@@ -168,13 +208,20 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     from eagle3_zoo.checkpoint.convert import import_drafter, tensors_digest
     from eagle3_zoo.checkpoint.weights import weights_digest
     from eagle3_zoo.speculative.benchmarks import load_benchmark
-    from eagle3_zoo.speculative.evaluation import evaluate, evaluate_shapes, format_shapes_table, format_table
+    from eagle3_zoo.speculative.evaluation import (
+        EvalSettings,
+        evaluate,
+        evaluate_shapes,
+        format_shapes_table,
+        format_table,
+    )
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     s = settings_for(args, torch.device(device).type)
     benches = check_benches(args.bench)
     for name in benches:  # bad records and empty files too, before minutes of loading
         load_benchmark(name, s["limit"], s["spread"])
+    template_kwargs = chat_template_kwargs_for(args)
     # the checks of `eagle3-zoo check`, so that a broken drafter is refused with its problem codes instead of
     # failing deep in decoding: before the (possibly large) target loads, against its shipped config if any
     report = require_valid_drafter(args.drafter, purpose="evaluate")
@@ -190,11 +237,13 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     target, tokenizer, adapter = load_target(target_name, dtype=dtype, device=device)
     require_valid_drafter(args.drafter, target.config, purpose=f"evaluate with target {target_name}")
     drafter = import_drafter(args.drafter, dtype=dtype, device=device).eval()  # any format `check` accepts
+    settings = EvalSettings(
+        benches=tuple(benches), mode=s["mode"], depth=s["depth"], top_k=s["top_k"], total_tokens=s["total_tokens"],
+        min_prob=s["min_prob"], temperature=args.temperature, sample_top_k=args.sample_top_k,
+        sample_top_p=args.sample_top_p, max_new_tokens=s["max_new_tokens"], limit=s["limit"], spread=s["spread"],
+        baseline=not args.no_baseline, warmup=args.warmup, seed=args.seed, chat_template_kwargs=template_kwargs)
     common = dict(
-        temperature=args.temperature, max_new_tokens=s["max_new_tokens"], limit=s["limit"], spread=s["spread"],
-        sample_top_k=args.sample_top_k, sample_top_p=args.sample_top_p, baseline=not args.no_baseline,
-        warmup=args.warmup, seed=args.seed, adapter=adapter, out=args.out, plot=args.plot,
-        progress=not args.no_progress,
+        adapter=adapter, out=args.out, plot=args.plot, progress=not args.no_progress,
         # the weights' digests tie the results to these weights (the file's, and the tensors' whatever their layout):
         # the model card leaves out results of other weights
         extra_settings={"drafter": str(Path(args.drafter).resolve()), "target": str(target_name),
@@ -202,11 +251,10 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
                         "drafter_tensors_sha256": tensors_digest(args.drafter)},
     )
     if args.shapes:
-        results = evaluate_shapes(drafter, target, tokenizer, ",".join(benches), shapes=args.shapes, **common)
+        results = evaluate_shapes(drafter, target, tokenizer, args.shapes, settings, **common)
         print(format_shapes_table(results))
     else:
-        results = evaluate(drafter, target, tokenizer, ",".join(benches), mode=s["mode"], depth=s["depth"],
-                           top_k=s["top_k"], total_tokens=s["total_tokens"], min_prob=s["min_prob"], **common)
+        results = evaluate(drafter, target, tokenizer, settings, **common)
         print(format_table(results))
     print(f"wrote {args.out} and {args.plot or Path(args.out).with_suffix('.png')}")
     return results
@@ -241,11 +289,12 @@ def run_engine_eval(args: argparse.Namespace) -> dict[str, Any]:
                          f"{', '.join(unsupported)}")
     benches = ",".join(check_benches(args.bench))
     out, max_new = Path(args.out), args.max_new_tokens or DEFAULTS["cuda"]["max_new_tokens"]
+    template_kwargs = chat_template_kwargs_for(args)
     results = evaluate_in_vllm(
         args.drafter, args.target, benches, num_speculative_tokens=args.depth or 3, max_new_tokens=max_new,
         limit=args.limit, spread=bool(args.spread), temperature=args.temperature, baseline=not args.no_baseline,
         url=args.engine_url, baseline_url=args.engine_baseline_url, work_dir=out.parent / f"{out.stem}-vllm",
-        out=None)
+        out=None, chat_template_kwargs=template_kwargs)
     if args.engine_compare:
         results["hf_decoder"] = compare_with_our_decoder(results, benches, max_new_tokens=max_new, limit=args.limit,
                                                          spread=bool(args.spread), baseline=not args.no_baseline,

@@ -1,8 +1,10 @@
 """Conversation readers: ShareGPT and OpenAI-style records from JSON lists or JSONL, normalised to chat messages.
 
-Output is a `Conversation` with `messages=[{"role": "user"|"assistant"|"system"|"tool", "content": str}]`; an
-assistant turn keeps its ``reasoning`` (read from ``reasoning_content``, ``reasoning`` or ``thinking``) and
-``tool_calls`` (OpenAI layout; ``content`` may then be null), a tool turn its ``tool_call_id``/``name`` (see
+Output is a `Conversation` with `messages=[{"role": "user"|"assistant"|"system"|"tool", "content": str}]`, each turn
+read by `eagle3_zoo.adapters.conversation.Message.from_record` (the one table of role spellings) and stored in its
+`as_dict` form; an assistant turn keeps its ``reasoning`` (read from ``reasoning_content``, ``reasoning`` or
+``thinking``) and ``tool_calls`` (OpenAI layout; ``content`` may then be null), a tool turn its
+``tool_call_id``/``name`` (see
 `eagle3_zoo.adapters.chat` for how templates render them); the record's tool definitions (``tools``: a list of
 OpenAI function schemas, or that list as a JSON string; ``bad_tools`` otherwise) are kept on the `Conversation` for
 the template. Rendering with the chat template and tokenisation happen in the target adapter. Bad records either
@@ -27,20 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
+from eagle3_zoo.adapters.conversation import Message, MessageError, validate_tools
 from eagle3_zoo.locations import EMBEDDED_SHAREGPT, is_hub_id
 
 logger = logging.getLogger(__name__)
 
 FORMATS = ("auto", "sharegpt", "messages", "jsonl")
-ROLE_ALIASES = {
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
-    "model": "assistant",
-    "system": "system",
-    "tool": "tool", "ipython": "tool",  # Llama-3.1 records name tool results "ipython"
-}
-_REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
-_TURN_KEYS = (("from", "value"), ("role", "content"))  # either spelling is accepted in any record layout
 _SEPARATOR = re.compile(r"[\s,]*")
 _CHUNK = 1 << 20
 # Bytes that are not UTF-8, as `errors="surrogateescape"` decodes them (valid UTF-8 never yields these code points)
@@ -291,23 +285,15 @@ def _to_messages(record: Any, fmt: str) -> list[dict[str, str]]:
         raise _BadRecord("missing_key", f"{key!r} must be a list of turns, got {type(turns).__name__}")
     messages = []
     for j, turn in enumerate(turns):
-        pair = next((p for p in _TURN_KEYS if isinstance(turn, dict) and p[0] in turn and p[1] in turn), None)
-        if pair is None:
-            raise _BadRecord("missing_key", f"turn {j} lacks 'from'/'value' or 'role'/'content'")
-        raw_role, content = turn[pair[0]], turn[pair[1]]
-        role = ROLE_ALIASES.get(raw_role.strip().lower()) if isinstance(raw_role, str) else None
-        if role is None:
-            raise _BadRecord("unknown_role", f"turn {j}: unknown role {raw_role!r}; known: {sorted(ROLE_ALIASES)}")
-        message = _extra_fields(turn, role, j)
-        if content is None and message.get("tool_calls"):
-            content = ""  # a pure tool call
-        if not isinstance(content, str):
-            raise _BadRecord("non_string_content", f"turn {j}: content is {type(content).__name__}, not a string")
-        for text in (content, message.get("reasoning", "")):
+        try:
+            message = Message.from_record(turn, j)
+        except MessageError as e:
+            raise _BadRecord(e.reason, str(e)) from None
+        for text in (message.content, message.reasoning or ""):
             if surrogate := _SURROGATE.search(text):  # no character: tokenizers and UTF-8 writers reject it
                 raise _BadRecord("lone_surrogate", f"turn {j}: content holds the lone surrogate escape "
                                  f"\\u{ord(surrogate.group()):04x}, which encodes no character")
-        messages.append({"role": role, "content": content, **message})
+        messages.append(message.as_dict())
     if not messages:
         raise _BadRecord("empty_conversation", "the conversation has no turns")
     return _drop_leading_non_user(messages)
@@ -315,8 +301,6 @@ def _to_messages(record: Any, fmt: str) -> list[dict[str, str]]:
 
 def _tools(record: dict) -> list[dict[str, Any]] | None:
     """The record's tool definitions (a list, or a JSON string of one, as some tool datasets store them)."""
-    from eagle3_zoo.adapters.chat import validate_tools
-
     tools = record.get("tools")
     if isinstance(tools, str):
         try:
@@ -327,27 +311,6 @@ def _tools(record: dict) -> list[dict[str, Any]] | None:
         return validate_tools(tools)
     except ValueError as e:
         raise _BadRecord("bad_tools", f"'tools': {e}") from None
-
-
-def _extra_fields(turn: dict, role: str, j: int) -> dict[str, Any]:
-    """An assistant turn's reasoning and tool calls, a tool turn's call id and name."""
-    out: dict[str, Any] = {}
-    if role == "assistant":
-        reasoning = next((turn[k] for k in _REASONING_KEYS if turn.get(k) is not None), None)
-        if reasoning is not None and not isinstance(reasoning, str):
-            raise _BadRecord("non_string_content", f"turn {j}: reasoning is {type(reasoning).__name__}, not a string")
-        if reasoning:
-            out["reasoning"] = reasoning
-        calls = turn.get("tool_calls")
-        if calls:
-            if not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
-                raise _BadRecord("bad_tool_calls", f"turn {j}: tool_calls must be a list of objects")
-            out["tool_calls"] = calls
-    elif role == "tool":
-        for key in ("tool_call_id", "name"):
-            if isinstance(turn.get(key), str):
-                out[key] = turn[key]
-    return out
 
 
 def _drop_leading_non_user(messages: list[dict[str, str]]) -> list[dict[str, str]]:

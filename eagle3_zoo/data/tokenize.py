@@ -73,7 +73,10 @@ def tokenize_conversations(
     """Build `{"id", "input_ids", "loss_mask"}` examples with `adapter.build_example`.
 
     Args:
-        conversations: `Conversation`s (from `eagle3_zoo.data.readers`); their ``tools`` reach the template.
+        conversations: `Conversation`s (from `eagle3_zoo.data.readers`); their messages are validated as
+            `eagle3_zoo.adapters.conversation.Message`s and rendered with the template and `template_kwargs` that
+            `eagle3_zoo.adapters.chat.render_prompt` renders evaluation prompts with; their ``tools`` reach the
+            template.
         tokenizer: the target tokenizer.
         adapter: the target adapter.
         max_length: maximum tokens per example.

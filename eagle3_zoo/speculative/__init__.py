@@ -17,7 +17,8 @@ _EXPORTS = {
     "BenchPrompt": "benchmarks", "Benchmark": "benchmarks", "load_benchmark": "benchmarks",
     "TauEvalCallback": "callback",
     "DraftModel": "draft", "Eagle3DraftModel": "draft",
-    "evaluate": "evaluation", "format_table": "evaluation", "plot_acceptance": "evaluation",
+    "EvalResults": "evaluation", "EvalSettings": "evaluation", "evaluate": "evaluation",
+    "format_table": "evaluation", "plot_acceptance": "evaluation",
     "write_results": "evaluation",
     "MODES": "generate", "GenerationOutput": "generate", "SpeculativeGenerator": "generate",
     "plain_generate": "generate", "tree_spec": "generate",
@@ -31,7 +32,14 @@ if TYPE_CHECKING:
     from eagle3_zoo.speculative.benchmarks import Benchmark, BenchPrompt, load_benchmark
     from eagle3_zoo.speculative.callback import TauEvalCallback
     from eagle3_zoo.speculative.draft import DraftModel, Eagle3DraftModel
-    from eagle3_zoo.speculative.evaluation import evaluate, format_table, plot_acceptance, write_results
+    from eagle3_zoo.speculative.evaluation import (
+        EvalResults,
+        EvalSettings,
+        evaluate,
+        format_table,
+        plot_acceptance,
+        write_results,
+    )
     from eagle3_zoo.speculative.generate import MODES, GenerationOutput, SpeculativeGenerator, plain_generate, tree_spec
     from eagle3_zoo.speculative.metrics import PROTOCOL, BenchStats
     from eagle3_zoo.speculative.target import NodeLogits, TargetRunner
@@ -59,6 +67,8 @@ __all__ = [
     "DraftModel",
     "DraftTree",
     "Eagle3DraftModel",
+    "EvalResults",
+    "EvalSettings",
     "GenerationOutput",
     "NodeLogits",
     "SamplingParams",

@@ -2,7 +2,9 @@
 
 Prompt formats:
 - chat: user turns replayed through the target's chat template (its default system prompt applies unless the
-  record has one); turn k is conditioned on the model's OWN answers to turns 1..k-1 (MT-bench protocol).
+  record has one); turn k is conditioned on the model's OWN answers to turns 1..k-1 (MT-bench protocol). Rendered
+  by the package's one prompt renderer (`chat_input_ids`) with the template variables the drafter was trained with
+  (`trained_chat_template_kwargs`), so the prompts are those of its training data.
 - completion: raw text continued by the model (tokenised with the tokenizer's usual special tokens).
 
 MT-bench: 80 questions x 2 turns (chat). HumanEval: 164 problems as a chat user message
@@ -17,16 +19,19 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from eagle3_zoo.adapters.chat import ChatFormat, TemplateMappingError, prompt_ids
+from eagle3_zoo.adapters.conversation import Message, role_of
+
 BUILTIN = ("mtbench", "humaneval")
+RECIPE_FILE = "recipe.yaml"  # the resolved recipe `fit` writes into a drafter folder
 HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,7 @@ def _record_prompt(record: dict[str, Any], where: str, index: int) -> BenchPromp
         return BenchPrompt(id=pid, turns=tuple(str(t) for t in record["turns"]))
     conv = record.get("messages", record.get("conversations"))
     if isinstance(conv, list):
-        messages = [(_SHAREGPT_ROLES.get(str(m.get("role", m.get("from"))).lower()), m.get("content", m.get("value")))
+        messages = [(role_of(m.get("role", m.get("from"))), m.get("content", m.get("value")))
                     for m in conv if isinstance(m, dict)]
         turns = tuple(str(c) for r, c in messages if r == "user")
         system = next((str(c) for r, c in messages if r == "system"), None)
@@ -141,14 +146,61 @@ def load_benchmark(name_or_path: str, limit: int | None = None, spread: bool = F
     return Benchmark(name=name, source=str(path), prompts=tuple(prompts))
 
 
-def chat_input_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
-    """Token ids of `messages` rendered with the tokenizer's chat template plus the assistant generation prompt."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{type(tokenizer).__name__} has no chat_template; chat benchmarks (mtbench, humaneval, "
-                         f"JSONL turns/messages) need one, use a JSONL of raw 'prompt' records for base models")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    # the rendered template already holds BOS and the other special tokens
-    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+def chat_input_ids(tokenizer: Any, messages: Sequence[Message | Mapping[str, Any]],
+                   chat_format: ChatFormat | None = None,
+                   template_kwargs: Mapping[str, Any] | None = None) -> torch.Tensor:
+    """Token ids of `messages` rendered as the data stage renders a conversation, plus the assistant generation
+    prompt (`eagle3_zoo.adapters.chat.prompt_ids`): the tokenizer's chat template (else `chat_format`'s) with
+    `template_kwargs` (the recipe's ``data.chat_template_kwargs`` the drafter was trained with).
+
+    Raises:
+        ValueError: no chat template, malformed messages.
+    """
+    return torch.tensor(prompt_ids(tokenizer, messages, chat_format, template_kwargs), dtype=torch.long)
+
+
+def prompt_chat_format(adapter: Any, tokenizer: Any) -> ChatFormat | None:
+    """The chat format the data stage renders `tokenizer`'s conversations with (`TargetAdapter.chat_format`); None
+    without an adapter, or for a tokenizer whose template no format of the family matches (a target the data stage
+    cannot tokenise: its own template is then used as it is)."""
+    if adapter is None:
+        return None
+    try:
+        return adapter.chat_format(tokenizer)
+    except TemplateMappingError:
+        return None
+
+
+def trained_chat_template_kwargs(drafter_dir: str | Path) -> dict[str, Any] | None:
+    """The chat-template variables the drafter in `drafter_dir` was trained with: ``data.chat_template_kwargs`` of
+    the recipe.yaml `fit` writes next to its weights (``{}``: the recipe set none, the template's defaults); None when
+    the folder has no recipe.yaml (a drafter trained elsewhere).
+
+    Raises:
+        ValueError: the recipe cannot be read, or the key is not a mapping of variable names (the message names the
+            file and the key).
+    """
+    import yaml
+
+    path = Path(drafter_dir) / RECIPE_FILE
+    if not path.is_file():
+        return None
+    fix = "fix the file, or give the template variables explicitly (eval: --chat-template-kwargs JSON)"
+    try:
+        recipe = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path}: cannot read the recipe the drafter was trained with ({first}); {fix}") from None
+    data = recipe.get("data") if isinstance(recipe, dict) else None
+    kwargs = data.get("chat_template_kwargs") if isinstance(data, dict) else None
+    if (recipe is not None and not isinstance(recipe, dict)) or (data is not None and not isinstance(data, dict)):
+        raise ValueError(f"{path}: expected a mapping of recipe sections with a 'data' mapping; {fix}")
+    if kwargs is None:
+        return {}
+    if not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+        raise ValueError(f"{path}: data.chat_template_kwargs must be a mapping of template variable names to values "
+                         f"(e.g. {{enable_thinking: false}}), got {kwargs!r:.80}; {fix}")
+    return dict(kwargs)
 
 
 def completion_input_ids(tokenizer: Any, text: str) -> torch.Tensor:

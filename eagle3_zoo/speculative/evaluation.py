@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
 
 from eagle3_zoo.adapters import TargetAdapter
+from eagle3_zoo.adapters.chat import ChatFormat
+from eagle3_zoo.adapters.conversation import Message
 from eagle3_zoo.draft_shapes import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, TreeSpec, shape_problem
 from eagle3_zoo.modeling import Eagle3Drafter
 from eagle3_zoo.progress import Progress
@@ -25,6 +28,7 @@ from eagle3_zoo.speculative.benchmarks import (
     chat_input_ids,
     completion_input_ids,
     load_benchmark,
+    prompt_chat_format,
 )
 from eagle3_zoo.speculative.draft import DraftModel
 from eagle3_zoo.speculative.generate import SpeculativeGenerator, eos_ids, plain_generate, tree_spec
@@ -42,62 +46,137 @@ log = logging.getLogger(__name__)
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
-def turn_input_ids(prompt: BenchPrompt, turn: int, history: list[dict[str, str]], tokenizer: Any) -> torch.Tensor:
-    """Input ids of `prompt`'s turn `turn`; chat turns are appended to `history` (the model's answers go there)."""
+def turn_input_ids(prompt: BenchPrompt, turn: int, history: list[Message], tokenizer: Any,
+                   chat_format: ChatFormat | None = None,
+                   template_kwargs: Mapping[str, Any] | None = None) -> torch.Tensor:
+    """Input ids of `prompt`'s turn `turn`; chat turns are appended to `history` (the model's answers go there) and
+    rendered as `chat_input_ids` renders them (the template, `template_kwargs` and `chat_format` of training)."""
     if not prompt.is_chat:
         return completion_input_ids(tokenizer, prompt.text)
     if turn == 0 and prompt.system:
-        history.append({"role": "system", "content": prompt.system})
-    history.append({"role": "user", "content": prompt.turns[turn]})
-    return chat_input_ids(tokenizer, history)
+        history.append(Message("system", prompt.system))
+    history.append(Message("user", prompt.turns[turn]))
+    return chat_input_ids(tokenizer, history, chat_format, template_kwargs)
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What an evaluation decodes and how (`evaluate`, `evaluate_shapes`; `eagle3-zoo eval` builds one from its
+    options). Recorded in the results' ``settings``.
+
+    Attributes:
+        benches: `mtbench`, `humaneval`, JSONL paths; a comma-separated string is split.
+        mode: `tree` (EAGLE-2 dynamic tree) or `chain` (`depth` draft tokens); `evaluate` only (`evaluate_shapes`
+            decodes the shapes it is given instead of `mode`, `depth`, `top_k`, `total_tokens`, `min_prob`).
+        depth, top_k, total_tokens: Draft tree shape (chain uses `depth` only).
+        min_prob: Draft only nodes whose cumulative draft probability reaches it (`TreeSpec.min_prob`; 0 = off).
+        temperature: 0 = greedy (lossless check on); > 0 = lossless rejection sampling.
+        sample_top_k, sample_top_p: Sampling warpers, identical for speculative and plain decoding.
+        max_new_tokens: Per request.
+        limit: First `limit` prompts of each benchmark (all turns of each).
+        spread: Take the `limit` prompts evenly spaced over each benchmark instead (see `load_benchmark`).
+        baseline: Also run plain KV-cache decoding on every request (speedup, lossless check).
+        warmup: Untimed warm-up requests (first prompt, both decoders) before measuring.
+        seed: Request i samples with seed + i (speculative and baseline alike).
+        eos_token_id: Stop ids; default the target's generation_config, else the tokenizer's EOS.
+        chat_template_kwargs: Variables of the chat template for chat prompts: those the drafter was trained with
+            (its recipe's ``data.chat_template_kwargs``, e.g. ``{"enable_thinking": False}``), so that it is
+            measured on prompts rendered as its training data was.
+    """
+
+    benches: tuple[str, ...] = ("mtbench",)
+    mode: str = "tree"
+    depth: int = DEFAULT_DEPTH
+    top_k: int = DEFAULT_TOP_K
+    total_tokens: int = DEFAULT_TOTAL_TOKENS
+    min_prob: float = 0.0
+    temperature: float = 0.0
+    sample_top_k: int = 0
+    sample_top_p: float = 1.0
+    max_new_tokens: int = 256
+    limit: int | None = None
+    spread: bool = False
+    baseline: bool = True
+    warmup: int = 1
+    seed: int = 0
+    eos_token_id: int | Iterable[int] | None = None
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        benches = self.benches.split(",") if isinstance(self.benches, str) else self.benches
+        object.__setattr__(self, "benches", tuple(b.strip() if isinstance(self.benches, str) else b for b in benches))
+        object.__setattr__(self, "chat_template_kwargs", dict(self.chat_template_kwargs or {}))
+
+    @property
+    def tree(self) -> TreeSpec:
+        """The draft shape of `mode`, `depth`, `top_k`, `total_tokens`, `min_prob`."""
+        return tree_spec(self.mode, self.depth, self.top_k, self.total_tokens, self.min_prob)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.sample_top_k, top_p=self.sample_top_p)
+
+
+class EvalResults(TypedDict):
+    """What `evaluate` returns and writes as JSON (see `metrics.PROTOCOL` for what each figure means)."""
+
+    protocol: str
+    settings: dict[str, Any]  # the `EvalSettings` as decoded, the shape, the target, device, stop ids, extras
+    machine: dict[str, Any]
+    versions: dict[str, Any]
+    benchmarks: dict[str, dict[str, Any]]  # per benchmark: source, prompts, the `BenchStats` summary, skipped
+    overall: dict[str, Any]  # the summary pooled over every request
+    lossless: bool | None  # every greedy output equal to plain decoding's (None: not checked)
+    requests: dict[str, list[dict[str, Any]]]  # per benchmark, one row per request
+    skipped: dict[str, list[dict[str, Any]]]  # per benchmark, the requests past the target's context
+
+
+class ShapeResults(TypedDict):
+    """One shape of `ShapesResults`: its label and serving flags, and the figures `EvalResults` has."""
+
+    shape: str
+    depth: int
+    top_k: int
+    total_tokens: int
+    min_prob: float
+    verified_tokens: int
+    benchmarks: dict[str, dict[str, Any]]
+    overall: dict[str, Any]
+    lossless: bool | None
+    requests: dict[str, list[dict[str, Any]]]
+
+
+class ShapesResults(TypedDict):
+    """What `evaluate_shapes` returns and writes as JSON."""
+
+    protocol: str
+    settings: dict[str, Any]
+    machine: dict[str, Any]
+    versions: dict[str, Any]
+    shapes: list[ShapeResults]
+    fastest: str | None  # the label with the highest pooled speedup (None without a baseline)
+    lossless: bool | None  # False if any shape differed from plain greedy decoding
 
 
 def evaluate(
     drafter: Eagle3Drafter | DraftModel,
     target: nn.Module,
     tokenizer: Any,
-    benches: str | Sequence[str] = ("mtbench",),
-    mode: str = "tree",
-    temperature: float = 0.0,
-    max_new_tokens: int = 256,
-    limit: int | None = None,
+    settings: EvalSettings = EvalSettings(),
     *,
-    spread: bool = False,
-    depth: int = DEFAULT_DEPTH,
-    top_k: int = DEFAULT_TOP_K,
-    total_tokens: int = DEFAULT_TOTAL_TOKENS,
-    min_prob: float = 0.0,
-    sample_top_k: int = 0,
-    sample_top_p: float = 1.0,
-    baseline: bool = True,
-    warmup: int = 1,
-    seed: int = 0,
-    eos_token_id: int | Iterable[int] | None = None,
     adapter: TargetAdapter | None = None,
     out: str | os.PathLike | None = None,
     plot: str | os.PathLike | None = None,
     progress: bool = True,
     extra_settings: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> EvalResults:
     """Run speculative decoding (and the plain baseline) over benchmarks and measure acceptance and speed.
 
     Args:
         drafter: The drafter (or any `DraftModel`).
         target: The target ``*ForCausalLM``.
         tokenizer: The target's tokenizer (chat template for chat benchmarks).
-        benches: `mtbench`, `humaneval`, JSONL paths; a comma-separated string or a sequence.
-        mode: `tree` (EAGLE-2 dynamic tree) or `chain` (`depth` draft tokens).
-        temperature: 0 = greedy (lossless check on); > 0 = lossless rejection sampling.
-        max_new_tokens: Per request.
-        limit: First `limit` prompts of each benchmark (all turns of each).
-        spread: Take the `limit` prompts evenly spaced over each benchmark instead (see `load_benchmark`).
-        depth, top_k, total_tokens: Draft tree shape (chain uses `depth` only).
-        min_prob: Draft only nodes whose cumulative draft probability reaches it (`TreeSpec.min_prob`; 0 = off).
-        sample_top_k, sample_top_p: Sampling warpers, identical for speculative and plain decoding.
-        baseline: Also run plain KV-cache decoding on every request (speedup, lossless check).
-        warmup: Untimed warm-up requests (first prompt, both decoders) before measuring.
-        seed: Request i samples with seed + i (speculative and baseline alike).
-        eos_token_id: Stop ids; default the target's generation_config, else the tokenizer's EOS.
+        settings: What to decode and how (`EvalSettings`).
         adapter: The target's adapter (default: from its config).
         out: Write the results JSON here (and the plot next to it unless `plot` is given).
         plot: Write the per-depth acceptance PNG here.
@@ -105,27 +184,23 @@ def evaluate(
         extra_settings: Merged into ``results["settings"]`` (e.g. the drafter path).
 
     Returns:
-        The results dict (``protocol, settings, machine, versions, benchmarks, overall, lossless, requests,
-        skipped``). A request whose prompt plus `max_new_tokens` exceeds the target's context is not decoded: it is
-        logged, counted (``skipped`` of its benchmark and of ``overall``) and listed with its reason in ``skipped``.
+        `EvalResults`. A request whose prompt plus ``max_new_tokens`` exceeds the target's context is not decoded: it
+        is logged, counted (``skipped`` of its benchmark and of ``overall``) and listed with its reason in
+        ``skipped``.
 
     Raises:
         ValueError: bad benchmark names or files, or no request fits the target's context.
     """
-    bench_names, loaded = _load_benches(benches, limit, spread)
-    sampling = SamplingParams(temperature=temperature, top_k=sample_top_k, top_p=sample_top_p)
-    spec = tree_spec(mode, depth, top_k, total_tokens, min_prob)
+    loaded = _load_benches(settings)
+    spec = settings.tree
     generator = SpeculativeGenerator(target, drafter, spec, adapter)
-    stop = _stop_ids(target, tokenizer, eos_token_id)
+    stop = _stop_ids(target, tokenizer, settings.eos_token_id)
     load = load_average()
-    (results,) = _decode([generator], target, tokenizer, loaded, sampling, stop, max_new_tokens=max_new_tokens,
-                         baseline=baseline, warmup=warmup, seed=seed, progress=progress)
-    results = {"protocol": PROTOCOL, **results}
+    (found,) = _decode([generator], target, tokenizer, loaded, settings, stop, progress=progress)
+    results: dict[str, Any] = {"protocol": PROTOCOL, **found}
     results["settings"] = {
-        "mode": mode, "depth": spec.depth, "top_k": spec.top_k, "total_tokens": spec.total_tokens,
-        "min_prob": spec.min_prob,
-        **_common_settings(target, generator, sampling, max_new_tokens, limit, spread, bench_names, seed, warmup,
-                           baseline, stop, extra_settings),
+        "mode": settings.mode, "depth": spec.depth, "top_k": spec.top_k, "total_tokens": spec.total_tokens,
+        "min_prob": spec.min_prob, **_common_settings(target, generator, settings, stop, extra_settings),
     }
     results["machine"] = machine_info(generator.runner.device, load)
     results["versions"] = versions()
@@ -136,50 +211,38 @@ def evaluate_shapes(
     drafter: Eagle3Drafter | DraftModel,
     target: nn.Module,
     tokenizer: Any,
-    benches: str | Sequence[str] = ("mtbench",),
     shapes: Sequence[TreeSpec | str] = ("chain:1", "chain:3", "chain:7", "tree:8/10/60"),
-    temperature: float = 0.0,
-    max_new_tokens: int = 256,
-    limit: int | None = None,
+    settings: EvalSettings = EvalSettings(),
     *,
-    spread: bool = False,
-    sample_top_k: int = 0,
-    sample_top_p: float = 1.0,
-    baseline: bool = True,
-    warmup: int = 1,
-    seed: int = 0,
-    eos_token_id: int | Iterable[int] | None = None,
     adapter: TargetAdapter | None = None,
     out: str | os.PathLike | None = None,
     plot: str | os.PathLike | None = None,
     progress: bool = True,
     extra_settings: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> ShapesResults:
     """Compare draft shapes on the same requests: which shape decodes fastest with this drafter on this machine.
 
     Every request is decoded by each shape in turn and then once by plain decoding, whose time and tokens serve
     every shape (speedup, lossless check), so machine noise falls on all shapes alike and the baseline runs once.
     A later chat turn is conditioned on the first shape's answer, for every decoder (at temperature 0 a lossless
-    run gives every shape the same answer). Arguments as `evaluate`, with `shapes` instead of `mode, depth, top_k,
-    total_tokens` (`TreeSpec`s or their text form, `chain:K` / `tree:D/K/N`).
+    run gives every shape the same answer). Arguments as `evaluate`, with `shapes` (`TreeSpec`s or their text
+    form, `chain:K` / `tree:D/K/N`) instead of the shape of `settings`.
 
     Returns:
-        ``protocol, settings, machine, versions, shapes, fastest, lossless``: ``shapes`` is one entry per shape (its
-        ``shape`` label, ``depth, top_k, total_tokens, verified_tokens``, serving flags, and ``benchmarks, overall,
-        lossless, requests`` as `evaluate` reports them); ``fastest`` is the label with the highest pooled speedup
-        (None without a baseline); ``lossless`` is False if any shape differed from plain greedy decoding.
+        `ShapesResults`: ``shapes`` is one entry per shape (its ``shape`` label, ``depth, top_k, total_tokens,
+        verified_tokens``, serving flags, and ``benchmarks, overall, lossless, requests`` as `evaluate` reports
+        them); ``fastest`` is the label with the highest pooled speedup (None without a baseline); ``lossless`` is
+        False if any shape differed from plain greedy decoding.
     """
     specs = [s if isinstance(s, TreeSpec) else TreeSpec.parse(s) for s in shapes]
     labels = [s.label for s in specs]
     if not specs or len(set(labels)) != len(labels):
         raise ValueError(f"evaluate_shapes needs distinct draft shapes, got {labels}")
-    bench_names, loaded = _load_benches(benches, limit, spread)
-    sampling = SamplingParams(temperature=temperature, top_k=sample_top_k, top_p=sample_top_p)
+    loaded = _load_benches(settings)
     generators = [SpeculativeGenerator(target, drafter, spec, adapter) for spec in specs]
-    stop = _stop_ids(target, tokenizer, eos_token_id)
+    stop = _stop_ids(target, tokenizer, settings.eos_token_id)
     load = load_average()
-    per_shape = _decode(generators, target, tokenizer, loaded, sampling, stop, max_new_tokens=max_new_tokens,
-                        baseline=baseline, warmup=warmup, seed=seed, progress=progress)
+    per_shape = _decode(generators, target, tokenizer, loaded, settings, stop, progress=progress)
     entries = [{"shape": spec.label, "depth": spec.depth, "top_k": spec.top_k, "total_tokens": spec.total_tokens,
                 "min_prob": spec.min_prob, "verified_tokens": spec.verified_tokens, **spec.serving_flags(), **res}
                for spec, res in zip(specs, per_shape)]
@@ -187,9 +250,7 @@ def evaluate_shapes(
     checked = [e["lossless"] for e in entries if e["lossless"] is not None]
     results: dict[str, Any] = {
         "protocol": PROTOCOL + " " + SHAPES_PROTOCOL,
-        "settings": {"shapes": labels,
-                     **_common_settings(target, generators[0], sampling, max_new_tokens, limit, spread, bench_names,
-                                        seed, warmup, baseline, stop, extra_settings)},
+        "settings": {"shapes": labels, **_common_settings(target, generators[0], settings, stop, extra_settings)},
         "machine": machine_info(generators[0].runner.device, load),
         "versions": versions(),
         "shapes": entries,
@@ -216,13 +277,14 @@ def _save(results: dict[str, Any], out: str | os.PathLike | None, plot: str | os
     return results
 
 
-def _load_benches(benches: str | Sequence[str], limit: int | None, spread: bool) -> tuple[list[str], list[Benchmark]]:
-    bench_names = [b.strip() for b in benches.split(",")] if isinstance(benches, str) else list(benches)
-    loaded = [load_benchmark(name, limit, spread) for name in bench_names]  # fail on bad names before any decoding
+def _load_benches(settings: EvalSettings) -> list[Benchmark]:
+    # fail on bad names before any decoding
+    loaded = [load_benchmark(name, settings.limit, settings.spread) for name in settings.benches]
     names = [b.name for b in loaded]
     if len(set(names)) != len(names):
-        raise ValueError(f"benchmarks {bench_names} give duplicate report names {names}; rename the JSONL files")
-    return bench_names, loaded
+        raise ValueError(f"benchmarks {list(settings.benches)} give duplicate report names {names}; rename the JSONL "
+                         "files")
+    return loaded
 
 
 def _stop_ids(target: nn.Module, tokenizer: Any, eos_token_id: int | Iterable[int] | None) -> set[int]:
@@ -233,11 +295,18 @@ def _stop_ids(target: nn.Module, tokenizer: Any, eos_token_id: int | Iterable[in
 
 
 def _decode(generators: Sequence[SpeculativeGenerator], target: nn.Module, tokenizer: Any, loaded: Sequence[Benchmark],
-            sampling: SamplingParams, stop: set[int], *, max_new_tokens: int, baseline: bool, warmup: int, seed: int,
-            progress: bool) -> list[dict[str, Any]]:
+            settings: EvalSettings, stop: set[int], *, progress: bool) -> list[dict[str, Any]]:
     """Decode every request with each generator, then (optionally) plain decoding; per generator its
-    ``benchmarks, overall, lossless, requests``."""
+    ``benchmarks, overall, lossless, requests``. Chat prompts are rendered with the settings' template kwargs."""
+    s = settings
+    sampling, max_new_tokens, baseline, seed, template_kwargs = (s.sampling, s.max_new_tokens, s.baseline, s.seed,
+                                                                 s.chat_template_kwargs)
     device = generators[0].runner.device
+    chat_format = prompt_chat_format(generators[0].runner.adapter, tokenizer)
+
+    def input_ids(prompt: BenchPrompt, turn: int, history: list[Message]) -> torch.Tensor:
+        return turn_input_ids(prompt, turn, history, tokenizer, chat_format, template_kwargs)
+
     context = context_length(target)
     for generator in generators:  # before any decoding: a shape that cannot fit would run for ever or exhaust memory
         if problem := shape_problem(generator.tree, context, max_new_tokens):
@@ -258,9 +327,9 @@ def _decode(generators: Sequence[SpeculativeGenerator], target: nn.Module, token
         base_out = plain_generate(target, ids, n_new, sampling, stop, rng(index)) if baseline else None
         return spec_outs, base_out
 
-    first_turns = (turn_input_ids(p, 0, [], tokenizer) for b in loaded for p in b.prompts)
+    first_turns = (input_ids(p, 0, []) for b in loaded for p in b.prompts)
     first = next((ids for ids in first_turns if too_long(ids) is None), None)
-    for _ in range(warmup if first is not None else 0):
+    for _ in range(settings.warmup if first is not None else 0):
         run(first, 0, min(max_new_tokens, 32))
 
     found: list[dict[str, Any]] = [{"benchmarks": {}, "requests": {}, "skipped": {}} for _ in generators]
@@ -270,10 +339,10 @@ def _decode(generators: Sequence[SpeculativeGenerator], target: nn.Module, token
     for bench in loaded:
         stats, rows, skipped = [BenchStats() for _ in generators], [[] for _ in generators], []
         for prompt in bench.prompts:
-            history: list[dict[str, str]] = []
+            history: list[Message] = []
             n_turns = len(prompt.turns) if prompt.is_chat else 1
             for turn in range(n_turns):
-                ids = turn_input_ids(prompt, turn, history, tokenizer)
+                ids = input_ids(prompt, turn, history)
                 rid = prompt.id if n_turns == 1 else f"{prompt.id}/turn{turn + 1}"
                 if reason := too_long(ids):
                     log.warning("%s: skipping request %s: %s", bench.name, rid, reason)
@@ -293,8 +362,7 @@ def _decode(generators: Sequence[SpeculativeGenerator], target: nn.Module, token
                 tau = (overall[0].cycle_tokens + stats[0].cycle_tokens) / cycles if cycles else None
                 bar.update(1, status=f"{bench.name}, running tau {tau:.2f}" if tau else bench.name)
                 # the next turn is conditioned on the model's own answer (MT-bench protocol)
-                history.append({"role": "assistant",
-                                "content": tokenizer.decode(spec_outs[0].tokens, skip_special_tokens=True)})
+                history.append(Message("assistant", tokenizer.decode(spec_outs[0].tokens, skip_special_tokens=True)))
         total_skipped += len(skipped)
         for k in range(len(generators)):
             found[k]["benchmarks"][bench.name] = {"source": bench.source, "prompts": len(bench.prompts),
@@ -330,15 +398,15 @@ def context_length(target: nn.Module) -> int | None:
     return None
 
 
-def _common_settings(target: nn.Module, generator: SpeculativeGenerator, sampling: SamplingParams,
-                     max_new_tokens: int, limit: int | None, spread: bool, bench_names: list[str], seed: int,
-                     warmup: int, baseline: bool, stop: set[int],
+def _common_settings(target: nn.Module, generator: SpeculativeGenerator, settings: EvalSettings, stop: set[int],
                      extra_settings: dict[str, Any] | None) -> dict[str, Any]:
+    s = settings
     return {
-        "temperature": sampling.temperature, "sample_top_k": sampling.top_k, "sample_top_p": sampling.top_p,
-        "max_new_tokens": max_new_tokens, "limit": limit, "spread": spread, "benches": bench_names,
-        "seed": seed, "warmup": warmup,
-        "baseline": baseline, "batch_size": 1, "eos_token_ids": sorted(stop), "humaneval_format": "chat",
+        "temperature": s.temperature, "sample_top_k": s.sample_top_k, "sample_top_p": s.sample_top_p,
+        "max_new_tokens": s.max_new_tokens, "limit": s.limit, "spread": s.spread, "benches": list(s.benches),
+        "seed": s.seed, "warmup": s.warmup,
+        "baseline": s.baseline, "batch_size": 1, "eos_token_ids": sorted(stop), "humaneval_format": "chat",
+        "chat_template_kwargs": dict(s.chat_template_kwargs),
         "target": getattr(target.config, "_name_or_path", None) or None,
         "target_dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
         "device": str(generator.runner.device),

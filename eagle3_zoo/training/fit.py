@@ -120,7 +120,7 @@ def _tau_eval_callbacks(recipe: Any, tokenizer: Any) -> list[L.Callback]:
                        "measured during training", e)
         return []
     return [TauEvalCallback(prompts, every_n_steps=cfg.every_n_steps, max_new_tokens=cfg.max_new_tokens,
-                            tokenizer=tokenizer)]
+                            tokenizer=tokenizer, chat_template_kwargs=recipe.data.chat_template_kwargs)]
 
 
 def build_trainer(recipe: Any, callbacks: Sequence[L.Callback] = (), has_val: bool = True,
