@@ -104,15 +104,19 @@ class RegenerateConfig:
     output: str | None = ruled(None, lambda v: path_problem(v, False, "a JSONL file path for the regenerated "
                                                          "conversations (or null = in data.cache_dir)"))
     # hf = `generate` in this process; openai = any OpenAI-compatible server at base_url (vLLM, SGLang, ...);
-    # vllm = a vLLM server started for the target (scripts/setup_engine.sh). Same output file and cache key.
-    backend: Literal["hf", "openai", "vllm"] = "hf"
+    # vllm = a vLLM server started for the target (scripts/setup_engine.sh); engine = the recipe's engine deployment
+    # (`engine:`; attach: the servers at engine.urls, launch: its servers started here, with its parallelism, for the
+    # regeneration only; the conversations split among the servers). Same output file and cache key.
+    backend: Literal["hf", "openai", "vllm", "engine"] = "hf"
     # base_url and api_key_env are checked by `_secret_problems` (their messages never echo the value)
     base_url: str | None = None  # backend openai: the server root, e.g. http://10.0.0.5:8000 (no user:password@)
     api_key_env: str | None = None  # backend openai: the environment variable holding the API key (null = none)
-    concurrency: int = ruled(4, GT0)  # backend openai/vllm: conversations in flight at once (the server batches them)
-    # backend openai/vllm: seconds one request may take in all (connect, send, the whole answer)
+    # backend openai/vllm: conversations in flight at once (the server batches them); engine: per server
+    concurrency: int = ruled(4, GT0)
+    # backend openai/vllm/engine: seconds one request may take in all (connect, send, the whole answer)
     timeout: float = ruled(600.0, rule(lambda v: 0 < v < float("inf"), "must be a number of seconds > 0"))
-    retries: int = ruled(4, GE0)  # backend openai/vllm: retries of a failed request (429, 5xx, timeouts), backoff 1 s
+    # backend openai/vllm/engine: retries of a failed request (429, 5xx, timeouts), backoff 1 s
+    retries: int = ruled(4, GE0)
 
 
 @dataclass

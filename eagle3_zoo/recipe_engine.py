@@ -1,7 +1,9 @@
 """The recipe's `engine` section: the inference engine (vLLM) that serves the target to the phases that use one.
 
-One deployment for every phase that takes the target from an engine (today: hidden states, `data.features_backend:
-vllm`, streamed in `data.mode: online | hybrid` or stored by the offline feature job). It is either
+One deployment for every phase that takes the target from an engine: hidden states (`data.features_backend: vllm`,
+streamed in `data.mode: online | hybrid` or stored by the offline feature job) and regeneration
+(`data.regenerate.backend: engine`: the servers answer the regeneration's completions, the conversations split among
+them). It is either
 
 - **launch**: this project starts the servers on the node it runs on (`replicas` servers, each with the given
   tensor / data / expert parallelism on its share of `devices`) and stops them at the end, or
@@ -115,6 +117,17 @@ def target_sharded_in_trainer(recipe: Any) -> bool:
     return recipe.trainer.strategy == "fsdp" and (target_in_training_step(recipe) or (streams_features(recipe) and tau))
 
 
+def regenerates_in_engine(recipe: Any) -> bool:
+    """Whether the run's regeneration is answered by the engine's servers (`data.regenerate.backend: engine`)."""
+    return recipe.data.regenerate.enabled and recipe.data.regenerate.backend == "engine"
+
+
+def regeneration_max_model_len(recipe: Any) -> int:
+    """`engine.max_model_len`, or what a regeneration request needs: a prompt of up to `data.max_length` tokens (a
+    longer one ends its conversation) plus an answer of `data.regenerate.max_new_tokens`."""
+    return recipe.engine.max_model_len or recipe.data.max_length + recipe.data.regenerate.max_new_tokens
+
+
 def engine_max_model_len(recipe: Any) -> int:
     """`engine.max_model_len`, or what a hidden-states request needs: the longest sample plus the token made."""
     return recipe.engine.max_model_len or recipe.data.max_length + 1
@@ -140,12 +153,21 @@ def _trainer_gpus(trainer: Any) -> set[int]:
 def engine_problems(recipe: Any) -> list[ConfigProblem]:
     """The engine rules that read several fields (attach needs URLs, hybrid needs the engine, device overlaps)."""
     e, d = recipe.engine, recipe.data
-    uses = features_from_engine(recipe)
+    uses, g = features_from_engine(recipe), d.regenerate
+    regen = regenerates_in_engine(recipe)
     devices = _device_list(e.devices) or []
     overlap = sorted(_trainer_gpus(recipe.trainer) & set(devices)) if e.mode == "launch" else []
     rules = [
         ("engine.mode", e.mode == "attach" and not e.urls, "attach needs the servers' URLs in engine.urls, e.g. "
          "[http://10.0.0.5:8000] (or engine.mode: launch to start them here)", ()),
+        ("data.regenerate.base_url", regen and g.base_url is not None, "is for backend openai; backend engine sends "
+         "the requests to the recipe's engine (engine.urls in engine.mode: attach, else servers launched here): "
+         "remove base_url, or set data.regenerate.backend: openai", ("data.regenerate.backend",)),
+        ("engine.max_model_len", regen and e.max_model_len is not None
+         and e.max_model_len < d.max_length + g.max_new_tokens, f"must be at least data.max_length + "
+         f"data.regenerate.max_new_tokens ({d.max_length} + {g.max_new_tokens}) for regeneration in the engine: a "
+         "prompt of up to data.max_length tokens plus the answer (or null = exactly that)",
+         ("data.max_length", "data.regenerate.max_new_tokens", "data.regenerate.backend")),
         ("engine.urls", e.mode == "launch" and bool(e.urls), "launch starts its own servers, but engine.urls lists "
          "some: set engine.mode: attach to use them (or empty engine.urls)", ("engine.mode",)),
         ("engine.replicas", e.mode == "attach" and e.replicas != 1, "replicas are started in launch mode only; in "

@@ -8,7 +8,8 @@ requests (e.g. [429, 500]); `delay` sleeps before every completion (timeouts). `
 Misbehaviour for the safety tests: `answer` replaces every completion's body (a JSON value, or raw bytes);
 `redirect = (status, location)` answers every request to `redirect_path` (default: the completions path) with that
 redirect; `trickle` sends the body one byte per `trickle` seconds; `echo_auth` answers completions with HTTP 400 whose
-body quotes the request's Authorization header. `requests` logs (method, path) of every request.
+body quotes the request's Authorization header. `requests` logs (method, path) of every request. `hidden_states_dir`
+makes it a hidden-states server: every completion writes a file there and names it (`kv_transfer_params`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 
@@ -37,6 +40,8 @@ class FakeOpenAIServer:
         self.trickle = 0.0
         self.echo_auth = False
         self.requests: list[tuple[str, str]] = []
+        # a hidden-states server: each completion writes a file (and its lock) here, named in kv_transfer_params
+        self.hidden_states_dir: Any = None
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
@@ -126,9 +131,15 @@ class FakeOpenAIServer:
                 with fake._lock:
                     fake.completions.append(payload)
                 text = " ".join(f"t{i}" for i in ids if i != fake.stop_id)
-                self._send(200, {"choices": [{"index": 0, "text": text, "token_ids": ids,
-                                              "finish_reason": "stop" if ids and ids[-1] == fake.stop_id
-                                              else "length"}]})
+                body: dict[str, Any] = {"choices": [{"index": 0, "text": text, "token_ids": ids,
+                                                     "finish_reason": "stop" if ids and ids[-1] == fake.stop_id
+                                                     else "length"}]}
+                if fake.hidden_states_dir is not None:
+                    path = Path(fake.hidden_states_dir) / f"cmpl-{uuid.uuid4().hex}-0.safetensors"
+                    path.write_bytes(b"states")
+                    path.with_name(path.name + ".lock").touch()
+                    body["kv_transfer_params"] = {"hidden_states_path": f"/server/side/{path.name}"}
+                self._send(200, body)
 
         return Handler
 

@@ -5,7 +5,8 @@
 What it shows: vLLM's hidden states equal HF's (every aux layer and the final state, position by position);
 regeneration through the server gives the HF backend's greedy answers; a server killed mid-regeneration loses and
 duplicates nothing after a rerun; `eval --engine vllm` on a trained drafter reports engine-measured tau with greedy
-equality against plain vLLM; `check --engine vllm` loads and accepts, the speculators export as shipped too.
+equality against plain vLLM; regeneration in the recipe's engine (launch mode) writes the file the openai backend
+writes; `check --engine vllm` loads and accepts, the speculators export as shipped too.
 `EAGLE3_ZOO_ENGINE_DRAFTER=DIR` evaluates that drafter instead of training a small one here. An EAGLE-3.1 drafter
 (fc_norm, norm_output) we wrote loads in vLLM and its counters equal our decoder's draft for draft
 (`EAGLE3_ZOO_ENGINE_DRAFTER31=DIR` evaluates that one instead).
@@ -265,3 +266,25 @@ def test_vllm_counts_an_eagle31_drafter_as_our_decoder_does(drafter31_dir, hf_ta
     # the comparison separates forward passes: the same weights without fc_norm accept differently
     assert _our_chain(drafter31_dir, hf_target, depth, limit, max_new, without_fc_norm=True)["depth_accepts"] != \
         ours["depth_accepts"]
+
+
+def test_regeneration_in_the_engine_launched_equals_the_openai_backend(hf_target, plain_server, tmp_path):
+    """backend engine, launch mode: the deployment's server is started without the hidden-states method for the
+    regeneration and stopped after it; its file equals the one backend openai writes against a plain server."""
+    from eagle3_zoo.data.regenerate_server import regenerate_for_recipe
+    from eagle3_zoo.recipe import load_recipe
+
+    _, tok, adapter = hf_target
+    convs = _conversations(3)
+    common = ["data.regenerate.enabled=true", "data.regenerate.max_new_tokens=32", "target.dtype=float32",
+              f"output_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"]
+    openai = load_recipe(ROOT / "recipes" / "smollm2_135m.yaml", [*common, "data.regenerate.backend=openai",
+                                                                  f"data.regenerate.base_url={plain_server.base_url}"])
+    engine = load_recipe(ROOT / "recipes" / "smollm2_135m.yaml", [*common, "data.regenerate.backend=engine"])
+    ref, _ = regenerate_for_recipe(openai, convs, tok, adapter, tmp_path / "openai.jsonl")
+    out, stats = regenerate_for_recipe(engine, convs, tok, adapter, tmp_path / "engine.jsonl")
+    assert stats.generated == 3
+    assert (tmp_path / "engine.jsonl").read_bytes() == (tmp_path / "openai.jsonl").read_bytes()
+    log = (tmp_path / "run" / "engine" / "regenerate-server-0.log").read_text()
+    assert "extract_hidden_states" not in log  # vLLM logs its non-default arguments: a plain server
+    assert not list((tmp_path / "run" / "engine").glob("hidden_states*"))  # no hidden-states store made

@@ -60,8 +60,29 @@ def test_plan_of_a_phase_that_is_off_or_elsewhere_is_one_line():
     table = plan_recipe(load_recipe("recipes/deepseek_v3.yaml")).table()
     assert "\nregeneration: off (data.regenerate.enabled: false)\n" in table
     assert "\ntau evaluation: off (trainer.tau_eval.every_n_steps: null)" in table
-    table = plan_recipe(load_recipe("recipes/mistral_small.yaml")).table()
+    table = plan_recipe(load_recipe("recipes/mistral_small.yaml", ["data.regenerate.backend=openai",
+                                                                    "data.regenerate.base_url=http://127.0.0.1:8001"]
+                                     )).table()
     assert "\nregeneration: on the OpenAI-compatible server at data.regenerate.base_url" in table
+
+
+def test_regeneration_in_the_engine_is_planned_as_the_engine_with_its_parallelism():
+    """backend engine: the regeneration phase is the recipe's engine (its TP / EP, GPUs and utilisation), with the
+    context of a regeneration request; the trainer ranks hold no target for it."""
+    r = load_recipe("recipes/qwen3_30b_a3b.yaml")
+    plan = plan_recipe(r)
+    regen, hidden = plan.phase("regeneration"), plan.phase("hidden states")
+    table = "\n".join(regen.table())
+    assert regen.fits and "regeneration: " in plan.table()
+    assert "in the engine (2 server(s) launched here, each tensor parallel 2 x data parallel 1, expert parallel), " \
+           "for the regeneration only, stopped after it" in plan.table()
+    assert regen.lines[0].what == "weights" and regen.lines[0].bytes == pytest.approx(hidden.lines[0].bytes)
+    assert regen.capacity_gb == pytest.approx(hidden.capacity_gb)  # the engine's GPUs, not the trainer's
+    assert "4096 tokens" in table and "data.regenerate.concurrency 64 in flight" in table  # 2048 + 2048 new
+    assert run_plan.regeneration_site(r) == "engine" and run_plan.run_plan(r).target_load != "whole"
+    attached = plan_recipe(load_recipe("recipes/llama3_70b.yaml")).table()
+    assert "\nregeneration: in the engine (1 attached server(s), each tensor parallel 8 x data parallel 1), " \
+           "answering the completions" in attached
 
 
 def test_devices_as_a_list_count_each_device_in_plan_and_strategy():

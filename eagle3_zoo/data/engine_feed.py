@@ -94,18 +94,8 @@ class EngineFeed:
         """Start (launch mode) or check (attach mode) the servers, and remove this run's leftover files."""
         if self._pool is not None:
             return self
-        from eagle3_zoo.data.ranks import distributed, gather_lists
-
         d = self.deployment
-        if d.mode == "launch" and distributed():  # the node's first rank launches, the node's others attach
-            first = int(os.environ.get("LOCAL_RANK", "0")) == 0
-            d.start(launch=first)
-            host = os.uname().nodename
-            shared = gather_lists([(host, [s.url for s in d.servers])])
-            if not first:
-                d.attach_launched([url for h, urls in shared if h == host for url in urls])
-        else:
-            d.start()
+        d.start_on_node()  # the node's first rank launches, the node's others attach
         self.remove_leftovers()
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(d.servers) * self.concurrency),
                                         thread_name_prefix="eagle3-zoo-engine")

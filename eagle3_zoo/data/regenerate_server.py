@@ -1,4 +1,4 @@
-"""Regeneration through an OpenAI-compatible server (`data.regenerate.backend: openai | vllm`).
+"""Regeneration through OpenAI-compatible servers (`data.regenerate.backend: openai | vllm | engine`).
 
 `ServerResponder` answers the rounds of the one regeneration loop (`eagle3_zoo.data.regenerate.regenerate_with`),
 so this backend has the in-process `hf` backend's contract: the same JSONL file and cache key, the same record format
@@ -14,8 +14,12 @@ stopped at once. A refused answer is never cached: with `data.on_error: raise` t
 conversation and what is wrong; with `skip` the conversation is left out, counted (`server_answer_refused`) and
 asked again by the next run.
 
-The requests of a round are independent, `concurrency` in flight at once (the server batches them); a batch is
-`concurrency` conversations unless `batch_size` says otherwise. After a request fails (after its retries) nothing
+The requests of a round are independent, `concurrency` in flight at once per server (the server batches them); a
+batch is `concurrency` conversations per server unless `batch_size` says otherwise. Several servers (the recipe's
+engine deployment, `engine`: its `engine.urls`, or its replicas launched here for the regeneration) share the
+conversations: the j-th conversation a batch asks about goes to server j mod n, and its later turns to the same one
+(its prompt prefix is cached there). Each answer depends only on the conversation (greedy, or sampling seeded per
+conversation and turn), so the file is the one a single server writes. After a request fails (after its retries) nothing
 new is sent and the requests in flight are awaited: the conversations already finished are kept, and the error says
 how many.
 """
@@ -25,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -40,33 +44,61 @@ logger = logging.getLogger(__name__)
 
 
 class ServerResponder:
-    """An OpenAI-compatible server's ``/v1/completions`` (a `regenerate.Responder`): token-id prompts, the target's
+    """OpenAI-compatible servers' ``/v1/completions`` (a `regenerate.Responder`): token-id prompts, the target's
     stop tokens, greedy at temperature 0, else sampling seeded per conversation and turn (whatever the order of the
-    requests)."""
+    requests); several servers share the conversations (module docstring).
+
+    Args:
+        client: the server, or several that serve the same target.
+        model: the served model name (default: each server's first of ``/v1/models``).
+        concurrency: requests in flight per server.
+        discard: called with the path a hidden-states server names in an answer's
+            ``kv_transfer_params.hidden_states_path`` (a file written for nobody), to delete it.
+    """
 
     refusal = "server_answer_refused"
 
-    def __init__(self, client: OpenAIClient, tokenizer: Any, adapter: Any, *, model: str | None = None,
-                 max_new_tokens: int = 1024, temperature: float = 0.0, concurrency: int = 4, seed: int = 0,
-                 template_kwargs: dict[str, Any] | None = None) -> None:
-        self.client, self.model, self.concurrency = client, model, max(1, concurrency)
+    def __init__(self, client: OpenAIClient | Sequence[OpenAIClient], tokenizer: Any, adapter: Any, *,
+                 model: str | None = None, max_new_tokens: int = 1024, temperature: float = 0.0,
+                 concurrency: int = 4, seed: int = 0, template_kwargs: dict[str, Any] | None = None,
+                 discard: Callable[[str], None] | None = None) -> None:
+        self.clients = [client] if isinstance(client, OpenAIClient) else list(client)
+        if not self.clients:
+            raise ValueError("ServerResponder needs at least one server")
+        self.model, self.models = model, [model] * len(self.clients)
+        self.concurrency, self.discard = max(1, concurrency), discard
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
         self.vocab_size = len(tokenizer)
         self.end_ids = end_ids(tokenizer, adapter)
         self.thinking = thinking_enabled(adapter.chat_format(tokenizer), template_kwargs)
+        self._server_of: dict[str, int] = {}  # conversation -> server, per batch
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in flight at once over all the servers."""
+        return self.concurrency * len(self.clients)
+
+    @property
+    def where(self) -> str:
+        return ", ".join(c.base_url for c in self.clients)
 
     def describe(self) -> str:
-        return f"through {self.client.base_url} ({self.model}, {self.concurrency} in flight)"
+        if len(self.clients) == 1:
+            return f"through {self.where} ({self.models[0]}, {self.concurrency} in flight)"
+        return f"through {len(self.clients)} servers ({self.where}; {self.concurrency} in flight each)"
 
     def open(self) -> None:
-        self.client.check()  # server down at the start: one clear error naming the URL, nothing written
-        self.model = self.model or self.client.models()[0]
+        for i, client in enumerate(self.clients):
+            client.check()  # server down at the start: one clear error naming the URL, nothing written
+            self.models[i] = self.model or client.models()[0]
 
     def batch(self, start: int) -> contextlib.AbstractContextManager[Any]:
+        self._server_of.clear()
         return contextlib.nullcontext()
 
-    def payload(self, request: Request) -> dict[str, Any]:
-        payload: dict[str, Any] = {"model": self.model, "prompt": request.prompt, "max_tokens": self.max_new_tokens,
+    def payload(self, request: Request, model: str | None = None) -> dict[str, Any]:
+        model = model or self.models[0]
+        payload: dict[str, Any] = {"model": model, "prompt": request.prompt, "max_tokens": self.max_new_tokens,
                                    "temperature": self.temperature, "stop_token_ids": self.end_ids,
                                    "return_token_ids": True,
                                    "skip_special_tokens": not self.thinking}  # reasoning markers may be special
@@ -74,13 +106,21 @@ class ServerResponder:
             payload["seed"] = (self.seed + zlib.crc32(f"{request.uid}/{request.turn}".encode())) % 2**31
         return payload
 
-    def _complete(self, request: Request) -> Answer:
-        return check_choice(self.client.completion(self.payload(request)), self.vocab_size)
+    def _complete(self, request: Request, server: int) -> Answer:
+        client = self.clients[server]
+        answer = client.post("/v1/completions", self.payload(request, self.models[server]))
+        params = answer.get("kv_transfer_params")
+        written = params.get("hidden_states_path") if isinstance(params, dict) else None
+        if written and self.discard is not None:
+            self.discard(str(written))
+        return check_choice(client.first_choice(answer), self.vocab_size)
 
     def answer(self, requests: Sequence[Request]) -> list[Answer | BaseException | None]:
         results: list[Answer | BaseException | None] = [None] * len(requests)
-        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            futures = {pool.submit(self._complete, r): i for i, r in enumerate(requests)}
+        n = len(self.clients)
+        servers = [self._server_of.setdefault(r.uid, len(self._server_of) % n) for r in requests]
+        with ThreadPoolExecutor(max_workers=self.in_flight) as pool:
+            futures = {pool.submit(self._complete, r, s): i for i, (r, s) in enumerate(zip(requests, servers))}
             pending = set(futures)
             while pending:
                 finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
@@ -104,7 +144,7 @@ class ServerResponder:
         hint = " (or set data.on_error=skip to leave out and count the conversations whose answers are refused)" \
             if isinstance(error, BadAnswerError) else ""
         kind = BadAnswerError if isinstance(error, BadAnswerError) else ServerError
-        return kind(f"regeneration through {self.client.base_url} stopped: {error}; {kept}; rerun to answer the "
+        return kind(f"regeneration through {self.where} stopped: {error}; {kept}; rerun to answer the "
                     f"rest{hint}")
 
 
@@ -135,7 +175,7 @@ def check_choice(choice: dict[str, Any], vocab_size: int) -> Answer:
 
 def regenerate_with_client(
     conversations: Sequence[Conversation],
-    client: OpenAIClient,
+    client: OpenAIClient | Sequence[OpenAIClient],
     tokenizer: Any,
     adapter: Any,
     out_path: str | Path,
@@ -151,20 +191,23 @@ def regenerate_with_client(
     template_kwargs: dict[str, Any] | None = None,
     on_error: str = "raise",
     split: RankSplit | None = None,
+    discard: Callable[[str], None] | None = None,
 ) -> tuple[list[Conversation], RegenerateStats]:
     """Replace every assistant turn by the served target's reply; resumable, split across ranks (module docstring).
 
     Args:
         conversations: normalised conversations.
-        client: the server (`OpenAIClient`: base URL, API key variable, timeout, retries).
+        client: the server (`OpenAIClient`: base URL, API key variable, timeout, retries), or several serving the
+            same target (they share the conversations; the file is the one a single server writes).
         tokenizer, adapter: the target's tokenizer and adapter (chat template, end-of-turn token).
         out_path: the JSONL file of regenerated conversations (shared with the `hf` backend).
         model: the served model name (default: the first of ``/v1/models``).
-        concurrency: requests in flight at once.
-        batch_size: conversations answered round by round together (default: `concurrency`).
+        concurrency: requests in flight at once per server.
+        batch_size: conversations answered round by round together (default: `concurrency` x the servers).
         on_error: an answer that is refused (see the module docstring): "raise" stops the run, "skip" leaves its
             conversation out (counted as `server_answer_refused`, asked again by the next run).
         split: this process's share (`eagle3_zoo.data.ranks.RankSplit`); default: all of it.
+        discard: deletes the hidden-states file a server's answer names (see `ServerResponder`).
         Others: as `eagle3_zoo.data.regenerate.regenerate_conversations` (`template_kwargs` included).
 
     Raises:
@@ -173,16 +216,17 @@ def regenerate_with_client(
     """
     responder = ServerResponder(client, tokenizer, adapter, model=model, max_new_tokens=max_new_tokens,
                                 temperature=temperature, concurrency=concurrency, seed=seed,
-                                template_kwargs=template_kwargs)
+                                template_kwargs=template_kwargs, discard=discard)
     return regenerate_with(responder, conversations, tokenizer, adapter, out_path,
-                           batch_size=batch_size or responder.concurrency, max_length=max_length,
+                           batch_size=batch_size or responder.in_flight, max_length=max_length,
                            max_turns=max_turns, template_kwargs=template_kwargs, split=split, on_error=on_error)
 
 
 def regenerate_for_recipe(recipe: Any, conversations: Sequence[Conversation], tokenizer: Any, adapter: Any,
                           out_path: Path, split: RankSplit | None = None) -> tuple[list[Conversation], RegenerateStats]:
-    """`data.regenerate.backend` openai (the server at `base_url`) or vllm (a server started here for the target);
-    `split`: this process's share (default: all of it)."""
+    """`data.regenerate.backend` openai (the server at `base_url`), vllm (a server started here for the target) or
+    engine (the recipe's engine deployment, `regenerate_in_engine`); `split`: this process's share (default: all of
+    it)."""
     d, r = recipe.data, recipe.data.regenerate
     kw = dict(max_new_tokens=r.max_new_tokens, temperature=r.temperature, max_length=d.max_length,
               max_turns=r.max_turns, concurrency=r.concurrency, seed=d.seed,
@@ -194,8 +238,10 @@ def regenerate_for_recipe(recipe: Any, conversations: Sequence[Conversation], to
                              "e.g. http://127.0.0.1:8000)")
         return regenerate_with_client(conversations, OpenAIClient(r.base_url, **client_kw), tokenizer, adapter,
                                       out_path, **kw)
+    if r.backend == "engine":
+        return regenerate_in_engine(recipe, conversations, tokenizer, adapter, out_path, client_kw, **kw)
     if r.backend != "vllm":
-        raise ValueError(f"data.regenerate.backend = {r.backend!r}: expected hf, openai or vllm")
+        raise ValueError(f"data.regenerate.backend = {r.backend!r}: expected hf, openai, vllm or engine")
     from eagle3_zoo.targets.server import VLLMServer
 
     done = answered_ids(out_path)
@@ -207,3 +253,38 @@ def regenerate_for_recipe(recipe: Any, conversations: Sequence[Conversation], to
             url = server.base_url
         return regenerate_with_client(conversations, OpenAIClient(url, **client_kw), tokenizer, adapter, out_path,
                                       **kw)
+
+
+def regenerate_in_engine(recipe: Any, conversations: Sequence[Conversation], tokenizer: Any, adapter: Any,
+                         out_path: Path, client_kw: dict[str, Any], **kw: Any) -> tuple[list[Conversation],
+                                                                                        RegenerateStats]:
+    """`data.regenerate.backend: engine`: the recipe's engine deployment answers (`targets.deployment`).
+
+    Attach mode sends the requests to the servers at `engine.urls` as they run (hidden-states servers answer
+    completions as plain ones do; the hidden-states file each answer names is deleted at once, if this machine sees
+    `engine.hidden_states_dir`). Launch mode starts the deployment's servers (replicas, parallelism, devices,
+    quantisation, extra arguments) without the hidden-states method, for the regeneration only, and stops them
+    afterwards; under torch.distributed the node's first rank launches them and the node's other ranks share them.
+    Nothing is started when the file holds every conversation already. `kw`: as `regenerate_with_client`.
+    """
+    from eagle3_zoo.data.ranks import distributed
+    from eagle3_zoo.targets.deployment import EngineDeployment
+    from eagle3_zoo.targets.vllm_features import discard_hidden_states
+
+    deployment = EngineDeployment(recipe, regeneration=True)
+    done = answered_ids(out_path)
+    need = any(c.uid not in done for c in conversations)
+    try:
+        if need or (deployment.mode == "launch" and distributed()):  # collective in that case: every rank joins
+            deployment.start_on_node(launch=need)
+            logger.info("regeneration in the engine: %s", deployment.describe())
+        urls = [s.url for s in deployment.servers] or ["http://127.0.0.1:1"]  # never contacted: nothing to answer
+        storage = deployment.storage
+
+        def discard(path: str) -> None:
+            discard_hidden_states(storage / Path(path).name)  # the server's path, as this machine sees it
+
+        return regenerate_with_client(conversations, [OpenAIClient(url, **client_kw) for url in urls], tokenizer,
+                                      adapter, out_path, discard=discard, **kw)
+    finally:
+        deployment.stop()  # the servers launched here; attached ones keep running

@@ -5,7 +5,10 @@ on this node (loopback ports, each pinned to its share of `engine.devices`, with
 parallelism, quantisation, context length and extra arguments), restarts one that dies (`engine.max_restarts`) and
 stops them all at the end; in *attach* mode it checks the servers at `engine.urls` and starts nothing. Either way
 the servers run vLLM's `extract_hidden_states` method with a hidden-states connector writing safetensors files to
-`storage` (`engine.hidden_states_dir`).
+`storage` (`engine.hidden_states_dir`), except a deployment for regeneration (`regeneration=True`,
+`data.regenerate.backend: engine`): its launched servers are the same ones without that method (plain vLLM: a
+hidden-states server would write a file of every prompt's states for nobody to read, and spends a draft step on
+every token), with room for a prompt of `data.max_length` tokens plus the answer.
 
 Under torch.distributed the first rank of each node launches the node's servers and the node's other ranks attach
 to them (`attach_launched`; `eagle3_zoo.data.engine_feed` shares the URLs). `serve_command` is the same server as
@@ -85,17 +88,21 @@ class EngineDeployment:
         recipe: the loaded recipe (its `engine`, `target`, `data` and `output_dir`).
         aux_layer_ids: HF hidden-state indices to extract; the final layer's index is added.
         num_layers: the target's number of decoder layers.
+        regeneration: launch plain servers that answer the regeneration's completions instead (no hidden states;
+            `regeneration_max_model_len`); attach mode uses `engine.urls` as they are.
     """
 
-    def __init__(self, recipe: Any, aux_layer_ids: tuple[int, ...], num_layers: int) -> None:
-        from eagle3_zoo.recipe_engine import engine_max_model_len
+    def __init__(self, recipe: Any, aux_layer_ids: tuple[int, ...] = (), num_layers: int = 0, *,
+                 regeneration: bool = False) -> None:
+        from eagle3_zoo.recipe_engine import engine_max_model_len, regeneration_max_model_len
 
         e = recipe.engine
         self.engine, self.mode = e, e.mode
         self.storage = Path(e.hidden_states_dir or Path(recipe.output_dir) / "engine" / "hidden_states").absolute()
         self.model = recipe.target.name_or_path
         self.dtype = e.dtype or recipe.target.dtype
-        self.max_model_len = engine_max_model_len(recipe)
+        self.regeneration = regeneration
+        self.max_model_len = regeneration_max_model_len(recipe) if regeneration else engine_max_model_len(recipe)
         self.aux_layer_ids, self.num_layers = tuple(aux_layer_ids), num_layers
         self.log_dir = Path(recipe.output_dir) / "engine"
         self.servers: list[EngineServer] = []
@@ -108,22 +115,26 @@ class EngineDeployment:
 
     def _process(self, index: int, devices: list[int] | None, cuda: bool) -> VLLMServer:
         e = self.engine
-        connector = "stock" if cuda else "cpu"  # the stock connector's CUDA copies fail on a CPU build
-        spec, kv = hidden_states_configs(self.aux_layer_ids, self.num_layers, self.storage, connector=connector)
         ranks = e.tensor_parallel_size * e.data_parallel_size
-        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")])),
-               **device_env(devices, ranks, cuda)}
+        env = device_env(devices, ranks, cuda)
+        spec = kv = None
+        if not self.regeneration:
+            connector = "stock" if cuda else "cpu"  # the stock connector's CUDA copies fail on a CPU build
+            spec, kv = hidden_states_configs(self.aux_layer_ids, self.num_layers, self.storage, connector=connector)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")]))
         eager = (not cuda) if e.enforce_eager is None else e.enforce_eager
+        log = f"{'regenerate-' if self.regeneration else ''}server-{index}.log"
         return VLLMServer(self.model, speculative_config=spec, kv_transfer_config=kv, dtype=self.dtype,
                           enforce_eager=eager, kv_cache_gib=e.cpu_kv_cache_gib, max_model_len=self.max_model_len,
                           extra_args=server_args(e, cuda), env=env, python=e.python,
-                          startup_timeout=e.startup_timeout, log_path=self.log_dir / f"server-{index}.log")
+                          startup_timeout=e.startup_timeout, log_path=self.log_dir / log)
 
     def _launch(self) -> list[EngineServer]:
         from eagle3_zoo.recipe_engine import replica_devices
 
         cuda = cuda_engine()
-        self.storage.mkdir(parents=True, exist_ok=True)
+        if not self.regeneration:
+            self.storage.mkdir(parents=True, exist_ok=True)
         processes = [self._process(i, devices, cuda) for i, devices in enumerate(replica_devices(self.engine))]
         servers = []
         try:
@@ -135,8 +146,8 @@ class EngineDeployment:
             for proc in processes:
                 proc.stop()
             raise
-        logger.info("engine: %d vLLM server(s) for %s on %s (logs in %s)", len(servers), self.model,
-                    ", ".join(s.url for s in servers), self.log_dir)
+        logger.info("engine: %d vLLM server(s) for %s%s on %s (logs in %s)", len(servers), self.model,
+                    " (regeneration)" if self.regeneration else "", ", ".join(s.url for s in servers), self.log_dir)
         return servers
 
     def start(self, launch: bool = True) -> EngineDeployment:
@@ -152,6 +163,22 @@ class EngineDeployment:
             elif launch:
                 self.servers = self._launch()
             self._check()
+        return self
+
+    def start_on_node(self, launch: bool = True) -> EngineDeployment:
+        """`start`, under torch.distributed too: in launch mode the node's first rank launches the servers (unless
+        `launch` is False) and the node's other ranks attach to them. Collective under torch.distributed."""
+        from eagle3_zoo.data.ranks import distributed, gather_lists
+
+        if self.mode == "launch" and distributed():
+            first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+            self.start(launch=first and launch)
+            host = os.uname().nodename
+            shared = gather_lists([(host, [s.url for s in self.servers])])
+            if not first:
+                self.attach_launched([url for h, urls in shared if h == host for url in urls])
+        else:
+            self.start(launch=launch)
         return self
 
     def attach_launched(self, urls: list[str]) -> EngineDeployment:
@@ -215,20 +242,22 @@ class EngineDeployment:
         self.stop()
 
     def describe(self) -> str:
-        """One line: how many servers, where, and the hidden-states directory."""
+        """One line: how many servers, where, and the hidden-states directory (or: for regeneration)."""
         e = self.engine
         shape = f"TP {e.tensor_parallel_size} x DP {e.data_parallel_size}" + (" with EP" if e.expert_parallel else "")
         where = ", ".join(s.url for s in self.servers) or ", ".join(e.urls) or f"{e.replicas} to launch"
+        what = "for regeneration" if self.regeneration else f"hidden states in {self.storage}"
         return f"{e.mode}: {len(self.servers) or len(e.urls) or e.replicas} server(s) ({shape} each) at {where}; " \
-               f"hidden states in {self.storage}"
+               f"{what}"
 
 
 def serve_command(recipe: Any, aux_layer_ids: tuple[int, ...], num_layers: int, host: str, port: int,
                   python: str | None = None) -> tuple[list[str], dict[str, str]]:
     """The command line and extra environment of one hidden-states server as the recipe's engine section describes it
-    (`eagle3-zoo serve`): its connector writes to `engine.hidden_states_dir`, which the trainers must see too.
+    (`eagle3-zoo serve`): its connector writes to `engine.hidden_states_dir`, which the trainers must see too. With
+    `data.regenerate.backend: engine` it answers the regeneration too, so its context holds a regeneration request.
     `python`: the engine's interpreter (default `engine.python`, else found as `targets.engine.vllm_python` does)."""
-    from eagle3_zoo.recipe_engine import engine_max_model_len
+    from eagle3_zoo.recipe_engine import engine_max_model_len, regenerates_in_engine, regeneration_max_model_len
 
     e, cuda = recipe.engine, cuda_engine()
     if not e.hidden_states_dir:
@@ -239,8 +268,9 @@ def serve_command(recipe: Any, aux_layer_ids: tuple[int, ...], num_layers: int, 
     proc = VLLMServer(recipe.target.name_or_path, speculative_config=spec, kv_transfer_config=kv,
                       dtype=e.dtype or recipe.target.dtype,
                       enforce_eager=(not cuda) if e.enforce_eager is None else e.enforce_eager,
-                      max_model_len=engine_max_model_len(recipe), extra_args=server_args(e, cuda),
-                      python=python or e.python)
+                      max_model_len=max(engine_max_model_len(recipe), regeneration_max_model_len(recipe)
+                                        if regenerates_in_engine(recipe) else 0),
+                      extra_args=server_args(e, cuda), python=python or e.python)
     cmd = proc.command(port)
     cmd[cmd.index("--host") + 1] = host
     devices = [int(d) for d in str(e.devices).split(",")] if e.devices is not None else None  # one server: all

@@ -243,7 +243,14 @@ class OpenAIClient:
         Raises:
             BadAnswerError: the answer has no ``choices`` list holding an object.
         """
-        answer = self.post("/v1/completions", payload, **kwargs)
+        return self.first_choice(self.post("/v1/completions", payload, **kwargs))
+
+    def first_choice(self, answer: dict[str, Any]) -> dict[str, Any]:
+        """The first choice (an object) of a ``/v1/completions`` answer.
+
+        Raises:
+            BadAnswerError: the answer has no ``choices`` list holding an object.
+        """
         choices = answer.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             found = f"{type(choices).__name__} {self.scrub(str(choices))[:80]}" if "choices" in answer else \

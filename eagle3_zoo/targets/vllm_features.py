@@ -176,6 +176,18 @@ def _read_locked(path: str) -> dict[str, torch.Tensor]:
     return data
 
 
+def discard_hidden_states(path: str | os.PathLike) -> None:
+    """Delete a connector's file (and its lock) that nobody reads, once the connector has finished writing it (a
+    hidden-states server writes one for every completion, e.g. one that answers the regeneration)."""
+    path = str(path)
+    lock = path + ".lock"
+    with contextlib.suppress(FileNotFoundError), open(lock) as f:
+        fcntl.flock(f, fcntl.LOCK_SH)  # the connector holds LOCK_EX until the file is complete
+    for p in (path, lock):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(p)
+
+
 def _final_norm_weight(model_dir: Path) -> torch.Tensor:
     from safetensors import safe_open
 

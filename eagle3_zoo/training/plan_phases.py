@@ -3,7 +3,8 @@
 Regeneration in process (`data.regenerate.backend: hf`) holds, on every trainer GPU, the whole target and one
 `generate` batch: the prefill of `batch_size` prompts (at most `data.max_length - 1` tokens each: longer ones are
 dropped) and then their KV cache growing by `max_new_tokens`. In the engine (the recipe's `engine:` for hidden
-states, or the one vLLM server regeneration starts with backend vllm) each GPU holds the engine's weights at its
+states and for regeneration with backend engine, or the one vLLM server regeneration starts with backend vllm) each
+GPU holds the engine's weights at its
 tensor / expert parallel size, one forward's activations and the KV cache that `gpu_memory_utilization` leaves: the
 phase fits when that budget holds at least one sequence of the engine's context length. A server someone else runs
 (backend openai) is outside the plan: one line says so. Nothing is allocated.
@@ -106,7 +107,9 @@ def engine_capacity(recipe: Any, utilization: float | None) -> tuple[float | Non
 def regeneration_phase(recipe: Any, config: Any, counts: dict[str, int], kv_per_token: int,
                        dequant: str) -> PhasePlan:
     """Regeneration where `run_plan.regeneration_site` puts it: off, in process on every trainer GPU, one vLLM
-    server started here (backend vllm: the whole target on one GPU) or a server outside the run (not planned)."""
+    server started here (backend vllm: the whole target on one GPU), the recipe's engine (backend engine) or a server
+    outside the run (not planned)."""
+    from eagle3_zoo.recipe_engine import regeneration_max_model_len
     from eagle3_zoo.training.run_plan import regeneration_site
 
     site, r, d, tr = regeneration_site(recipe), recipe.data.regenerate, recipe.data, recipe.trainer
@@ -121,6 +124,11 @@ def regeneration_phase(recipe: Any, config: Any, counts: dict[str, int], kv_per_
         return PhasePlan(name, f"in process (backend hf), every trainer rank generating batches of {r.batch_size} "
                          "with the whole target", regeneration_in_process(recipe, config, counts, kv_per_token,
                                                                          dequant), tr.gpu_memory_gb)
+    if site == "engine":
+        how = "for the regeneration only, stopped after it" if recipe.engine.mode == "launch" else \
+            "answering the completions"
+        return engine_phase(recipe, config, counts, kv_per_token, name, regeneration_max_model_len(recipe),
+                            (r.concurrency, "data.regenerate.concurrency"), how)
     capacity = None if tr.gpu_memory_gb is None else tr.gpu_memory_gb * VLLM_UTILIZATION
     lines, after = engine_lines(config, counts, kv_per_token, dtype=recipe.target.dtype, tp=1, dp=1,
                                 expert_parallel=False, max_len=d.max_length + r.max_new_tokens,
@@ -155,16 +163,22 @@ def hidden_states_phase(recipe: Any, config: Any, counts: dict[str, int], kv_per
             phase.after.append("  -> the target does not fit one process: extract its features with an inference "
                                "engine (tensor/expert parallel) instead")
         return phase
-    e = recipe.engine
-    capacity, key = engine_capacity(recipe, e.gpu_memory_utilization)
-    lines, after = engine_lines(config, counts, kv_per_token, dtype=e.dtype or t.dtype, tp=e.tensor_parallel_size,
-                                dp=e.data_parallel_size, expert_parallel=e.expert_parallel,
-                                max_len=engine_max_model_len(recipe), utilization=e.gpu_memory_utilization or
-                                VLLM_UTILIZATION, concurrency=(e.concurrency, "engine.concurrency"),
-                                capacity_gb=capacity)
-    servers = f"{e.replicas} server(s) launched here" if e.mode == "launch" else f"{len(e.urls)} attached server(s)"
     how = {"online": "streamed to the trainers", "hybrid": "streamed, stored on the first pass",
            "offline": "stored before training"}[recipe.data.mode]
+    return engine_phase(recipe, config, counts, kv_per_token, name, engine_max_model_len(recipe),
+                        (recipe.engine.concurrency, "engine.concurrency"), how)
+
+
+def engine_phase(recipe: Any, config: Any, counts: dict[str, int], kv_per_token: int, name: str, max_len: int,
+                 concurrency: tuple[int, str], how: str) -> PhasePlan:
+    """A phase in the recipe's engine: one engine GPU at the section's parallelism, sequences of `max_len`."""
+    e = recipe.engine
+    capacity, key = engine_capacity(recipe, e.gpu_memory_utilization)
+    lines, after = engine_lines(config, counts, kv_per_token, dtype=e.dtype or recipe.target.dtype,
+                                tp=e.tensor_parallel_size, dp=e.data_parallel_size, expert_parallel=e.expert_parallel,
+                                max_len=max_len, utilization=e.gpu_memory_utilization or VLLM_UTILIZATION,
+                                concurrency=concurrency, capacity_gb=capacity)
+    servers = f"{e.replicas} server(s) launched here" if e.mode == "launch" else f"{len(e.urls)} attached server(s)"
     return PhasePlan(name, f"in the engine ({servers}, each tensor parallel {e.tensor_parallel_size} x data parallel "
                      f"{e.data_parallel_size}{', expert parallel' if e.expert_parallel else ''}), {how}", lines,
                      capacity, key, after)

@@ -74,11 +74,12 @@ def target_skeleton_reason(recipe: Any) -> str | None:
 
 def regeneration_site(recipe: Any) -> Site:
     """Where `data.regenerate` runs: off, in process (hf `generate` on every trainer rank), a vLLM server started
-    here for the target (backend vllm: one server, no parallelism) or a server started outside (backend openai)."""
+    here for the target (backend vllm: one server, no parallelism), a server started outside (backend openai) or the
+    recipe's engine deployment (backend engine)."""
     r = recipe.data.regenerate
     if not r.enabled:
         return "off"
-    return {"hf": "in process", "vllm": "vllm server", "openai": "server"}[r.backend]
+    return {"hf": "in process", "vllm": "vllm server", "openai": "server", "engine": "engine"}[r.backend]
 
 
 def hidden_states_site(recipe: Any) -> Site:
