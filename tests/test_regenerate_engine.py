@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -82,14 +83,21 @@ def test_the_rank_split_applies_on_top_of_the_server_split(tiny, tmp_path):
         shared = _recipe(tmp_path, "data.regenerate.backend=engine", "engine.mode=attach",
                          f"engine.urls=[{a.url},{b.url}]")
         out_path = tmp_path / "ranks.jsonl"
-        # two ranks (threads here), each sending its share of the batches to both servers
+        sent = lambda: len(a.completions) + len(b.completions)  # noqa: E731
+        # rank 1 of 2 (a thread here) sends its share (the second batch of 4: 3 conversations, 6 answers) to both
+        # servers, then waits for rank 0's part
         other = threading.Thread(target=regenerate_for_recipe, args=(shared, convs, tok, adapter, out_path),
                                  kwargs={"split": RankSplit(1, 2)})
         other.start()
+        deadline = time.monotonic() + 60
+        while sent() < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        assert sent() == 6 and len(a.completions) == 4 and len(b.completions) == 2  # its share, over both servers
         regenerate_for_recipe(shared, convs, tok, adapter, out_path, split=RankSplit(0, 2))
         other.join(timeout=120)
         assert not other.is_alive()
-        assert len(a.completions) + len(b.completions) == 14
+        assert sent() == 14
     assert out_path.read_bytes() == (tmp_path / "one.jsonl").read_bytes()
 
 
