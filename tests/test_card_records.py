@@ -107,6 +107,9 @@ def test_provenance_of_the_older_flat_layout_still_renders(tmp_path):
         assert row in text
 
 
-def test_a_results_file_that_is_not_an_object_is_an_error(tmp_path):
+@pytest.mark.parametrize("data", [[RESULTS], []])
+def test_a_results_file_that_is_not_an_object_is_an_error(tmp_path, data):
     with pytest.raises(ValueError, match=r"eval_results\.json: `\(the whole file\)` should be an object, not a list"):
-        _card(tmp_path, [RESULTS])
+        _card(tmp_path, data)
+    with pytest.raises(ValueError, match=r"provenance\.json: `\(the whole file\)` should be an object, not a list"):
+        _card(tmp_path / "p", provenance=data)

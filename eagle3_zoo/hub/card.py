@@ -83,7 +83,7 @@ def _eval_results(path: Path, weights: _Weights) -> EvalRecord | None:
     """An `eval` results file, or None when it is empty or was measured on other weights than the folder's (e.g. a
     rerun of `fit` replaced them and kept the old results): its figures would be false on this card."""
     data = _read_json(path)
-    if not data:
+    if data is None or data == {}:
         return None
     results = parse_eval_record(data, path)
     if weights.matches(results.settings) is False:
@@ -153,7 +153,8 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
     recipe_path = folder / "recipe.yaml"
     recipe_text = recipe_path.read_text(encoding="utf-8").strip() if recipe_path.is_file() else ""
     recipe = (yaml.safe_load(recipe_text) if recipe_text else None) or {}  # data: `${...}` stays literal text
-    prov = parse_training_record(_read_json(folder / "provenance.json") or {}, folder / "provenance.json")
+    prov_json = _read_json(folder / "provenance.json")
+    prov = parse_training_record({} if prov_json is None else prov_json, folder / "provenance.json")
     weights = _Weights(folder)
     evals = {p.stem: r for p in sorted(folder.glob("eval_results*.json")) if (r := _eval_results(p, weights))}
     rows, measured = card_rows.evaluation_rows(evals)
