@@ -1,10 +1,12 @@
 """Provenance: what a run or a measurement ran on and which code it was. The git state of the checkout, the versions
-of the packages (`PACKAGES`, for a drafter's provenance.json; `versions` for an evaluation's results), the machine
-(processor or GPU, threads, load average) and provenance.json's strict-JSON text. Used by training (provenance.json,
-the run's machine record), evaluation (the results JSON) and the drafter-folder writer."""
+of the packages (`PACKAGES`, for a drafter's provenance.json; `versions`, of `RESULTS_PACKAGES` among them, for an
+evaluation's results), the machine (processor or GPU, threads, load average) and provenance.json's strict-JSON text.
+Used by training (provenance.json, the run's machine record), evaluation (the results JSON) and the drafter-folder
+writer."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import json
 import math
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 
 PACKAGES = ("eagle3-zoo", "torch", "lightning", "transformers", "torchmetrics", "safetensors", "omegaconf", "peft")
+RESULTS_PACKAGES = ("eagle3-zoo", "torch", "transformers")  # of `PACKAGES`, those an evaluation's results name
 
 
 def git_info(path: str | Path | None = None) -> dict[str, Any] | None:
@@ -94,11 +97,9 @@ def _cpu_name() -> str:
 
 
 def versions() -> dict[str, Any]:
-    """Package versions and the git commit of the code (``{"sha", "dirty"}``; None outside a git checkout), so a
-    figure can name the commit it ran on."""
-    import transformers
-
-    import eagle3_zoo
-
-    return {"eagle3_zoo": eagle3_zoo.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": sys.version.split()[0], "git": git_info()}
+    """The versions of `RESULTS_PACKAGES` (by module name, e.g. ``eagle3_zoo``: the ``__version__`` of the code that
+    runs), Python's, and the git commit of the code (``{"sha", "dirty"}``; None outside a git checkout), so a figure
+    can name the commit it ran on."""
+    modules = [importlib.import_module(name.replace("-", "_")) for name in RESULTS_PACKAGES]
+    return {**{module.__name__: module.__version__ for module in modules}, "python": sys.version.split()[0],
+            "git": git_info()}

@@ -7,11 +7,11 @@ shape, the same rows the model card shows) and where the drafter, card and logs 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from eagle3_zoo.hub.card import card_variables
+from eagle3_zoo.hub.records import TrainingRecord, read_training_record
 
 COLUMNS = (("name", "benchmark (shape)"), ("requests", "requests"), ("tau", "tau"), ("speedup", "speedup"),
            ("tokens_per_s", "spec tok/s"), ("plain_tokens_per_s", "plain tok/s"), ("lossless", "lossless"))
@@ -32,14 +32,13 @@ def summary(run_dir: Path, card: Path | None = None) -> str:
         raise FileNotFoundError(f"{drafter}: no drafter folder (did `eagle3-zoo fit` finish?)")
     variables = card_variables(drafter)
     rows = variables.get("benchmarks") or []
-    prov = json.loads((drafter / "provenance.json").read_text()) if (drafter / "provenance.json").is_file() else {}
-    training = prov.get("training") or {}
-    metrics = training.get("final_metrics") or {}
+    path = drafter / "provenance.json"
+    prov = read_training_record(path) if path.is_file() else TrainingRecord()
     out = ["", "== eagle3-zoo quickstart summary =="]
-    if training:
-        acc = metrics.get("val/acc_0")
-        out.append(f"trained {training.get('global_step')} steps in {training.get('wall_time_s')} s"
-                   + (f"; validation acc_0 {acc:.3f}" if isinstance(acc, (int, float)) else ""))
+    if prov.steps is not None or prov.train_time_s is not None or prov.final_metrics:
+        acc = prov.final_metrics.get("val/acc_0")
+        out.append(f"trained {prov.steps} steps in {prov.train_time_s} s"
+                   + (f"; validation acc_0 {acc:.3f}" if acc is not None else ""))
     out.append(table(rows) if rows else "no evaluation results next to the drafter (run `eagle3-zoo eval`)")
     out += [f"machine: {m}" for m in variables.get("machines") or []]  # speeds depend on how busy it was
     lossless = {r.get("lossless") for r in rows}

@@ -37,6 +37,7 @@ def _failing_commands(tmp_path) -> dict[str, tuple[list[str], int]]:
         "fit": (["fit", f"{missing}.yaml"], 2),
         "prepare": (["prepare", f"{missing}.yaml"], 2),
         "plan": (["plan", f"{missing}.yaml"], 2),
+        "serve": (["serve", f"{missing}.yaml"], 2),
         "consolidate": (["consolidate", f"{missing}.ckpt", str(tmp_path / "out")], 2),
         "eval": (["eval", missing, "--out", str(tmp_path / "r.json")], 2),
         "export": (["export", missing, "--out", str(tmp_path / "o")], 2),
@@ -47,7 +48,7 @@ def _failing_commands(tmp_path) -> dict[str, tuple[list[str], int]]:
     }
 
 
-COMMANDS = ["fit", "prepare", "plan", "consolidate", "eval", "export", "check", "publish", "pull", "zoo"]
+COMMANDS = ["fit", "prepare", "plan", "serve", "consolidate", "eval", "export", "check", "publish", "pull", "zoo"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -139,3 +140,13 @@ def test_a_bad_log_interval_is_refused_before_any_work(monkeypatch, capsys):
     assert main(["plan", "recipes/smollm2_135m.yaml"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == "error: EAGLE3_ZOO_LOG_EVERY_S='soon': expected a number of seconds >= 0 (0: a line per step)"
+
+
+def test_the_failing_commands_cover_every_subcommand():
+    """A subcommand added to the CLI must join the table above (its exit code and --debug traceback tested)."""
+    import argparse
+
+    from eagle3_zoo.cli import build_parser
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert sorted(subparsers.choices) == sorted(COMMANDS)

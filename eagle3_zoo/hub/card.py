@@ -28,6 +28,13 @@ from eagle3_zoo.checkpoint.formats import load_drafter_config, read_config
 from eagle3_zoo.checkpoint.variants import eagle31_options, engine_note
 from eagle3_zoo.checkpoint.weights import FLOAT_DTYPES, read_infos, weights_digest
 from eagle3_zoo.hub import card_rows
+from eagle3_zoo.hub.records import (
+    EvalRecord,
+    EvalSettingsRecord,
+    TrainingRecord,
+    parse_eval_record,
+    parse_training_record,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +53,13 @@ def template_text() -> str:
     return resources.files("eagle3_zoo").joinpath("resources", TEMPLATE).read_text(encoding="utf-8")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path) -> Any:
+    """The decoded JSON of `path`, or None when there is none (no file, or not valid JSON: the card leaves it out)."""
     try:
-        data = json.loads(path.read_text()) if path.is_file() else {}
+        return json.loads(path.read_text()) if path.is_file() else None
     except json.JSONDecodeError as e:
         log.warning("%s: not valid JSON (%s); the card leaves it out", path, e)
-        return {}
-    return data if isinstance(data, dict) else {}
+        return None
 
 
 class _Weights:
@@ -61,26 +68,28 @@ class _Weights:
     def __init__(self, folder: Path):
         self.folder, self._tensors, self._files = folder, None, None
 
-    def matches(self, settings: dict[str, Any]) -> bool | None:
+    def matches(self, settings: EvalSettingsRecord) -> bool | None:
         """Whether results with these settings were measured on these weights (None: they do not say)."""
-        if settings.get("drafter_tensors_sha256"):
+        if settings.drafter_tensors_sha256:
             self._tensors = self._tensors or tensors_digest(self.folder)
-            return settings["drafter_tensors_sha256"] == self._tensors
-        if settings.get("drafter_weights_sha256"):  # results of an older `eval`: the digest of the weight file
+            return settings.drafter_tensors_sha256 == self._tensors
+        if settings.drafter_weights_sha256:  # results of an older `eval`: the digest of the weight file
             self._files = self._files or weights_digest(self.folder)
-            return settings["drafter_weights_sha256"] == self._files
+            return settings.drafter_weights_sha256 == self._files
         return None
 
 
-def _eval_results(path: Path, weights: _Weights) -> dict[str, Any]:
-    """An `eval` results file, or {} when it was measured on other weights than the folder's (e.g. a rerun of `fit`
-    replaced them and kept the old results): its figures would be false on this card."""
-    results = _read_json(path)
-    settings = results.get("settings") if isinstance(results.get("settings"), dict) else {}
-    if results and weights.matches(settings) is False:
+def _eval_results(path: Path, weights: _Weights) -> EvalRecord | None:
+    """An `eval` results file, or None when it is empty or was measured on other weights than the folder's (e.g. a
+    rerun of `fit` replaced them and kept the old results): its figures would be false on this card."""
+    data = _read_json(path)
+    if data is None or data == {}:
+        return None
+    results = parse_eval_record(data, path)
+    if weights.matches(results.settings) is False:
         log.warning("%s was measured on other weights than %s holds now: left off the card; rerun `eagle3-zoo eval` "
                     "to measure these weights", path, path.parent)
-        return {}
+        return None
     return results
 
 
@@ -144,13 +153,14 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
     recipe_path = folder / "recipe.yaml"
     recipe_text = recipe_path.read_text(encoding="utf-8").strip() if recipe_path.is_file() else ""
     recipe = (yaml.safe_load(recipe_text) if recipe_text else None) or {}  # data: `${...}` stays literal text
-    prov = _read_json(folder / "provenance.json")
+    prov_json = _read_json(folder / "provenance.json")
+    prov = parse_training_record({} if prov_json is None else prov_json, folder / "provenance.json")
     weights = _Weights(folder)
     evals = {p.stem: r for p in sorted(folder.glob("eval_results*.json")) if (r := _eval_results(p, weights))}
     rows, measured = card_rows.evaluation_rows(evals)
     target = cfg.target_name_or_path or (recipe.get("target") or {}).get("name_or_path")
     hub_target = target_hub_id(target)
-    first = next(iter(evals.values()), {})
+    first = next(iter(evals.values()), None)
     aux = cfg.aux_layer_ids
     variables = {
         "model_name": (repo_id or folder.name).split("/")[-1], "repo_id": repo_id or "ORG/NAME",
@@ -167,14 +177,14 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
         "eagle31_options": ", ".join(eagle31_options(cfg)) or None,  # tags the card "eagle3.1"
         "engine_note": engine_note(cfg),  # which engines serve an EAGLE-3.1 drafter as trained
         "benchmarks": rows, "show_drafted": any(b.get("drafted", "–") != "–" for b in rows),
-        "decoding": card_rows.decoding(first.get("settings")),
+        "decoding": card_rows.decoding(first.settings.temperature if first else None),
         "protocol": card_rows.PROTOCOL_SHORT if rows else None,
         "machines": card_rows.machines(evals) or None, "settings": card_rows.settings_lines(evals) or None,
         "plots": [{"file": p.name, "alt": card_rows.plot_caption(evals[p.stem])} for p in extra_files(folder)
                   if p.suffix == ".png" and p.stem in evals],  # a plot only next to the rows of its results
         "training": card_rows.training_rows(recipe, prov),
         "provenance": card_rows.provenance_rows(prov), "recipe_yaml": recipe_text,
-        "datasets_note": card_rows.data_line(recipe, prov),
+        "datasets_note": card_rows.data_line(recipe),
         "target_weights": EMBEDDED_WEIGHTS_NOTE if target and is_embedded_name(target) else None,
         "demo_note": _demo_note(recipe, prov),
         **_usage(_FORMATS.get(fmt, _FORMATS["sglang"])["engines"], measured, folder, fmt),
@@ -190,13 +200,12 @@ def _hub_note(folder: Path, repo_id: str | None) -> str:
             "YOUR_ORG/NAME` has uploaded it, use that repo id instead.")
 
 
-def _demo_note(recipe: dict[str, Any], prov: dict[str, Any]) -> str | None:
+def _demo_note(recipe: dict[str, Any], prov: TrainingRecord) -> str | None:
     """What a card of a smoke/demo run (`demo: true` in its recipe) says first."""
     if not recipe.get("demo"):
         return None
-    training, data = prov.get("training") or {}, prov.get("data") or {}
-    steps, tokens = training.get("global_step"), data.get("train_supervised_tokens")
-    how = f" ({steps} steps on {tokens:,} supervised tokens)" if isinstance(tokens, int) and steps is not None else ""
+    steps, tokens = prov.steps, prov.data.train_supervised_tokens if prov.data else None
+    how = f" ({steps} steps on {tokens:,} supervised tokens)" if tokens is not None and steps is not None else ""
     return (f"a demo drafter: trained by a short smoke configuration{how} to show that the pipeline works end to "
             "end. It is not meant for serving; train the full recipe for a useful drafter.")
 
