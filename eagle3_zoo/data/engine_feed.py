@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3_zoo.data.ranks import start_on_node
 from eagle3_zoo.targets.openai_client import ServerError
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class EngineFeed:
         if self._pool is not None:
             return self
         d = self.deployment
-        d.start_on_node()  # the node's first rank launches, the node's others attach
+        start_on_node(d)  # the node's first rank launches, the node's others attach
         self.remove_leftovers()
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(d.servers) * self.concurrency),
                                         thread_name_prefix="eagle3-zoo-engine")

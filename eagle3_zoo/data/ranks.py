@@ -124,3 +124,19 @@ def wait_until(done: Callable[[], tuple[int, int]], what: str, poll_s: float = P
             logger.info("waiting for the other ranks' %s: %d of %d done", what, finished, total)
             last = time.monotonic()
         time.sleep(poll_s)
+
+
+def start_on_node(deployment: Any, launch: bool = True) -> Any:
+    """Start an engine deployment (`eagle3_zoo.targets.deployment.EngineDeployment`) under torch.distributed too: in
+    launch mode the node's first rank launches the servers (unless `launch` is False) and the node's other ranks
+    attach to them. Collective under torch.distributed. Returns the deployment."""
+    if deployment.mode == "launch" and distributed():
+        first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+        deployment.start(launch=first and launch)
+        host = os.uname().nodename
+        shared = gather_lists([(host, [s.url for s in deployment.servers])])
+        if not first:
+            deployment.attach_launched([url for h, urls in shared if h == host for url in urls])
+    else:
+        deployment.start(launch=launch)
+    return deployment

@@ -267,7 +267,7 @@ def regenerate_in_engine(recipe: Any, conversations: Sequence[Conversation], tok
     afterwards; under torch.distributed the node's first rank launches them and the node's other ranks share them.
     Nothing is started when the file holds every conversation already. `kw`: as `regenerate_with_client`.
     """
-    from eagle3_zoo.data.ranks import distributed
+    from eagle3_zoo.data.ranks import distributed, start_on_node
     from eagle3_zoo.targets.deployment import EngineDeployment
     from eagle3_zoo.targets.vllm_features import discard_hidden_states
 
@@ -276,7 +276,7 @@ def regenerate_in_engine(recipe: Any, conversations: Sequence[Conversation], tok
     need = any(c.uid not in done for c in conversations)
     try:
         if need or (deployment.mode == "launch" and distributed()):  # collective in that case: every rank joins
-            deployment.start_on_node(launch=need)
+            start_on_node(deployment, launch=need)
             logger.info("regeneration in the engine: %s", deployment.describe())
         urls = [s.url for s in deployment.servers] or ["http://127.0.0.1:1"]  # never contacted: nothing to answer
         storage = deployment.storage

@@ -165,22 +165,6 @@ class EngineDeployment:
             self._check()
         return self
 
-    def start_on_node(self, launch: bool = True) -> EngineDeployment:
-        """`start`, under torch.distributed too: in launch mode the node's first rank launches the servers (unless
-        `launch` is False) and the node's other ranks attach to them. Collective under torch.distributed."""
-        from eagle3_zoo.data.ranks import distributed, gather_lists
-
-        if self.mode == "launch" and distributed():
-            first = int(os.environ.get("LOCAL_RANK", "0")) == 0
-            self.start(launch=first and launch)
-            host = os.uname().nodename
-            shared = gather_lists([(host, [s.url for s in self.servers])])
-            if not first:
-                self.attach_launched([url for h, urls in shared if h == host for url in urls])
-        else:
-            self.start(launch=launch)
-        return self
-
     def attach_launched(self, urls: list[str]) -> EngineDeployment:
         """Use servers of this deployment that another process (this node's first rank) launched."""
         self.servers = [EngineServer(url, self.client(url)) for url in urls]
