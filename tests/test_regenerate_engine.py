@@ -11,32 +11,15 @@ import threading
 import time
 
 import pytest
-import torch
-from openai_fake import FakeOpenAIServer
-from training_fixtures import tiny_llama_target, tiny_recipe, write_chat_jsonl, write_recipe
+import test_regenerate_server
+from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
 
 from eagle3_zoo.data.readers import Conversation
 from eagle3_zoo.data.regenerate_server import regenerate_for_recipe
 from eagle3_zoo.recipe import RecipeError, load_recipe
 
-
-@pytest.fixture(scope="module")
-def tiny():
-    model, tok, adapter = tiny_llama_target()
-    model.generation_config.suppress_tokens = list(range(len(tok), model.config.vocab_size))
-    return model, tok, adapter
-
-
-def _served(model, tok):
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-
-    @torch.no_grad()
-    def generate(prompt, max_tokens, stop_ids):
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
-                             eos_token_id=stop_ids or None, pad_token_id=pad)
-        return out[0, len(prompt):].tolist()
-
-    return FakeOpenAIServer(generate=generate)
+tiny = test_regenerate_server.tiny  # the tiny target (a module fixture) and its fake server
+_served = test_regenerate_server._served
 
 
 def _convs(n=7):
