@@ -20,7 +20,14 @@ from eagle3_zoo.speculative import (
     tree_spec,
 )
 from eagle3_zoo.speculative.metrics import BenchStats
-from tests.test_speculative_support import FAMILIES, OracleDraftModel, random_drafter, reference, tiny_target
+from tests.test_speculative_support import (
+    FAMILIES,
+    OracleDraftModel,
+    assert_same_float32,
+    random_drafter,
+    reference,
+    tiny_target,
+)
 
 SMALL_TREE = dict(depth=4, top_k=3, total_tokens=12)
 
@@ -50,15 +57,15 @@ def test_tree_verify_equals_path_forwards_and_cache_keeps_the_path(family):
         full = torch.cat([prompt, torch.tensor(path)])[None]
         with capture_aux_hidden(target, adapter, (1, 2, 3)) as cap:
             ref = target(full).logits[0, -1]
-        torch.testing.assert_close(logits[node], ref, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(aux[0, node], cap.aux_hidden[0, -1], atol=1e-5, rtol=1e-5)
+        assert_same_float32(logits[node], ref)
+        assert_same_float32(aux[0, node], cap.aux_hidden[0, -1])
     runner.keep_path([0, 1, 3, 5])
     fresh = TargetRunner(target, adapter, layer_ids=(1, 2, 3))
     fresh.prefill(torch.cat([prompt, torch.tensor([5, 11, 13, 15])]))
     assert runner.length == fresh.length == prompt.numel() + 4
     for kept, ref in zip(runner.cache.layers, fresh.cache.layers):
-        torch.testing.assert_close(kept.keys, ref.keys, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(kept.values, ref.values, atol=1e-5, rtol=1e-5)
+        assert_same_float32(kept.keys, ref.keys)
+        assert_same_float32(kept.values, ref.values)
 
 
 def test_node_logits_compute_a_node_and_its_first_child_in_one_matmul():
@@ -96,8 +103,8 @@ def test_keep_path_of_a_chain_prefix_equals_a_fresh_prefill(path):
     fresh.prefill(torch.cat([prompt, chain.tokens[path]]))
     assert runner.length == fresh.length == prompt.numel() + len(path)
     for kept, ref in zip(runner.cache.layers, fresh.cache.layers):
-        torch.testing.assert_close(kept.keys, ref.keys, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(kept.values, ref.values, atol=1e-5, rtol=1e-5)
+        assert_same_float32(kept.keys, ref.keys)
+        assert_same_float32(kept.values, ref.values)
 
 
 class _ScoredDraft:
@@ -224,7 +231,7 @@ def test_tree_drafting_equals_sequential_drafter_rollouts():
         out = alone.extend(aux, ids[:-1], ids[1:])
         for d, tok in enumerate(path, start=1):
             out = alone.expand(torch.tensor([tok]), out.hidden, torch.tensor([d]), torch.ones(1, d, dtype=torch.bool))
-        torch.testing.assert_close(out.logits[0, 0], logits[i], atol=1e-5, rtol=1e-5)
+        assert_same_float32(out.logits[0, 0], logits[i])
 
 
 class _NoisyWithEagleCache(OracleDraftModel):
@@ -262,8 +269,8 @@ def test_drafter_cache_follows_the_accepted_path():
     fresh.extend(cap.aux_hidden, tokens, torch.cat([tokens[1:], torch.tensor(out.tokens[-1:])]))
     n = eagle.ctx_len
     assert n <= fresh.ctx_len
-    torch.testing.assert_close(eagle.cache.keys[..., :n, :], fresh.cache.keys[..., :n, :], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(eagle.cache.values[..., :n, :], fresh.cache.values[..., :n, :], atol=1e-5, rtol=1e-5)
+    assert_same_float32(eagle.cache.keys[..., :n, :], fresh.cache.keys[..., :n, :])
+    assert_same_float32(eagle.cache.values[..., :n, :], fresh.cache.values[..., :n, :])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -402,7 +409,7 @@ def test_sliding_window_target_keeps_full_caches_and_masks_its_windows():
     logits, _ = runner.verify(_hand_tree(root=5))
     for node, path in {3: [5, 11, 13], 5: [5, 11, 13, 15]}.items():
         ref = target(torch.cat([prompt, torch.tensor(path)])[None]).logits[0, -1]
-        torch.testing.assert_close(logits[node], ref, atol=1e-5, rtol=1e-5)
+        assert_same_float32(logits[node], ref)
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])

@@ -17,6 +17,16 @@ from eagle3_zoo.modeling import DraftStepOutput, Eagle3Config, Eagle3Drafter, id
 FAMILIES = tuple(available_adapters())  # every registered family
 
 
+def assert_same_float32(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 64) -> None:
+    """Two float32 computations of the same values (a tree forward and a path forward, a kept cache and a prefill):
+    equal up to `ulps` float32 epsilons of the tensor's largest magnitude. Summation order differs with the CPU's
+    kernels (AVX2, AVX-512, scalar), so a per-element rtol fails on values near zero of a residual stream whose
+    largest entries are ~30. Measured worst case over the families and ATEN_CPU_CAPABILITY=default/avx2/avx512: 27
+    epsilons (gpt_oss, scalar kernels), 3-8 for the others; a wrong mask, position or cache entry is off by O(1)."""
+    scale = max(float(expected.abs().max()), 1.0)
+    torch.testing.assert_close(actual, expected, rtol=0.0, atol=ulps * torch.finfo(torch.float32).eps * scale)
+
+
 def tiny_target(family: str = "llama", seed: int = 0, init_std: float = 0.2, **overrides):
     """A tiny random target from the adapter's `tiny_config()`, initialised wide enough that greedy text varies."""
     config = get_adapter(family).tiny_config()
