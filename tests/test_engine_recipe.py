@@ -62,7 +62,8 @@ def test_deepseek_print_config_shows_the_engine_deployment(capsys):
     assert cfg["engine"]["tensor_parallel_size"] == 8 and cfg["engine"]["expert_parallel"] is True
     assert cfg["engine"]["quantization"] is None  # served as the checkpoint declares: FP8
     assert cfg["engine"]["hidden_states_dir"] and cfg["data"]["features_backend"] == "vllm"
-    assert cfg["data"]["mode"] == "online" and cfg["data"]["regenerate"]["enabled"] is False
+    assert cfg["data"]["mode"] == "online" and cfg["data"]["regenerate"]["enabled"] is True
+    assert cfg["data"]["regenerate"]["backend"] == "engine"  # the FP8 target answers in the engine, not the trainer
     recipe = load_recipe("recipes/deepseek_v3.yaml")
     assert streams_features(recipe) and not target_sharded_in_trainer(recipe)  # the trainer reads the heads only
 
@@ -74,7 +75,8 @@ def test_serve_prints_the_engine_command_of_the_recipe(capsys, monkeypatch):
     assert "--model deepseek-ai/DeepSeek-V3" in out and "--host 0.0.0.0 --port 8123" in out
     assert "--tensor-parallel-size 8" in out and "--enable-expert-parallel" in out and "--quantization" not in out
     assert '"eagle_aux_hidden_state_layer_ids": [2, 30, 58, 61]' in out  # aux layers + the last (61 layers)
-    assert "runs/deepseek_v3/engine/hidden_states" in out and "--max-model-len 2049" in out
+    # the context of a regeneration request: data.max_length 2048 + data.regenerate.max_new_tokens 2048
+    assert "runs/deepseek_v3/engine/hidden_states" in out and "--max-model-len 4096" in out
 
 
 def test_features_backend_vllm_alone_launches_one_server_as_before():

@@ -261,7 +261,9 @@ def test_a_server_that_dies_stops_the_fit_with_what_it_kept_and_the_rerun_resume
         common = ["trainer.max_steps=null", "trainer.max_epochs=2", "trainer.val_check_interval=null",
                   "data.features_backend=vllm", f"output_dir={tmp / 'killed'}"]
         killer = threading.Thread(target=server.stop)
-        server.on_request = lambda n: n == 30 and killer.start()  # in epoch 1, after the checkpoint of step 10
+        # dies at its 30th answer (in epoch 1, after the checkpoint of step 10): dead at once in the answering
+        # thread, then shut down (a thread started from here can run too late under load: the fit then finished)
+        server.on_request = lambda n: n == 30 and (setattr(server, "dead", True), killer.start())
         r = run_fit_cli(recipe, *common)
         killer.join()
         assert r.returncode == 1, r.stderr[-3000:]

@@ -51,13 +51,14 @@ def test_plan_exits_1_naming_the_phases_that_do_not_fit(capsys):
     # the FP8 671B engine on the trainer's 80 GB GPUs instead of its 141 GB ones
     assert main(["plan", "recipes/deepseek_v3.yaml", "engine.gpu_memory_gb=null"]) == 1
     out = capsys.readouterr().out
-    assert "hidden states: does NOT fit" in out and out.rstrip().endswith("plan: does NOT fit: hidden states")
+    assert "hidden states: does NOT fit" in out and out.rstrip().endswith("plan: does NOT fit: regeneration, "
+                                                                           "hidden states")
     assert main(["plan", "recipes/llama3_8b.yaml", "trainer.gpu_memory_gb=40"]) == 1  # regeneration: 57.1 GB
     assert capsys.readouterr().out.rstrip().endswith("plan: does NOT fit: regeneration")
 
 
 def test_plan_of_a_phase_that_is_off_or_elsewhere_is_one_line():
-    table = plan_recipe(load_recipe("recipes/deepseek_v3.yaml")).table()
+    table = plan_recipe(load_recipe("recipes/deepseek_v3.yaml", ["data.regenerate.enabled=false"])).table()
     assert "\nregeneration: off (data.regenerate.enabled: false)\n" in table
     assert "\ntau evaluation: off (trainer.tau_eval.every_n_steps: null)" in table
     table = plan_recipe(load_recipe("recipes/mistral_small.yaml", ["data.regenerate.backend=openai",
@@ -273,3 +274,20 @@ def test_regeneration_kv_estimate_matches_the_cache_of_a_real_generate_batch():
     decode_kv = next(x for x in lines if x.what == "KV cache" and x.phase == "decode").bytes
     assert held == decode_kv * (max_length - 1 + new - 1) / (max_length - 1 + new)
     assert lines[0].bytes == sum(p.numel() * 4 for p in model.parameters())  # the whole target, fp32
+
+
+def test_fp8_engine_weights_count_one_fp32_scale_per_block():
+    """An FP8 checkpoint's decoder matrices: 1 B per weight + one fp32 scale per `weight_block_size` block."""
+    from types import SimpleNamespace
+
+    from eagle3_zoo.training.plan_phases import engine_weight_bytes
+
+    counts = {"experts": 6 * 2**20, "layer_matrices": 8 * 2**20, "total": 9 * 2**20}
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    blocked, how = engine_weight_bytes(SimpleNamespace(quantization_config=fp8), counts, "bfloat16", 2, 4)
+    plain, _ = engine_weight_bytes(SimpleNamespace(quantization_config={"quant_method": "fp8"}), counts,
+                                   "bfloat16", 2, 4)
+    # no block size: 2M FP8 weights + 1M bf16 over tp 2, 6M FP8 experts over 4 GPUs
+    assert plain == 2 * 2**20 / 2 + 2**20 * 2 / 2 + 6 * 2**20 / 4
+    assert blocked - plain == pytest.approx((2 * 2**20 / 2 + 6 * 2**20 / 4) * 4 / 128**2)
+    assert "fp32 scales per 128x128 block" in how

@@ -47,15 +47,22 @@ def regeneration_in_process(recipe: Any, config: Any, counts: dict[str, int], kv
 
 
 def engine_weight_bytes(config: Any, counts: dict[str, int], dtype: str, tp: int, ep_group: int) -> tuple[float, str]:
-    """Weight bytes per engine GPU and how they are stored: the checkpoint's FP8 decoder matrices (block scales
-    left out) or MXFP4 experts as vLLM serves them, the rest in `dtype`; everything split over the `tp` GPUs but the
-    routed experts, split over `ep_group` (tp x dp under expert parallelism)."""
+    """Weight bytes per engine GPU and how they are stored: the checkpoint's FP8 decoder matrices with their fp32
+    block scales (one per `weight_block_size` block) or MXFP4 experts as vLLM serves them, the rest in `dtype`;
+    everything split over the `tp` GPUs but the routed experts, split over `ep_group` (tp x dp under expert
+    parallelism). Layers past `num_hidden_layers` (DeepSeek-V3's multi-token-prediction layer) are not counted: vLLM
+    loads them only to draft with them."""
     db = torch_dtype(dtype).itemsize
-    quant = (getattr(config, "quantization_config", None) or {}).get("quant_method")
+    quant_config = getattr(config, "quantization_config", None) or {}
+    quant = quant_config.get("quant_method")
     experts, matrices, total = counts["experts"], counts["layer_matrices"], counts["total"]
     if quant == "fp8":
-        expert_b, other_b = experts * 1.0, (matrices - experts) * 1.0 + (total - matrices) * db
-        how = f"the checkpoint's FP8 decoder matrices (1 B), the rest in {dtype}"
+        block = quant_config.get("weight_block_size") or []
+        scale_b = 4.0 / (block[0] * block[1]) if len(block) == 2 else 0.0  # fp32 scale per block, per weight
+        fp8_b = 1.0 + scale_b
+        expert_b, other_b = experts * fp8_b, (matrices - experts) * fp8_b + (total - matrices) * db
+        scales = f" + fp32 scales per {block[0]}x{block[1]} block" if scale_b else ""
+        how = f"the checkpoint's FP8 decoder matrices (1 B{scales}), the rest in {dtype}"
     elif quant == "mxfp4":
         expert_b, other_b = experts * (0.5 + 1 / 32), (total - experts) * db
         how = f"MXFP4 experts (4.25 bits), the rest in {dtype}"
