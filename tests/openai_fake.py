@@ -25,7 +25,7 @@ from typing import Any
 
 class FakeOpenAIServer:
     def __init__(self, *, stop_after: int = 5, stop_id: int = 2, model: str = "fake-model",
-                 generate: Any = None) -> None:
+                 generate: Any = None, port: int = 0) -> None:
         self.stop_after, self.stop_id, self.model = stop_after, stop_id, model
         self.generate = generate  # (prompt ids, max_tokens, stop ids) -> reply ids: a real model behind the API
         self.faults: list[int] = []
@@ -43,7 +43,7 @@ class FakeOpenAIServer:
         # a hidden-states server: each completion writes a file (and its lock) here, named in kv_transfer_params
         self.hidden_states_dir: Any = None
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
 
     def reply_ids(self, prompt: list[int], max_tokens: int) -> list[int]:

@@ -9,6 +9,7 @@ import re
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import test_regenerate_server
@@ -107,10 +108,11 @@ class _FakeProcess:
 
     def __init__(self, model, **kwargs):
         self.model, self.kwargs, self.fake, self.proc, self.port = model, kwargs, None, None, None
-        _FakeProcess.made.append(self)
+        self.log_path = kwargs.get("log_path")
+        type(self).made.append(self)
 
     def start(self):
-        self.fake = _served(*_FakeProcess.target).__enter__()
+        self.fake = _served(*type(self).target, port=self.port or 0).__enter__()  # a restart: the same port
         self.base_url = self.fake.url
         return self
 
@@ -147,6 +149,50 @@ def test_launch_mode_starts_the_sections_servers_without_hidden_states_and_stops
     _FakeProcess.made = []
     regenerate_for_recipe(launch, _convs(), tok, adapter, tmp_path / "launch.jsonl")  # all cached: nothing started
     assert _FakeProcess.made == []
+
+
+class _DiesOnce(_FakeProcess):
+    """A launched server whose first process dies after 3 answers (its later requests fail, `poll()` says it
+    exited); started again it serves on."""
+
+    deaths = 1
+
+    def start(self):
+        super().start()
+        fake, dies = self.fake, _DiesOnce.deaths > 0
+        _DiesOnce.deaths -= dies
+        if dies:
+            fake.fail_after = 3
+        self.proc = SimpleNamespace(poll=lambda: 1 if dies and len(fake.completions) >= 3 else None, returncode=1)
+        return self
+
+
+@pytest.mark.parametrize("restarts", [2, 0])
+def test_a_launched_server_that_dies_is_restarted_and_the_regeneration_resumes(tiny, tmp_path, monkeypatch, caplog,
+                                                                               restarts):
+    from eagle3_zoo.targets import deployment
+    from eagle3_zoo.targets.openai_client import ServerError
+
+    model, tok, adapter = tiny
+    _DiesOnce.made, _DiesOnce.target, _DiesOnce.deaths = [], (model, tok), 1
+    monkeypatch.setattr(deployment, "VLLMServer", _DiesOnce)
+    monkeypatch.setattr(deployment, "cuda_engine", lambda: False)
+    with _served(model, tok) as one:
+        single = _recipe(tmp_path, "data.regenerate.backend=openai", f"data.regenerate.base_url={one.url}")
+        regenerate_for_recipe(single, _convs(), tok, adapter, tmp_path / "one.jsonl")
+    launch = _recipe(tmp_path, "data.regenerate.backend=engine", f"engine.max_restarts={restarts}",
+                     f"engine.python={sys.executable}")
+    if not restarts:  # restarts spent: the run stops, keeping what was answered
+        with pytest.raises(ServerError, match="regeneration through .* stopped: .*rerun to answer the rest"):
+            regenerate_for_recipe(launch, _convs(), tok, adapter, tmp_path / "launch.jsonl")
+        return
+    with caplog.at_level("WARNING"):
+        regenerate_for_recipe(launch, _convs(), tok, adapter, tmp_path / "launch.jsonl")
+    records = test_regenerate_server._records  # sorted by index: a resumed file appends what it answered later
+    assert records(tmp_path / "launch.jsonl") == records(tmp_path / "one.jsonl")
+    (proc,) = _DiesOnce.made
+    assert proc.port == int(proc.fake.url.rsplit(":", 1)[1])  # started again on its port
+    assert "restarting it (1 of 2" in caplog.text and "back after" in caplog.text
 
 
 @pytest.mark.parametrize(("overrides", "key", "words"), [

@@ -27,7 +27,7 @@ def tiny():
     return model, tok, adapter
 
 
-def _served(model, tok):
+def _served(model, tok, port=0):
     """A fake server whose completions are the tiny target's greedy continuation (stop token included)."""
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
@@ -37,7 +37,7 @@ def _served(model, tok):
                              eos_token_id=stop_ids or None, pad_token_id=pad)
         return out[0, len(prompt):].tolist()
 
-    return FakeOpenAIServer(generate=generate)
+    return FakeOpenAIServer(generate=generate, port=port)
 
 
 def _convs(n=5):

@@ -265,7 +265,10 @@ def regenerate_in_engine(recipe: Any, conversations: Sequence[Conversation], tok
     `engine.hidden_states_dir`). Launch mode starts the deployment's servers (replicas, parallelism, devices,
     quantisation, extra arguments) without the hidden-states method, for the regeneration only, and stops them
     afterwards; under torch.distributed the node's first rank launches them and the node's other ranks share them.
-    Nothing is started when the file holds every conversation already. `kw`: as `regenerate_with_client`.
+    A launched server that dies is started again (at most `engine.max_restarts` times, as for hidden states) and the
+    regeneration resumes from what its part files keep; a server that answers with errors, an attached one or a
+    refused answer stops it as before. Nothing is started when the file holds every conversation already. `kw`: as
+    `regenerate_with_client`.
     """
     from eagle3_zoo.data.ranks import distributed, start_on_node
     from eagle3_zoo.targets.deployment import EngineDeployment
@@ -284,7 +287,19 @@ def regenerate_in_engine(recipe: Any, conversations: Sequence[Conversation], tok
         def discard(path: str) -> None:
             discard_hidden_states(storage / Path(path).name)  # the server's path, as this machine sees it
 
-        return regenerate_with_client(conversations, [OpenAIClient(url, **client_kw) for url in urls], tokenizer,
-                                      adapter, out_path, discard=discard, **kw)
+        clients, rounds = [OpenAIClient(url, **client_kw) for url in urls], 0
+        while True:
+            try:
+                return regenerate_with_client(conversations, clients, tokenizer, adapter, out_path, discard=discard,
+                                              **kw)
+            except BadAnswerError:
+                raise
+            except ServerError as e:
+                rounds += 1
+                revived = [] if rounds > deployment.engine.max_restarts else \
+                    [s.url for s in deployment.servers if deployment.restart(s, s.restarts)]
+                if not revived:
+                    raise
+                logger.warning("regeneration in the engine: %s back after: %s; resuming", ", ".join(revived), e)
     finally:
         deployment.stop()  # the servers launched here; attached ones keep running
