@@ -242,20 +242,25 @@ def test_regeneration_on_a_vllm_server_started_here_holds_the_whole_target_on_on
         == "fsdp shard"  # the server holds the target, not the trainer ranks
 
 
-def test_regeneration_kv_estimate_matches_the_cache_of_a_real_generate_batch():
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_oss"])
+def test_regeneration_kv_estimate_matches_the_cache_of_a_real_generate_batch(family):
     """The decode KV line of in-process regeneration against the cache `generate_replies` (the hf backend's one
     `generate` per batch) really holds: `batch_size` rows of the longest prompt the recipe lets through
-    (`data.max_length - 1`) + `max_new_tokens` (the last token made is never fed back: one position less)."""
-    from transformers import LlamaForCausalLM
+    (`data.max_length - 1`) + `max_new_tokens` (the last token made is never fed back: one position less), on
+    sliding-window layers (Gemma-3, gpt-oss) only the window's last tokens."""
+    from transformers import AutoModelForCausalLM
 
     from eagle3_zoo.data.regenerate import generate_replies
     from eagle3_zoo.training.plan import kv_elements_per_token
-    from eagle3_zoo.training.plan_phases import regeneration_in_process
+    from eagle3_zoo.training.plan_phases import kv_elements, regeneration_in_process
 
-    adapter = get_adapter("llama")
+    adapter = get_adapter(family)
     config = adapter.tiny_config()
+    if family != "llama":
+        config.sliding_window = 6  # gemma3: 3 of its 4 layers keep 5 tokens; gpt_oss: 2 of 4
+        assert config.layer_types.count("sliding_attention") == {"gemma3_text": 3, "gpt_oss": 2}[family]
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
     batch, max_length, new = 3, 17, 9
     caches = []
     model.register_forward_pre_hook(lambda m, a, kw: caches.append(kw.get("cache", kw.get("past_key_values"))),
@@ -269,10 +274,15 @@ def test_regeneration_kv_estimate_matches_the_cache_of_a_real_generate_batch():
     recipe = load_recipe("recipes/llama3_8b.yaml", [f"data.max_length={max_length}", "target.dtype=float32",
                                                     f"data.regenerate.batch_size={batch}",
                                                     f"data.regenerate.max_new_tokens={new}"])
-    lines = regeneration_in_process(recipe, config, target_parameter_counts(config, adapter),
-                                    kv_elements_per_token(config), "")
+    per_token = kv_elements_per_token(config)
+    lines = regeneration_in_process(recipe, config, target_parameter_counts(config, adapter), per_token, "")
     decode_kv = next(x for x in lines if x.what == "KV cache" and x.phase == "decode").bytes
-    assert held == decode_kv * (max_length - 1 + new - 1) / (max_length - 1 + new)
+    assert held == batch * kv_elements(config, per_token, max_length - 1 + new - 1) * 4
+    assert decode_kv == batch * kv_elements(config, per_token, max_length - 1 + new) * 4
+    if family == "llama":
+        assert held == decode_kv * (max_length - 1 + new - 1) / (max_length - 1 + new)
+    else:
+        assert held < 0.65 * batch * per_token * (max_length - 1 + new - 1) * 4  # full length: 1.6-2.4x
     assert lines[0].bytes == sum(p.numel() * 4 for p in model.parameters())  # the whole target, fp32
 
 

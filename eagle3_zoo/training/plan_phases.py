@@ -27,6 +27,18 @@ def forward_bytes(config: Any, tokens: int, itemsize: int, tp: int = 1) -> float
     return tokens * (6 * config.hidden_size + 3 * config.intermediate_size / tp) * itemsize
 
 
+def kv_elements(config: Any, kv_per_token: int, tokens: int) -> int:
+    """Elements a transformers `DynamicCache` keeps for one sequence of `tokens` tokens (`kv_per_token`: over all
+    layers, `plan.kv_elements_per_token`): a sliding-window layer (`layer_types` "sliding_attention": Gemma-3,
+    gpt-oss) keeps its last `sliding_window - 1` tokens only, every other layer all of them. Checked against a real
+    cache in tests/test_plan_phases.py."""
+    layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * layers
+    kept = sum(min(tokens, window - 1) if kind == "sliding_attention" and window else tokens for kind in kinds)
+    return kv_per_token // layers * kept
+
+
 def regeneration_in_process(recipe: Any, config: Any, counts: dict[str, int], kv_per_token: int,
                             dequant: str) -> list[PlanLine]:
     """Per trainer GPU: the whole target and one `generate` batch (prefill, then decode to `max_new_tokens`)."""
@@ -34,14 +46,17 @@ def regeneration_in_process(recipe: Any, config: Any, counts: dict[str, int], kv
     tb = torch_dtype(t.dtype).itemsize
     b, p, n = r.batch_size, recipe.data.max_length - 1, r.max_new_tokens
     kv = kv_per_token * tb
+    window = f", sliding-window layers their last {config.sliding_window - 1}" if kv_elements(
+        config, kv_per_token, p + n) < kv_per_token * (p + n) else ""
     logits = b * config.vocab_size * 4  # the last position's fp32 logits of each row
     lines = [PlanLine("target weights", counts["total"] * tb,
                       f"{counts['total'] / 1e9:.2f}B params in {t.dtype}, whole on every GPU{dequant}"),
-             PlanLine("KV cache", b * p * kv, f"batch {b} x {p}-token prompts", "prefill"),
+             PlanLine("KV cache", b * kv_elements(config, kv_per_token, p) * tb, f"batch {b} x {p}-token prompts",
+                      "prefill"),
              PlanLine("prefill forward", forward_bytes(config, b * p, tb) + logits,
                       "one layer's activations over the batch (no grad) + last-position fp32 logits", "prefill"),
-             PlanLine("KV cache", b * (p + n) * kv, f"batch {b} x ({p} prompt + {n} new) tokens "
-                      f"({kv / 1e3:.0f} KB per token)", "decode"),
+             PlanLine("KV cache", b * kv_elements(config, kv_per_token, p + n) * tb,
+                      f"batch {b} x ({p} prompt + {n} new) tokens ({kv / 1e3:.0f} KB per token{window})", "decode"),
              PlanLine("decode step", logits + forward_bytes(config, b, tb), "one token per row", "decode")]
     return [*lines, reserve_line(lines)]
 
