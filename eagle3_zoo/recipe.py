@@ -274,7 +274,8 @@ def _secret_problems(r: Recipe) -> list[ConfigProblem]:
     g = r.data.regenerate
     return [ConfigProblem(key, msg, shown) for key, msg, shown in (
         ("data.regenerate.base_url", g.base_url is not None and url_problem(g.base_url), redact_url(g.base_url or "")),
-        ("data.regenerate.api_key_env", g.api_key_env is not None and env_name_problem(g.api_key_env), "***"))
+        ("data.regenerate.api_key_env", g.api_key_env is not None and env_name_problem(g.api_key_env), "***"),
+        ("engine.api_key_env", r.engine.api_key_env is not None and env_name_problem(r.engine.api_key_env), "***"))
         if msg]
 
 

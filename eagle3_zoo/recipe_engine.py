@@ -73,6 +73,9 @@ class EngineConfig:
     # where the servers' hidden-states connector writes, as this machine sees it (attach: the shared directory their
     # connector was given; launch: null = <output_dir>/engine/hidden_states). Files are read once and deleted.
     hidden_states_dir: str | None = ruled(None, lambda v: path_problem(v))
+    # the NAME of the environment variable holding the servers' API key (never the key): sent by every client of the
+    # engine as `Authorization: Bearer`, given to launched servers (VLLM_API_KEY) and named by `serve`; null = none
+    api_key_env: str | None = None  # checked in recipe._secret_problems (a pasted key is never echoed)
     python: str | None = None  # launch: the engine's python; null = $EAGLE3_ZOO_VLLM_PYTHON, else ./.venv-vllm
     replicas: int = ruled(1, GT0)  # launch: independent servers started here (requests split among them)
     tensor_parallel_size: int = ruled(1, GT0)  # per server (vLLM --tensor-parallel-size)
