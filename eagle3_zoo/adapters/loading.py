@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import pickle
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from eagle3_zoo.adapters.base import TargetAdapter, adapter_for
 from eagle3_zoo.adapters.embedded import EMBEDDED_NAMES, embedded_target_dir, is_embedded_name
+from eagle3_zoo.fileio import pickle_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +35,11 @@ _WHAT_TO_PASS = ("pass a local folder with config.json, a Hub repo id such as 'Q
 
 class TargetNotFoundError(FileNotFoundError):
     """The target is neither a local model folder nor a repo the Hub (or the local Hub cache) has."""
+
+
+class UnsafeTargetFileError(ValueError):
+    """A pickle weight file of a target or LoRA adapter holding objects that are not plain tensors: the safe loader
+    (`torch.load(weights_only=True)`, what transformers and peft use) refused it before any of its code ran."""
 
 
 def resolve_target(name_or_path: str | os.PathLike) -> tuple[str | Path, bool]:
@@ -134,15 +143,18 @@ def load_target(
             (see `resolve_target`; fast when offline or the Hub is unreachable).
         UnknownAdapterError: the config's ``model_type`` has no adapter (checked before any weight is read).
         ValueError: the checkpoint lacks weights of the model (they would silently stay random).
+        UnsafeTargetFileError: a pickle weight file of the target or the LoRA holds objects that are not plain
+            tensors (refused unrun; the message names the file).
     """
     torch_dtype = _torch_dtype(dtype)
     path, kwargs, config, adapter = _target_config(name_or_path, trust_remote_code)
     dequantize = _dequantize_kwargs(config, adapter)
     # weights go straight to `device` (a rank's GPU), never through a full copy in host memory
-    model, info = AutoModelForCausalLM.from_pretrained(
-        path, config=config, dtype=torch_dtype, output_loading_info=True, device_map=str(torch.device(device)),
-        **dequantize, **kwargs
-    )
+    with _refused_pickles_named(path, "target"):
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, config=config, dtype=torch_dtype, output_loading_info=True, device_map=str(torch.device(device)),
+            **dequantize, **kwargs
+        )
     _check_loading_info(info, adapter, path)
     if dequantize:  # transformers 5.17 dequantises MXFP4 to bf16 whatever dtype is asked (exact: FP4 x 2^k fits bf16)
         model = model.to(torch_dtype)
@@ -307,7 +319,53 @@ def _merge_lora(model: PreTrainedModel, lora_path: str | os.PathLike) -> PreTrai
     from peft import PeftModel  # peft is only needed for LoRA targets
 
     logger.info("merging LoRA adapter %s into the target", lora_path)
-    return PeftModel.from_pretrained(model, str(lora_path)).merge_and_unload()
+    with _refused_pickles_named(lora_path, "LoRA adapter"):
+        return PeftModel.from_pretrained(model, str(lora_path)).merge_and_unload()
+
+
+_PICKLE_GLOBS = ("*.bin", "*.pt", "*.pth")  # what transformers and peft read with torch.load
+
+
+@contextlib.contextmanager
+def _refused_pickles_named(where: str | os.PathLike, what: str) -> Iterator[None]:
+    """Turn the safe loader's refusal of a pickle weight file (torch's `UnpicklingError`, which names no file and
+    advises loading it unsafely) into an `UnsafeTargetFileError` naming the file.
+
+    transformers and peft do not say which file they were reading: the pickle files of `where` (a folder, or a Hub
+    repo's cached snapshot) are opened again with the same safe loader, and the first one it refuses is named."""
+    try:
+        yield
+    except pickle.UnpicklingError as e:
+        if "weights_only" not in str(e) and "GLOBAL" not in str(e):
+            raise  # not the safe loader's refusal: a damaged file, reported as it is
+        found = _refused_pickle_file(where)
+        file, refusal = found if found else (Path(where), pickle_refusal(e))
+        raise UnsafeTargetFileError(
+            f"{file}: {refusal}. A {what} weight file must hold plain tensors only; one holding other objects is "
+            "refused for safety (unpickling it could run any code it carries). If you trust its source, convert the "
+            f"{what} to safetensors (`save_pretrained` in transformers or peft writes safetensors) and use the "
+            "converted folder") from None
+
+
+def _refused_pickle_file(where: str | os.PathLike) -> tuple[Path, str] | None:
+    """The first pickle file of `where` that `torch.load(weights_only=True)` refuses, and what it refused."""
+    folder = Path(where)
+    if not folder.is_dir():  # a Hub id: the files transformers just downloaded, from the cache
+        try:
+            folder = Path(huggingface_hub.snapshot_download(str(where), allow_patterns=list(_PICKLE_GLOBS),
+                                                            local_files_only=True))
+        except Exception:  # not cached (or not a repo id): nothing to name
+            return None
+    for file in sorted({f for pattern in _PICKLE_GLOBS for f in folder.glob(pattern) if f.is_file()}):
+        for mmap in (True, False):  # mmap: only the pickle is read, not the tensors; legacy (non-zip) files cannot
+            try:
+                torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+                break
+            except pickle.UnpicklingError as e:
+                return file, pickle_refusal(e)
+            except Exception:  # not a zip file (mmap), or damaged: not the refused one
+                continue
+    return None
 
 
 class ShardedLoadUnsupported(ValueError):
