@@ -365,6 +365,32 @@ def test_check_with_the_engine_leaves_no_temporary_folder(tmp_path, monkeypatch)
     assert seen and seen[0].name.startswith("eagle3-zoo-check-") and list(tmp_path.iterdir()) == []
 
 
+def test_check_with_the_engine_failing_before_a_server_starts_leaves_no_temporary_folder(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """No engine python: `check --engine vllm` fails before any server starts (exit 2), and its temporary folder,
+    which holds no server log to read, is gone."""
+    import tempfile
+
+    from transformers import LlamaConfig
+
+    from eagle3_zoo.adapters import get_adapter
+    from tests.hub_fixtures import tiny_target_config
+
+    src, _ = canonical_dir(tmp_path)
+    target = tmp_path / "target"
+    LlamaConfig.save_pretrained(tiny_target_config(), target)
+    get_adapter("llama").tiny_tokenizer().save_pretrained(target)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setenv("EAGLE3_ZOO_VLLM_PYTHON", str(tmp_path / "no-such-venv" / "bin" / "python"))
+    monkeypatch.chdir(tmp_path)  # no .venv-vllm here either
+    code, line = _cli(capsys, "check", src, "--target", target, "--engine", "vllm")
+    assert code == 2 and "no vLLM python found" in line, line
+    assert list(temp.iterdir()) == []
+
+
 def test_a_failed_publish_leaves_nothing_in_its_stage_dir(tmp_path, capsys, monkeypatch):
     import socket
 

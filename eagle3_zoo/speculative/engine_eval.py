@@ -337,10 +337,17 @@ def engine_smoke(drafter: str | Path, target: str | None = None, *, prompts: int
     import tempfile
 
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="eagle3-zoo-check-"))
-    results = evaluate_in_vllm(drafter, target, "mtbench", num_speculative_tokens=num_speculative_tokens,
-                               max_new_tokens=max_new_tokens, limit=prompts, baseline=False, python=python,
-                               work_dir=work)
-    if not work_dir:  # a temporary folder is removed once done (after a failure it keeps the server logs it names)
+    try:
+        results = evaluate_in_vllm(drafter, target, "mtbench", num_speculative_tokens=num_speculative_tokens,
+                                   max_new_tokens=max_new_tokens, limit=prompts, baseline=False, python=python,
+                                   work_dir=work)
+    except BaseException:
+        # a temporary folder is kept after a failure only for the server log the error names: one that failed
+        # before a server started (no engine python, a bad target) holds nothing worth keeping
+        if not work_dir and not any(work.glob("*.log")):
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+    if not work_dir:  # a temporary folder is removed once done
         shutil.rmtree(work, ignore_errors=True)
     o = results["overall"]
     ok = o["drafts"] > 0 and o["accepted_tokens"] > 0
