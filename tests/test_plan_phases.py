@@ -97,6 +97,31 @@ def test_devices_as_a_list_count_each_device_in_plan_and_strategy():
     assert run_plan.devices_per_node("3", "gpu") == 3 and run_plan.devices_per_node("1,", "gpu") == 1
 
 
+@pytest.mark.parametrize("devices", ["auto", "-1"])
+def test_plan_says_how_it_counted_devices_auto(devices, monkeypatch, capsys, caplog):
+    """`trainer.devices` auto / -1 is counted as the GPUs visible here, and the plan says so; with none visible (a
+    GPU run planned on a laptop) it says that it counted one device, how to plan for N, and warns."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert main(["plan", "recipes/llama3_70b.yaml", f"trainer.devices={devices}"]) in (0, 1)
+    header = capsys.readouterr().out.splitlines()[0]
+    assert f"strategy fsdp, 1 device(s) (trainer.devices = {devices}, but no CUDA GPU is visible here: counted as 1 " \
+           "device, while the run takes every GPU of its node; pass trainer.devices=N to plan for N GPUs per node)" \
+           in header, header
+    assert [r for r in caplog.records if r.levelname == "WARNING" and "counted as 1 device" in r.getMessage()]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    caplog.clear()
+    plan = plan_recipe(load_recipe("recipes/llama3_70b.yaml", [f"trainer.devices={devices}"]))
+    assert plan.world_size == 4 and "sharded over 4" in plan.table()
+    assert f"4 device(s) (trainer.devices = {devices}: the 4 CUDA GPU(s) visible here);" in plan.table()
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "4 device(s); per device" in plan_recipe(load_recipe("recipes/llama3_70b.yaml",
+                                                                ["trainer.devices=4"])).table()  # a count: no note
+
+
 def test_strategies_read_the_run_plan_functions():
     assert strategies.world_size is run_plan.world_size
     assert strategies.target_skeleton_reason is run_plan.target_skeleton_reason

@@ -22,6 +22,7 @@ allocated.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -37,6 +38,8 @@ from eagle3_zoo.training.plan_report import (  # noqa: F401  (re-exported: the p
     reserve_line,
 )
 from eagle3_zoo.training.run_plan import compute_dtype, stored_dtype  # noqa: F401
+
+logger = logging.getLogger(__name__)
 
 LOGITS_CHUNK = 1024  # rows per chunk of the frozen lm_head product (Eagle3Module.logits_chunk_size)
 
@@ -215,7 +218,7 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     from eagle3_zoo.adapters.shipped import shipped_target_config
     from eagle3_zoo.training.build import drafter_config
     from eagle3_zoo.training.plan_phases import hidden_states_phase, regeneration_phase
-    from eagle3_zoo.training.run_plan import run_plan
+    from eagle3_zoo.training.run_plan import counted_devices, run_plan
 
     t, tr = recipe.target, recipe.trainer
     if target_config is None:
@@ -231,8 +234,11 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     dcfg = drafter_config(recipe, target_config, aux)
     quant = (getattr(target_config, "quantization_config", None) or {}).get("quant_method")
     dequant = f"; its {quant} checkpoint dequantised to {t.dtype}" if quant else ""
+    counted, assumed = counted_devices(tr.devices, tr.accelerator)
+    if assumed:
+        logger.warning("%s: %s", source, counted)
     plan = MemoryPlan(source, getattr(target_config, "_name_or_path", "") or t.name_or_path, tr.strategy,
-                      rp.world_size, tr.gpu_memory_gb, decisions=_decisions(rp),
+                      rp.world_size, tr.gpu_memory_gb, decisions=_decisions(rp), devices_counted=counted,
                       tau_off="" if rp.tau else "off (trainer.tau_eval.every_n_steps: null)")
     kv = kv_elements_per_token(target_config)
     plan.phases = [regeneration_phase(recipe, target_config, counts, kv, dequant),

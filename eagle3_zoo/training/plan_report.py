@@ -85,6 +85,7 @@ class MemoryPlan:
     lines: list[PlanLine] = field(default_factory=list)
     phases: list[PhasePlan] = field(default_factory=list)
     decisions: str = ""  # the run plan (`eagle3_zoo.training.run_plan`) in words
+    devices_counted: str = ""  # how trainer.devices "auto" / -1 was counted (empty: a count was given)
     tau_off: str = ""  # why the tau evaluation does not run (empty: it runs)
 
     @property
@@ -120,7 +121,8 @@ class MemoryPlan:
 
     def table(self) -> str:
         """The plan as text: the decisions, then each phase with its lines and verdict, then the overall verdict."""
-        out = [f"{self.source}: target {self.target}, strategy {self.strategy}, {self.world_size} device(s); "
+        counted = f" ({self.devices_counted})" if self.devices_counted else ""
+        out = [f"{self.source}: target {self.target}, strategy {self.strategy}, {self.world_size} device(s){counted}; "
                "per device (GB = 1e9 bytes):", f"  {self.decisions}"]
         for p in self.phases:
             out += ["", *p.table()]

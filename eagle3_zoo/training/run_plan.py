@@ -41,6 +41,23 @@ def devices_per_node(devices: int | str, accelerator: str) -> int:
     return max(torch.cuda.device_count(), 1) if use_gpu else 1
 
 
+def counted_devices(devices: int | str, accelerator: str) -> tuple[str, bool]:
+    """How `devices_per_node` counted `trainer.devices` "auto" or -1 on this machine, in words ("" for a count or a
+    list given), and whether the count is an assumption: with no CUDA GPU visible here (planning a GPU run on a
+    laptop), one device is counted, while the run takes every GPU of its node."""
+    if devices not in ("auto", "-1", -1):
+        return "", False
+    key = f"trainer.devices = {devices}"
+    if accelerator == "cpu":
+        return f"{key} on the CPU: one process", False
+    use_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    visible = torch.cuda.device_count() if use_gpu else 0
+    if visible:
+        return f"{key}: the {visible} CUDA GPU(s) visible here", False
+    return (f"{key}, but no CUDA GPU is visible here: counted as 1 device, while the run takes every GPU of its "
+            "node; pass trainer.devices=N to plan for N GPUs per node"), True
+
+
 def world_size(devices: int | str, num_nodes: int, accelerator: str) -> int:
     """The number of trainer processes (`devices_per_node` x `num_nodes`)."""
     return devices_per_node(devices, accelerator) * num_nodes
