@@ -5,7 +5,9 @@
 path in `kv_transfer_params.hidden_states_path`. The states come from `states(ids)`: `tiny_states` runs a real tiny
 HF model the way vLLM does (the residual stream entering each aux layer, and the last layer's output before the final
 norm). `faults` (HTTP status codes) are returned by the next completions, in order; `stop()` closes the port
-(connection refused, as a killed server) and `start()` serves again on the same port.
+(connection refused, as a killed server) and `start()` serves again on the same port. `tamper(answer, file)` may
+rewrite an answer (and its file) before it is sent: a lying server; `api_key` makes it refuse (401) a request
+without `Authorization: Bearer <key>`, as vLLM with VLLM_API_KEY does on its /v1 routes.
 """
 
 from __future__ import annotations
@@ -43,14 +45,19 @@ def tiny_states(model: Any, aux_layer_ids: tuple[int, ...]) -> Callable[[list[in
 
 class FakeHiddenStatesServer:
     def __init__(self, states: Callable[[list[int]], torch.Tensor], storage: Path, model: str = "fake-target",
-                 port: int = 0) -> None:
+                 port: int = 0, api_key: str | None = None) -> None:
         self.states, self.storage, self.model = states, Path(storage), model
+        self.api_key = api_key
+        self.tamper: Callable[[dict[str, Any], Path], dict[str, Any]] | None = None
+        self.authorizations: list[str | None] = []  # the Authorization header of every /v1 request
         self.storage.mkdir(parents=True, exist_ok=True)
         self.faults: list[int] = []
         self.delay = 0.0
         self.request_ids: list[str] = []  # answered completions, in order
         self.files_seen: list[int] = []  # hidden-state files in `storage` when each answer is written
         self.on_request: Callable[[int], None] | None = None  # called with the number of answers so far
+        # dies (this request and every later one unanswered) at the first request whose id it holds true for
+        self.dies_at: Callable[[str], bool] | None = None
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self.port = port
@@ -71,10 +78,11 @@ class FakeHiddenStatesServer:
     def stop(self) -> None:
         """Die: requests in flight get no answer (the connection drops), new ones are refused."""
         self.dead = True
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        with self._lock:  # a dying answer's thread and the test may both stop it
+            server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
 
     def __enter__(self) -> FakeHiddenStatesServer:
         return self
@@ -95,8 +103,9 @@ class FakeHiddenStatesServer:
             count = len(self.request_ids)
         if self.on_request is not None:
             self.on_request(count)
-        return {"choices": [{"index": 0, "text": "x", "token_ids": [ids[-1]], "finish_reason": "length"}],
-                "kv_transfer_params": {"hidden_states_path": str(name)}}
+        answer = {"choices": [{"index": 0, "text": "x", "token_ids": [ids[-1]], "finish_reason": "length"}],
+                  "kv_transfer_params": {"hidden_states_path": str(name)}}
+        return self.tamper(answer, name) if self.tamper is not None else answer
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         fake = self
@@ -113,7 +122,18 @@ class FakeHiddenStatesServer:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _refused(self) -> bool:
+                header = self.headers.get("Authorization")
+                if self.path.startswith("/v1"):
+                    fake.authorizations.append(header)
+                if fake.api_key is None or not self.path.startswith("/v1") or header == f"Bearer {fake.api_key}":
+                    return False
+                self._send(401, {"error": "Unauthorized"})
+                return True
+
             def do_GET(self) -> None:
+                if self._refused():
+                    return
                 if self.path == "/health":
                     self._send(200, {})
                 elif self.path == "/v1/models":
@@ -123,8 +143,13 @@ class FakeHiddenStatesServer:
 
             def do_POST(self) -> None:
                 payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self._refused():
+                    return
                 with fake._lock:
                     fault = fake.faults.pop(0) if fake.faults else None
+                    if fake.dies_at is not None and fake.dies_at(str(payload.get("request_id"))):
+                        fake.dies_at, fake.dead = None, True
+                        threading.Thread(target=fake.stop).start()  # its port closes: later requests are refused
                 if fault is not None:
                     self._send(fault, {"error": {"message": "injected fault"}})
                     return

@@ -70,9 +70,10 @@ def test_deepseek_print_config_shows_the_engine_deployment(capsys):
 
 def test_serve_prints_the_engine_command_of_the_recipe(capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the layer count comes from the shipped config
-    assert main(["serve", "recipes/deepseek_v3.yaml", "--print-command", "--port", "8123"]) == 0
+    assert main(["serve", "recipes/deepseek_v3.yaml", "--print-command", "--port", "8123", "--host", "0.0.0.0"]) == 0
     out = capsys.readouterr().out
     assert "--model deepseek-ai/DeepSeek-V3" in out and "--host 0.0.0.0 --port 8123" in out
+    assert 'VLLM_API_KEY="$EAGLE3_ZOO_ENGINE_KEY"' in out  # the recipe's key variable, by name
     assert "--tensor-parallel-size 8" in out and "--enable-expert-parallel" in out and "--quantization" not in out
     assert '"eagle_aux_hidden_state_layer_ids": [2, 30, 58, 61]' in out  # aux layers + the last (61 layers)
     # the context of a regeneration request: data.max_length 2048 + data.regenerate.max_new_tokens 2048

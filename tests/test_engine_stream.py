@@ -260,17 +260,23 @@ def test_a_server_that_dies_stops_the_fit_with_what_it_kept_and_the_rerun_resume
             "mode": "attach", "urls": [server.url], "hidden_states_dir": str(tmp / "kill-hs"), "retries": 1}))
         common = ["trainer.max_steps=null", "trainer.max_epochs=2", "trainer.val_check_interval=null",
                   "data.features_backend=vllm", f"output_dir={tmp / 'killed'}"]
-        killer = threading.Thread(target=server.stop)
-        # dies at its 30th answer (in epoch 1, after the checkpoint of step 10): dead at once in the answering
-        # thread, then shut down (a thread started from here can run too late under load: the fit then finished)
-        server.on_request = lambda n: n == 30 and (setattr(server, "dead", True), killer.start())
+        asked: set[str] = set()
+
+        def second_epoch(request_id: str) -> bool:  # e3z<run>r0-t<sample>-<nonce>: a sample asked for again
+            sample = request_id.split("-")[1]
+            again = sample.startswith("t") and sample in asked
+            asked.add(sample)
+            return again
+
+        # dies at the first request of epoch 1 (whatever the load: epoch 0's are all answered, epoch 1's none)
+        server.dies_at = second_epoch
         r = run_fit_cli(recipe, *common)
-        killer.join()
         assert r.returncode == 1, r.stderr[-3000:]
         error = r.stderr.strip().splitlines()[-1]
         assert error.startswith("error: EngineFeedError: no engine server delivered the hidden states") and \
             f"tried {server.url}, each with 1 retries" in error, error
-        assert "; training stopped at step 1" in error and "; the last checkpoint (step 1" in error and \
+        # epoch 0's 9 steps done, the checkpoint of step 8 kept (trainer.checkpoint_every_n_steps = 2)
+        assert "; training stopped at step 9;" in error and "; the last checkpoint (step 8) is kept" in error and \
             "run the same command again to resume" in error, error
         server.start()  # back on the same port
         r = run_fit_cli(recipe, *common)

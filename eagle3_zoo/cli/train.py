@@ -51,7 +51,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from eagle3_zoo.recipe import load_recipe
     from eagle3_zoo.targets.deployment import serve_recipe
 
-    print(serve_recipe(load_recipe(args.recipe, args.overrides), args.host, args.port, dry_run=args.print_command))
+    print(serve_recipe(load_recipe(args.recipe, args.overrides), args.host, args.port, dry_run=args.print_command,
+                       allow_no_key=args.no_api_key))
     return 0
 
 
@@ -107,11 +108,16 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                        description="Start one vLLM server as the recipe's engine section describes it (parallelism, "
                        "quantisation, context length, extra arguments), extracting the hidden states the recipe's "
                        "drafter reads into engine.hidden_states_dir (a directory the trainers see too). The trainers "
-                       "attach to it: engine.mode=attach engine.urls=[http://THIS-HOST:PORT].", intermixed=True,
+                       "attach to it: engine.mode=attach engine.urls=[http://THIS-HOST:PORT] (serve with --host "
+                       "0.0.0.0 for other nodes; with engine.api_key_env the server requires that key and the "
+                       "trainers send it).", intermixed=True,
                        parents=[common])
     _recipe_arguments(p, "OmegaConf dotlist overrides (the same ones the trainer gets)")
-    p.add_argument("--host", default="0.0.0.0", help="interface to serve on (default: all)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="interface to serve on (default: 127.0.0.1, this machine "
+                   "only; 0.0.0.0 for the trainers of other nodes, which needs engine.api_key_env or --no-api-key)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port, 1-65535 (default: 8000)")
+    p.add_argument("--no-api-key", action="store_true", help="serve a non-loopback --host without an API key (any "
+                   "host that reaches the port can use the engine; only on a network you trust)")
     p.add_argument("--print-command", action="store_true", help="print the server command line and exit")
     p.set_defaults(func=cmd_serve)
 

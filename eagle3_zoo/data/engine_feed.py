@@ -77,10 +77,14 @@ class EngineFeed:
         tag: this rank's request-name prefix (`run_tag`).
         budget_bytes: disk the files of requested, unread samples may take (`data.prefetch_disk_gib`).
         concurrency: requests in flight per server at most (`engine.concurrency`).
+        hidden_size: the target's hidden size, checked in every file (None: not checked).
     """
 
-    def __init__(self, deployment: Any, tag: str, budget_bytes: int, concurrency: int = 16) -> None:
+    def __init__(self, deployment: Any, tag: str, budget_bytes: int, concurrency: int = 16,
+                 hidden_size: int | None = None) -> None:
         self.deployment, self.tag = deployment, tag
+        self.layers = len(deployment.aux_layer_ids) + 1  # the aux layers and the last one
+        self.hidden_size = hidden_size
         self.budget_bytes, self.concurrency = int(budget_bytes), concurrency
         self.stats = FeedStats()
         self.reserved = 0  # bytes of requested samples whose files are not read yet
@@ -164,9 +168,9 @@ class EngineFeed:
             return best
 
     def _request(self, ids: list[int], request_id: str) -> Path:
-        from eagle3_zoo.targets.vllm_features import request_hidden_states
+        from eagle3_zoo.targets.vllm_features import answered_file, read_hidden_states, request_hidden_states
 
-        servers, tried, last, rounds = self.deployment.servers, {}, "", 0  # tried: index -> restarts when it failed
+        servers, tried, last, rounds = self.deployment.servers, {}, "", 0  # tried: index -> its restarts when sent
         while True:
             i = self._pick(set(tried))
             if i is None:  # every server failed this request: bring back those that died, else give up
@@ -178,11 +182,17 @@ class EngineFeed:
                     del tried[j]
                 continue
             server = servers[i]
+            sent = server.restarts  # a failure counts against the process the request was sent to
             try:
-                path = request_hidden_states(server.client, server.model, ids, request_id)
+                named = request_hidden_states(server.client, server.model, ids, request_id)
+                path = answered_file(named, self.deployment.storage, request_id, server.url)
+                # checked in full before the trainer sees it (a bad file fails over like a failed request); kept on
+                # disk for the loader, which reads it again and deletes it
+                read_hidden_states(path, ids, self.layers, self.hidden_size, server=server.url,
+                                   lock_timeout=self.deployment.engine.timeout, keep=True)
             except ServerError as e:
                 last = str(e)
-                tried[i] = server.restarts
+                tried[i] = sent
                 logger.warning("engine server %s failed a request (%s); %s", server.url, last,
                                "trying another" if len(tried) < len(servers) else "checking the servers")
                 continue
@@ -194,28 +204,36 @@ class EngineFeed:
                 self.stats.requests += 1
                 self.stats.per_server[server.url] += 1
                 self.stats.failovers += bool(tried)
-            return Path(self.deployment.storage) / Path(path).name  # the server's path, as this machine sees it
+            return path
+
+    def read(self, path: Path, ids: list[int]) -> Any:
+        """The `[T, layers, H]` states of an answered request's file (`submit`'s result), read once and deleted."""
+        from eagle3_zoo.targets.vllm_features import read_hidden_states
+
+        return read_hidden_states(path, ids, self.layers, self.hidden_size, lock_timeout=self.deployment.engine.timeout)
 
     def _failure(self, tokens: int, last: str) -> str:
         d = self.deployment
-        restarts = "; launched servers that died were restarted up to engine.max_restarts = " \
-            f"{d.engine.max_restarts} times" if d.mode == "launch" else ""
+        restarts = ""
+        if d.mode == "launch":
+            done = ", ".join(f"{s.url} {s.restarts}" for s in d.servers)
+            restarts = f"; restarts of launched servers that died: {done} (engine.max_restarts = " \
+                f"{d.engine.max_restarts} each)"
         return (f"no engine server delivered the hidden states of a {tokens}-token sample: {last} (tried "
                 f"{', '.join(s.url for s in d.servers)}, each with {d.engine.retries} retries{restarts})")
 
-    def states_batch(self, sequences: Sequence[Any], final_norm: Any,
-                     layers: int) -> tuple[Any, Any]:
-        """Right-padded `(aux [B, T, (layers - 1) * H], final [B, T, H])` of token-id sequences, all requested at once
+    def states_batch(self, sequences: Sequence[Any], final_norm: Any) -> tuple[Any, Any]:
+        """Right-padded `(aux [B, T, len(aux) * H], final [B, T, H])` of token-id sequences, all requested at once
         (the offline feature job's `features_fn`); each file is read once and deleted."""
         import torch
 
-        from eagle3_zoo.targets.vllm_features import read_hidden_states, split_states
+        from eagle3_zoo.targets.vllm_features import split_states
 
         seqs = [[int(i) for i in (s.tolist() if hasattr(s, "tolist") else s)] for s in sequences]
         self.start()
         futures = [self.submit(ids, f"f{n}") for n, ids in enumerate(seqs)]
         start = time.monotonic()
-        pairs = [split_states(read_hidden_states(f.result(), ids, layers), final_norm) for f, ids in zip(futures, seqs)]
+        pairs = [split_states(self.read(f.result(), ids), final_norm) for f, ids in zip(futures, seqs)]
         self.stats.wait_s += time.monotonic() - start
         width = max(len(s) for s in seqs)
         aux = torch.zeros(len(seqs), width, pairs[0][0].shape[1], dtype=pairs[0][0].dtype)

@@ -11,7 +11,6 @@ write what they read to a feature store and read it once complete (`eagle3_zoo.d
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from pathlib import Path
@@ -48,6 +47,7 @@ class FeatureStream:
         self.final_norm, self.prefetch, self.store = final_norm, prefetch_batches, store
         self._batches: list[list[int]] = []
         self._pending: dict[int, list[Any]] = {}  # batch position -> futures of its samples
+        self.stop_requested: Any = lambda: False  # the trainer's SIGTERM flag, set by the DataModule
         self._pos = self._next = 0
 
     def sample_bytes(self, index: int) -> int:
@@ -89,7 +89,7 @@ class FeatureStream:
         start = time.monotonic()
         futures = self._pending.pop(self._pos)
         try:
-            samples = [self._read(self.examples[i], f.result()) for i, f in zip(indices, futures)]
+            samples = [self._read(self.examples[i], self._result(f)) for i, f in zip(indices, futures)]
         except BaseException:
             self._discard(futures)
             self.cancel()
@@ -101,10 +101,23 @@ class FeatureStream:
         self._pump()
         return samples
 
-    def _read(self, ex: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
-        from eagle3_zoo.targets.vllm_features import read_hidden_states, split_states
+    def _result(self, future: Any) -> Path:
+        """A request's file, waited for in slices: a SIGTERM (`stop_requested`) ends the wait as Lightning ends a step
+        (its `SIGTERMException`) instead of after the engine's deadlines."""
+        while True:
+            try:
+                return future.result(timeout=0.25)
+            except TimeoutError:
+                if self.stop_requested():
+                    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-        aux, final = split_states(read_hidden_states(path, ex["input_ids"].tolist(), self.layers), self.final_norm)
+                    logger.warning("engine feed: SIGTERM received while waiting for the engine; stopping")
+                    raise SIGTERMException from None
+
+    def _read(self, ex: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
+        from eagle3_zoo.targets.vllm_features import split_states
+
+        aux, final = split_states(self.feed.read(path, ex["input_ids"].tolist()), self.final_norm)
         sample = {"input_ids": ex["input_ids"], "loss_mask": ex["loss_mask"], "aux_hidden": aux,
                   "final_hidden": final}
         return self.store.add(str(ex["id"]), sample) if self.store is not None else sample
@@ -114,7 +127,7 @@ class FeatureStream:
         missing samples)."""
         self.feed.reserve(self._bytes(example), force=True)
         try:
-            return self._read(example, self._submit(example, "x").result())
+            return self._read(example, self._result(self._submit(example, "x")))
         finally:
             self.feed.release(self._bytes(example))
 
@@ -127,11 +140,15 @@ class FeatureStream:
 
     @staticmethod
     def _discard(futures: list[Any]) -> None:
-        def remove(future: Any) -> None:
+        def remove(future: Any) -> None:  # a result is a file the feed checked: this request's, in the directory
             if not future.cancelled() and future.exception() is None:
                 for p in (future.result(), Path(f"{future.result()}.lock")):
-                    with contextlib.suppress(FileNotFoundError):
+                    try:
                         p.unlink()
+                    except FileNotFoundError:
+                        pass
+                    except OSError as e:
+                        logger.warning("engine feed: could not delete %s (%s)", p, e)
 
         for future in futures:
             if not future.cancel():
@@ -204,6 +221,8 @@ class StreamingDataModule(Eagle3DataModule):
         return [d.stream for d in (self.train_set, self.val_set) if d is not None]
 
     def setup(self, stage: str) -> None:
+        for stream in self._streams():
+            stream.stop_requested = lambda: self.trainer is not None and self.trainer.received_sigterm
         self.feed.start()
 
     def teardown(self, stage: str) -> None:
@@ -247,7 +266,7 @@ def streaming_datamodule(recipe: Any, data: Any, target: Any, adapter: Any, aux_
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     deployment = EngineDeployment(recipe, aux_ids, cfg.num_hidden_layers)
     feed = EngineFeed(deployment, run_tag(recipe.output_dir, rank), int(d.prefetch_disk_gib * 2**30),
-                      concurrency=recipe.engine.concurrency)
+                      concurrency=recipe.engine.concurrency, hidden_size=cfg.hidden_size)
     store = None
     info: dict[str, Any] = {"source": "engine", "hidden_states_dir": str(deployment.storage),
                             "engine": recipe.engine.mode}

@@ -250,10 +250,9 @@ def _engine_features_fn(recipe: Any, target: Any, adapter: Any, aux_ids: tuple[i
 
     deployment = EngineDeployment(recipe, aux_ids, target.config.num_hidden_layers)
     feed = EngineFeed(deployment, run_tag(recipe.output_dir, rank), int(recipe.data.prefetch_disk_gib * 2**30),
-                      concurrency=recipe.engine.concurrency)
+                      concurrency=recipe.engine.concurrency, hidden_size=target.config.hidden_size)
     stack.callback(feed.close)
-    return functools.partial(feed.states_batch, final_norm=final_norm_on_cpu(adapter.final_norm(target)),
-                             layers=len(aux_ids) + 1)
+    return functools.partial(feed.states_batch, final_norm=final_norm_on_cpu(adapter.final_norm(target)))
 
 
 def _whole_target(recipe: Any, device: Any) -> Any:

@@ -238,7 +238,8 @@ def regenerate_for_recipe(recipe: Any, conversations: Sequence[Conversation], to
                              "e.g. http://127.0.0.1:8000)")
         return regenerate_with_client(conversations, OpenAIClient(r.base_url, **client_kw), tokenizer, adapter,
                                       out_path, **kw)
-    if r.backend == "engine":
+    if r.backend == "engine":  # the engine's servers, with the engine's key
+        client_kw["api_key_env"] = recipe.engine.api_key_env or r.api_key_env
         return regenerate_in_engine(recipe, conversations, tokenizer, adapter, out_path, client_kw, **kw)
     if r.backend != "vllm":
         raise ValueError(f"data.regenerate.backend = {r.backend!r}: expected hf, openai, vllm or engine")
@@ -272,7 +273,7 @@ def regenerate_in_engine(recipe: Any, conversations: Sequence[Conversation], tok
     """
     from eagle3_zoo.data.ranks import distributed, start_on_node
     from eagle3_zoo.targets.deployment import EngineDeployment
-    from eagle3_zoo.targets.vllm_features import discard_hidden_states
+    from eagle3_zoo.targets.vllm_features import answered_file, discard_hidden_states
 
     deployment = EngineDeployment(recipe, regeneration=True)
     done = answered_ids(out_path)
@@ -284,8 +285,13 @@ def regenerate_in_engine(recipe: Any, conversations: Sequence[Conversation], tok
         urls = [s.url for s in deployment.servers] or ["http://127.0.0.1:1"]  # never contacted: nothing to answer
         storage = deployment.storage
 
-        def discard(path: str) -> None:
-            discard_hidden_states(storage / Path(path).name)  # the server's path, as this machine sees it
+        def discard(path: str) -> None:  # the server's path, as this machine sees it, if it names a connector file
+            try:
+                file = answered_file(path, storage)
+            except BadAnswerError as e:
+                logger.warning("regeneration in the engine: %s", e)
+                return
+            discard_hidden_states(file, deployment.engine.timeout)
 
         clients, rounds = [OpenAIClient(url, **client_kw) for url in urls], 0
         while True:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_zoo.targets.openai_client import OpenAIClient, ServerError
-from eagle3_zoo.targets.server import VLLMServer
+from eagle3_zoo.targets.server import LOOPBACK, VLLMServer
 from eagle3_zoo.targets.vllm_features import PLUGIN_DIR, hidden_states_configs
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class EngineDeployment:
     # ------------------------------------------------------------------------------------------ start
     def client(self, url: str) -> OpenAIClient:
         e = self.engine
-        return OpenAIClient(url, timeout=e.timeout, retries=e.retries)
+        return OpenAIClient(url, api_key_env=e.api_key_env, timeout=e.timeout, retries=e.retries)
 
     def _process(self, index: int, devices: list[int] | None, cuda: bool) -> VLLMServer:
         e = self.engine
@@ -122,6 +123,8 @@ class EngineDeployment:
             connector = "stock" if cuda else "cpu"  # the stock connector's CUDA copies fail on a CPU build
             spec, kv = hidden_states_configs(self.aux_layer_ids, self.num_layers, self.storage, connector=connector)
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")]))
+        if e.api_key_env:  # the key reaches vLLM in its environment, never on a command line (ps, logs)
+            env["VLLM_API_KEY"] = api_key_value(e.api_key_env)
         eager = (not cuda) if e.enforce_eager is None else e.enforce_eager
         log = f"{'regenerate-' if self.regeneration else ''}server-{index}.log"
         return VLLMServer(self.model, speculative_config=spec, kv_transfer_config=kv, dtype=self.dtype,
@@ -180,8 +183,8 @@ class EngineDeployment:
     def restart(self, server: EngineServer, seen: int) -> bool:
         """Bring back a server that went down: one launched here whose process died is started again on its port (at
         most `engine.max_restarts` times); one another rank launched is awaited until it answers again. True also
-        when it was restarted since the failure (`seen`: its restart count then). False when none of this applies
-        (attached, alive but failing requests, or restarts spent)."""
+        when it was restarted since the failed request was sent (`seen`: its restart count then). False when none of
+        this applies (attached, alive but failing requests, or restarts spent)."""
         with self._lock:
             if server.restarts > seen:
                 return True  # another request's failure restarted it meanwhile
@@ -192,16 +195,19 @@ class EngineDeployment:
                 return False  # alive: its failures are not a crash
             if server.restarts >= self.engine.max_restarts:
                 return False
-            server.restarts += 1
             code = proc.proc.returncode if proc.proc is not None else None
             logger.warning("engine server %s exited (code %s); restarting it (%d of %d; log %s)", server.url, code,
-                           server.restarts, self.engine.max_restarts, proc.log_path)
+                           server.restarts + 1, self.engine.max_restarts, proc.log_path)
             proc.stop()
             try:
                 proc.start()
             except ServerError as e:  # it did not come back: the caller's error names the servers and this
                 logger.error("engine server %s did not restart: %s", server.url, e)
                 return False
+            finally:
+                # counted once the new process is up (or failed to come up): a request sent while it was starting
+                # failed against the old one, so its failure does not spend the restarts of the new one
+                server.restarts += 1
             return True
 
     def _await(self, server: EngineServer) -> bool:
@@ -235,6 +241,47 @@ class EngineDeployment:
                f"{what}"
 
 
+def api_key_value(name: str) -> str:
+    """The value of the key variable `name` (`engine.api_key_env`).
+
+    Raises:
+        ValueError: it is not set (naming the variable, never a value).
+    """
+    value = os.environ.get(name)
+    if not value:
+        raise ValueError(f"engine.api_key_env names {name}, which is not set in the environment: set it to the "
+                         "servers' API key (or set engine.api_key_env: null for servers without a key)")
+    return value
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback interface (127.0.0.0/8, ::1, localhost): reachable from this machine only."""
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def serve_address_problem(host: str, port: int) -> str | None:
+    """Why `--host HOST --port PORT` cannot be a server's address, else None."""
+    import ipaddress
+
+    if not 1 <= port <= 65535:
+        return f"--port {port}: expected a TCP port in 1-65535"
+    if not host.strip() or any(c.isspace() for c in host):
+        return f"--host {host!r}: expected an interface address (127.0.0.1, 0.0.0.0, ::, 10.0.0.5) or a host name"
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?", host):
+            return f"--host {host!r}: expected an interface address (127.0.0.1, 0.0.0.0, ::) or a host name"
+    return None
+
+
 def serve_command(recipe: Any, aux_layer_ids: tuple[int, ...], num_layers: int, host: str, port: int,
                   python: str | None = None) -> tuple[list[str], dict[str, str]]:
     """The command line and extra environment of one hidden-states server as the recipe's engine section describes it
@@ -265,15 +312,33 @@ def serve_command(recipe: Any, aux_layer_ids: tuple[int, ...], num_layers: int, 
     return cmd, env
 
 
-def serve_recipe(recipe: Any, host: str = "0.0.0.0", port: int = 8000, dry_run: bool = False) -> str:
+def serve_recipe(recipe: Any, host: str = LOOPBACK, port: int = 8000, dry_run: bool = False,
+                 allow_no_key: bool = False) -> str:
     """`eagle3-zoo serve`: the recipe's hidden-states server, in the foreground (this process becomes vLLM); with
     `dry_run`, only the command line (for a launcher of your own, e.g. an `srun` line). Returns the command shown.
 
+    The server binds `host` (default loopback: this machine only). With `engine.api_key_env` it requires that key
+    (vLLM's ``VLLM_API_KEY``, given its value here and shown as ``"$NAME"``: no key is ever printed); a bind other
+    than loopback without a key is refused unless `allow_no_key` (anyone who reaches the port could use the engine).
+
     Raises:
-        ValueError: no `engine.hidden_states_dir`; TargetNotFoundError / UnknownAdapterError: as loading the target.
+        ValueError: a bad host or port, a non-loopback bind without a key, no `engine.hidden_states_dir`, an unset
+            key variable; TargetNotFoundError / UnknownAdapterError: as loading the target.
     """
     import shlex
     import sys
+
+    if problem := serve_address_problem(host, port):
+        raise ValueError(f"serve: {problem}")
+    key = recipe.engine.api_key_env
+    if not key and not is_loopback(host) and not allow_no_key:
+        raise ValueError(f"serve: --host {host} opens the engine to the network without an API key: set "
+                         "engine.api_key_env to the name of a variable holding one (the trainers send it too), or "
+                         "pass --no-api-key to serve without one on a network you trust")
+    if not recipe.engine.hidden_states_dir:
+        raise ValueError("serve: the recipe has no engine.hidden_states_dir: the server's connector writes the hidden "
+                         "states there and the trainers read them from there (a directory both machines see); set it "
+                         "in the recipe's engine section or as an override (engine.hidden_states_dir=/shared/hs)")
 
     from eagle3_zoo.adapters import adapter_for
     from eagle3_zoo.adapters.shipped import shipped_target_config
@@ -298,10 +363,12 @@ def serve_recipe(recipe: Any, host: str = "0.0.0.0", port: int = 8000, dry_run: 
         except FileNotFoundError:
             python = "python"
     cmd, env = serve_command(recipe, aux, n, host, port, python)
-    shown = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), *map(shlex.quote, cmd)])
+    secret = {"VLLM_API_KEY": api_key_value(key)} if key and not dry_run else {}
+    shown = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()),
+                      *([f'VLLM_API_KEY="${key}"'] if key else []), *map(shlex.quote, cmd)])
     if dry_run:
         return shown
     print(shown, file=sys.stderr, flush=True)
     Path(recipe.engine.hidden_states_dir).mkdir(parents=True, exist_ok=True)
-    os.execvpe(cmd[0], cmd, {**os.environ, **env})  # noqa: S606  (the engine's python, from the recipe)
+    os.execvpe(cmd[0], cmd, {**os.environ, **env, **secret})  # noqa: S606  (the engine's python, from the recipe)
 

@@ -17,21 +17,26 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import shutil
+import stat
 import tempfile
+import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eagle3_zoo.targets.openai_client import ServerError
+from eagle3_zoo.targets.openai_client import BadAnswerError
 from eagle3_zoo.targets.server import VLLMServer, resolve_model_dir
 
 PLUGIN_DIR = Path(__file__).with_name("vllm_plugins")
 CONNECTOR = "CPUHiddenStatesConnector"
 CONNECTOR_MODULE = "eagle3_zoo_hs_connector"
+logger = logging.getLogger(__name__)
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"  # vLLM's own: asynchronous CUDA copies (GPU builds)
 
 
@@ -50,39 +55,98 @@ def hidden_states_configs(aux_layer_ids: Sequence[int], num_layers: int, storage
 
 def request_hidden_states(client: Any, model: str, ids: Sequence[int], request_id: str | None = None) -> str:
     """Ask a hidden-states server for the states of the token ids `ids` (one completion of one token); the path of
-    the safetensors file its connector wrote, as the server names it.
+    the safetensors file its connector wrote, as the server names it (check it with `answered_file` before using it).
 
     Raises:
-        ServerError: the server failed (after the client's retries) or its answer names no file.
+        ServerError: the server failed (after the client's retries); BadAnswerError: its answer names no file.
     """
     payload = {"model": model, "prompt": [int(i) for i in ids], "max_tokens": 1, "temperature": 0.0,
                "kv_transfer_params": {}}
     if request_id:
         payload["request_id"] = request_id  # vLLM names the file after it (`cmpl-<id>-0-<suffix>.safetensors`)
     out = client.post("/v1/completions", payload)
-    path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
-    if not path:
-        raise ServerError(f"{client.base_url}: the completion carries no kv_transfer_params.hidden_states_path (is "
-                          "the server running vLLM's extract_hidden_states method with a hidden-states connector?)")
-    return str(path)
+    params = out.get("kv_transfer_params")
+    path = params.get("hidden_states_path") if isinstance(params, dict) else None
+    if not isinstance(path, str) or not path:
+        found = "no kv_transfer_params" if params is None else f"kv_transfer_params {client.scrub(repr(params))[:120]}"
+        raise BadAnswerError(f"{client.base_url}: the completion carries no kv_transfer_params.hidden_states_path "
+                             f"string ({found}; is the server running vLLM's extract_hidden_states method with a "
+                             "hidden-states connector?)")
+    return path
 
 
-def read_hidden_states(path: str | os.PathLike, ids: Sequence[int], layers: int) -> torch.Tensor:
-    """The `[T, layers, H]` states of a connector's file for the prompt `ids`, read once: the file (and its lock)
-    are deleted, nothing is kept on disk.
+def answered_file(path: str, storage: str | os.PathLike, request_id: str | None = None, server: str = "") -> Path:
+    """The local file a hidden-states answer names (`path`, the server's own view of it), checked before anything
+    reads or deletes it: a plain file name (no directory part of ours, no ``.``/``..``, no NUL byte) of a connector
+    file (``cmpl-<request id>-...safetensors``) of this request (`request_id`; None: any completion's), inside
+    `storage`. The file itself is checked when it is read (`read_hidden_states`).
 
     Raises:
-        ServerError: the file holds other tokens than `ids`, or another number of layers than `layers`.
+        BadAnswerError: the answer names something else (the server's fault: nothing is read or deleted).
     """
-    data = _read_locked(str(path))
-    hs, got = data["hidden_states"], data["token_ids"].tolist()
-    if got != [int(i) for i in ids]:
-        raise ServerError(f"{path}: hidden states of {len(got)} tokens for a prompt of {len(ids)} tokens (another "
-                          "request's file?)")
-    if hs.dim() != 3 or hs.shape[1] != layers:
-        raise ServerError(f"{path}: hidden states of shape {list(hs.shape)}, expected [{len(ids)}, {layers}, H]: the "
-                          "server extracts other layers than this run's aux layers + the last one (start it with "
-                          "`eagle3-zoo serve RECIPE` for this recipe)")
+    name = path.replace("\\", "/").rsplit("/", 1)[-1] if isinstance(path, str) else ""
+    prefix = f"cmpl-{request_id}-" if request_id else "cmpl-"
+    problem = ("a path with a NUL byte" if "\0" in path else "no file name" if name in ("", ".", "..")
+               else f"a file that is not a connector file of this request (expected {prefix}*.safetensors)"
+               if not (name.startswith(prefix) and name.endswith(".safetensors") and "\0" not in name) else None)
+    if problem:
+        raise BadAnswerError(f"{server or 'the engine server'} answered with hidden_states_path {path!r}: {problem}; "
+                             "nothing was read or deleted")
+    return Path(storage) / name
+
+
+def read_hidden_states(path: str | os.PathLike, ids: Sequence[int], layers: int, hidden_size: int | None = None, *,
+                       server: str = "", lock_timeout: float = 600.0, keep: bool = False) -> torch.Tensor:
+    """The `[T, layers, H]` states of a connector's file for the prompt `ids`, read once and checked in full: a
+    regular file, safetensors with ``hidden_states`` (floating point, `[len(ids), layers, hidden_size]`, finite) and
+    ``token_ids`` (exactly `ids`). The file (and its lock) are then deleted, unless `keep` (a check ahead of the
+    read); a file that fails a check is deleted too (it is this request's, named as `answered_file` checks).
+    `lock_timeout`: seconds to wait for the connector to finish writing it (its lock).
+
+    Raises:
+        BadAnswerError: the file is missing, unreadable or holds something else (names `server` and the file).
+    """
+    path = str(path)
+    where = f"{server + ': ' if server else ''}hidden-states file {path}"
+    try:
+        data = _read_locked(path, lock_timeout, where)
+        hs = _checked_states(data, [int(i) for i in ids], layers, hidden_size, where)
+    except BaseException:
+        _remove(path)
+        raise
+    if not keep:
+        _remove(path)
+    return hs
+
+
+def _checked_states(data: dict[str, torch.Tensor], ids: list[int], layers: int, hidden_size: int | None,
+                    where: str) -> torch.Tensor:
+    missing = [k for k in ("hidden_states", "token_ids") if k not in data]
+    if missing:
+        raise BadAnswerError(f"{where}: no {' and no '.join(missing)} tensor (keys: {', '.join(sorted(data)) or 'none'}"
+                             "); is the server's connector vLLM's hidden-states connector?")
+    hs, tok = data["hidden_states"], data["token_ids"]
+    if tok.dtype.is_floating_point or tok.dtype == torch.bool or tok.dim() != 1:
+        raise BadAnswerError(f"{where}: token_ids of dtype {str(tok.dtype).removeprefix('torch.')} and shape "
+                             f"{list(tok.shape)}; expected a 1-D integer tensor")
+    got = tok.tolist()
+    if got != ids:
+        raise BadAnswerError(f"{where}: hidden states of {len(got)} tokens "
+                             f"{'(other tokens) ' if len(got) == len(ids) else ''}for a prompt of {len(ids)} tokens "
+                             "(another request's file?)")
+    if not hs.dtype.is_floating_point:
+        raise BadAnswerError(f"{where}: hidden states of dtype {str(hs.dtype).removeprefix('torch.')}; expected a "
+                             "floating-point tensor (the target's activations)")
+    if hs.dim() != 3 or hs.shape[1] != layers or hs.shape[0] != len(ids) or \
+            (hidden_size is not None and hs.shape[2] != hidden_size):
+        raise BadAnswerError(f"{where}: hidden states of shape {list(hs.shape)}, expected [{len(ids)}, {layers}, "
+                             f"{hidden_size or 'H'}] (tokens, this run's aux layers + the last one, the target's "
+                             "hidden size): is the server serving this recipe's target with its layers (start it with "
+                             "`eagle3-zoo serve RECIPE`)?")
+    if not bool(torch.isfinite(hs).all()):
+        bad = int((~torch.isfinite(hs)).sum())
+        raise BadAnswerError(f"{where}: {bad} of {hs.numel()} hidden-state values are NaN or infinite (a fault of the "
+                             "server's model or hardware)")
     return hs
 
 
@@ -109,6 +173,7 @@ class VLLMFeatureExtractor:
         self.model_dir = resolve_model_dir(model)
         config = json.loads((Path(self.model_dir) / "config.json").read_text())
         self.num_layers = int(config["num_hidden_layers"])
+        self.hidden_size = int(config["hidden_size"])
         self.eps = float(config.get("rms_norm_eps", 1e-6))
         self.aux_layer_ids = [int(i) for i in aux_layer_ids]
         self._own_storage = storage is None
@@ -145,8 +210,11 @@ class VLLMFeatureExtractor:
         """
         self.start()
         ids = [int(i) for i in (input_ids.tolist() if isinstance(input_ids, torch.Tensor) else input_ids)]
-        path = request_hidden_states(self.client, self.model_name, ids)
-        hs = read_hidden_states(self.storage / Path(path).name, ids, len(self.aux_layer_ids) + 1).float()
+        request_id = f"e3zx-{uuid.uuid4().hex[:12]}"
+        where = self.client.base_url
+        path = answered_file(request_hidden_states(self.client, self.model_name, ids, request_id), self.storage,
+                             request_id, where)
+        hs = read_hidden_states(path, ids, len(self.aux_layer_ids) + 1, self.hidden_size, server=where).float()
         return split_states(hs, lambda x: _rms_norm(x, self.norm_weight, self.eps))
 
     def batch(self, sequences: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,32 +228,76 @@ class VLLMFeatureExtractor:
         return aux, final
 
 
-def _read_locked(path: str) -> dict[str, torch.Tensor]:
+def wait_for_lock(path: str, timeout: float, where: str) -> None:
+    """Wait until the connector releases its lock on `path` (``<path>.lock``, held LOCK_EX until the file is
+    complete; no lock file: nothing to wait for), polling so that signals are handled meanwhile.
+
+    Raises:
+        BadAnswerError: still locked after `timeout` seconds (a server that died while writing it, or a stuck one).
+    """
+    try:
+        fd = os.open(path + ".lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        deadline, delay = time.monotonic() + timeout, 0.005
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise BadAnswerError(f"{where}: its connector still holds the file's lock after {timeout:g} s "
+                                         "(engine.timeout): a server that died or hangs while writing it") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.2)
+    finally:
+        os.close(fd)
+
+
+def _read_locked(path: str, timeout: float, where: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    lock = path + ".lock"
-    if os.path.exists(lock):
-        with open(lock) as f:
-            fcntl.flock(f, fcntl.LOCK_SH)  # the connector holds LOCK_EX until the file is complete
-            data = load_file(path)
-    else:
-        data = load_file(path)
-    for p in (path, lock):  # read once: the store keeps its own copy
+    wait_for_lock(path, timeout, where)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise BadAnswerError(f"{where}: no such file (is engine.hidden_states_dir the directory the server's "
+                             "connector writes to, as this machine sees it?)") from None
+    except OSError as e:
+        raise BadAnswerError(f"{where}: cannot be read ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise BadAnswerError(f"{where}: not a regular file (a directory or a link)")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise BadAnswerError(f"{where}: not a readable safetensors file ({' '.join(str(e).split())[:200]})") from None
+
+
+def _remove(path: str) -> None:
+    """Delete a connector file and its lock, when they are regular files (gone already: nothing to do; a directory
+    or a link by that name is left alone)."""
+    for p in (path, path + ".lock"):
         with contextlib.suppress(FileNotFoundError):
-            os.remove(p)
-    return data
+            if stat.S_ISREG(os.lstat(p).st_mode):
+                os.remove(p)
 
 
-def discard_hidden_states(path: str | os.PathLike) -> None:
+def discard_hidden_states(path: str | os.PathLike, timeout: float = 600.0) -> None:
     """Delete a connector's file (and its lock) that nobody reads, once the connector has finished writing it (a
-    hidden-states server writes one for every completion, e.g. one that answers the regeneration)."""
+    hidden-states server writes one for every completion, e.g. one that answers the regeneration); `path` as
+    `answered_file` checked it. A file still locked after `timeout` seconds, or one that is not a regular file, is
+    left alone (with a warning)."""
     path = str(path)
-    lock = path + ".lock"
-    with contextlib.suppress(FileNotFoundError), open(lock) as f:
-        fcntl.flock(f, fcntl.LOCK_SH)  # the connector holds LOCK_EX until the file is complete
-    for p in (path, lock):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(p)
+    try:
+        wait_for_lock(path, timeout, f"hidden-states file {path}")
+        if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+            raise BadAnswerError(f"hidden-states file {path}: not a regular file")
+    except (BadAnswerError, OSError) as e:
+        logger.warning("not deleted: %s", e)
+        return
+    _remove(path)
 
 
 def _final_norm_weight(model_dir: Path) -> torch.Tensor:
