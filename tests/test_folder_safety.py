@@ -345,6 +345,84 @@ def test_a_killed_export_leaves_nothing_a_rerun_keeps(tmp_path):
     assert check_drafter(out).ok
 
 
+def _contents(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir()} if folder.exists() else {}
+
+
+_KILL_AT_RENAME = """
+import os, sys
+from pathlib import Path
+from eagle3_zoo.checkpoint.convert import export_drafter
+src, out, kill_at = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+renames = 0
+def killed_after(real):
+    def rename(a, b, *args, **kwargs):
+        global renames
+        real(a, b, *args, **kwargs)
+        if out in (Path(a), Path(b), Path(b).parent):  # a move into, out of or of the output folder
+            renames += 1
+            if renames == kill_at:
+                os._exit(9)  # SIGKILL-like: no cleanup of any kind
+    return rename
+os.replace, os.rename = killed_after(os.replace), killed_after(os.rename)
+export_drafter(src, "speculators", out)
+"""
+
+
+@pytest.mark.parametrize("previous", [False, True], ids=["new-out", "existing-out"])
+@pytest.mark.parametrize("kill_at", [1, 2, 3])
+def test_export_killed_at_any_rename_leaves_out_whole(tmp_path, previous, kill_at):
+    """`export` killed right after any rename that moves files into (or the folder of) `--out`: `--out` is absent,
+    the previous folder, or the complete new one, never a mix; a rerun gives the complete folder and keeps the
+    previous folder's other files."""
+    src, _ = canonical_dir(tmp_path)
+    (src / "recipe.yaml").write_text("target: {name_or_path: tiny}\n")
+    reference = export_drafter(src, "speculators", tmp_path / "reference")
+    out = tmp_path / "out"
+    old: dict[str, bytes] = {}
+    if previous:
+        export_drafter(src, "sglang", out)
+        (out / "notes.txt").write_text("mine")
+        old = _contents(out)
+    new = {**_contents(reference), **({"notes.txt": b"mine"} if previous else {})}
+    r = subprocess.run([sys.executable, "-c", _KILL_AT_RENAME, str(src), str(out), str(kill_at)], env=subprocess_env(),
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode in (9, 0), r.stderr[-3000:]
+    assert r.returncode == 9 or kill_at > 1  # the first rename always comes
+    assert _contents(out) in ({}, old, new), sorted(_contents(out))
+    assert not out.exists() or (check_drafter(out).ok and _contents(out) in (old, new))
+    export_drafter(src, "speculators", out)
+    assert _contents(out) == new
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]  # no stage or moved-aside folder left
+
+
+def test_export_refuses_a_folder_that_is_not_a_drafter_unless_forced(tmp_path, capsys, monkeypatch):
+    src, _ = canonical_dir(tmp_path)
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "smollm2_135m.yaml").write_text("mine")
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    (target / "model.safetensors").write_bytes(b"the target's weights")
+    for out, says in ((recipes, "(no config.json)"), (target, "(its config.json is not a drafter's)")):
+        before = _contents(out)
+        code, line = _cli(capsys, "export", src, "--out", out)
+        assert code == 2 and f"{out} exists and is not a drafter folder {says}" in line, line
+        assert "pass --force to write the drafter into it anyway" in line, line
+        assert _contents(out) == before and not [p for p in tmp_path.iterdir() if p.name.startswith(f".{out.name}")]
+    monkeypatch.chdir(recipes)
+    code, line = _cli(capsys, "export", src, "--out", ".")
+    assert code == 2 and "holds the current directory" in line, line
+    monkeypatch.chdir(tmp_path)
+    code, _ = _cli(capsys, "export", src, "--out", recipes, "--force")
+    assert code == 0 and sorted(_contents(recipes)) == ["config.json", "model.safetensors", "smollm2_135m.yaml"]
+    assert (recipes / "smollm2_135m.yaml").read_text() == "mine" and check_drafter(recipes).ok
+    (recipes / "smollm2_135m.yaml").unlink()
+    code, _ = _cli(capsys, "export", src, "--out", recipes, "--format", "speculators")  # a drafter folder: rewritten
+    assert code == 0 and check_drafter(recipes).format == "speculators"
+
+
 def test_check_with_the_engine_leaves_no_temporary_folder(tmp_path, monkeypatch):
     import tempfile
 

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3_zoo.checkpoint.check import require_valid_drafter, require_valid_stage
+from eagle3_zoo.checkpoint.folder import drafter_out_dir, replace_with_stage
 from eagle3_zoo.checkpoint.formats import (
     CANONICAL_KEYS,
     EXPORT_FORMATS,
@@ -31,7 +32,7 @@ from eagle3_zoo.checkpoint.formats import (
 from eagle3_zoo.checkpoint.variants import SGLANG_RISK, eagle31_options
 from eagle3_zoo.checkpoint.weights import SAFETENSORS_NAME, inside_folder, load_weights
 from eagle3_zoo.dtypes import torch_dtype
-from eagle3_zoo.fileio import atomic_write, atomic_write_text, move_files_into, staged_directory
+from eagle3_zoo.fileio import atomic_write, atomic_write_text, recover_replaced_directory, staged_directory
 from eagle3_zoo.modeling import CONFIG_NAME, WEIGHTS_NAME, Eagle3Drafter, identity_vocab
 
 __all__ = ["CANONICAL_KEYS", "convert_to_canonical", "export_drafter", "extra_files", "import_drafter",
@@ -154,23 +155,30 @@ def export_drafter(
     num_speculative_tokens: int = 3,
     verifier_architectures: list[str] | None = None,
     verifier: str | None = None,
+    force: bool = False,
 ) -> Path:
     """Write a drafter in the SGLang (canonical) or speculators layout, with its recipe, provenance and results.
+
+    The folder is staged next to `out_dir` and renamed into place (`replace_with_stage`): a killed export leaves
+    `out_dir` as it was (or absent), never partly written.
 
     Args:
         drafter_dir: drafter folder in any supported format (usually what training wrote).
         fmt: "sglang" (alias "canonical") or "speculators".
-        out_dir: output folder (created; existing files with the same names are replaced).
+        out_dir: output folder (created; in an existing drafter folder, files with the same names are replaced and
+            the others kept).
         num_speculative_tokens: speculators only: the greedy proposal length vLLM uses by default.
         verifier_architectures: speculators only: the target's HF classes (default: from its model_type).
         verifier: speculators only: the target's Hub id or local folder (default: the drafter's target, a zoo
             alias mapped to its Hub id).
+        force: write into an existing folder that is not a drafter folder too (`--force`).
 
     Returns:
         `out_dir`.
 
     Raises:
-        ValueError: unknown format, or `out_dir` is `drafter_dir`.
+        ValueError: unknown format, `out_dir` is `drafter_dir`, holds the current directory, or is a folder that is
+            not a drafter folder (without `force`).
         InvalidDrafterError: `eagle3-zoo check` finds errors in `drafter_dir` (nothing is written): an export is
             what serving engines load, so a broken drafter is never passed on, not even byte for byte.
     """
@@ -179,6 +187,7 @@ def export_drafter(
     src, out = Path(drafter_dir), Path(out_dir)
     if out.resolve() == src.resolve():
         raise ValueError(f"export target {out} is the drafter folder itself; choose another --out")
+    out = drafter_out_dir(out, force=force, force_option="--force")
     report = require_valid_drafter(src, purpose="export")
     sglang_risk = EXPORT_FORMATS[fmt] == "sglang" and report.config is not None and report.config.eagle31
     for problem in report.warnings:
@@ -189,6 +198,7 @@ def export_drafter(
                     ", ".join(eagle31_options(report.config)), SGLANG_RISK)
     extras = extra_files(src)  # links leading outside the folder are refused before anything is written
     with staged_directory(out) as tmp:  # a failed or killed export leaves no partial file in `out`
+        recover_replaced_directory(out)  # a replacement cut short: its files are carried over below
         if EXPORT_FORMATS[fmt] == "sglang" and is_canonical(src):
             for name in (CONFIG_NAME, WEIGHTS_NAME):  # already canonical: keep the exact bytes
                 shutil.copyfile(inside_folder(src, src / name), tmp / name)
@@ -199,7 +209,7 @@ def export_drafter(
         for extra in extras:
             shutil.copyfile(inside_folder(src, extra), tmp / extra.name)
         require_valid_stage(tmp, out, purpose="export")  # what serving engines will load passes the checks too
-        move_files_into(tmp, out)
+        replace_with_stage(tmp, out)
     log.debug("exported %s -> %s (%s format)", src, out, EXPORT_FORMATS[fmt])  # the CLI prints it
     return out
 

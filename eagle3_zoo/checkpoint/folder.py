@@ -14,6 +14,7 @@ drafter that `check`, `export` or `eval` would refuse.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 from eagle3_zoo.checkpoint.check import require_valid_stage
 from eagle3_zoo.fileio import atomic_write_text, recover_replaced_directory, replace_directory, staged_directory
 from eagle3_zoo.modeling import Eagle3Drafter
+from eagle3_zoo.modeling.config import ARCHITECTURE
 from eagle3_zoo.provenance import provenance_json
 
 
@@ -58,20 +60,37 @@ def _link_or_copy(src: Any, dest: Any) -> None:
         shutil.copy2(src, dest)
 
 
-def drafter_out_dir(out_dir: str | Path) -> Path:
+def is_drafter_folder(path: Path) -> bool:
+    """Whether `path` holds a drafter's config.json (an EAGLE-3 drafter in a layout eagle3-zoo reads: canonical,
+    official or speculators), not a target's or anything else's."""
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and (raw.get("speculators_model_type") == "eagle3" or "draft_vocab_size" in raw
+                                      or ARCHITECTURE in (raw.get("architectures") or []))
+
+
+def drafter_out_dir(out_dir: str | Path, force: bool = False, force_option: str | None = None) -> Path:
     """`out_dir` as an absolute path that may be replaced by a drafter folder.
+
+    `force`: an existing folder that is not a drafter folder may be written too (files of other names are kept);
+    `force_option`: the caller's option that does so, named in the refusal.
 
     Raises:
         ValueError: it names no folder (`.`, `/`), holds the current directory, or is an existing folder that is not
-            a drafter folder (no config.json): replacing it would delete what it holds.
+            a drafter folder (no drafter's config.json): replacing it would delete or mix up what it holds.
     """
     path = Path(os.path.abspath(out_dir))
     if not path.name or Path.cwd() == path or path in Path.cwd().parents:
         raise ValueError(f"drafter folder '{out_dir}' is {path}, which holds the current directory; the folder is "
                          "replaced when it is written: name a new folder, e.g. ./drafter")
-    if path.is_dir() and any(path.iterdir()) and not (path / "config.json").exists():
-        raise ValueError(f"{path} exists and is not a drafter folder (no config.json); it would be replaced: name a "
-                         "new folder, or the drafter folder to rewrite")
+    if not force and path.is_dir() and any(path.iterdir()) and not is_drafter_folder(path):
+        what = "its config.json is not a drafter's" if (path / "config.json").exists() else "no config.json"
+        forced = f", or pass {force_option} to write the drafter into it anyway (its files of other names are kept)" \
+            if force_option else ""
+        raise ValueError(f"{path} exists and is not a drafter folder ({what}); it would be replaced: name a new "
+                         f"folder, or the drafter folder to rewrite{forced}")
     if path.exists() and not path.is_dir():
         raise ValueError(f"{path} is a file; a drafter is written as a folder: name a new folder")
     return path
@@ -109,9 +128,16 @@ def write_drafter_folder(drafter: Eagle3Drafter, out_dir: str | Path, recipe: An
         drafter.save_pretrained(tmp)
         _save_recipe(recipe, tmp / "recipe.yaml")
         (tmp / "provenance.json").write_text(provenance_json(provenance))
-        _finish_tree(tmp)
         require_valid_stage(tmp, out_dir)
-        if out_dir.exists():
-            _carry_over(out_dir, tmp)
-        replace_directory(tmp, out_dir)
+        replace_with_stage(tmp, out_dir)
     return out_dir
+
+
+def replace_with_stage(staged: Path, out_dir: Path) -> None:
+    """Make the checked folder `staged` the folder `out_dir` in one rename (`replace_directory`): its files fsynced
+    and given ordinary permissions, and the entries of an existing `out_dir` that it does not hold carried over, so
+    that `out_dir` holds either its old files or all the new ones, never a mix, whenever the writer is killed."""
+    _finish_tree(staged)
+    if out_dir.exists():
+        _carry_over(out_dir, staged)
+    replace_directory(staged, out_dir)

@@ -22,7 +22,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from eagle3_zoo.checkpoint.formats import EXPORT_FORMATS
 
     out = export_drafter(args.drafter_dir, args.format, args.out, num_speculative_tokens=args.num_speculative_tokens,
-                         verifier=args.verifier)
+                         verifier=args.verifier, force=args.force)
     print(f"exported {args.drafter_dir} -> {out} ({EXPORT_FORMATS[args.format]} format)")
     return 0
 
@@ -104,7 +104,10 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("--format", choices=_FORMATS, default="sglang",
                    help="sglang (= canonical: SGLang, vLLM and the official loaders) or speculators (vLLM's own "
                    "format); default: sglang")
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--out", required=True, help="output folder (replaced in one rename; in an existing drafter "
+                   "folder, files of other names are kept)")
+    p.add_argument("--force", action="store_true", help="write into an existing --out that is not a drafter folder "
+                   "(files of the names export writes are replaced, the others kept)")
     p.add_argument("--verifier", help="speculators: the target as speculators resolves it, a Hub id or a local folder "
                    "(default: the drafter's target, mapped to its Hub id when it is a zoo alias)")
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="speculators: vLLM's default draft length")
