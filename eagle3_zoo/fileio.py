@@ -175,18 +175,6 @@ def staged_directory(path: str | Path) -> Iterator[Path]:
         lock.unlink(missing_ok=True)
 
 
-def move_files_into(staged: Path, folder: Path) -> None:
-    """Move the (fsynced) files of `staged` into `folder` (created), each by one rename replacing its namesake:
-    `folder` never holds a partly written file."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for path in sorted(staged.iterdir()):
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-        os.chmod(path, 0o666 & ~_umask())
-        os.replace(path, folder / path.name)
-    fsync_dir(folder)
-
-
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     """Hex sha256 of a file, read in chunks."""
     digest = hashlib.sha256()
