@@ -162,8 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(args.func(args) or EXIT_OK)
     except SystemExit as e:  # --help / --version (argparse prints them and exits)
         return e.code if isinstance(e.code, int) else EXIT_OK
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # Ctrl-C; an interrupted `fit` says what it kept (`FitInterrupted`)
+        print(f"interrupted: {' '.join(str(e).split())}" if str(e) else "interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # library code raises; only here does an exception become a message and an exit code
         if debug:

@@ -7,7 +7,8 @@ starts the run's processes, then in its `setup` hook (`eagle3_zoo.training.build
 seed -> load the target -> prepare data (read, regenerate, split, tokenise, draft-vocab counts) -> build the
 drafter -> (offline: extract features) -> resume from `output_dir/checkpoints/last.ckpt` if it exists and was
 written by a run with the same settings (`eagle3_zoo.training.resume`) -> train -> write `output_dir/drafter/`. A
-non-finite loss stops training; the last (finite) checkpoint stays.
+non-finite loss stops training; the last (finite) checkpoint stays. Ctrl-C stops it too (`FitInterrupted`, exit 130),
+naming the checkpoint a rerun resumes from (`eagle3_zoo.training.interrupt`).
 
 Multi-process strategies (ddp, fsdp) relaunch the *command line* for the other ranks (Lightning's subprocess
 launcher), so run them through the CLI (`eagle3-zoo fit` or `python -m eagle3_zoo.cli fit`), not from an
@@ -42,6 +43,7 @@ from eagle3_zoo.training import resume
 from eagle3_zoo.training.build import RecipeDataModule
 from eagle3_zoo.training.callbacks import ProgressLogCallback, StepProgressBar, TTTScheduleCallback
 from eagle3_zoo.training.engine_callback import EngineFeedCallback
+from eagle3_zoo.training.interrupt import InterruptWatch
 from eagle3_zoo.training.lightning_private import last_global_step_saved, save_last_checkpoint
 from eagle3_zoo.training.module import Eagle3Module, NonFiniteError, all_finite
 from eagle3_zoo.training.outputs import build_provenance, drafter_info, full_drafter
@@ -225,8 +227,9 @@ def _fit(recipe: Any, source: str) -> Path:
     identity = resume.RunIdentityCallback({}, None)  # filled once the run is built
     tau = _tau_eval_callbacks(recipe, None)  # the tokenizer too
     engine = [EngineFeedCallback()] if run_plan(recipe).streams else []  # hidden states streamed from the engine
+    interrupt = InterruptWatch()  # Ctrl-C: exit 130 naming the checkpoint kept, not Lightning's sys.exit(1)
     # the loggers are given once the run is built: a run refused by its data stage or its target writes nothing
-    trainer = build_trainer(recipe, [identity, record, *engine, *tau], logger=False)
+    trainer = build_trainer(recipe, [identity, record, *engine, *tau, interrupt], logger=False)
     built: dict[str, Any] = {}
 
     def on_built(run: Any) -> None:
@@ -263,7 +266,8 @@ def _fit(recipe: Any, source: str) -> Path:
     datamodule = RecipeDataModule(recipe, source, module, on_built)
     record.hardware, record.static["world_size"] = _hardware(trainer), trainer.world_size
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if last.exists() else None)
+        with interrupt.reported(trainer, last, t.checkpoint_every_n_steps):
+            trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if last.exists() else None)
     except EngineFeedError as e:  # one error that says what the run keeps
         raise EngineFeedError(f"{e}; {engine[0].kept}" if engine and engine[0].kept else str(e)) from None
     finally:
