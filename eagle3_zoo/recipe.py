@@ -3,10 +3,16 @@ annotations, each value rule sits on its field: `eagle3_zoo.schema.ruled`), load
 validation that raises every problem (unknown key, wrong type, bad value, missing file) at once in one `RecipeError`.
 
     recipe = load_recipe("recipes/qwen25_7b.yaml", ["trainer.max_steps=2000"])
+
+A recipe is data in every artefact (recipe.yaml, provenance.json, hyperparameters, checkpoints, model cards:
+`recipe_to_dict`): a value that comes from an `${oc.env:VAR}` interpolation is written as that text, never as the
+variable's value, and the secrets the recipe gives the run (`eagle3_zoo.redaction`) are redacted. Only the typed
+`Recipe` the process runs with holds the resolved values.
 """
 
 from __future__ import annotations
 
+import hashlib
 import operator
 import os
 import re
@@ -23,6 +29,7 @@ from eagle3_zoo import locations, schema
 from eagle3_zoo.dtypes import DTYPE_NAMES
 from eagle3_zoo.locations import EMBEDDED_SHAREGPT, EMBEDDED_TARGET, hub_or_local_problem, path_problem
 from eagle3_zoo.recipe_engine import EngineConfig, engine_problems
+from eagle3_zoo.redaction import redact_data, register_recipe, register_variable
 from eagle3_zoo.schema import GE0, GT0, UNIT, ConfigProblem, rule, ruled
 
 
@@ -398,6 +405,8 @@ def load_recipe(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -
     except OmegaConfBaseException as e:
         raise RecipeError([*problems, ConfigProblem(getattr(e, "full_key", None) or "<interpolation>",
                                                     str(e).splitlines()[0], source=source)]) from None
+    unresolved = OmegaConf.to_container(cfg, resolve=False)
+    _register_secrets(raw, unresolved)  # before any message could quote one
     clean = schema.check_types(raw, Recipe, "", problems)
     try:  # the typed values (an integer for a number becomes a float) over the defaults
         recipe = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Recipe), clean))
@@ -405,22 +414,131 @@ def load_recipe(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -
         recipe = None
     problems += schema.unechoed(_problems(recipe) if recipe else [], problems)
     _raise_if(problems, source_of)
+    typed = _plain(recipe)
+    # not a dataclass field: OmegaConf.structured and dataclass equality ignore it
+    setattr(recipe, _ENV_VALUES, {path: (text, _at(typed, path)) for path, text in _env_sourced(unresolved).items()
+                                  if _at(typed, path) is not _ABSENT})
     return recipe
 
 
-def recipe_to_dict(recipe: Recipe) -> dict:
-    """Plain nested dict of a recipe (for loggers' hyperparameters and model cards)."""
+# ------------------------------------------------------------------------------------------------ recipes as data
+_ENV_INTERPOLATION = re.compile(r"\$\{\s*oc\.env\s*:")
+_ENV_VARIABLE = re.compile(r"\$\{\s*oc\.env\s*:\s*([A-Za-z_][A-Za-z0-9_]*)")
+_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.IGNORECASE)  # OPENAI_API_KEY, DB_PASSWORD
+_ENV_PROBE, _PROBED = "eagle3_zoo.env_probe", "EAGLE3ZOOENVPROBE"
+_ENV_VALUES = "_env_values"  # attribute of a loaded Recipe: {path: (interpolation text, the typed value it gave)}
+_ABSENT = object()
+
+
+def _register_secrets(raw: dict, unresolved: dict) -> None:
+    """Tell the redaction layer what the recipe gives the run: its key variables, the values of key flags in its
+    server arguments, URL credentials, and the variables named through `${oc.env:...}` that hold keys by name."""
+    register_recipe(raw)
+    for text in _strings(unresolved):
+        for name in _ENV_VARIABLE.findall(text):
+            if _SECRET_NAME.search(name):
+                register_variable(name, f"the value of ${name} (named in the recipe)")
+
+
+def _strings(tree: typing.Any) -> typing.Iterator[str]:
+    if isinstance(tree, str):
+        yield tree
+    for value in tree.values() if isinstance(tree, dict) else tree if isinstance(tree, list) else ():
+        yield from _strings(value)
+
+
+def _env_sourced(unresolved: dict) -> dict[tuple, str]:
+    """The paths of the values an `${oc.env:...}` interpolation gives (in the value itself, or in what it refers
+    to) -> their interpolation text. Found by resolving a copy in which every `oc.env` returns a marker (no
+    variable is read); a copy that does not resolve keeps every interpolation as text."""
+    if not OmegaConf.has_resolver(_ENV_PROBE):
+        OmegaConf.register_resolver(_ENV_PROBE, lambda *args: _PROBED, replace=True)
+
+    def probe(tree: typing.Any) -> typing.Any:
+        if isinstance(tree, str):
+            return _ENV_INTERPOLATION.sub("${" + _ENV_PROBE + ":", tree)
+        if isinstance(tree, dict):
+            return {k: probe(v) for k, v in tree.items()}
+        return [probe(v) for v in tree] if isinstance(tree, list) else tree
+
+    try:
+        probed = OmegaConf.to_container(OmegaConf.create(probe(unresolved)), resolve=True)
+    except OmegaConfBaseException:
+        probed = None
+    found: dict[tuple, str] = {}
+
+    def walk(text: typing.Any, value: typing.Any, path: tuple) -> None:
+        if isinstance(text, str):
+            if "${" in text and (probed is None or _PROBED in repr(value)):
+                found[path] = text
+        elif isinstance(text, dict):
+            for k, v in text.items():
+                walk(v, value.get(k) if isinstance(value, dict) else None, (*path, k))
+        elif isinstance(text, list):
+            for i, v in enumerate(text):
+                walk(v, value[i] if isinstance(value, list) and i < len(value) else None, (*path, i))
+
+    walk(unresolved, probed, ())
+    return found
+
+
+def _plain(recipe: Recipe) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(recipe), resolve=True)
 
 
+def _at(tree: typing.Any, path: tuple) -> typing.Any:
+    for key in path:
+        if isinstance(tree, dict) and key in tree:
+            tree = tree[key]
+        elif isinstance(tree, list) and isinstance(key, int) and key < len(tree):
+            tree = tree[key]
+        else:
+            return _ABSENT
+    return tree
+
+
+def _with_env_text(recipe: Recipe, shown: typing.Callable[[str, typing.Any], typing.Any]) -> dict:
+    """The recipe's plain dict with each value that came from `${oc.env:...}` (and still holds what it gave)
+    replaced by `shown(interpolation text, value)`, secrets redacted."""
+    plain = _plain(recipe)
+    for path, (text, value) in getattr(recipe, _ENV_VALUES, {}).items():
+        if path and _at(plain, path) == value:
+            parent = _at(plain, path[:-1])
+            parent[path[-1]] = shown(text, value)
+    return redact_data(plain)
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    """The recipe as every artefact holds it (recipe.yaml, provenance.json, hyperparameters, checkpoints, model
+    cards): plain nested dicts, resolved, except that a value that came from an `${oc.env:...}` interpolation is
+    that text (it is resolved again when a recipe.yaml is loaded), and with the run's secrets redacted."""
+    return _with_env_text(recipe, lambda text, value: text)
+
+
+def recipe_identity_dict(recipe: Recipe) -> dict:
+    """The recipe as a run's identity holds it (`eagle3_zoo.training.resume`, stored in every checkpoint): as
+    `recipe_to_dict`, but a value from `${oc.env:...}` is its text with a digest of the value, so that a resume
+    with another value is refused without the value being stored (secrets are redacted: a rotated key trains the
+    same drafter)."""
+    def shown(text: str, value: typing.Any) -> str:
+        return f"{text} (sha256 {hashlib.sha256(repr(value).encode()).hexdigest()[:16]})"
+
+    return _with_env_text(recipe, shown)
+
+
 def resolved_recipe_yaml(recipe: Recipe | DictConfig) -> str:
-    """The resolved recipe (defaults + file + overrides) as YAML, as `fit --print-config` shows it."""
-    return OmegaConf.to_yaml(recipe if isinstance(recipe, DictConfig) else OmegaConf.structured(recipe), resolve=True)
+    """The resolved recipe (defaults + file + overrides) as YAML, as `fit --print-config` shows it: the values this
+    process runs with (those of `${oc.env:...}` included: the command prints them to whoever ran it), secrets
+    redacted."""
+    tree = OmegaConf.to_container(recipe if isinstance(recipe, DictConfig) else OmegaConf.structured(recipe),
+                                  resolve=True)
+    return OmegaConf.to_yaml(OmegaConf.create(redact_data(tree)), resolve=False)
 
 
-def save_resolved_recipe(recipe: Recipe | DictConfig, path: str | os.PathLike) -> Path:
-    """Write the resolved recipe as YAML atomically (temp file in the same directory, fsync, rename); the path."""
+def save_resolved_recipe(recipe: Recipe, path: str | os.PathLike) -> Path:
+    """Write recipe.yaml (`recipe_to_dict`: resolved, `${oc.env:...}` kept as text, secrets redacted) atomically
+    (temp file in the same directory, fsync, rename); the path."""
     from eagle3_zoo.fileio import atomic_write_text
 
-    atomic_write_text(Path(path), resolved_recipe_yaml(recipe))
+    atomic_write_text(Path(path), OmegaConf.to_yaml(OmegaConf.create(recipe_to_dict(recipe)), resolve=False))
     return Path(path)

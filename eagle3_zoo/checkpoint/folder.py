@@ -2,7 +2,7 @@
 
     output_dir/drafter/config.json          # canonical SGLang/official layout (Eagle3Drafter.save_pretrained)
     output_dir/drafter/model.safetensors
-    output_dir/drafter/recipe.yaml          # the resolved recipe (overrides applied)
+    output_dir/drafter/recipe.yaml          # the recipe (overrides applied; `${oc.env:...}` as text, secrets redacted)
     output_dir/drafter/provenance.json      # git SHA, package versions, target, data summary, training summary
 
 The folder is staged in a temp directory and renamed into place, so a crash never leaves a half-written drafter
@@ -25,6 +25,7 @@ from eagle3_zoo.fileio import atomic_write_text, recover_replaced_directory, rep
 from eagle3_zoo.modeling import Eagle3Drafter
 from eagle3_zoo.modeling.config import ARCHITECTURE
 from eagle3_zoo.provenance import provenance_json
+from eagle3_zoo.redaction import redact_data
 
 
 def _finish_tree(directory: Path) -> None:
@@ -97,14 +98,15 @@ def drafter_out_dir(out_dir: str | Path, force: bool = False, force_option: str 
 
 
 def _save_recipe(recipe: Any, path: Path) -> None:
-    """recipe.yaml: a typed recipe resolved (the run's own), a plain dict (read from a checkpoint) as data: any
-    `${...}` in it stays literal text, never resolved (it could name an environment variable holding a token)."""
+    """recipe.yaml: a typed recipe as artefacts hold it (`recipe.recipe_to_dict`), a plain dict (read from a
+    checkpoint) as data: any `${...}` in it stays literal text, never resolved (it could name an environment
+    variable holding a token); secrets redacted in both."""
     from eagle3_zoo.recipe import save_resolved_recipe
 
     if isinstance(recipe, dict):
         from omegaconf import OmegaConf
 
-        atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.create(recipe), resolve=False))
+        atomic_write_text(path, OmegaConf.to_yaml(OmegaConf.create(redact_data(recipe)), resolve=False))
     else:
         save_resolved_recipe(recipe, path)
 

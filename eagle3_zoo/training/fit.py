@@ -38,7 +38,7 @@ from eagle3_zoo.data.tokenize import draft_vocab_coverage
 from eagle3_zoo.fileio import atomic_write, recover_replaced_directory
 from eagle3_zoo.progress import use_bar
 from eagle3_zoo.provenance import git_info
-from eagle3_zoo.recipe import recipe_to_dict
+from eagle3_zoo.recipe import recipe_identity_dict, recipe_to_dict
 from eagle3_zoo.training import resume
 from eagle3_zoo.training.build import RecipeDataModule
 from eagle3_zoo.training.callbacks import ProgressLogCallback, StepProgressBar, TTTScheduleCallback
@@ -240,7 +240,7 @@ def _fit(recipe: Any, source: str) -> Path:
                        "dtype": recipe.target.dtype, "lora_path": recipe.target.lora_path,
                        "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
                        "vocab_size": cfg.vocab_size}
-        identity.identity = resume.run_identity(recipe_to_dict(recipe), data_fingerprint=data.fingerprint,
+        identity.identity = resume.run_identity(recipe_identity_dict(recipe), data_fingerprint=data.fingerprint,
                                                 d2t=run.module.drafter.d2t, target=target_info,
                                                 world_size=world_size(t.devices, t.num_nodes, t.accelerator))
         if last.exists():
