@@ -12,18 +12,20 @@ subcommand:
     130  interrupted (Ctrl-C)
 
 An error is one line on stderr (`error: ...`); `--debug` (before or after the subcommand) or `EAGLE3_ZOO_DEBUG=1`
-adds the Python traceback. Heavy imports (torch, transformers, Lightning) happen inside the handlers, after the CPU
-thread count is chosen (`eagle3_zoo.threads`), so `eagle3-zoo --help` is instant.
+adds the Python traceback. What a command prints and logs, its error line and traceback included, has the run's
+secrets redacted (`eagle3_zoo.redaction`). Heavy imports (torch, transformers, Lightning) happen inside the
+handlers, after the CPU thread count is chosen (`eagle3_zoo.threads`), so `eagle3-zoo --help` is instant.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 DEBUG_ENV = "EAGLE3_ZOO_DEBUG"
@@ -103,10 +105,14 @@ def _not_printed_by_lightning(record: logging.LogRecord) -> bool:
 
 
 def configure_logging(level: int) -> None:
-    """One line per log record: ours through the root handler, Lightning's through its own."""
+    """One line per log record: ours through the root handler, Lightning's through its own; every record redacted
+    (`eagle3_zoo.redaction`), whichever handler prints it."""
+    from eagle3_zoo.redaction import install_log_redaction
+
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:
         handler.addFilter(_not_printed_by_lightning)
+    install_log_redaction()
 
 
 def is_bad_input(error: BaseException) -> bool:
@@ -119,8 +125,10 @@ def is_bad_input(error: BaseException) -> bool:
 def error_line(error: BaseException) -> str:
     """The one line printed for `error`: its message; for a failure that is not bad input, after the exception's
     class (`NonFiniteError: ...`, `HubUnreachableError: ...`), which names what went wrong to search for."""
+    from eagle3_zoo.redaction import redact
+
     message = error.args[0] if isinstance(error, KeyError) and error.args else error
-    text = " ".join(str(message).split()) or type(error).__name__  # one line, whatever the message holds
+    text = redact(" ".join(str(message).split())) or type(error).__name__  # one line, whatever the message holds
     return f"error: {text}" if is_bad_input(error) else f"error: {type(error).__name__}: {text}"
 
 
@@ -141,6 +149,19 @@ def _parse(parser: Parser, argv: list[str]) -> argparse.Namespace:
     return args
 
 
+@contextlib.contextmanager
+def _redacted_output() -> Iterator[None]:
+    """What a command prints (its results, a server command line, warnings) with its secrets redacted."""
+    from eagle3_zoo.redaction import RedactingStream
+
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = RedactingStream(sys.stdout), RedactingStream(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `eagle3-zoo ARGV...` and return its exit code (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -158,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the long commands say it (speeds depend on it); the others only with -v
         logging.getLogger(__name__).log(logging.INFO if args.command in LONG_COMMANDS else logging.DEBUG,
                                         "%s", choice.describe())
-        with bars_and_logs():
+        with bars_and_logs(), _redacted_output():
             return int(args.func(args) or EXIT_OK)
     except SystemExit as e:  # --help / --version (argparse prints them and exits)
         return e.code if isinstance(e.code, int) else EXIT_OK
@@ -167,7 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except Exception as e:  # library code raises; only here does an exception become a message and an exit code
         if debug:
-            traceback.print_exc()
+            from eagle3_zoo.redaction import redact
+
+            print(redact(traceback.format_exc()), end="", file=sys.stderr)
         hint = "" if debug else f" (run with --debug or {DEBUG_ENV}=1 for the traceback)"
         bad = is_bad_input(e)
         print(error_line(e) + ("" if bad else hint), file=sys.stderr)

@@ -5,7 +5,8 @@
 
 The process that starts a run takes an exclusive lock on `output_dir/.eagle3-zoo-run.lock` (`exclusive_lock`:
 flock, released by the operating system when the process dies, so a killed run never blocks the next) for the
-whole run and writes who it is next to it (`.eagle3-zoo-run.json`: pid, host, start time, command). A second run
+whole run and writes who it is next to it (`.eagle3-zoo-run.json`: pid, host, start time, command, its secrets
+redacted by `eagle3_zoo.redaction`). A second run
 on the same directory refuses in one line naming that holder, before it loads anything: two runs would share the
 checkpoint, the logs and the drafter folder, and one result would be lost.
 
@@ -21,7 +22,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 import socket
 import sys
@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from eagle3_zoo.fileio import atomic_write_text, exclusive_lock, remove_dead_stages
+from eagle3_zoo.redaction import redact
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,8 @@ def starts_the_run() -> bool:
 def _holder(output_dir: Path) -> str:
     try:
         info = json.loads((output_dir / RUN_HOLDER).read_text())
-        return (f"pid {info['pid']} on {info['host']}, started {info['started']}: "
-                f"{' '.join(info.get('command') or [])}".rstrip(": "))
+        return redact(f"pid {info['pid']} on {info['host']}, started {info['started']}: "
+                      f"{' '.join(info.get('command') or [])}".rstrip(": "))
     except (OSError, ValueError, KeyError, TypeError):
         return "a process that has not said who it is yet"
 
@@ -82,7 +83,7 @@ def hold_run_directory(output_dir: str | Path) -> Iterator[None]:
                 f"{output_dir} is in use by another run ({_holder(output_dir)}); two runs on one output_dir would "
                 "share its checkpoint, logs and drafter folder: wait for that run to finish, or set another "
                 "output_dir") from None
-        command = [os.path.basename(sys.argv[0]), *(re.sub(r"(://)[^/@\s]*@", r"\1***@", a) for a in sys.argv[1:])]
+        command = [os.path.basename(sys.argv[0]), *map(redact, sys.argv[1:])]  # keys given on the command line
         atomic_write_text(output_dir / RUN_HOLDER, json.dumps({
             "pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
             "command": command}) + "\n")
