@@ -34,6 +34,7 @@ from eagle3_zoo.checkpoint.weights import SAFETENSORS_NAME, inside_folder, load_
 from eagle3_zoo.dtypes import torch_dtype
 from eagle3_zoo.fileio import atomic_write, atomic_write_text, recover_replaced_directory, staged_directory
 from eagle3_zoo.modeling import CONFIG_NAME, WEIGHTS_NAME, Eagle3Drafter, identity_vocab
+from eagle3_zoo.redaction import find_secret, redact_document
 
 __all__ = ["CANONICAL_KEYS", "convert_to_canonical", "export_drafter", "extra_files", "import_drafter",
            "tensors_digest"]
@@ -148,6 +149,21 @@ def _write_speculators(drafter: Eagle3Drafter, out: Path, num_speculative_tokens
     atomic_write_text(out / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
 
 
+def _copy_extra(src: Path, dest: Path) -> None:
+    """Copy a recipe, provenance or results file with the run's secrets redacted (`eagle3_zoo.redaction`: a folder
+    written by an older version, or edited by hand, may hold a key); plots byte for byte."""
+    if src.suffix in (".yaml", ".json"):
+        try:
+            text = src.read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # not text: copied as it is (`publish` still scans what it stages)
+            text = None
+        if text is not None and (redacted := redact_document(text, src.suffix)) != text:
+            log.warning("%s holds %s: the exported copy has it redacted (***)", src, find_secret(text) or "a secret")
+            dest.write_text(redacted, encoding="utf-8")
+            return
+    shutil.copyfile(src, dest)
+
+
 def export_drafter(
     drafter_dir: str | Path,
     fmt: str,
@@ -157,7 +173,8 @@ def export_drafter(
     verifier: str | None = None,
     force: bool = False,
 ) -> Path:
-    """Write a drafter in the SGLang (canonical) or speculators layout, with its recipe, provenance and results.
+    """Write a drafter in the SGLang (canonical) or speculators layout, with its recipe, provenance and results
+    (their secrets redacted: `eagle3_zoo.redaction`).
 
     The folder is staged next to `out_dir` and renamed into place (`replace_with_stage`): a killed export leaves
     `out_dir` as it was (or absent), never partly written.
@@ -207,7 +224,7 @@ def export_drafter(
         else:
             _write_speculators(import_drafter(src), tmp, num_speculative_tokens, verifier_architectures, verifier)
         for extra in extras:
-            shutil.copyfile(inside_folder(src, extra), tmp / extra.name)
+            _copy_extra(inside_folder(src, extra), tmp / extra.name)
         require_valid_stage(tmp, out, purpose="export")  # what serving engines will load passes the checks too
         replace_with_stage(tmp, out)
     log.debug("exported %s -> %s (%s format)", src, out, EXPORT_FORMATS[fmt])  # the CLI prints it

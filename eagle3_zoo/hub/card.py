@@ -35,6 +35,7 @@ from eagle3_zoo.hub.records import (
     parse_eval_record,
     parse_training_record,
 )
+from eagle3_zoo.redaction import redact_data, redact_document
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +153,9 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
         raise ValueError(f"{problem}: the model card shows the recipe; fix or remove recipe.yaml")
     recipe_path = folder / "recipe.yaml"
     recipe_text = recipe_path.read_text(encoding="utf-8").strip() if recipe_path.is_file() else ""
+    recipe_text = redact_document(recipe_text, ".yaml").strip() if recipe_text else ""  # the card shows it
     recipe = (yaml.safe_load(recipe_text) if recipe_text else None) or {}  # data: `${...}` stays literal text
-    prov_json = _read_json(folder / "provenance.json")
+    prov_json = redact_data(_read_json(folder / "provenance.json"))
     prov = parse_training_record({} if prov_json is None else prov_json, folder / "provenance.json")
     weights = _Weights(folder)
     evals = {p.stem: r for p in sorted(folder.glob("eval_results*.json")) if (r := _eval_results(p, weights))}

@@ -3,9 +3,12 @@
     publish("runs/smollm2_135m/drafter", "me/smollm2-135m-eagle3", dry_run=True)   # stages only, no request
 
 The token comes from huggingface_hub's usual sources (`token=`, `HF_TOKEN`, the cached `hf auth login`); it is only
-ever passed to `HfApi`, never written to the staged folder, the card or a log, and the staged files are scanned for
-it before anything is uploaded (`--dry-run` included). A failed publish removes what it staged (its temporary
-stage, or the files it put into `--stage-dir`).
+ever passed to `HfApi`, never written to the staged folder, the card or a log. Before anything is uploaded
+(`--dry-run` included) the drafter folder's recipe, provenance and results and then every staged file are scanned
+for every secret the process knows (`eagle3_zoo.redaction`: the Hub token, the engine and regeneration keys, a
+server argument's key, URL credentials): one found refuses the publish (`TokenLeakError`) rather than uploading a
+redacted copy, so that a folder holding a key is noticed (and the key replaced) before it is shared. A failed
+publish removes what it staged (its temporary stage, or the files it put into `--stage-dir`).
 
 With no network, publishing fails within `eagle3_zoo.hub.endpoint.PROBE_TIMEOUT_S` seconds with one line naming the
 endpoint (a `HubUnreachableError`) instead of an HTTP client traceback after the client's own retries and timeouts.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,15 +27,18 @@ import eagle3_zoo
 from eagle3_zoo.checkpoint.check import require_valid_drafter
 from eagle3_zoo.checkpoint.check_report import CheckReport
 from eagle3_zoo.checkpoint.convert import export_drafter
-from eagle3_zoo.checkpoint.formats import EXPORT_FORMATS, load_drafter_config
+from eagle3_zoo.checkpoint.formats import EXPORT_FORMATS, extra_candidates, load_drafter_config
 from eagle3_zoo.fileio import atomic_write
 from eagle3_zoo.hub.card import render_card
 from eagle3_zoo.hub.endpoint import is_transport_error, require_reachable, resolve_endpoint, unreachable_error
+from eagle3_zoo.modeling import CONFIG_NAME
+from eagle3_zoo.redaction import find_secret, register, register_document
 
 log = logging.getLogger(__name__)
 
 class TokenLeakError(RuntimeError):
-    """The Hub token was found in a staged file; nothing was uploaded."""
+    """A secret (the Hub token, an engine key...) was found in the drafter folder or a staged file; nothing was
+    uploaded."""
 
 
 @dataclass
@@ -83,15 +90,14 @@ def stage(drafter_dir: str | Path, stage_dir: str | Path, repo_id: str | None = 
     return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
 
 
-def _scan_for_token(folder: Path, token: str | None, drafter_dir: str | Path) -> None:
-    if not token:
-        return
-    needle = token.encode()
-    for path in sorted(folder.rglob("*")):
-        if path.is_file() and needle in path.read_bytes():
-            raise TokenLeakError(f"staged {path.relative_to(folder)} contains the Hub token; refusing to publish. "
-                                 f"Remove it from the files of {drafter_dir} (recipe.yaml / provenance.json, whose "
-                                 "paths and values the model card shows) and publish again")
+def _scan_for_secrets(paths: list[Path], where: Callable[[Path], str], drafter_dir: str | Path) -> None:
+    """Refuse when a file holds a secret the process knows (`eagle3_zoo.redaction.find_secret`, never the value)."""
+    for path in paths:
+        if path.is_file() and (what := find_secret(path.read_bytes())):
+            raise TokenLeakError(f"{where(path)} contains {what}; refusing to publish. Remove it from the files of "
+                                 f"{drafter_dir} (recipe.yaml / provenance.json, whose paths and values the model card "
+                                 "shows; a key goes in an environment variable named by engine.api_key_env) and "
+                                 "publish again")
 
 
 def _remove_stage(out: Path, temporary: bool, existed: bool = True) -> None:
@@ -141,7 +147,8 @@ def publish(
         ValueError: `repo_id` is not ORG/NAME (checked before anything else, dry run included), or no token is
             found for a real publish.
         DrafterCheckError: the static check found errors (nothing staged or sent).
-        TokenLeakError: the token appears in a staged file (nothing sent; the staged files are removed).
+        TokenLeakError: a known secret (the Hub token, an engine key...) appears in the drafter folder or a staged
+            file (nothing sent; the staged files are removed).
         HubUnreachableError: the endpoint does not answer (within `endpoint.PROBE_TIMEOUT_S` seconds).
     """
     from huggingface_hub import get_token
@@ -150,11 +157,20 @@ def publish(
     if not dry_run and not (token or get_token()):  # before anything is staged: say how to log in
         raise ValueError("no Hugging Face token: log in with `hf auth login` or set HF_TOKEN to a token with write "
                          f"access to {repo_id.split('/')[0]} (`--dry-run` stages the folder without one)")
+    if token:
+        register(token, "the Hub token")
     report = require_valid_drafter(drafter_dir, purpose="publish")  # its warnings are logged by the export
     from eagle3_zoo.checkpoint.check import recipe_file_problem
 
     if problem := recipe_file_problem(drafter_dir):  # the card shows the recipe: say so before staging anything
         raise ValueError(f"{problem}: the model card shows the recipe; fix or remove recipe.yaml")
+    # before staging: the export would write the folder's files redacted, and the folder itself must be fixed
+    src = Path(drafter_dir)
+    sources = [src / CONFIG_NAME, *extra_candidates(src)]
+    for path in sources:  # what the folder itself names a secret: its recipe's key arguments, URL credentials
+        if path.suffix in (".yaml", ".json") and path.is_file():
+            register_document(path.read_text(encoding="utf-8", errors="replace"), path.suffix)
+    _scan_for_secrets(sources, lambda p: f"{p.name} of {src}", drafter_dir)
     temporary = stage_dir is None
     # a temporary stage is a folder in a temporary root, which also holds what staging keeps next to the stage
     out = Path(tempfile.mkdtemp(prefix="eagle3-zoo-publish-")) / repo_id.split("/")[-1] if temporary else \
@@ -166,7 +182,8 @@ def publish(
     try:
         files = stage(drafter_dir, out, repo_id=repo_id, fmt=fmt, published=not dry_run, **card_overrides)
         require_valid_drafter(out, purpose="publish")  # what is uploaded, not only its source, must load
-        _scan_for_token(out, token or get_token(), drafter_dir)  # a dry run stages what would be uploaded: same scan
+        # a dry run stages what would be uploaded: same scan
+        _scan_for_secrets(sorted(out.rglob("*")), lambda p: f"staged {p.relative_to(out)}", drafter_dir)
         if dry_run:
             log.debug("dry run: staged %d files in %s for %s; no request was made", len(files), out, repo_id)
             return PublishResult(repo_id, out, True, files, report)
