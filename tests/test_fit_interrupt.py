@@ -80,3 +80,25 @@ def test_other_exits_inside_fit_are_not_taken_for_an_interrupt(recipe, monkeypat
     with pytest.raises(SystemExit) as exit_:
         fit_main(recipe)
     assert exit_.value.code == 3
+
+
+def test_a_sigterm_stops_fit_with_exit_143_naming_what_it_kept(recipe, tmp_path, capsys, monkeypatch):
+    """A scheduler's SIGTERM: Lightning ends the step and raises its SIGTERMException, a SystemExit without a code
+    that the CLI took for success (exit 0) before."""
+    import os
+
+    real = Eagle3Module.training_step
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == 3 and not self.trainer.received_sigterm:
+            os.kill(os.getpid(), signal.SIGTERM)  # Lightning's handler notes it; the step ends, then the run stops
+        return real(self, batch, batch_idx)
+
+    monkeypatch.setattr(Eagle3Module, "training_step", training_step)
+    assert main(["fit", str(recipe), "trainer.max_steps=8"]) == 143
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith(("terminated", "error:"))]
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert lines == [f"terminated (SIGTERM): fit stopped at step 4; the last checkpoint {last} (step 4) is kept: "
+                     "`eagle3-zoo fit` with the same recipe resumes from it"], err[-3000:]
+    assert not (tmp_path / "run" / "drafter").exists()  # stopped at step 4 of 8: no drafter folder written

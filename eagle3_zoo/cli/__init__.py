@@ -10,6 +10,7 @@ subcommand:
          failed for a reason other than the input (an unreachable network or server, a diverged run, a bug)
     2    bad input: arguments, recipe, data, paths, names, an invalid drafter (the message says what to change)
     130  interrupted (Ctrl-C)
+    143  terminated (SIGTERM: a scheduler's preemption; `fit` stops at the end of a step, saying what it kept)
 
 An error is one line on stderr (`error: ...`); `--debug` (before or after the subcommand) or `EAGLE3_ZOO_DEBUG=1`
 adds the Python traceback. What a command prints and logs, its error line and traceback included, has the run's
@@ -29,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 DEBUG_ENV = "EAGLE3_ZOO_DEBUG"
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 # errors a user fixes by changing what they passed (file names, recipe keys, repo ids, arguments)
 BAD_INPUT = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, ImportError,
              KeyError)
@@ -181,7 +182,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         "%s", choice.describe())
         with bars_and_logs(), _redacted_output():
             return int(args.func(args) or EXIT_OK)
-    except SystemExit as e:  # --help / --version (argparse prints them and exits)
+    except SystemExit as e:  # --help / --version (argparse prints them and exits); SIGTERM in a Lightning run
+        if type(e).__name__ in ("FitTerminated", "SIGTERMException"):  # by name: no Lightning import here
+            print(f"terminated (SIGTERM): {' '.join(str(e).split())}" if str(e) else "terminated (SIGTERM)",
+                  file=sys.stderr)
+            return EXIT_TERMINATED
         return e.code if isinstance(e.code, int) else EXIT_OK
     except KeyboardInterrupt as e:  # Ctrl-C; an interrupted `fit` says what it kept (`FitInterrupted`)
         print(f"interrupted: {' '.join(str(e).split())}" if str(e) else "interrupted", file=sys.stderr)

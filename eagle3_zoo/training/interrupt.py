@@ -4,7 +4,8 @@ Lightning catches a KeyboardInterrupt inside `trainer.fit`, tears the run down, 
 `sys.exit(1)`: the CLI would exit 1, as a failure, with only Lightning's "Detected KeyboardInterrupt". `InterruptWatch`
 sees the interrupt in Lightning's `on_exception` hook; `reported` turns the `SystemExit` that follows into
 `FitInterrupted` (a KeyboardInterrupt, exit 130) whose message names the checkpoint a rerun resumes from, and gives
-SIGINT its handler back.
+SIGINT its handler back. A SIGTERM, which Lightning turns into its `SIGTERMException` at the end of a step (or the
+engine feed while it waits), becomes `FitTerminated` (exit 143) with the same account of what was kept.
 """
 
 from __future__ import annotations
@@ -23,6 +24,19 @@ from eagle3_zoo.training.checkpoint_io import UnreadableCheckpointError, read_ch
 
 class FitInterrupted(KeyboardInterrupt):
     """`fit` was interrupted (Ctrl-C); the message says what the run kept."""
+
+
+class FitTerminated(SystemExit):
+    """`fit` stopped on SIGTERM (a scheduler's preemption, `kill`): Lightning ends the step and raises its
+    `SIGTERMException` (a `SystemExit` without a code, which would read as success); the message says what the run
+    kept, and the exit code is 143 (128 + SIGTERM)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(143)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class InterruptWatch(L.Callback):
@@ -45,7 +59,11 @@ class InterruptWatch(L.Callback):
         handler = signal.getsignal(signal.SIGINT)
         try:
             yield
-        except SystemExit:
+        except SystemExit as e:
+            from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+            if isinstance(e, SIGTERMException):
+                raise FitTerminated(kept(trainer.global_step, last, every_n_steps)) from None
             if not self.seen:
                 raise
             raise FitInterrupted(kept(trainer.global_step, last, every_n_steps)) from None
