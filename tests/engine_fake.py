@@ -68,7 +68,7 @@ class FakeHiddenStatesServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> FakeHiddenStatesServer:
-        self.dead = False
+        self.dead = self.died_at_rule = False
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler())
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
@@ -147,14 +147,17 @@ class FakeHiddenStatesServer:
                     return
                 with fake._lock:
                     fault = fake.faults.pop(0) if fake.faults else None
-                    if fake.dies_at is not None and fake.dies_at(str(payload.get("request_id"))):
-                        fake.dies_at, fake.dead = None, True
+                    if fake.dies_at is not None and not fake.dead and fake.dies_at(str(payload.get("request_id"))):
+                        fake.dies_at, fake.dead, fake.died_at_rule = None, True, True
                         threading.Thread(target=fake.stop).start()  # its port closes: later requests are refused
+                    admitted = not fake.dead
                 if fault is not None:
                     self._send(fault, {"error": {"message": "injected fault"}})
                     return
                 time.sleep(fake.delay)
-                if fake.dead:  # killed while this request was in flight
+                # killed while this request was in flight (one admitted before a `dies_at` death is answered, so
+                # that such a server answers exactly the requests before the one it dies at)
+                if fake.dead and not (admitted and fake.died_at_rule):
                     self.close_connection = True
                     return
                 self._send(200, fake._complete(payload))

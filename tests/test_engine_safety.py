@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import fcntl
+import itertools
 import os
 import threading
 import time
@@ -205,7 +206,8 @@ def test_a_sigterm_ends_the_wait_for_the_engine(tiny, tmp_path):
 # ------------------------------------------------------------------------------------------------- restarts
 class _Launched:
     """Stands in for `targets.server.VLLMServer` in launch mode: a fake hidden-states server that takes `boot` seconds
-    to start and dies (its process exits, its port closes) after every `lifetime` answers."""
+    to start and dies (its process exits, its port closes) at the request after its `lifetime`-th (exactly
+    `lifetime` answers per process, whatever the load)."""
 
     made: list = []
     states = storage = None
@@ -219,14 +221,8 @@ class _Launched:
         time.sleep(self.boot)  # requests sent meanwhile are refused, as by a server still starting
         self.fake = FakeHiddenStatesServer(type(self).states, type(self).storage, port=self.port or 0)
         self.base_url = self.fake.url
-        fake = self.fake
-
-        def die(n):
-            if n == self.lifetime:
-                fake.dead = True
-                threading.Thread(target=fake.stop).start()
-
-        fake.on_request = die
+        fake, count = self.fake, itertools.count(1)
+        fake.dies_at = lambda request_id: next(count) > self.lifetime
         self.proc = SimpleNamespace(poll=lambda: 1 if fake.dead else None, returncode=1)
         return self
 
