@@ -84,11 +84,11 @@ def answered_file(path: str, storage: str | os.PathLike, request_id: str | None 
     Raises:
         BadAnswerError: the answer names something else (the server's fault: nothing is read or deleted).
     """
-    name = path.replace("\\", "/").rsplit("/", 1)[-1] if isinstance(path, str) else ""
+    name = path.replace("\\", "/").rsplit("/", 1)[-1]
     prefix = f"cmpl-{request_id}-" if request_id else "cmpl-"
     problem = ("a path with a NUL byte" if "\0" in path else "no file name" if name in ("", ".", "..")
                else f"a file that is not a connector file of this request (expected {prefix}*.safetensors)"
-               if not (name.startswith(prefix) and name.endswith(".safetensors") and "\0" not in name) else None)
+               if not (name.startswith(prefix) and name.endswith(".safetensors")) else None)
     if problem:
         raise BadAnswerError(f"{server or 'the engine server'} answered with hidden_states_path {path!r}: {problem}; "
                              "nothing was read or deleted")
