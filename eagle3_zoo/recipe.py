@@ -43,7 +43,8 @@ def _family_problem(family: str) -> str | None:
 
     families = sorted(available_adapters())
     return None if family == "auto" or family in families else \
-        f"unknown adapter family; available: auto, {', '.join(families)}" + schema.did_you_mean(family, families)
+        f"unknown adapter family; available: auto, {', '.join(families)}" + schema.did_you_mean(family, families) + \
+        "; to add one see docs/contributing/adding-a-family.md"
 
 
 def _aux_problem(ids: list[int]) -> str | None:
@@ -176,6 +177,11 @@ class TTTConfig:
 LOSSES = ("soft_ce", "tv", "neg_log_alpha", "lk_hybrid")
 
 
+def _loss_problem(name: str) -> str | None:  # a rule, not a Literal: its message names the page on adding a loss
+    return None if name in LOSSES else f"expected one of {', '.join(LOSSES)}" + schema.did_you_mean(name, LOSSES) + \
+        "; to add a loss see docs/contributing/adding-a-loss.md"
+
+
 @dataclass
 class LossConfig:
     """The per-position objective of each TTT step against the target's distribution p over the draft vocabulary
@@ -183,7 +189,7 @@ class LossConfig:
     # soft_ce = EAGLE-3's soft cross-entropy; tv = 1 - alpha; neg_log_alpha = -log alpha; lk_hybrid =
     # lambda * KL(p || q) + (1 - lambda) * (1 - alpha), lambda = exp(-lk_eta * alpha) per position, alpha not
     # differentiated in lambda (the LK losses, arXiv 2602.23881)
-    name: Literal[LOSSES] = "soft_ce"
+    name: str = ruled("soft_ce", _loss_problem)
     lk_eta: float = ruled(3.0, GT0)  # lk_hybrid only: larger moves from KL to TV at a lower acceptance
 
 

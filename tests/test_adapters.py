@@ -64,6 +64,7 @@ def test_unknown_model_type_error_names_families_and_how_to_add_one():
     assert "unknown target model_type 'toyformer'" in message
     assert f"available: {', '.join(available_adapters())}." in message
     assert "@register_adapter('toyformer')" in message and "recipe" in message and "test" in message
+    assert message.endswith("See docs/contributing/adding-a-family.md")  # the page exists: tests/test_docs.py
     with pytest.raises(UnknownAdapterError):
         adapter_for({"hidden_size": 8})
 

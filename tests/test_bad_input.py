@@ -65,7 +65,8 @@ CASES = {
     "wrong_type": (None, ["trainer.batch_size=two"], RecipeError, r"trainer.batch_size = 'two': expected an integer"),
     "bad_override_syntax": (None, ["trainer.max_steps"], RecipeError, r"an override must look like key=value"),
     "unknown_family": (None, ["target.family=qwen25"], RecipeError,
-                       r"target.family = 'qwen25': unknown adapter family"),
+                       r"target.family = 'qwen25': unknown adapter family.*did you mean 'qwen2'\?; to add one see "
+                       r"docs/contributing/adding-a-family.md"),
     "family_mismatch": (None, ["target.family=qwen2"], ValueError, r"target.family = 'qwen2' but .* is a 'llama'"),
     "unknown_strategy": (None, ["trainer.strategy=horovod"], RecipeError,
                          r"trainer.strategy = 'horovod': expected one of auto, ddp, fsdp"),

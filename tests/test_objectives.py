@@ -77,5 +77,6 @@ def test_neg_log_alpha_is_flat_below_its_floor():
 
 
 def test_unknown_objective_is_refused_with_the_valid_names():
-    with pytest.raises(ValueError, match="unknown TTT loss 'kl'; valid: soft_ce, tv, neg_log_alpha, lk_hybrid"):
+    with pytest.raises(ValueError, match="unknown TTT loss 'kl'; valid: soft_ce, tv, neg_log_alpha, lk_hybrid; "
+                                         "to add a loss see docs/contributing/adding-a-loss.md"):
         chunk_objective(torch.zeros(1, 2), torch.ones(1, 2) / 2, "kl")

@@ -121,6 +121,8 @@ BAD_CASES = [
     ("missing_init", {"drafter.init_from": "./no/such/drafter"}, "drafter.init_from", "local path does not exist"),
     ("section_not_mapping", {"ttt": 7}, "ttt", "expected a mapping of TTTConfig fields"),
     ("unknown_loss", {"loss.name": "kl"}, "loss.name", "one of soft_ce, tv, neg_log_alpha, lk_hybrid"),
+    ("unknown_loss_doc", {"loss.name": "soft-ce"}, "loss.name = 'soft-ce'",
+     "did you mean 'soft_ce'?; to add a loss see docs/contributing/adding-a-loss.md"),
     ("lk_eta", {"loss.lk_eta": 0.0}, "loss.lk_eta", "must be > 0"),
     ("fc_norm_not_bool", {"drafter.fc_norm": "yes"}, "drafter.fc_norm", "expected true or false"),
     ("precondition_fc_norm", {"optim.precondition_fc": True, "drafter.fc_norm": True}, "optim.precondition_fc",

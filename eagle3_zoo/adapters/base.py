@@ -285,7 +285,7 @@ def get_adapter(model_type: str) -> TargetAdapter:
             f"@register_adapter('{model_type}') (declare decoder_layer_class, chat_format_names, tiny_config_fields; "
             f"modules in eagle3_zoo/adapters/ are discovered automatically), (2) its chat format as "
             f"eagle3_zoo/resources/chat_formats/<format>.jinja + .yaml, (3) a recipe in recipes/; the family-wide "
-            f"tests pick it up from the registry."
+            f"tests pick it up from the registry. See docs/contributing/adding-a-family.md"
         )
     return cls()
 

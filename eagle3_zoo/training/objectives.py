@@ -43,7 +43,8 @@ class ChunkObjective(NamedTuple):
 def check_objective(name: str) -> None:
     """Raise a ValueError naming the valid objectives when `name` is not one."""
     if name not in OBJECTIVES:
-        raise ValueError(f"unknown TTT loss {name!r}; valid: {', '.join(OBJECTIVES)}")
+        raise ValueError(f"unknown TTT loss {name!r}; valid: {', '.join(OBJECTIVES)}; to add a loss see "
+                         "docs/contributing/adding-a-loss.md")
 
 
 def chunk_objective(logits: torch.Tensor, p: torch.Tensor, name: str = "soft_ce", mass: torch.Tensor | None = None,
