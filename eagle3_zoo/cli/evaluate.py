@@ -6,8 +6,8 @@ against the target's shipped config when the package has one, so a mismatch is r
 names and files, the draft shape.
 
 On a CPU the defaults are what this kind of machine can answer in minutes (verifying a node costs time there, see
-README *Draft shapes on this CPU*): the 60-node tree cut at draft probability 0.2, 128 new tokens, 8 prompts spread
-over each benchmark. On a GPU: the EAGLE-3 paper's tree 8/10/60, 256 new tokens, every prompt.
+docs/performance.md *Draft shapes on this CPU*): the 60-node tree cut at draft probability 0.2, 128 new tokens, 8
+prompts spread over each benchmark. On a GPU: the EAGLE-3 paper's tree 8/10/60, 256 new tokens, every prompt.
 """
 
 from __future__ import annotations
