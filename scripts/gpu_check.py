@@ -62,10 +62,10 @@ from eagle3_zoo.training.reference import reference_ttt_loss  # noqa: E402
 STEP_TOL = {"loss": 1e-2, "grad": 5e-2}  # bf16 eagle3-zoo vs the naive formulation (fp32, or bf16 at 8192)
 ATTN_TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # one attention call vs the fp32 reference
 # host-device syncs of one whole `fit` step (no terminal bar, not a logging step, no progress line due), counted on a
-# CPU at 179c5a7: the TTT schedule's float logged as a device tensor (Lightning's `log`), the progress callback's
-# token count, the module and loss's nonzero / tolist / non-finite check, transformers' packed-sequence check, and
-# Lightning's `_LoggerConnector.on_batch_end` turning each `prog_bar=True` metric (train/loss, train/acc_0) into a
-# Python number after every batch. Lower it as they go.
+# CPU at 751e238 (main 179c5a7's library code): the TTT schedule's float logged as a device tensor (Lightning's
+# `log`), the progress callback's token count, the module and loss's nonzero / tolist / non-finite check,
+# transformers' packed-sequence check, and Lightning's `_LoggerConnector.on_batch_end` turning each `prog_bar=True`
+# metric (train/loss, train/acc_0) into a Python number after every batch. Lower it as they go.
 SYNC_BUDGET = 8
 
 
