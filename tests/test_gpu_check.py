@@ -8,11 +8,13 @@ row."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
 import sys
 
+import pytest
 from training_fixtures import REPO, subprocess_env
 
 ROWS = ["TTT train step bf16", "TTT train step bf16", "TTT train step bf16", "TTT attention 'cpu-flash' float32",
@@ -85,3 +87,19 @@ def test_gpu_check_without_omegaconf_or_index_reports_and_runs_the_rest(tmp_path
     assert all(r.endswith("| PASS |") for r in rows[:7]) and all("ERROR ImportError" in r for r in rows[7:])
     records = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
     assert records[-1]["errors"] == ["speculative decoding", "fit auto", "fit fsdp"]
+
+
+def test_plan_refuses_a_gpu_run_past_eight_minutes(monkeypatch):
+    """The plan sums the start and every check's estimate: a check without one, or a total over 480 s, is refused
+    before anything runs (it would spend the device time of a run that cannot finish)."""
+    spec = importlib.util.spec_from_file_location("gpu_check_plan", REPO / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, gpu_check)  # its dataclass looks its module up there
+    spec.loader.exec_module(gpu_check)
+    keys = list(gpu_check.ESTIMATE_S)
+    assert gpu_check.plan(keys).startswith("planned on one H200: start ")
+    with pytest.raises(KeyError, match="no H200 estimate for \\['new check'\\]"):
+        gpu_check.plan([*keys, "new check"])
+    monkeypatch.setitem(gpu_check.ESTIMATE_S, "fit fsdp", gpu_check.LIMIT_S)
+    with pytest.raises(ValueError, match="over the 480 s limit"):
+        gpu_check.plan(keys)
