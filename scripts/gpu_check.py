@@ -332,7 +332,7 @@ class GreedyOracle:
     SCHEDULE = ({}, {3: "absent"}, {2: "second", 5: "absent"}, {1: "absent"}, {4: "second"}, {2: "absent"})
 
     def __init__(self, inner, sequence: list[int]) -> None:
-        self.inner, self.sequence, self.vocab = inner, sequence, None
+        self.inner, self.sequence = inner, sequence
         self.reset()
 
     def reset(self) -> None:
