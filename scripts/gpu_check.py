@@ -1,23 +1,32 @@
 """One-shot GPU check of training and decoding: speed, memory and correctness, one table row at a time. No downloads:
-every model is built in code with random weights. Each row is printed as soon as it is measured; a check that fails
-prints its error and the others still run; warm-up (compile) time is its own column.
+every model is built in code with random weights. Each row is printed as soon as it is measured and appended to a
+JSON-lines file (`--jsonl`, flushed and synced per row, so a run cut short keeps what it measured); a check that
+fails prints its error and the others still run; warm-up (compile) time is its own column. The planned time of
+every check on one H200 is printed before the first one runs.
 
 1. TTT train step (forward + backward, bf16 autocast as `bf16-mixed`) of the Llama-3.1-8B drafter shape (hidden
    4096, 32 / 8 heads, intermediate 14336, draft vocab 32000, vocab 128256, K=7), eagle3-zoo (`ttt_loss`) against
    the naive formulation (full causal scores plus one column per earlier step, lm_head and log-softmax over every
-   position; `training.reference`), both bf16 on the same weights and batch: tokens/s and peak memory. The loss and
-   every gradient are compared with the naive formulation in fp32 with autocast off (T=2048, and T=2000, which is
-   not a multiple of FlexAttention's 128-block: the padding path); at T=8192 with the bf16 naive one (if it fits).
+   position; `training.reference`), both bf16 on the same weights and batch: tokens/s and the peak memory of forward
+   AND backward (no `empty_cache` inside the timed region). The loss and every gradient are compared with the naive
+   formulation in fp32 with autocast off (T=2048, and T=2000, which is not a multiple of FlexAttention's 128-block:
+   the padding path); at T=8192 with the bf16 naive one (if it fits).
 2. The device's TTT attention backend (`ttt_backend`: FlexAttention on CUDA) against `ttt_attention_reference`:
    largest error of the output and of every gradient, fp32 and bf16 autocast, at T=2048 and T=1000 (padding).
-3. `fit` as shipped (recipe file, dotlist overrides, `eagle3_zoo.training.fit.fit`), a few bf16-mixed steps on a
-   random-weight Llama-3.2-1B-shaped target online: strategy auto (with the host-device syncs of one step counted:
-   `torch.cuda.set_sync_debug_mode`), then `trainer.strategy=fsdp trainer.devices=1` (FSDP2 on a one-rank NCCL mesh,
-   the target loaded as a skeleton and filled shard by shard, a sharded checkpoint written): tokens/s, peak memory.
-4. Lossless greedy speculative decoding (EAGLE-2 tree and chain) with a random drafter on the random target (fp32)
-   against plain greedy decoding: the same tokens, tokens/s of each, tau.
+3. Lossless greedy speculative decoding (EAGLE-2 tree and chain) on a random Llama-3.2-1B-shaped target (fp32)
+   against plain greedy decoding, with a drafter that accepts: a real `Eagle3DraftModel` runs every call (its compute
+   and cache as in decoding) and an oracle overrides its proposals on the greedy path, ranking the target's greedy
+   token first except at chosen depths of each cycle (second there: the accepted path goes through a later child; or
+   absent: acceptance stops). The same tokens, tokens/s of each, tau, and the target-cache prunings that ran. It runs
+   before the `fit` checks, so a hang there cannot lose it.
+4. `fit` as shipped (recipe file, dotlist overrides, `eagle3_zoo.training.fit.fit`), a few bf16-mixed steps on the
+   random-weight 1B-shaped target online: strategy auto, with the host-device syncs of one whole fit step counted
+   (every callback `fit` installs, the optimizer step, Lightning's logging and the next batch's transfer:
+   `torch.cuda.set_sync_debug_mode` on CUDA, the ops that would sync on a CPU), then `trainer.strategy=fsdp
+   trainer.devices=1` (FSDP2 on a one-rank NCCL mesh, the target loaded as a skeleton and filled shard by shard, a
+   sharded checkpoint written): tokens/s, peak memory.
 
-    bash scripts/gpu_check.sh               # one CUDA GPU (H200: ~5 min; no omegaconf there: see gpu_check.sh)
+    bash scripts/gpu_check.sh --jsonl $OUT/gpu_check.jsonl  # one CUDA GPU (no omegaconf there: see gpu_check.sh)
     bash scripts/gpu_check.sh --cpu-smoke   # the same code on tiny shapes on a CPU (part of the test suite)
 """
 
@@ -25,7 +34,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
+import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -41,9 +53,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 
-from bench_train import StepTimer  # noqa: E402
-
-from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab  # noqa: E402
+from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab, identity_vocab  # noqa: E402
 from eagle3_zoo.modeling.attention import ttt_attention, ttt_attention_reference, ttt_backend  # noqa: E402
 from eagle3_zoo.training.loss import ttt_loss  # noqa: E402
 from eagle3_zoo.training.reference import reference_ttt_loss  # noqa: E402
@@ -51,9 +61,12 @@ from eagle3_zoo.training.reference import reference_ttt_loss  # noqa: E402
 # agreement bounds (relative: ||a - b|| / ||b||); bf16 keeps 8 mantissa bits (unit roundoff 4e-3)
 STEP_TOL = {"loss": 1e-2, "grad": 5e-2}  # bf16 eagle3-zoo vs the naive formulation (fp32, or bf16 at 8192)
 ATTN_TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # one attention call vs the fp32 reference
-# host-device syncs of one training step: eagle3-zoo's 3 (tests/test_gpu_paths.py pins them on a CPU) + at most 2 in
-# transformers' mask creation for the target forward (1 in transformers 5.24)
-SYNC_BUDGET = 5
+# host-device syncs of one whole `fit` step (no terminal bar, not a logging step, no progress line due), counted on a
+# CPU at 751e238 (main 179c5a7's library code): the TTT schedule's float logged as a device tensor (Lightning's
+# `log`), the progress callback's token count, the module and loss's nonzero / tolist / non-finite check,
+# transformers' packed-sequence check, and Lightning's `_LoggerConnector.on_batch_end` turning each `prog_bar=True`
+# metric (train/loss, train/acc_0) into a Python number after every batch. Lower it as they go.
+SYNC_BUDGET = 8
 
 
 @dataclass
@@ -68,9 +81,9 @@ class Shapes:
     seq_lens: tuple[int, ...]  # (fp32-checked, long, odd)
     iters: int
     attn_seq_lens: tuple[int, ...]
-    fit_target: dict  # LlamaConfig kwargs of the online target
+    fit_target: dict  # LlamaConfig kwargs of the online target (and the decoding target)
     fit_turns: int
-    fit_steps: tuple[int, int]  # warm-up, timed
+    fit_steps: tuple[int, int]  # warm-up, timed (then one step with its syncs counted, then the checkpoint step)
     new_tokens: int
 
 
@@ -87,12 +100,27 @@ CPU_SMOKE = Shapes(hidden=64, heads=4, kv_heads=2, intermediate=128, draft_vocab
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                    rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
                                    tie_word_embeddings=False),
-                   fit_turns=1, fit_steps=(1, 1), new_tokens=12)
+                   fit_turns=1, fit_steps=(1, 1), new_tokens=24)
 HEADER = ("check", "eagle3-zoo", "reference", "agreement", "warm-up s", "ok")
 WIDTHS = (44, 34, 34, 44, 9, 4)
 RESULTS: list[bool] = []
 WARMUPS: list[float] = []  # warm-up seconds of each row (compilation included)
 _DRAFTERS: dict = {}
+# Planned seconds of each check on one H200, compilation included, and of the machine's start (the machine, the
+# copy of the checkout, the omegaconf wheel, imports). Not measured yet (no GPU has been lent): FlexAttention's
+# first fwd+bwd compile is taken as 45 s and each further graph (a new dtype, the dynamic-length one) as 20-30 s; the
+# arithmetic is small beside it (the 8B-drafter step at T=8192 is ~0.25 PFLOP: ~1 s at 300 TFLOP/s); a fit check
+# saves/loads the 2.5 GB bf16 target and compiles the TTT attention inside Lightning. Each JSON-lines row records
+# its estimate beside the measured seconds, so the first GPU run corrects them; a check that runs past
+# HANG_FACTOR times its estimate (at least HANG_MIN_S) stops the run with every thread's stack (a hang in NCCL or a
+# compile must not spend the device time).
+START_S = 120
+ESTIMATE_S = {"TTT train step T=2048": 60, "TTT train step T=8192": 45, "TTT train step T=2000": 25,
+              "TTT attention float32 T=2048": 25, "TTT attention bfloat16 T=2048": 5,
+              "TTT attention float32 T=1000": 10, "TTT attention bfloat16 T=1000": 5, "speculative decoding": 25,
+              "fit auto": 60, "fit fsdp": 60}
+LIMIT_S = 480  # the whole run, start included, on one H200
+HANG_FACTOR, HANG_MIN_S = 4, 180
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -106,28 +134,56 @@ def _sync(device: torch.device) -> None:
 
 @contextlib.contextmanager
 def _peak(device: torch.device) -> Iterator[dict]:
-    """`{"mem": "<peak above the start> GiB"}` once the block ends (CUDA; "n/a" on a CPU)."""
-    out = {"mem": "n/a (CPU)"}
+    """`{"mem": "<peak above the start> GiB", "gib": <float>}` once the block ends (CUDA; "n/a" on a CPU). It does
+    not empty the allocator's cache: the block may be timed, and a freed cache would time cudaFree and the
+    cudaMallocs after it (`main` empties it between checks)."""
+    out: dict = {"mem": "n/a (CPU)", "gib": None}
     base = 0
     if device.type == "cuda":
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     yield out
     if device.type == "cuda":
-        out["mem"] = f"{(torch.cuda.max_memory_allocated(device) - base) / 2**30:.1f} GiB"
+        out["gib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+        out["mem"] = f"{out['gib']:.1f} GiB"
+
+
+class Journal:
+    """The run's JSON-lines file: a header line, then one line per table row, each flushed and synced to disk when
+    written (a run killed at its time limit keeps every row it measured). `check`, `started`, `estimate`: the
+    running check, when it started, its planned seconds on one H200."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path, self.check, self.started, self.estimate = path, "", time.perf_counter(), None
+        self._file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("w", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        if self._file is None:
+            return
+        self._file.write(json.dumps(record, default=str) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+
+JOURNAL = Journal()
 
 
 def _line(cells) -> None:
     print("| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, WIDTHS)) + " |", flush=True)
 
 
-def row(*cells) -> None:
-    """Print one table row now: the cells of HEADER, the last one whether the check passed."""
+def row(*cells, **data) -> None:
+    """Append one table row to the JSON-lines file and print it, now: the cells of HEADER, the last one whether the
+    check passed; `data`: the row's numbers (tokens/s, GiB, errors, counts) for the file."""
     *text, ok = cells
     RESULTS.append(bool(ok))
     with contextlib.suppress(ValueError):
         WARMUPS.append(float(text[4]))
+    JOURNAL.write({"key": JOURNAL.check, "ok": bool(ok), "seconds": round(time.perf_counter() - JOURNAL.started, 2),
+                   "estimate_s_h200": JOURNAL.estimate, **dict(zip(HEADER, text)), **data})
     _line([*text, "PASS" if ok else "FAIL"])
 
 
@@ -164,20 +220,24 @@ def _batch(s: Shapes, t: int, device: torch.device):
 
 def _run_step(fn: Callable[[], torch.Tensor], params: list, device: torch.device, iters: int,
               amp: torch.dtype | None) -> dict:
-    """Warm-up call (compiles on CUDA), then `iters` timed calls: seconds, peak memory, loss and grads."""
-    times = []
-    for i in range(1 + iters):
+    """Warm-up call (compiles on CUDA), then `iters` timed calls: seconds, the peak memory of forward and backward
+    (the largest of the timed calls), loss and grads."""
+    times, peaks = [], []
+    for _ in range(1 + iters):
         for p in params:
             p.grad = None
         _sync(device)
-        start = time.perf_counter()
-        with _peak(device) as peak, torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-            loss = fn()
-        loss.backward()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return {"warmup": times[0], "seconds": min(times[1:] or times), "mem": peak["mem"], "loss": loss.detach(),
-            "grads": [p.grad.detach().clone() for p in params]}
+        with _peak(device) as peak:
+            start = time.perf_counter()
+            with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+                loss = fn()
+            loss.backward()
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        peaks.append(peak)
+    peak = max(peaks[1:] or peaks, key=lambda p: p["gib"] or 0.0)
+    return {"warmup": times[0], "seconds": min(times[1:] or times), "mem": peak["mem"], "gib": peak["gib"],
+            "loss": loss.detach(), "grads": [p.grad.detach().clone() for p in params]}
 
 
 def check_ttt_step(s: Shapes, t: int, device: torch.device, fp32_reference: bool) -> None:
@@ -203,6 +263,7 @@ def check_ttt_step(s: Shapes, t: int, device: torch.device, fp32_reference: bool
     ref, what = naive_bf16, "naive bf16"
     if fp32_reference:  # the fp32 ground truth: autocast off (under autocast its matmuls would run in bf16)
         ref, what = _run_step(naive, params, device, 0, None), "naive fp32, autocast off"
+    loss_err = grad_err = None
     if ref is None:
         agree, ok = "not compared (naive out of memory)", True
     else:
@@ -212,7 +273,9 @@ def check_ttt_step(s: Shapes, t: int, device: torch.device, fp32_reference: bool
         ok = loss_err < STEP_TOL["loss"] and grad_err < STEP_TOL["grad"]
     pad = "" if t % 128 == 0 else " (padded)"
     row(f"TTT train step bf16, T={t}{pad}", f"{t / mine['seconds']:,.0f} tok/s, {mine['mem']}", naive_cell, agree,
-        f"{mine['warmup']:.1f}", ok)
+        f"{mine['warmup']:.1f}", ok, tokens_per_s=t / mine["seconds"], peak_gib=mine["gib"],
+        naive_tokens_per_s=naive_bf16 and t / naive_bf16["seconds"], naive_peak_gib=naive_bf16 and naive_bf16["gib"],
+        loss_rel_err=loss_err, grad_rel_err=grad_err)
 
 
 # ---------------------------------------------------------------------------------------------- 2. attention
@@ -247,46 +310,240 @@ def check_attention(s: Shapes, t: int, device: torch.device, amp: torch.dtype) -
     pad = "" if t % 128 == 0 else " (padded)"
     row(f"TTT attention '{backend}' {dtype}, T={t}{pad}", f"max abs err out {fwd_abs:.1e}, grads {grad_abs:.1e}",
         "ttt_attention_reference fp32", f"rel. out {fwd_rel:.1e}, grads {grad_rel:.1e} (tol {ATTN_TOL[amp]:.0e})",
-        f"{times[0]:.1f}", max(fwd_rel, grad_rel) < ATTN_TOL[amp])
+        f"{times[0]:.1f}", max(fwd_rel, grad_rel) < ATTN_TOL[amp], out_rel_err=fwd_rel, grad_rel_err=grad_rel)
 
 
-# ----------------------------------------------------------------------------------------------------- 3. fit
-class SyncCount(L.Callback):
-    """Host-device syncs of the last timed training step (after the batch is on the device, through backward): CUDA
-    reports each one (`set_sync_debug_mode`); on a CPU the ops that would sync are counted (tests/device_checks)."""
+# --------------------------------------------------------------------------------------------------- 3. decode
+def _target_config(s: Shapes):
+    from transformers import LlamaConfig
 
-    def __init__(self, step: int) -> None:
-        self.step, self.count, self.where = step, None, []
+    return LlamaConfig(**s.fit_target)
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step != self.step:
-            return
-        self._warnings = warnings.catch_warnings(record=True)
-        self._seen = self._warnings.__enter__()
+
+class GreedyOracle:
+    """A `DraftModel` that accepts: a real `Eagle3DraftModel` runs every call (its compute and KV cache as in
+    decoding), and on the greedy path its proposals are overridden from `sequence` (the prompt and the target's
+    greedy continuation): the greedy token ranks first, except at the depths that `SCHEDULE` names for the cycle,
+    where it ranks second behind a confident wrong token (a tree then accepts through a later child; a chain stops)
+    or is absent (acceptance stops there). Off the greedy path, or past the end of `sequence`, the drafter's own
+    logits stand (the draft vocabulary is the whole target vocabulary, so a proposal is a target id)."""
+
+    # per cycle (one `extend` each, cycling): depth of the proposal -> "second" or "absent"; unnamed depths rank first
+    SCHEDULE = ({}, {3: "absent"}, {2: "second", 5: "absent"}, {1: "absent"}, {4: "second"}, {2: "absent"})
+
+    def __init__(self, inner, sequence: list[int]) -> None:
+        self.inner, self.sequence = inner, sequence
+        self.reset()
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.rows: list[int] = []  # tokens of the drafter's context rows
+        self.last: int | None = None  # the newest emitted token
+        self.tree: list[int] = []  # tokens of the tree nodes run this cycle
+        self.cycle = -1
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.inner.to_target(draft_ids)
+
+    def _override(self, out, contexts: list[list[int]]):
+        logits = out.logits
+        for i, context in enumerate(contexts):
+            n = len(context)
+            if n >= len(self.sequence) or context != self.sequence[:n]:
+                continue
+            greedy, depth = self.sequence[n], n - len(self.rows)  # the proposal's depth below the last context row
+            wrong = (greedy + 1) % logits.shape[-1]
+            how = self.SCHEDULE[self.cycle % len(self.SCHEDULE)].get(depth, "first")
+            top = logits[0, i].max()  # stays on the device: no host sync
+            if how == "first":
+                logits[0, i, greedy] = top + 30
+            else:
+                logits[0, i, wrong] = top + 30.5
+                logits[0, i, greedy] = top + 30 if how == "second" else logits[0, i].min() - 30
+        return out
+
+    def extend(self, aux_hidden, input_ids, next_ids):
+        out = self.inner.extend(aux_hidden, input_ids, next_ids)
+        self.rows += input_ids.tolist()
+        self.last, self.tree, self.cycle = int(next_ids[-1]), [], self.cycle + 1
+        return self._override(out, [self.rows + [self.last]])
+
+    def expand(self, token_ids, hidden, depths, visible):
+        out = self.inner.expand(token_ids, hidden, depths, visible)
+        self.tree += token_ids.tolist()
+        paths = [[t for t, seen in zip(self.tree, row) if seen] for row in visible.tolist()]
+        return self._override(out, [self.rows + [self.last] + path for path in paths])
+
+
+def check_decode(s: Shapes, device: torch.device) -> None:
+    """Greedy speculative decoding (tree, chain) with an accepting drafter (`GreedyOracle`) equals plain greedy
+    decoding, token for token, on the random target in fp32 (bf16 near-ties could flip an argmax between two
+    kernels); acceptance ran (varied accepted lengths) and so did the target cache's pruning to the accepted path."""
+    from transformers import LlamaForCausalLM
+
+    from eagle3_zoo.speculative.generate import SpeculativeGenerator, plain_generate, tree_spec
+
+    config = _target_config(s)
+    torch.manual_seed(0)
+    with device:
+        target = LlamaForCausalLM(config).eval().requires_grad_(False)
+    n = config.num_hidden_layers
+    cfg = Eagle3Config.from_target_config(config, draft_vocab_size=config.vocab_size,
+                                          aux_layer_ids=(2, n // 2, n - 3) if n >= 8 else (1, 2, 3))
+    drafter = Eagle3Drafter(cfg)
+    drafter.set_vocab(*identity_vocab(config.vocab_size))
+    drafter = drafter.to(device).eval().requires_grad_(False)
+    prompt = torch.randint(0, config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(3))
+    specs = {"tree": tree_spec("tree", depth=8), "chain": tree_spec("chain", depth=6)}
+    horizon = s.new_tokens + max(spec.depth for spec in specs.values()) + 1  # the oracle also drafts past the end
+    with _peak(device) as peak:
+        plain_generate(target, prompt, 4, eos_token_id=[])  # warm-up
+        plain = plain_generate(target, prompt, horizon, eos_token_id=[])
+        sequence = prompt[0].tolist() + plain.tokens
+        expected = plain.tokens[: s.new_tokens]
+        results, moved = {}, {}
+        for mode, spec in specs.items():
+            gen = SpeculativeGenerator(target, drafter, spec, layer_ids=cfg.aux_layer_ids)
+            gen.draft = GreedyOracle(gen.draft, sequence)
+            keep_path, kept = gen.runner.keep_path, []
+
+            def counting_keep_path(nodes, keep_path=keep_path, kept=kept):
+                kept.append(list(nodes))
+                keep_path(nodes)
+
+            gen.runner.keep_path = counting_keep_path
+            gen.generate(prompt, 4, eos_token_id=[])  # warm-up
+            kept.clear()
+            results[mode] = gen.generate(prompt, s.new_tokens, eos_token_id=[])
+            # pruned: more than the root kept; moved: the kept nodes were not slots 0..a (gathered, not cropped)
+            moved[mode] = (sum(len(k) > 1 for k in kept), sum(k != list(range(len(k))) for k in kept))
+    same = {m: r.tokens == expected for m, r in results.items()}
+    accepted = {m: sorted(set(r.accept_lengths)) for m, r in results.items()}
+    # acceptance ran (tau well above 1, several accepted lengths) and so did the pruning of the target's cache to
+    # the accepted path (a tree's path is gathered by index, a chain's cropped in place)
+    accepting = all((r.tau or 0) > 1.5 and len(accepted[m]) >= 2 and max(accepted[m]) >= 2 and moved[m][0] > 0
+                    for m, r in results.items()) and moved["tree"][1] > 0
+    ours = ", ".join(f"{m} {len(r.tokens) / r.seconds:,.0f} tok/s tau {r.tau:.2f}" for m, r in results.items())
+    kept_cell = "; ".join(f"{m} accepted {accepted[m]}, {moved[m][0]} prunings ({moved[m][1]} gathered)"
+                          for m in results)
+    row(f"speculative decoding, oracle drafter, {s.new_tokens} tokens, fp32", f"{ours}, {peak['mem']}",
+        f"plain greedy {len(plain.tokens) / plain.seconds:,.0f} tok/s",
+        "lossless: " + ", ".join(f"{m} {'same tokens' if v else 'DIFFERENT tokens'}" for m, v in same.items())
+        + f"; {kept_cell}", "-", all(same.values()) and accepting,
+        tokens_per_s={m: len(r.tokens) / r.seconds for m, r in results.items()},
+        plain_tokens_per_s=len(plain.tokens) / plain.seconds, tau={m: r.tau for m, r in results.items()},
+        accept_lengths={m: r.accept_lengths for m, r in results.items()}, same_tokens=same,
+        cache_prunings={m: {"pruned": v[0], "gathered": v[1]} for m, v in moved.items()}, peak_gib=peak["gib"])
+
+
+# ----------------------------------------------------------------------------------------------------- 4. fit
+class FitMeter:
+    """Times the timed steps of a `fit` and counts the host-device syncs of one whole step after them, as two
+    callbacks: `first` goes before every callback `fit` installs and `last` after them.
+
+    A timed step runs from `first.on_train_batch_start` (after a device sync) to `last.on_train_batch_end` (after
+    another). The counted step (`warmup + timed`, untimed: the timer's own syncs stay out of it) runs from
+    `first.on_train_batch_start` to the same hook of the next step: every callback's hooks, forward, backward, the
+    optimizer step, Lightning's logging after the batch and the next batch's fetch and transfer. On CUDA each sync
+    is reported by `torch.cuda.set_sync_debug_mode("warn")`; on a CPU the ops that would sync are counted
+    (`tests.device_checks.SyncCounter`, as the test suite counts them), less those that stay on the host under CUDA
+    (`_host_only`).
+    """
+
+    def __init__(self, warmup: int, timed: int) -> None:
+        self.warmup, self.timed = warmup, timed
+        self.steps: list[tuple[float, int]] = []  # (seconds, tokens) of every timed step, warm-up ones included
+        self.count: int | None = None
+        self.where: list[str] = []
+        self.first, self.last = _MeterHook(self, "first"), _MeterHook(self, "last")
+        self._start = 0.0
+        self._counting: tuple | None = None
+
+    def step_start(self, trainer, pl_module, batch) -> None:
+        step = trainer.global_step
+        if self._counting is not None:
+            self._stop_counting(pl_module.device)
+        if step < self.warmup + self.timed:
+            _sync(pl_module.device)
+            self._start = time.perf_counter()
+        elif step == self.warmup + self.timed:
+            self._start_counting(pl_module.device)
+
+    def step_end(self, trainer, pl_module, batch) -> None:
+        if trainer.global_step - 1 < self.warmup + self.timed:  # global_step has moved on past the optimizer step
+            _sync(pl_module.device)
+            self.steps.append((time.perf_counter() - self._start, int(batch["attention_mask"].sum())))
+
+    def _start_counting(self, device: torch.device) -> None:
+        caught = warnings.catch_warnings(record=True)
+        seen = caught.__enter__()
         warnings.simplefilter("always")
-        if pl_module.device.type == "cuda":
+        if device.type == "cuda":
             torch.cuda.set_sync_debug_mode("warn")
+            self._counting = (caught, seen, None)
         else:
             from tests.device_checks import SyncCounter, counting_host_reads
 
-            self._counter = SyncCounter()
-            self._reads = counting_host_reads(self._counter)
-            self._reads.__enter__()
-            self._counter.__enter__()
+            class FitStepCounter(SyncCounter):
+                def record(self, kind: str) -> None:
+                    if not _host_only():
+                        super().record(kind)
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if trainer.global_step != self.step or self.count is not None:
-            return
-        if pl_module.device.type == "cuda":
+            counter = FitStepCounter()
+            reads = counting_host_reads(counter)
+            reads.__enter__()
+            counter.__enter__()
+            self._counting = (caught, seen, (counter, reads))
+
+    def _stop_counting(self, device: torch.device) -> None:
+        caught, seen, cpu = self._counting
+        self._counting = None
+        if cpu is None:
             torch.cuda.set_sync_debug_mode(0)
-            events = [f"sync at {Path(w.filename).name}:{w.lineno}" for w in self._seen
-                      if "synchroniz" in str(w.message)]
+            events = [f"sync at {Path(w.filename).name}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)]
         else:
-            self._counter.__exit__(None, None, None)
-            self._reads.__exit__(None, None, None)
-            events = [f"{kind} at {where.split(' ')[0].rsplit('/', 1)[-1]}" for kind, where in self._counter.events]
-        self._warnings.__exit__(None, None, None)
+            counter, reads = cpu
+            counter.__exit__(None, None, None)
+            reads.__exit__(None, None, None)
+            events = [f"{kind} at {where.split(' ')[0].rsplit('/', 1)[-1]}" for kind, where in counter.events]
+        caught.__exit__(None, None, None)
         self.count, self.where = len(events), events
+
+
+def _host_only() -> bool:
+    """Whether the op being counted on a CPU runs on host tensors when the step runs on CUDA too: a batch built by
+    the data loader (copied to the device after), or torch.optim's own per-parameter step counters (host tensors for
+    a non-fused, non-capturable AdamW; the closure's forward and backward run inside `optimizer.step` too, so only
+    ops whose innermost caller is torch.optim count as its own)."""
+    frames = traceback.extract_stack()
+    if any(f"{os.sep}torch{os.sep}utils{os.sep}data{os.sep}" in f.filename for f in frames):
+        return True
+    torch_dir, counting = str(Path(torch.__file__).parent), (__file__, "device_checks.py")
+    for frame in reversed(frames):
+        if frame.filename.endswith(counting):  # the counter's own frames
+            continue
+        if not frame.filename.startswith(torch_dir):
+            return False
+        if f"{os.sep}optim{os.sep}" in frame.filename:
+            return True
+    return False
+
+
+class _MeterHook(L.Callback):
+    def __init__(self, meter: FitMeter, end: str) -> None:
+        self.meter, self.end = meter, end
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.end == "first":
+            self.meter.step_start(trainer, pl_module, batch)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.end == "last":
+            self.meter.step_end(trainer, pl_module, batch)
+
+    def on_train_end(self, trainer, pl_module):
+        if self.end == "first" and self.meter._counting is not None:  # no step followed the counted one
+            self.meter._stop_counting(pl_module.device)
 
 
 class ShardReads(logging.Handler):
@@ -303,7 +560,7 @@ class ShardReads(logging.Handler):
 
 def _fit_recipe(s: Shapes, work: Path, device: torch.device) -> Path:
     """A random-weight target saved in `work/target` and a recipe for it (written once, shared by the fit checks)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from eagle3_zoo.adapters import get_adapter
     from tests.training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
@@ -313,7 +570,7 @@ def _fit_recipe(s: Shapes, work: Path, device: torch.device) -> Path:
         return recipe_file
     adapter = get_adapter("llama")
     torch.manual_seed(0)
-    config = LlamaConfig(**s.fit_target)
+    config = _target_config(s)
     with device:
         target = LlamaForCausalLM(config).to(torch.bfloat16)
     target.save_pretrained(work / "target")
@@ -322,6 +579,7 @@ def _fit_recipe(s: Shapes, work: Path, device: torch.device) -> Path:
     n_layers = config.num_hidden_layers
     data = write_chat_jsonl(work / "chat.jsonl", n=24, turns=s.fit_turns)
     warmup, timed = s.fit_steps
+    steps = warmup + timed + 2  # + the counted step + the last one (it writes the checkpoint)
     recipe = tiny_recipe(work, work / "target", data,
                          target={"dtype": "bfloat16"},
                          drafter={"draft_vocab_size": min(32000, config.vocab_size),
@@ -330,27 +588,35 @@ def _fit_recipe(s: Shapes, work: Path, device: torch.device) -> Path:
                          ttt={"steps": s.steps},
                          # no fc preconditioning: it runs the target over 64 samples before training
                          optim={"precondition_fc": False},
-                         trainer={"precision": "bf16-mixed", "max_steps": warmup + timed,
-                                  "checkpoint_every_n_steps": warmup + timed, "val_check_interval": None,
-                                  "logger": []})
+                         # log_every_n_steps: the recipe default, so the counted step is not a logging one
+                         trainer={"precision": "bf16-mixed", "max_steps": steps, "checkpoint_every_n_steps": steps,
+                                  "val_check_interval": None, "logger": [], "log_every_n_steps": 10})
     return write_recipe(recipe_file, recipe)
 
 
 def check_fit(s: Shapes, device: torch.device, work: Path, strategy: str) -> None:
     """`fit` as shipped: the recipe file with dotlist overrides, through `eagle3_zoo.training.fit.fit`."""
     import eagle3_zoo.training.fit as fit_module
+    from eagle3_zoo.progress import LOG_EVERY_ENV
     from eagle3_zoo.recipe import load_recipe  # needs omegaconf (carried as a wheel: scripts/gpu_check.sh)
 
     recipe_file = _fit_recipe(s, work, device)
     warmup, timed = s.fit_steps
-    timer, syncs, reads = StepTimer(), SyncCount(step=warmup + timed - 1), ShardReads()
+    meter, reads = FitMeter(warmup, timed), ShardReads()
     accel = ["trainer.accelerator=gpu"] if device.type == "cuda" else ["trainer.accelerator=cpu"]
     overrides = [*accel, f"trainer.strategy={strategy}", "trainer.devices=1", f"output_dir={work / strategy}"]
     recipe = load_recipe(recipe_file, overrides)
     build_trainer = fit_module.build_trainer
+    # a progress line is due every 30 s by default, one step in many on a GPU: none in the counted step, which is
+    # then a typical one (as a step that logs is not: log_every_n_steps below)
+    interval = os.environ.get(LOG_EVERY_ENV)
+    os.environ[LOG_EVERY_ENV] = "3600"
 
-    def with_meters(recipe, callbacks=(), *args, **kwargs):
-        return build_trainer(recipe, [*callbacks, timer, syncs], *args, **kwargs)
+    def with_meters(*args, **kwargs):
+        trainer = build_trainer(*args, **kwargs)
+        trainer.callbacks.insert(0, meter.first)
+        trainer.callbacks.append(meter.last)
+        return trainer
 
     fit_module.build_trainer = with_meters
     package_logger = logging.getLogger("eagle3_zoo")
@@ -362,78 +628,70 @@ def check_fit(s: Shapes, device: torch.device, work: Path, strategy: str) -> Non
             drafter_dir = fit_module.fit(recipe, source=str(recipe_file))
     finally:
         fit_module.build_trainer = build_trainer
+        if interval is None:
+            del os.environ[LOG_EVERY_ENV]
+        else:
+            os.environ[LOG_EVERY_ENV] = interval
         package_logger.removeHandler(reads)
         package_logger.setLevel(level)
-    steps = timer.steps[warmup:]
-    seconds, tokens, _ = (sum(col) for col in zip(*steps))
-    first = timer.steps[0][0] if timer.steps else float("nan")
-    ok = len(steps) == timed and (drafter_dir / "model.safetensors").is_file()
-    ours = f"{tokens / seconds:,.0f} tok/s, {peak['mem']}, {tokens / len(steps):.0f} tok/step"
+    steps = meter.steps[warmup:]
+    seconds, tokens = (sum(col) for col in zip(*steps)) if steps else (float("nan"), 0)
+    first = meter.steps[0][0] if meter.steps else float("nan")
+    ok = len(steps) == timed and meter.count is not None and (drafter_dir / "model.safetensors").is_file()
+    ours = f"{tokens / seconds:,.0f} tok/s, {peak['mem']}, {tokens / max(len(steps), 1):.0f} tok/step"
     if strategy == "fsdp":
         last = work / strategy / "checkpoints" / "last.ckpt"
         sharded = last.is_dir() and (last / ".metadata").is_file()
         ok = ok and sharded and bool(reads.lines)
         ref = "skeleton: " + (reads.lines[0].split(": ", 1)[-1] if reads.lines else "NOT read shard by shard")
-        agree = f"sharded checkpoint {'written' if sharded else 'MISSING'} ({last.name})"
+        agree = f"sharded checkpoint {'written' if sharded else 'MISSING'} ({last.name}); syncs in a step {meter.count}"
     else:
-        ok = ok and syncs.count is not None and syncs.count <= SYNC_BUDGET
-        ref = f"syncs in one step: {syncs.count} (budget {SYNC_BUDGET})"
-        agree = "; ".join(syncs.where[:SYNC_BUDGET + 2]) if syncs.count else "-"
+        ok = ok and meter.count <= SYNC_BUDGET
+        ref = f"syncs in a whole fit step: {meter.count} (budget {SYNC_BUDGET})"
+        agree = "; ".join(meter.where[:SYNC_BUDGET + 2]) if meter.count else "-"
     target = "1B-shaped" if device.type == "cuda" else "tiny"
-    row(f"fit bf16-mixed {strategy}, {target} target, {len(steps)} timed steps", ours, ref, agree, f"{first:.1f}", ok)
-    if syncs.count and syncs.count > SYNC_BUDGET:
-        print("  syncs: " + "\n  syncs: ".join(syncs.where), flush=True)
-
-
-# --------------------------------------------------------------------------------------------------- 4. decode
-def check_decode(s: Shapes, device: torch.device, work: Path) -> None:
-    """Greedy speculative decoding (tree, chain) with a random drafter equals plain greedy decoding, token for
-    token, on the random target in fp32 (bf16 near-ties could flip an argmax between two kernels)."""
-    from transformers import AutoModelForCausalLM
-
-    from eagle3_zoo.speculative.generate import SpeculativeGenerator, plain_generate, tree_spec
-
-    _fit_recipe(s, work, device)
-    target = AutoModelForCausalLM.from_pretrained(work / "target", dtype=torch.float32).to(device).eval()
-    cfg = Eagle3Config.from_target_config(target.config, draft_vocab_size=min(32000, target.config.vocab_size),
-                                          aux_layer_ids=(1, 2, 3))
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter(cfg).to(device).eval()
-    prompt = torch.randint(0, target.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(3))
-    with _peak(device) as peak:
-        plain_generate(target, prompt, 4, eos_token_id=[])  # warm-up
-        plain = plain_generate(target, prompt, s.new_tokens, eos_token_id=[])
-        results = {}
-        for mode in ("tree", "chain"):
-            gen = SpeculativeGenerator(target, drafter, tree_spec(mode, depth=6 if mode == "chain" else 8))
-            gen.generate(prompt, 4, eos_token_id=[])  # warm-up
-            results[mode] = gen.generate(prompt, s.new_tokens, eos_token_id=[])
-    same = {m: r.tokens == plain.tokens for m, r in results.items()}
-    ours = ", ".join(f"{m} {len(r.tokens) / r.seconds:,.0f} tok/s tau {r.tau:.2f}" for m, r in results.items())
-    row(f"greedy speculative decoding, {s.new_tokens} tokens, fp32", f"{ours}, {peak['mem']}",
-        f"plain greedy {len(plain.tokens) / plain.seconds:,.0f} tok/s",
-        "lossless: " + ", ".join(f"{m} {'same tokens' if v else 'DIFFERENT tokens'}" for m, v in same.items()),
-        "-", all(same.values()))
+    row(f"fit bf16-mixed {strategy}, {target} target, {len(steps)} timed steps", ours, ref, agree, f"{first:.1f}", ok,
+        tokens_per_s=tokens / seconds, peak_gib=peak["gib"], step_seconds=[round(t, 4) for t, _ in meter.steps],
+        syncs=meter.count, sync_events=meter.where)
+    if meter.count and meter.count > SYNC_BUDGET:
+        print("  syncs: " + "\n  syncs: ".join(meter.where), flush=True)
 
 
 # ------------------------------------------------------------------------------------------------------ main
 def _checks(s: Shapes, device: torch.device, work: Path) -> list[tuple[str, Callable[[], None]]]:
+    """(key, check) in the order they run: decoding before the fits (a hang in NCCL or FSDP must not lose it)."""
     long_t, odd_t = s.seq_lens[1], s.seq_lens[2]
     checks = [(f"TTT train step T={s.seq_lens[0]}", lambda: check_ttt_step(s, s.seq_lens[0], device, True)),
               (f"TTT train step T={long_t}", lambda: check_ttt_step(s, long_t, device, False)),
               (f"TTT train step T={odd_t}", lambda: check_ttt_step(s, odd_t, device, True))]
     for t in s.attn_seq_lens:
         for amp in (torch.float32, torch.bfloat16):
-            checks.append((f"TTT attention {amp} T={t}", lambda t=t, amp=amp: check_attention(s, t, device, amp)))
-    checks += [("fit auto", lambda: check_fit(s, device, work, "auto")),
-               ("fit fsdp", lambda: check_fit(s, device, work, "fsdp")),
-               ("speculative decoding", lambda: check_decode(s, device, work))]
+            name = str(amp).removeprefix("torch.")
+            checks.append((f"TTT attention {name} T={t}", lambda t=t, amp=amp: check_attention(s, t, device, amp)))
+    checks += [("speculative decoding", lambda: check_decode(s, device)),
+               ("fit auto", lambda: check_fit(s, device, work, "auto")),
+               ("fit fsdp", lambda: check_fit(s, device, work, "fsdp"))]
     return checks
+
+
+def plan(keys: list[str]) -> str:
+    """The planned time of a GPU run on one H200, start included (raises if it does not fit in LIMIT_S)."""
+    missing = [k for k in keys if k not in ESTIMATE_S]
+    if missing:
+        raise KeyError(f"no H200 estimate for {missing}: add them to ESTIMATE_S")
+    total = START_S + sum(ESTIMATE_S[k] for k in keys)
+    if total > LIMIT_S:
+        raise ValueError(f"planned {total} s on one H200 is over the {LIMIT_S} s limit")
+    return (f"planned on one H200: start {START_S} s + checks {total - START_S} s = {total} s "
+            f"(limit {LIMIT_S} s); per check: " + ", ".join(f"{k} {ESTIMATE_S[k]} s" for k in keys))
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (the test suite runs this)")
+    p.add_argument("--jsonl", type=Path, default=None,
+                   help="JSON-lines file of the rows, written as each is measured (default: "
+                        "runs/gpu_check-<time>.jsonl)")
     args = p.parse_args()
     if args.cpu_smoke:
         device, s = torch.device("cpu"), CPU_SMOKE
@@ -443,37 +701,52 @@ def main() -> int:
             return 2
         device, s = torch.device("cuda"), GPU
     start = time.perf_counter()
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    warnings.filterwarnings("ignore", message=".*(deprecated|requires_grad=True to a scalar|litlogger).*")
-
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"gpu_check {time.strftime('%Y-%m-%d')}: {name}, torch {torch.__version__}, transformers "
-          f"{transformers.__version__}, lightning {L.__version__}; drafter hidden {s.hidden}, {s.heads}/{s.kv_heads} "
-          f"heads, intermediate {s.intermediate}, draft vocab {s.draft_vocab}, vocab {s.vocab}, K={s.steps}",
-          flush=True)
-    _line(HEADER)
-    print("|" + "|".join("-" * (w + 2) for w in WIDTHS) + "|", flush=True)
-    failed = []
+    global JOURNAL
+    JOURNAL = Journal(args.jsonl or REPO / "runs" / time.strftime("gpu_check-%Y%m%d-%H%M%S.jsonl"))
     with tempfile.TemporaryDirectory() as work:
-        for title, check in _checks(s, device, Path(work)):
+        checks = _checks(s, device, Path(work))
+        planned = [key for key, _ in _checks(GPU, device, Path(work))]  # the GPU run's checks, in the same order
+        print(plan(planned), flush=True)  # before the slow imports: it shows at once
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+        warnings.filterwarnings("ignore", message=".*(deprecated|requires_grad=True to a scalar|litlogger).*")
+
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        print(f"gpu_check {time.strftime('%Y-%m-%d')}: {name}, torch {torch.__version__}, transformers "
+              f"{transformers.__version__}, lightning {L.__version__}; drafter hidden {s.hidden}, "
+              f"{s.heads}/{s.kv_heads} heads, intermediate {s.intermediate}, draft vocab {s.draft_vocab}, vocab "
+              f"{s.vocab}, K={s.steps}; rows also in {JOURNAL.path}", flush=True)
+        JOURNAL.write({"device": name, "torch": torch.__version__, "transformers": transformers.__version__,
+                       "lightning": L.__version__, "shapes": "cpu-smoke" if args.cpu_smoke else "gpu",
+                       "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                       "planned_s_h200": START_S + sum(ESTIMATE_S[key] for key in planned)})
+        _line(HEADER)
+        print("|" + "|".join("-" * (w + 2) for w in WIDTHS) + "|", flush=True)
+        failed = []
+        for (key, check), gpu_key in zip(checks, planned):
+            JOURNAL.check, JOURNAL.started, JOURNAL.estimate = key, time.perf_counter(), ESTIMATE_S[gpu_key]
+            if device.type == "cuda":  # a hung check stops the run with every thread's stack, not the device time
+                faulthandler.dump_traceback_later(max(HANG_FACTOR * JOURNAL.estimate, HANG_MIN_S), exit=True)
             try:
                 check()
             except Exception as e:  # a failing check reports and the others still run
-                failed.append(title)
-                row(title, f"ERROR {type(e).__name__}", "-", str(e).splitlines()[0][:200] if str(e) else "-", "-",
-                    False)
+                failed.append(key)
+                row(key, f"ERROR {type(e).__name__}", "-", str(e).splitlines()[0][:200] if str(e) else "-", "-",
+                    False, error=traceback.format_exc()[-2000:])
                 print("  " + "  ".join(traceback.format_exc().splitlines(True)[-6:]), end="", flush=True)
             finally:
+                faulthandler.cancel_dump_traceback_later()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     from torch._dynamo.utils import counters
 
+    total = time.perf_counter() - start
     print(f"\ncompiled graphs: {counters['stats'].get('unique_graphs', 0)}; warm-up (compile) {sum(WARMUPS):.0f} s "
-          f"of total {time.perf_counter() - start:.0f} s"
-          f"{'; errors in: ' + ', '.join(failed) if failed else ''}", flush=True)
+          f"of total {total:.0f} s{'; errors in: ' + ', '.join(failed) if failed else ''}", flush=True)
+    JOURNAL.check, JOURNAL.started = "", start
+    JOURNAL.write({"done": True, "ok": bool(RESULTS) and all(RESULTS), "seconds": round(total, 1), "errors": failed})
     return 0 if RESULTS and all(RESULTS) else 1
 
 

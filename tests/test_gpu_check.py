@@ -1,62 +1,105 @@
 """`scripts/gpu_check.sh --cpu-smoke`: the GPU check's code (TTT step vs the naive formulation, in fp32 with autocast
-off and on a padded length; the device's attention backend vs the reference; `fit` as shipped under auto, with the
-host-device syncs of a step counted, and under fsdp on one process with skeleton loading and a sharded checkpoint;
-lossless greedy speculative decoding) on tiny CPU shapes. Rows are printed as they are measured, and a machine
-without omegaconf (the lent GPU image, when its wheel is not carried) still gets every other row."""
+off and on a padded length; the device's attention backend vs the reference; lossless greedy speculative decoding
+with a drafter that accepts; `fit` as shipped under auto, with the host-device syncs of a whole step counted, and
+under fsdp on one process with skeleton loading and a sharded checkpoint) on tiny CPU shapes. Rows are printed and
+written to the JSON-lines file as they are measured, the planned H200 time comes first, and a machine without
+omegaconf and without a package index (the lent GPU image, when its wheel is not carried) still gets every other
+row."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import re
 import subprocess
 import sys
 
+import pytest
 from training_fixtures import REPO, subprocess_env
 
 ROWS = ["TTT train step bf16", "TTT train step bf16", "TTT train step bf16", "TTT attention 'cpu-flash' float32",
         "TTT attention 'cpu-flash' bfloat16", "TTT attention 'cpu-flash' float32",
-        "TTT attention 'cpu-flash' bfloat16", "fit bf16-mixed auto", "fit bf16-mixed fsdp",
-        "greedy speculative decoding"]
+        "TTT attention 'cpu-flash' bfloat16", "speculative decoding", "fit bf16-mixed auto", "fit bf16-mixed fsdp"]
 
 
-def _run(**env: str) -> tuple[int, list[str], str, bool]:
+def _run(jsonl, **env: str) -> tuple[int, list[str], str, bool, list[str]]:
     """Run the smoke; returns (exit code, table rows, stderr, whether the process still ran when the first row was
-    printed)."""
-    proc = subprocess.Popen(["bash", "scripts/gpu_check.sh", "--cpu-smoke"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
+    printed, stdout lines)."""
+    proc = subprocess.Popen(["bash", "scripts/gpu_check.sh", "--cpu-smoke", "--jsonl", str(jsonl)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=subprocess_env(PYTHON=sys.executable, OMP_NUM_THREADS="2", **env))
     lines, running_at_first_row = [], None
     for line in proc.stdout:
         lines.append(line)
         if running_at_first_row is None and line.startswith("| TTT"):
-            running_at_first_row = proc.poll() is None
+            # the row is in the JSON-lines file by the time it is printed
+            running_at_first_row = proc.poll() is None and len(jsonl.read_text().splitlines()) >= 2
     stderr = proc.stderr.read()
     code = proc.wait(timeout=300)
     table = [line.rstrip() for line in lines if line.startswith("|")]
     assert [c.strip() for c in table[0].split("|")[1:-1]] == ["check", "eagle3-zoo", "reference", "agreement",
                                                              "warm-up s", "ok"], "".join(lines)[-3000:] + stderr
-    return code, table[2:], stderr, bool(running_at_first_row)
+    return code, table[2:], stderr, bool(running_at_first_row), lines
 
 
-def test_gpu_check_cpu_smoke_prints_each_row_as_measured():
-    code, rows, stderr, streamed = _run()
+def test_gpu_check_cpu_smoke_prints_and_records_each_row_as_measured(tmp_path):
+    jsonl = tmp_path / "rows.jsonl"
+    code, rows, stderr, streamed, lines = _run(jsonl)
     assert code == 0, "\n".join(rows) + stderr[-3000:]
-    assert streamed  # the first row came while the other checks were still running
+    assert streamed  # the first row came (printed and recorded) while the other checks were still running
+    # the plan comes first: every check of the GPU run with its estimate, inside 8 minutes with the start
+    planned = re.fullmatch(r"planned on one H200: start (\d+) s \+ checks (\d+) s = (\d+) s \(limit 480 s\); "
+                           r"per check: (.*)\n", lines[0])
+    assert planned and int(planned[3]) <= 480 and len(re.findall(r" \d+ s(?:,|$)", planned[4])) == len(ROWS), lines[0]
     assert [r.split("|")[1].strip().split(",")[0] for r in rows] == ROWS, "\n".join(rows)
     assert all(r.endswith("| PASS |") for r in rows), "\n".join(rows)
     assert "vs naive fp32, autocast off: loss " in rows[0] and "(padded)" in rows[2]
-    assert re.search(r"syncs in one step: [0-5] \(budget 5\)", rows[7]), rows[7]
-    assert "skeleton: " in rows[8] and "sharded checkpoint written" in rows[8]
-    assert "lossless: tree same tokens, chain same tokens" in rows[9]
+    # decoding accepted (tau > 1.5 in each mode) and pruned the target's cache, losslessly
+    assert "lossless: tree same tokens, chain same tokens; tree accepted [" in rows[7], rows[7]
+    assert all(float(tau) > 1.5 for tau in re.findall(r"tau (\d+\.\d+)", rows[7])), rows[7]
+    assert re.search(r"syncs in a whole fit step: \d+ \(budget \d+\)", rows[8]), rows[8]
+    assert "skeleton: " in rows[9] and "sharded checkpoint written" in rows[9]
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    head, done, measured = records[0], records[-1], records[1:-1]
+    assert head["shapes"] == "cpu-smoke" and head["planned_s_h200"] == int(planned[3])
+    assert done == {**done, "done": True, "ok": True, "errors": []}
+    assert [r["check"] for r in measured] == [r.split("|")[1].strip() for r in rows]
+    assert all(r["ok"] and r["estimate_s_h200"] > 0 for r in measured)
+    assert measured[7]["same_tokens"] == {"tree": True, "chain": True}
+    assert all(v["pruned"] > 0 for v in measured[7]["cache_prunings"].values())
+    assert measured[8]["syncs"] == len(measured[8]["sync_events"])
 
 
-def test_gpu_check_without_omegaconf_reports_and_runs_the_rest(tmp_path):
-    """The lent GPU image has no omegaconf: without the carried wheel, the checks that need it fail with the error
-    and the rest still run and pass; the exit code says a check failed."""
+def test_gpu_check_without_omegaconf_or_index_reports_and_runs_the_rest(tmp_path):
+    """The lent GPU image has no omegaconf and no package index: without the carried wheel, fetching it fails, the
+    checks that need it fail with the error and the rest still run and pass; the exit code says a check failed."""
     shim = tmp_path / "omegaconf"
     shim.mkdir()
     (shim / "__init__.py").write_text("raise ImportError('No module named omegaconf')\n")
-    code, rows, stderr, _ = _run(PYTHONPATH=f"{tmp_path}:{REPO}", GPU_CHECK_WHEELS=str(tmp_path / "no-wheels"))
-    assert code == 1 and "no omegaconf" in stderr
+    offline = tmp_path / "no-links"
+    offline.mkdir()
+    code, rows, stderr, _, _ = _run(tmp_path / "rows.jsonl", PYTHONPATH=f"{tmp_path}:{REPO}",
+                                    GPU_CHECK_WHEELS=str(tmp_path / "no-wheels"), PIP_NO_INDEX="1",
+                                    PIP_FIND_LINKS=str(offline))
+    assert code == 1 and "could not fetch omegaconf" in stderr, stderr[-2000:]
     names = [r.split("|")[1].strip() for r in rows]
-    assert names[7:] == ["fit auto", "fit fsdp", "speculative decoding"], "\n".join(rows)
+    assert names[7:] == ["speculative decoding", "fit auto", "fit fsdp"], "\n".join(rows)
     assert all(r.endswith("| PASS |") for r in rows[:7]) and all("ERROR ImportError" in r for r in rows[7:])
+    records = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert records[-1]["errors"] == ["speculative decoding", "fit auto", "fit fsdp"]
+
+
+def test_plan_refuses_a_gpu_run_past_eight_minutes(monkeypatch):
+    """The plan sums the start and every check's estimate: a check without one, or a total over 480 s, is refused
+    before anything runs (it would spend the device time of a run that cannot finish)."""
+    spec = importlib.util.spec_from_file_location("gpu_check_plan", REPO / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, gpu_check)  # its dataclass looks its module up there
+    spec.loader.exec_module(gpu_check)
+    keys = list(gpu_check.ESTIMATE_S)
+    assert gpu_check.plan(keys).startswith("planned on one H200: start ")
+    with pytest.raises(KeyError, match="no H200 estimate for \\['new check'\\]"):
+        gpu_check.plan([*keys, "new check"])
+    monkeypatch.setitem(gpu_check.ESTIMATE_S, "fit fsdp", gpu_check.LIMIT_S)
+    with pytest.raises(ValueError, match="over the 480 s limit"):
+        gpu_check.plan(keys)
