@@ -96,7 +96,7 @@ def _file(tmp_path, name="cmpl-r-0-x.safetensors", **tensors):
     ("hidden", r"shape \[5, 4, 32\], expected \[5, 4, 64\]"), ("tokens", "of 4 tokens for a prompt of 5"),
     ("layers", r"shape \[5, 3, 64\]"), ("no_ids", "no token_ids tensor"), ("float_ids", "token_ids of dtype float32"),
     ("not_safetensors", "not a readable safetensors file"), ("directory", "not a regular file"),
-    ("missing", "no such file")])
+    ("missing", r"no such file after 0.2 s \(engine.timeout\)")])
 def test_a_bad_file_is_the_servers_fault_naming_it(tmp_path, case, match):
     ok = torch.randn(5, LAYERS, HIDDEN)
     ids = torch.tensor(IDS)
@@ -123,8 +123,8 @@ def test_a_bad_file_is_the_servers_fault_naming_it(tmp_path, case, match):
         path.write_bytes(b"<html>502 Bad Gateway</html>")
     elif case == "directory":
         path.mkdir()
-    with pytest.raises(BadAnswerError, match=match) as info:
-        read_hidden_states(path, IDS, LAYERS, HIDDEN, server="http://s:1")
+    with pytest.raises(BadAnswerError, match=match) as info:  # missing: waited for (engine.timeout), not there
+        read_hidden_states(path, IDS, LAYERS, HIDDEN, server="http://s:1", lock_timeout=0.2)
     assert str(info.value).startswith(f"http://s:1: hidden-states file {path}")
     assert not path.is_file()  # this request's own bad file is not left on disk
     good = _file(tmp_path, "cmpl-r-0-y.safetensors", hidden_states=ok, token_ids=ids)

@@ -288,3 +288,33 @@ def test_regeneration_in_the_engine_launched_equals_the_openai_backend(hf_target
     log = (tmp_path / "run" / "engine" / "regenerate-server-0.log").read_text()
     assert "extract_hidden_states" not in log  # vLLM logs its non-default arguments: a plain server
     assert not list((tmp_path / "run" / "engine").glob("hidden_states*"))  # no hidden-states store made
+
+
+_WRITE = """
+import os, sys, torch
+import eagle3_zoo_hs_connector as c
+from safetensors.torch import load_file
+
+class Copied:  # the CUDA event of the device-to-host copy, already complete
+    def synchronize(self):
+        pass
+
+assert issubclass(c.CPUHiddenStatesConnector, c.AtomicHiddenStatesConnector)
+states = {"hidden_states": torch.randn(5, 4, 8), "token_ids": torch.arange(5)}
+c.AtomicHiddenStatesConnector._write_tensors(states, Copied(), sys.argv[1], None)
+assert all(torch.equal(load_file(sys.argv[1])[k], v) for k, v in states.items())
+print(sorted(os.listdir(os.path.dirname(sys.argv[1]))))
+"""
+
+
+def test_the_gpu_connectors_writer_hands_its_file_over_by_rename(tmp_path):
+    """The GPU build's connector (vLLM's asynchronous writer threads) loads against this vLLM (its writer's
+    signature is checked at import) and its writer leaves only the final name (no CUDA here: the copy's event is a
+    stand-in)."""
+    from eagle3_zoo.targets.engine import PLUGIN_DIR, vllm_python
+
+    path = tmp_path / "cmpl-x-0-ab12.safetensors"
+    out = subprocess.run([str(vllm_python()), "-c", _WRITE, str(path)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(PLUGIN_DIR)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == f"['{path.name}']"

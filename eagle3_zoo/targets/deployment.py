@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_zoo.targets.engine import hidden_states_configs, plugin_pythonpath
 from eagle3_zoo.targets.openai_client import OpenAIClient, ServerError
 from eagle3_zoo.targets.server import LOOPBACK, VLLMServer
-from eagle3_zoo.targets.vllm_features import PLUGIN_DIR, hidden_states_configs
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +120,9 @@ class EngineDeployment:
         env = device_env(devices, ranks, cuda)
         spec = kv = None
         if not self.regeneration:
-            connector = "stock" if cuda else "cpu"  # the stock connector's CUDA copies fail on a CPU build
-            spec, kv = hidden_states_configs(self.aux_layer_ids, self.num_layers, self.storage, connector=connector)
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")]))
+            spec, kv = hidden_states_configs(self.aux_layer_ids, self.num_layers, self.storage,
+                                             "cuda" if cuda else "cpu")
+            env["PYTHONPATH"] = plugin_pythonpath()
         if e.api_key_env:  # the key reaches vLLM in its environment, never on a command line (ps, logs)
             env["VLLM_API_KEY"] = api_key_value(e.api_key_env)
         eager = (not cuda) if e.enforce_eager is None else e.enforce_eager
@@ -295,7 +295,7 @@ def serve_command(recipe: Any, aux_layer_ids: tuple[int, ...], num_layers: int, 
         raise ValueError("engine.hidden_states_dir is not set: the server's connector writes the hidden states there, "
                          "and the trainers read them from there (a directory both machines see)")
     spec, kv = hidden_states_configs(aux_layer_ids, num_layers, Path(e.hidden_states_dir).absolute(),
-                                     connector="stock" if cuda else "cpu")
+                                     "cuda" if cuda else "cpu")
     proc = VLLMServer(recipe.target.name_or_path, speculative_config=spec, kv_transfer_config=kv,
                       dtype=e.dtype or recipe.target.dtype,
                       enforce_eager=(not cuda) if e.enforce_eager is None else e.enforce_eager,
@@ -305,7 +305,7 @@ def serve_command(recipe: Any, aux_layer_ids: tuple[int, ...], num_layers: int, 
     cmd = proc.command(port)
     cmd[cmd.index("--host") + 1] = host
     devices = [int(d) for d in str(e.devices).split(",")] if e.devices is not None else None  # one server: all
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")])),
+    env = {"PYTHONPATH": plugin_pythonpath(),
            **device_env(devices, e.tensor_parallel_size * e.data_parallel_size, cuda)}
     if not cuda:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(e.cpu_kv_cache_gib)

@@ -2,16 +2,44 @@
 
 vLLM pins its own torch and transformers, so it is installed into a separate venv (`bash scripts/setup_engine.sh`
 creates `.venv-vllm` at the repository root) and the project only starts that venv's python as a server process.
+`hidden_states_configs` is how a server is told to extract hidden states through our connector
+(`vllm_plugins/eagle3_zoo_hs_connector.py`). Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Literal
 
 VLLM_PYTHON_ENV = "EAGLE3_ZOO_VLLM_PYTHON"
 DEFAULT_VENV = ".venv-vllm"
+PLUGIN_DIR = Path(__file__).with_name("vllm_plugins")
+CONNECTOR_MODULE = "eagle3_zoo_hs_connector"
+CONNECTOR = "CPUHiddenStatesConnector"  # CPU builds: a synchronous write (the stock one needs CUDA streams)
+GPU_CONNECTOR = "AtomicHiddenStatesConnector"  # GPU builds: vLLM's asynchronous CUDA copies, our file hand-over
+
+
+def hidden_states_configs(aux_layer_ids: Sequence[int], num_layers: int, storage: str | os.PathLike,
+                          platform: Literal["cpu", "cuda"] = "cpu") -> tuple[dict[str, Any], dict[str, Any]]:
+    """vLLM's ``--speculative-config`` and ``--kv-transfer-config`` for extracting `aux_layer_ids` + the last state
+    into `storage`, with our connector for `platform`. Both write each file under a temporary name and rename it, so
+    a file's name appears only once it is complete: the hand-over needs no file lock (vLLM's lock files are turned
+    off; `flock` does not reach across the nodes of many shared filesystems)."""
+    ids = [int(i) for i in aux_layer_ids] + [int(num_layers)]
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}}}
+    kv = {"kv_connector": CONNECTOR if platform == "cpu" else GPU_CONNECTOR,
+          "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"shared_storage_path": str(storage), "use_synchronization_lock": False}}
+    return spec, kv
+
+
+def plugin_pythonpath() -> str:
+    """The PYTHONPATH that lets the server import our connector (this process's own PYTHONPATH after it)."""
+    return os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")]))
 
 
 def vllm_python(explicit: str | os.PathLike | None = None) -> Path:
@@ -33,3 +61,4 @@ def vllm_python(explicit: str | os.PathLike | None = None) -> Path:
     tried = "; ".join(f"{p} ({why})" for p, why in candidates)
     raise FileNotFoundError(f"no vLLM python found (tried {tried}): run `bash scripts/setup_engine.sh` in the "
                             f"repository root, or set {VLLM_PYTHON_ENV} to the python of an environment with vllm")
+
