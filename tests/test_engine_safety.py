@@ -238,7 +238,7 @@ def test_a_launched_server_is_restarted_as_often_as_configured(tiny, tmp_path, m
     storage = tmp_path / "hs"
     _Launched.made, _Launched.states, _Launched.storage = [], tiny_states(copy.deepcopy(tiny[2]), AUX), storage
     monkeypatch.setattr(deployment, "VLLMServer", _Launched)
-    monkeypatch.setattr(deployment, "cuda_engine", lambda: False)
+    monkeypatch.setattr(deployment, "engine_build", lambda python=None: "cpu")  # a CPU build
     recipe = _recipe(tiny, tmp_path, mode="launch", hidden_states_dir=str(storage), max_restarts=3, retries=1,
                      concurrency=4)
     feed = EngineFeed(EngineDeployment(recipe, AUX, 4), "e3ztestr0", 2**30, concurrency=4,
@@ -275,7 +275,7 @@ def test_the_engine_key_is_sent_by_the_feed_and_given_to_launched_servers_by_nam
         assert server.authorizations[-1] == "Bearer sk-engine-0123456789"
     _Launched.made, _Launched.states, _Launched.storage = [], tiny_states(copy.deepcopy(tiny[2]), AUX), storage
     monkeypatch.setattr(deployment, "VLLMServer", _Launched)
-    monkeypatch.setattr(deployment, "cuda_engine", lambda: False)
+    monkeypatch.setattr(deployment, "engine_build", lambda python=None: "cpu")  # a CPU build
     recipe = _recipe(tiny, tmp_path, mode="launch", hidden_states_dir=str(storage),
                      api_key_env="E3Z_TEST_ENGINE_KEY")
     with EngineDeployment(recipe, AUX, 4) as d:
@@ -289,7 +289,8 @@ def test_the_engine_key_is_sent_by_the_feed_and_given_to_launched_servers_by_nam
 
 
 # ------------------------------------------------------------------------------------------------------- serve
-SERVE = ["serve", "recipes/smollm2_135m.yaml", "--print-command", "engine.hidden_states_dir=/shared/hs"]
+SERVE = ["serve", "recipes/smollm2_135m.yaml", "--print-command", "engine.hidden_states_dir=/shared/hs",
+         "engine.platform=cpu"]
 
 
 @pytest.mark.parametrize("args, words", [
@@ -318,7 +319,7 @@ def test_serve_binds_loopback_by_default_and_names_the_key_never_its_value(capsy
 
 
 def test_serve_without_a_hidden_states_dir_says_where_to_set_it(capsys):
-    assert main(["serve", "recipes/smollm2_135m.yaml", "--print-command"]) == 2
+    assert main(["serve", "recipes/smollm2_135m.yaml", "--print-command", "engine.platform=cpu"]) == 2
     err = capsys.readouterr().err
     assert "the recipe has no engine.hidden_states_dir" in err and "engine.hidden_states_dir=/shared/hs" in err
 

