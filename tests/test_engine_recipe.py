@@ -39,6 +39,18 @@ def _problems(overrides: list[str]) -> list[str]:
     (["engine.mode=attach", "engine.urls=[10.0.0.5:8000]"], "engine.urls[0]: expected a server root like"),
     (["engine.tensor_parallel_size=0"], "engine.tensor_parallel_size: must be > 0"),
     (["data.prefetch_disk_gib=0"], "data.prefetch_disk_gib: must be > 0"),
+    (["engine.num_nodes=2", "engine.master_addr=10.0.0.5"], "engine.num_nodes: launch starts servers on this node "
+                                                            "only; a server over several nodes is started by"),
+    (["engine.mode=attach", "engine.urls=[http://h:1]", "engine.num_nodes=2"],
+     "engine.master_addr: a server over 2 nodes needs node 0's address"),
+    (["engine.mode=attach", "engine.urls=[http://h:1]", "engine.num_nodes=2", "engine.master_addr=h",
+      "engine.tensor_parallel_size=3"], "engine.num_nodes: the server's 3 GPUs (tensor_parallel_size x "
+                                        "data_parallel_size) cannot be split evenly over 2 nodes"),
+    (["engine.master_addr='a b'"], "engine.master_addr: expected node 0's address or host name"),
+    (["engine.master_port=0"], "engine.master_port: expected a TCP port in 1-65535"),
+    (["engine.platform=tpu"], "engine.platform"),
+    (["engine.platform=cpu", "engine.gpu_memory_utilization=0.9"], "engine.gpu_memory_utilization: is for GPU "
+                                                                   "engines, but engine.platform is cpu"),
 ])
 def test_engine_section_problems_are_one_line_each(overrides, expected):
     problems = _problems(overrides)

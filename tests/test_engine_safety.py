@@ -96,7 +96,7 @@ def _file(tmp_path, name="cmpl-r-0-x.safetensors", **tensors):
     ("hidden", r"shape \[5, 4, 32\], expected \[5, 4, 64\]"), ("tokens", "of 4 tokens for a prompt of 5"),
     ("layers", r"shape \[5, 3, 64\]"), ("no_ids", "no token_ids tensor"), ("float_ids", "token_ids of dtype float32"),
     ("not_safetensors", "not a readable safetensors file"), ("directory", "not a regular file"),
-    ("missing", "no such file")])
+    ("missing", r"no such file after 0.2 s \(engine.timeout\)")])
 def test_a_bad_file_is_the_servers_fault_naming_it(tmp_path, case, match):
     ok = torch.randn(5, LAYERS, HIDDEN)
     ids = torch.tensor(IDS)
@@ -123,8 +123,8 @@ def test_a_bad_file_is_the_servers_fault_naming_it(tmp_path, case, match):
         path.write_bytes(b"<html>502 Bad Gateway</html>")
     elif case == "directory":
         path.mkdir()
-    with pytest.raises(BadAnswerError, match=match) as info:
-        read_hidden_states(path, IDS, LAYERS, HIDDEN, server="http://s:1")
+    with pytest.raises(BadAnswerError, match=match) as info:  # missing: waited for (engine.timeout), not there
+        read_hidden_states(path, IDS, LAYERS, HIDDEN, server="http://s:1", lock_timeout=0.2)
     assert str(info.value).startswith(f"http://s:1: hidden-states file {path}")
     assert not path.is_file()  # this request's own bad file is not left on disk
     good = _file(tmp_path, "cmpl-r-0-y.safetensors", hidden_states=ok, token_ids=ids)
@@ -238,7 +238,7 @@ def test_a_launched_server_is_restarted_as_often_as_configured(tiny, tmp_path, m
     storage = tmp_path / "hs"
     _Launched.made, _Launched.states, _Launched.storage = [], tiny_states(copy.deepcopy(tiny[2]), AUX), storage
     monkeypatch.setattr(deployment, "VLLMServer", _Launched)
-    monkeypatch.setattr(deployment, "cuda_engine", lambda: False)
+    monkeypatch.setattr(deployment, "engine_build", lambda python=None: "cpu")  # a CPU build
     recipe = _recipe(tiny, tmp_path, mode="launch", hidden_states_dir=str(storage), max_restarts=3, retries=1,
                      concurrency=4)
     feed = EngineFeed(EngineDeployment(recipe, AUX, 4), "e3ztestr0", 2**30, concurrency=4,
@@ -275,7 +275,7 @@ def test_the_engine_key_is_sent_by_the_feed_and_given_to_launched_servers_by_nam
         assert server.authorizations[-1] == "Bearer sk-engine-0123456789"
     _Launched.made, _Launched.states, _Launched.storage = [], tiny_states(copy.deepcopy(tiny[2]), AUX), storage
     monkeypatch.setattr(deployment, "VLLMServer", _Launched)
-    monkeypatch.setattr(deployment, "cuda_engine", lambda: False)
+    monkeypatch.setattr(deployment, "engine_build", lambda python=None: "cpu")  # a CPU build
     recipe = _recipe(tiny, tmp_path, mode="launch", hidden_states_dir=str(storage),
                      api_key_env="E3Z_TEST_ENGINE_KEY")
     with EngineDeployment(recipe, AUX, 4) as d:
@@ -289,7 +289,8 @@ def test_the_engine_key_is_sent_by_the_feed_and_given_to_launched_servers_by_nam
 
 
 # ------------------------------------------------------------------------------------------------------- serve
-SERVE = ["serve", "recipes/smollm2_135m.yaml", "--print-command", "engine.hidden_states_dir=/shared/hs"]
+SERVE = ["serve", "recipes/smollm2_135m.yaml", "--print-command", "engine.hidden_states_dir=/shared/hs",
+         "engine.platform=cpu"]
 
 
 @pytest.mark.parametrize("args, words", [
@@ -318,7 +319,7 @@ def test_serve_binds_loopback_by_default_and_names_the_key_never_its_value(capsy
 
 
 def test_serve_without_a_hidden_states_dir_says_where_to_set_it(capsys):
-    assert main(["serve", "recipes/smollm2_135m.yaml", "--print-command"]) == 2
+    assert main(["serve", "recipes/smollm2_135m.yaml", "--print-command", "engine.platform=cpu"]) == 2
     err = capsys.readouterr().err
     assert "the recipe has no engine.hidden_states_dir" in err and "engine.hidden_states_dir=/shared/hs" in err
 

@@ -288,3 +288,63 @@ def test_regeneration_in_the_engine_launched_equals_the_openai_backend(hf_target
     log = (tmp_path / "run" / "engine" / "regenerate-server-0.log").read_text()
     assert "extract_hidden_states" not in log  # vLLM logs its non-default arguments: a plain server
     assert not list((tmp_path / "run" / "engine").glob("hidden_states*"))  # no hidden-states store made
+
+
+# the engine venv's python reads what `serve` prints with vLLM's own command-line parser
+_PARSE = """
+import shlex, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+for line in sys.stdin:
+    words = shlex.split(line)
+    args = words[words.index("-m") + 2:]
+    args = args[1:] if args[:1] == ["serve"] else args  # the worker runs vLLM's `serve` command
+    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(args)
+    print(ns.model, ns.headless, ns.nnodes, ns.node_rank, ns.master_addr, ns.master_port, ns.tensor_parallel_size,
+          ns.data_parallel_size, ns.enable_expert_parallel, ns.host)
+"""
+
+
+def test_the_two_node_serve_commands_are_what_vllms_cli_reads(monkeypatch):
+    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.targets.deployment import serve_recipe
+    from eagle3_zoo.targets.engine import vllm_python
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    recipe = load_recipe(ROOT / "recipes" / "deepseek_v3.yaml", ["engine.num_nodes=2", "engine.data_parallel_size=2",
+                                                                 "engine.gpu_memory_gb=80", "engine.master_addr=h0"])
+    lines = [serve_recipe(recipe, "0.0.0.0", 8000, dry_run=True, node_rank=r) for r in (0, 1)]
+    out = subprocess.run([str(vllm_python()), "-c", _PARSE], input="\n".join(lines) + "\n", capture_output=True,
+                         text=True, timeout=600, check=True).stdout.splitlines()
+    assert out == ["deepseek-ai/DeepSeek-V3 False 2 0 h0 29501 8 2 True 0.0.0.0",
+                   "deepseek-ai/DeepSeek-V3 True 2 1 h0 29501 8 2 True None"]
+
+
+_WRITE = """
+import os, sys, torch
+import eagle3_zoo_hs_connector as c
+from safetensors.torch import load_file
+
+class Copied:  # the CUDA event of the device-to-host copy, already complete
+    def synchronize(self):
+        pass
+
+assert issubclass(c.CPUHiddenStatesConnector, c.AtomicHiddenStatesConnector)
+states = {"hidden_states": torch.randn(5, 4, 8), "token_ids": torch.arange(5)}
+c.AtomicHiddenStatesConnector._write_tensors(states, Copied(), sys.argv[1], None)
+assert all(torch.equal(load_file(sys.argv[1])[k], v) for k, v in states.items())
+print(sorted(os.listdir(os.path.dirname(sys.argv[1]))))
+"""
+
+
+def test_the_gpu_connectors_writer_hands_its_file_over_by_rename(tmp_path):
+    """The GPU build's connector (vLLM's asynchronous writer threads) loads against this vLLM (its writer's
+    signature is checked at import) and its writer leaves only the final name (no CUDA here: the copy's event is a
+    stand-in)."""
+    from eagle3_zoo.targets.engine import PLUGIN_DIR, vllm_python
+
+    path = tmp_path / "cmpl-x-0-ab12.safetensors"
+    out = subprocess.run([str(vllm_python()), "-c", _WRITE, str(path)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(PLUGIN_DIR)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == f"['{path.name}']"

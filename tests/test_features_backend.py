@@ -61,5 +61,6 @@ def test_vllm_hidden_states_request_uses_hf_indices_plus_the_last_layer(tmp_path
     assert spec == {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                     "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27, 30]}}}
     assert kv["kv_connector"] == CONNECTOR and kv["kv_connector_module_path"] == CONNECTOR_MODULE
-    assert kv["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path)}
+    # no lock files: the connector hands each file over by renaming it complete
+    assert kv["kv_connector_extra_config"] == {"shared_storage_path": str(tmp_path), "use_synchronization_lock": False}
     assert (PLUGIN_DIR / f"{CONNECTOR_MODULE}.py").is_file()  # what the server imports through PYTHONPATH

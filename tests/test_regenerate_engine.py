@@ -128,7 +128,7 @@ def test_launch_mode_starts_the_sections_servers_without_hidden_states_and_stops
     model, tok, adapter = tiny
     _FakeProcess.made, _FakeProcess.target = [], (model, tok)
     monkeypatch.setattr(deployment, "VLLMServer", _FakeProcess)
-    monkeypatch.setattr(deployment, "cuda_engine", lambda: False)
+    monkeypatch.setattr(deployment, "engine_build", lambda python=None: "cpu")  # a CPU build
     with _served(model, tok) as one:
         single = _recipe(tmp_path, "data.regenerate.backend=openai", f"data.regenerate.base_url={one.url}")
         regenerate_for_recipe(single, _convs(), tok, adapter, tmp_path / "one.jsonl")
@@ -176,7 +176,7 @@ def test_a_launched_server_that_dies_is_restarted_and_the_regeneration_resumes(t
     model, tok, adapter = tiny
     _DiesOnce.made, _DiesOnce.target, _DiesOnce.deaths = [], (model, tok), 1
     monkeypatch.setattr(deployment, "VLLMServer", _DiesOnce)
-    monkeypatch.setattr(deployment, "cuda_engine", lambda: False)
+    monkeypatch.setattr(deployment, "engine_build", lambda python=None: "cpu")  # a CPU build
     with _served(model, tok) as one:
         single = _recipe(tmp_path, "data.regenerate.backend=openai", f"data.regenerate.base_url={one.url}")
         regenerate_for_recipe(single, _convs(), tok, adapter, tmp_path / "one.jsonl")

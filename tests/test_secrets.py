@@ -204,7 +204,8 @@ def test_no_secret_and_no_env_value_in_anything_the_commands_write_print_or_log(
     recipe = tiny_recipe(tmp_path, target, data, output_dir=str(run_dir), trainer={
         "max_steps": 2, "checkpoint_every_n_steps": 1, "val_check_interval": None, "logger": ["csv", "tensorboard"]})
     recipe["data"]["chat_template_kwargs"] = {"note": "${oc.env:E3Z_SOME_VAR}"}
-    recipe["engine"] = {"api_key_env": "E3Z_ENGINE_KEY", "hidden_states_dir": str(tmp_path / "hidden_states")}
+    recipe["engine"] = {"api_key_env": "E3Z_ENGINE_KEY", "hidden_states_dir": str(tmp_path / "hidden_states"),
+                        "platform": "cpu"}
     path = write_recipe(tmp_path / "r.yaml", recipe)
     args = f"engine.extra_args=[--api-key,{ARG_KEY},'--download-url=http://me:{URL_PASSWORD}@10.0.0.9:9/m']"
     printed: list[str] = []

@@ -52,7 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from eagle3_zoo.targets.deployment import serve_recipe
 
     print(serve_recipe(load_recipe(args.recipe, args.overrides), args.host, args.port, dry_run=args.print_command,
-                       allow_no_key=args.no_api_key))
+                       allow_no_key=args.no_api_key, node_rank=args.node_rank, source=args.recipe))
     return 0
 
 
@@ -118,7 +118,11 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--port", type=int, default=8000, help="TCP port, 1-65535 (default: 8000)")
     p.add_argument("--no-api-key", action="store_true", help="serve a non-loopback --host without an API key (any "
                    "host that reaches the port can use the engine; only on a network you trust)")
-    p.add_argument("--print-command", action="store_true", help="print the server command line and exit")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank in an engine over engine.num_nodes "
+                   "nodes (default 0: the node that serves the API; 1..N-1 start headless workers that join it at "
+                   "engine.master_addr)")
+    p.add_argument("--print-command", action="store_true", help="print the command line for the engine's machine "
+                   "(engine.platform; this one or another) and exit")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("consolidate", help="write the drafter folder of a training checkpoint (e.g. FSDP sharded)",

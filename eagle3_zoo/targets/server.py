@@ -100,10 +100,12 @@ class VLLMServer:
         self.port = port
         self.base_url: str = self.url or ""
 
-    def command(self, port: int) -> list[str]:
-        """The server command line."""
-        cmd = [str(vllm_python(self.python)), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-               "--host", LOOPBACK, "--port", str(port), "--dtype", self.dtype]
+    def command(self, port: int, resolve: bool = True) -> list[str]:
+        """The server command line (`resolve`: the python found here, `vllm_python`; else `python` as given, for a
+        command that another machine runs)."""
+        python = vllm_python(self.python) if resolve else self.python
+        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model), "--host", LOOPBACK,
+               "--port", str(port), "--dtype", self.dtype]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
         if self.max_model_len:

@@ -1,9 +1,11 @@
 """Aux + final hidden states of token sequences, computed by a vLLM server (the `vllm` feature backend).
 
-The server runs the target with the `extract_hidden_states` speculative method and our CPU-safe hidden-states
-connector (`vllm_plugins/eagle3_zoo_hs_connector.py`); each ``/v1/completions`` request (prompt = the sample's token
-ids, one generated token) makes the connector write a safetensors file with ``hidden_states [T, len(ids), H]``,
-whose path comes back in ``kv_transfer_params.hidden_states_path``.
+The server runs the target with the `extract_hidden_states` speculative method and our hidden-states connector
+(`vllm_plugins/eagle3_zoo_hs_connector.py`); each ``/v1/completions`` request (prompt = the sample's token ids, one
+generated token) makes the connector write a safetensors file with ``hidden_states [T, len(ids), H]``, whose path
+comes back in ``kv_transfer_params.hidden_states_path``. The answer can arrive before the file is written: the
+connector writes under a temporary name and renames, so the reader waits (up to ``engine.timeout``) for the final name
+to appear and never sees half a file, on this node or another one sharing the directory, with or without `flock`.
 
 Layer ids: vLLM's top-level ``eagle_aux_hidden_state_layer_ids`` are HF ``hidden_states`` indices (id k = the
 residual stream entering decoder layer k), which is our internal convention, so the recipe's aux ids are
@@ -30,27 +32,18 @@ from typing import Any
 
 import torch
 
+from eagle3_zoo.targets.engine import (  # noqa: F401  (re-exported: the connector's names, as before)
+    CONNECTOR,
+    CONNECTOR_MODULE,
+    GPU_CONNECTOR,
+    PLUGIN_DIR,
+    hidden_states_configs,
+    plugin_pythonpath,
+)
 from eagle3_zoo.targets.openai_client import BadAnswerError
 from eagle3_zoo.targets.server import VLLMServer, resolve_model_dir
 
-PLUGIN_DIR = Path(__file__).with_name("vllm_plugins")
-CONNECTOR = "CPUHiddenStatesConnector"
-CONNECTOR_MODULE = "eagle3_zoo_hs_connector"
 logger = logging.getLogger(__name__)
-STOCK_CONNECTOR = "ExampleHiddenStatesConnector"  # vLLM's own: asynchronous CUDA copies (GPU builds)
-
-
-def hidden_states_configs(aux_layer_ids: Sequence[int], num_layers: int, storage: str | os.PathLike,
-                          connector: str = "cpu") -> tuple[dict[str, Any], dict[str, Any]]:
-    """vLLM's ``--speculative-config`` and ``--kv-transfer-config`` for extracting `aux_layer_ids` + the last state,
-    with our CPU-safe connector (`connector` "cpu") or vLLM's stock one ("stock", for GPU builds)."""
-    ids = [int(i) for i in aux_layer_ids] + [int(num_layers)]
-    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}}}
-    kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE} if connector == "cpu" else \
-        {"kv_connector": STOCK_CONNECTOR}
-    kv.update(kv_role="kv_producer", kv_connector_extra_config={"shared_storage_path": str(storage)})
-    return spec, kv
 
 
 def request_hidden_states(client: Any, model: str, ids: Sequence[int], request_id: str | None = None) -> str:
@@ -101,7 +94,7 @@ def read_hidden_states(path: str | os.PathLike, ids: Sequence[int], layers: int,
     regular file, safetensors with ``hidden_states`` (floating point, `[len(ids), layers, hidden_size]`, finite) and
     ``token_ids`` (exactly `ids`). The file (and its lock) are then deleted, unless `keep` (a check ahead of the
     read); a file that fails a check is deleted too (it is this request's, named as `answered_file` checks).
-    `lock_timeout`: seconds to wait for the connector to finish writing it (its lock).
+    `lock_timeout`: seconds to wait for the connector to finish writing it (its name to appear, or its lock).
 
     Raises:
         BadAnswerError: the file is missing, unreadable or holds something else (names `server` and the file).
@@ -179,7 +172,7 @@ class VLLMFeatureExtractor:
         self._own_storage = storage is None
         self.storage = Path(storage or tempfile.mkdtemp(prefix="eagle3-zoo-hs-"))
         spec, kv = hidden_states_configs(self.aux_layer_ids, self.num_layers, self.storage)
-        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")]))}
+        env = {"PYTHONPATH": plugin_pythonpath()}
         self.server = VLLMServer(self.model_dir, speculative_config=spec, kv_transfer_config=kv, python=python,
                                  env=env, **server_kwargs)
         self.norm_weight: torch.Tensor | None = None
@@ -228,19 +221,21 @@ class VLLMFeatureExtractor:
         return aux, final
 
 
-def wait_for_lock(path: str, timeout: float, where: str) -> None:
-    """Wait until the connector releases its lock on `path` (``<path>.lock``, held LOCK_EX until the file is
-    complete; no lock file: nothing to wait for), polling so that signals are handled meanwhile.
+def wait_for_lock(path: str, deadline: float, timeout: float, where: str) -> None:
+    """Wait until a connector that writes in place with vLLM's lock files releases its lock on `path`
+    (``<path>.lock``, held LOCK_EX until the file is complete), polling so that signals are handled meanwhile. No lock
+    file (our connectors hand files over by rename), or a filesystem whose `flock` fails, is nothing to wait for.
 
     Raises:
-        BadAnswerError: still locked after `timeout` seconds (a server that died while writing it, or a stuck one).
+        BadAnswerError: still locked at `deadline` (`time.monotonic()`; after `timeout` seconds): a server that died or
+            hangs while writing it.
     """
     try:
         fd = os.open(path + ".lock", os.O_RDONLY)
     except FileNotFoundError:
         return
     try:
-        deadline, delay = time.monotonic() + timeout, 0.005
+        delay = 0.005
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -251,22 +246,42 @@ def wait_for_lock(path: str, timeout: float, where: str) -> None:
                                          "(engine.timeout): a server that died or hangs while writing it") from None
                 time.sleep(delay)
                 delay = min(delay * 2, 0.2)
+            except OSError:  # no flock here (Lustre without -o flock: ENOSYS): the file's name is the signal
+                return
     finally:
         os.close(fd)
+
+
+def wait_for_file(path: str, deadline: float, timeout: float, where: str) -> os.stat_result:
+    """The `lstat` of `path` once its name exists: the connector renames a complete file to it, and on a filesystem
+    shared between nodes the name can show up on this node some time after the answer (attribute caches). Polled
+    until `deadline` (`time.monotonic()`), so that signals are handled meanwhile.
+
+    Raises:
+        BadAnswerError: no such file at `deadline` (after `timeout` seconds), or it cannot be stat'ed.
+    """
+    delay = 0.005
+    while True:
+        try:
+            return os.lstat(path)
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                raise BadAnswerError(f"{where}: no such file after {timeout:g} s (engine.timeout): is "
+                                     "engine.hidden_states_dir the directory the server's connector writes to, as "
+                                     "this machine sees it, and is the server alive?") from None
+        except OSError as e:
+            raise BadAnswerError(f"{where}: cannot be read ({e.strerror or e})") from None
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
 
 
 def _read_locked(path: str, timeout: float, where: str) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    wait_for_lock(path, timeout, where)
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise BadAnswerError(f"{where}: no such file (is engine.hidden_states_dir the directory the server's "
-                             "connector writes to, as this machine sees it?)") from None
-    except OSError as e:
-        raise BadAnswerError(f"{where}: cannot be read ({e.strerror or e})") from None
+    deadline = time.monotonic() + timeout
+    wait_for_lock(path, deadline, timeout, where)
+    st = wait_for_file(path, deadline, timeout, where)
     if not stat.S_ISREG(st.st_mode):
         raise BadAnswerError(f"{where}: not a regular file (a directory or a link)")
     try:
@@ -285,15 +300,17 @@ def _remove(path: str) -> None:
 
 
 def discard_hidden_states(path: str | os.PathLike, timeout: float = 600.0) -> None:
-    """Delete a connector's file (and its lock) that nobody reads, once the connector has finished writing it (a
+    """Delete a connector's file (and its lock) that nobody reads, once the connector has written it (a
     hidden-states server writes one for every completion, e.g. one that answers the regeneration); `path` as
-    `answered_file` checked it. A file still locked after `timeout` seconds, or one that is not a regular file, is
-    left alone (with a warning)."""
+    `answered_file` checked it. A file that has not appeared after `timeout` seconds, or one that is not a regular
+    file, is left alone (with a warning)."""
     path = str(path)
+    where = f"hidden-states file {path}"
     try:
-        wait_for_lock(path, timeout, f"hidden-states file {path}")
-        if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
-            raise BadAnswerError(f"hidden-states file {path}: not a regular file")
+        deadline = time.monotonic() + timeout
+        wait_for_lock(path, deadline, timeout, where)
+        if not stat.S_ISREG(wait_for_file(path, deadline, timeout, where).st_mode):
+            raise BadAnswerError(f"{where}: not a regular file")
     except (BadAnswerError, OSError) as e:
         logger.warning("not deleted: %s", e)
         return

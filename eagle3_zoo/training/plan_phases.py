@@ -201,6 +201,7 @@ def engine_phase(recipe: Any, config: Any, counts: dict[str, int], kv_per_token:
                                 max_len=max_len, utilization=e.gpu_memory_utilization or VLLM_UTILIZATION,
                                 concurrency=concurrency, capacity_gb=capacity)
     servers = f"{e.replicas} server(s) launched here" if e.mode == "launch" else f"{len(e.urls)} attached server(s)"
+    nodes = f" over {e.num_nodes} nodes" if e.num_nodes > 1 else ""
     return PhasePlan(name, f"in the engine ({servers}, each tensor parallel {e.tensor_parallel_size} x data parallel "
-                     f"{e.data_parallel_size}{', expert parallel' if e.expert_parallel else ''}), {how}", lines,
+                     f"{e.data_parallel_size}{', expert parallel' if e.expert_parallel else ''}{nodes}), {how}", lines,
                      capacity, key, after)
