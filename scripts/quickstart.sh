@@ -72,7 +72,7 @@ fi
 # the smoke drafter is a demo (its card says so) and never shares the real recipe's repo id
 REPO_ID=eagle3-zoo/smollm2-135m-instruct-eagle3
 [ "${FULL:-0}" = "1" ] || REPO_ID=$REPO_ID-smoke-demo
-rm -rf "$RUN/card"  # publish stages into an empty folder; the card is rendered anew from the drafter folder
+# the card is rendered anew from the drafter folder (publish replaces the folder an earlier run staged)
 eagle3-zoo publish "$DRAFTER" --repo-id "$REPO_ID" --dry-run --stage-dir "$RUN/card"
 end=$(date +%s)
 python scripts/summary.py "$RUN" --card "$RUN/card/README.md"
