@@ -77,3 +77,6 @@ eagle3-zoo publish "$DRAFTER" --repo-id "$REPO_ID" --dry-run --stage-dir "$RUN/c
 end=$(date +%s)
 python scripts/summary.py "$RUN" --card "$RUN/card/README.md"
 echo "wall time: data prepared in $((prepared - start)) s; trained in $((trained - prepared)) s; evaluated and carded in $((end - trained)) s ($((end - start)) s in all; load average at the end: $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo n/a))"
+# the command lives in .venv/bin, which this script put on its own PATH only: say how to use it from a new shell
+echo "next: in a new shell, run 'source .venv/bin/activate' (or call .venv/bin/eagle3-zoo), e.g."
+echo "  .venv/bin/eagle3-zoo eval $DRAFTER --target smollm2-135m-instruct --bench mtbench --limit 4"
