@@ -268,3 +268,21 @@ def test_eval_engine_refuses_tree_options(tmp_path, capsys):
 
     assert main(["eval", str(tmp_path), "--engine", "vllm", "--top-k", "4"]) == 2
     assert "drop --top-k" in capsys.readouterr().err
+
+
+def test_engine_requests_log_progress_while_an_answer_is_slow(monkeypatch, caplog):
+    """`eval --engine vllm` logs a line every EAGLE3_ZOO_LOG_EVERY_S while a request runs (it logged none before)."""
+    import logging
+    from types import SimpleNamespace
+
+    from eagle3_zoo.speculative.engine_eval import run_requests
+
+    monkeypatch.setenv("EAGLE3_ZOO_LOG_EVERY_S", "0.3")
+    bench = SimpleNamespace(name="b", prompts=[SimpleNamespace(id="p0", is_chat=False)])
+    with FakeOpenAIServer() as server, caplog.at_level(logging.INFO, logger="eagle3_zoo.speculative.engine_eval"):
+        server.delay = 1.2
+        run_requests(OpenAIClient(server.url, retries=0), "fake-model", [bench], SimpleNamespace(
+            decode=lambda ids, **kw: ""), max_new_tokens=4, stop_ids=[2], prompts={"b:p0": [5, 6]})
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("vLLM eval (")]
+    assert len([line for line in lines if "0/1 request" in line and "waiting" in line]) >= 2, lines
+    assert "1/1 request (100%)" in lines[-1]

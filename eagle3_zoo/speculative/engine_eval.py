@@ -216,26 +216,32 @@ def run_requests(client: OpenAIClient, model: str, benches: Sequence[Any], token
     ``{"prompt", "tokens", "seconds"}``. `sampling`: `sampling_params`; its seed, if any, plus the request's index
     is each request's seed (the same on both servers)."""
     from eagle3_zoo.adapters.conversation import Message
+    from eagle3_zoo.progress import Progress
     from eagle3_zoo.speculative.evaluation import turn_input_ids
 
     rows: dict[str, dict[str, Any]] = {}
-    for bench in benches:
-        for prompt in bench.prompts:
-            history: list[Message] = []
-            n_turns = len(prompt.turns) if prompt.is_chat else 1
-            for turn in range(n_turns):
-                rid = f"{bench.name}:{prompt.id}" + ("" if n_turns == 1 else f"/turn{turn + 1}")
-                if prompts is not None:
-                    ids = prompts[rid]
-                else:
-                    ids = turn_input_ids(prompt, turn, history, tokenizer, template_kwargs=template_kwargs).tolist()
-                params = dict(sampling or {})
-                if "seed" in params:
-                    params["seed"] += len(rows)
-                tokens, seconds = complete(client, model, ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                                           sampling=params)
-                rows[rid] = {"prompt": ids, "tokens": tokens, "seconds": seconds}
-                history.append(Message("assistant", tokenizer.decode(tokens, skip_special_tokens=True)))
+    total = len(prompts) if prompts is not None else sum(len(p.turns) if p.is_chat else 1 for b in benches
+                                                         for p in b.prompts)
+    # a line every EAGLE3_ZOO_LOG_EVERY_S while the requests run (a CPU engine answers a few tokens a second)
+    with Progress(total, f"vLLM eval ({client.base_url})", "request", logger=logger) as progress:
+        for bench in benches:
+            for prompt in bench.prompts:
+                history: list[Message] = []
+                n_turns = len(prompt.turns) if prompt.is_chat else 1
+                for turn in range(n_turns):
+                    rid = f"{bench.name}:{prompt.id}" + ("" if n_turns == 1 else f"/turn{turn + 1}")
+                    if prompts is not None:
+                        ids = prompts[rid]
+                    else:
+                        ids = turn_input_ids(prompt, turn, history, tokenizer, template_kwargs=template_kwargs).tolist()
+                    params = dict(sampling or {})
+                    if "seed" in params:
+                        params["seed"] += len(rows)
+                    tokens, seconds = complete(client, model, ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                                               sampling=params)
+                    rows[rid] = {"prompt": ids, "tokens": tokens, "seconds": seconds}
+                    progress.update(1, tokens=len(tokens))
+                    history.append(Message("assistant", tokenizer.decode(tokens, skip_special_tokens=True)))
     return rows
 
 
