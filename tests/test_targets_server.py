@@ -92,7 +92,7 @@ FAKE_VLLM = textwrap.dedent('''
         open(os.environ["CHILD_PID_FILE"], "w").write(str(os.getpid()))
         while True:
             time.sleep(1)
-    time.sleep(0.5)  # not healthy at once
+    time.sleep(float(os.environ.get("FAKE_STARTUP_S", "0.5")))  # not healthy at once
     class H(BaseHTTPRequestHandler):
         def log_message(self, *a): pass
         def do_GET(self):
@@ -140,6 +140,20 @@ def test_server_starts_on_loopback_and_stops_its_process_group(fake_vllm):
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(child), "the engine-core child outlived stop()"
+
+
+def test_a_slow_server_start_logs_a_line_every_interval(fake_vllm, monkeypatch, caplog):
+    """vLLM's start takes minutes with compilation: lines every EAGLE3_ZOO_LOG_EVERY_S until it is healthy (none
+    before)."""
+    import logging
+
+    monkeypatch.setenv("FAKE_STARTUP_S", "3")
+    monkeypatch.setenv("EAGLE3_ZOO_LOG_EVERY_S", "0.5")
+    with caplog.at_level(logging.INFO, logger="eagle3_zoo.targets.server"):
+        with VLLMServer(str(fake_vllm / "model"), startup_timeout=60, log_path=fake_vllm / "log.txt") as server:
+            assert server.client().healthy()
+    waiting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for vLLM on")]
+    assert len(waiting) >= 2 and "s of at most 60 s (log " in waiting[-1], waiting
 
 
 def test_server_that_exits_reports_code_url_and_log(fake_vllm):
