@@ -6,13 +6,13 @@ holder file, model cards, error lines and log records).
     redact("curl -H 'Bearer sk-...'")    # -> "curl -H 'Bearer ***'"
     redact_data({"engine": {"extra_args": ["--api-key", "sk-..."]}})  # -> {... ["--api-key", "***"]}
 
-Known secrets: values registered by the process (`register`), the current values of registered variables (the
-recipe's `engine.api_key_env` and `data.regenerate.api_key_env`, and `WANDB_API_KEY`, read when a text is redacted: a
-key set later is known too), the Hub token (`HF_TOKEN`, `HUGGING_FACE_HUB_TOKEN`, the token files of `hf auth login`), and whatever
-is written as a secret whatever its value: the ``user:password@`` of a URL and the value after ``--api-key``,
-``--hf-token`` or ``--token`` (``--api-key X``, ``--api-key=X``). Values shorter than `MIN_LENGTH` are not replaced
-in free text (they would match everywhere); in structured data the value after a key flag is replaced whatever its
-length. The registry is process-wide: whatever a command loaded, everything it writes afterwards is redacted.
+Known secrets: values registered by the process (`register`), the current values of registered variables (the recipe's
+`engine.api_key_env` and `data.regenerate.api_key_env`, and `WANDB_API_KEY`, read when a text is redacted: a key set
+later is known too), the Hub token (`HF_TOKEN`, `HUGGING_FACE_HUB_TOKEN`, the token files of `hf auth login`), and
+whatever is written as a secret whatever its value: the ``user:password@`` of a URL and the value after ``--api-key``,
+``--hf-token`` or ``--token`` (``--api-key X``, ``--api-key=X``). Values shorter than `MIN_LENGTH` are not replaced in
+free text (they would match everywhere); in structured data the value after a key flag is replaced whatever its length.
+The registry is process-wide: whatever a command loaded, everything it writes afterwards is redacted.
 Imports nothing heavy (no torch; YAML only to rewrite a document)."""
 
 from __future__ import annotations
