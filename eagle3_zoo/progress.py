@@ -1,5 +1,8 @@
 """Progress of long work (regeneration, the feature job, training, evaluation): a live bar on a terminal, and a log
-line every `log_every_s` seconds (and at the end) otherwise, so CI logs and batch jobs show a sign of life.
+line every `log_every_s` seconds (and at the end) otherwise, so CI logs and batch jobs show a sign of life. The lines
+of `Progress` come from a timer, not only when an item completes: one item can take many minutes (a batch of 64
+conversations answered by a CPU target under load), and the line still comes, saying how long the current item has
+been waited for.
 
 "A terminal" means one a bar can be drawn on: stderr is a tty *with columns* (a pty of zero width, as some job
 runners give, would draw nothing at all). Without one, the bars of Hugging Face libraries are off too (they would
@@ -13,6 +16,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -95,7 +99,8 @@ class Progress:
         desc: what is being done ("regenerating").
         unit: what an item is ("conv").
         logger: where the log lines go when there is no terminal.
-        log_every_s: seconds between log lines.
+        log_every_s: seconds between log lines (a background timer writes them while no item completes; 0: a line
+            per update, no timer).
         bar: force the live bar on or off (default: `use_bar()`).
         enabled: False shows nothing at all.
     """
@@ -108,35 +113,55 @@ class Progress:
         self.logger = logger or logging.getLogger(__name__)
         self.log_every_s = log_every_s if enabled else float("inf")
         self.enabled = enabled
-        self._start = self._last_log = time.monotonic()
+        self._start = self._last_log = self._last_update = time.monotonic()
         self._bar = None
+        self._lock = threading.Lock()  # `update` (the worker) and the timer both read and write the counts
+        self._closed = threading.Event()
         if enabled and (use_bar() if bar is None else bar) and total:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, file=sys.stderr)
+        elif enabled and 0 < self.log_every_s < float("inf") and total:
+            threading.Thread(target=self._timer, name=f"progress: {desc}", daemon=True).start()
 
     def update(self, n: int = 1, status: str | None = None, **counters: int) -> None:
         """`n` more items done; `counters` (e.g. tokens=512) are added up and shown with their rate; `status`
         (e.g. "tau 1.42") replaces the last one."""
-        self.done += n
-        if status is not None:
-            self.status = status
-        for key, value in counters.items():
-            self.counters[key] = self.counters.get(key, 0) + value
-        now = time.monotonic()
+        with self._lock:
+            self.done += n
+            if status is not None:
+                self.status = status
+            for key, value in counters.items():
+                self.counters[key] = self.counters.get(key, 0) + value
+            now = self._last_update = time.monotonic()
+            due = now - self._last_log >= self.log_every_s or self.done >= self.total
+            if due:
+                self._last_log = now
         if self._bar is not None:
             elapsed = max(now - self._start, 1e-9)
             postfix = {f"{k}/s": f"{v / elapsed:.0f}" for k, v in self.counters.items()}
             items = [f"{k}={v}" for k, v in postfix.items()] + ([self.status] if self.status else [])
             self._bar.set_postfix_str(", ".join(items), refresh=False)
             self._bar.update(n)
-        elif self.enabled and (now - self._last_log >= self.log_every_s or self.done >= self.total):
-            self._last_log = now
+        elif self.enabled and due:
             self.logger.info("%s", self.line())
 
+    def _timer(self) -> None:
+        """A line every `log_every_s` seconds in which no update wrote one, until closed or done."""
+        while not self._closed.wait(max(self._last_log + self.log_every_s - time.monotonic(), 0.01)):
+            with self._lock:  # held while logging: once `close` returns, no line comes
+                if self.done >= self.total or self._closed.is_set():
+                    return
+                if time.monotonic() - self._last_log >= self.log_every_s:
+                    self._last_log = time.monotonic()
+                    self.logger.info("%s", self.line())
+
     def line(self) -> str:
-        """`regenerating: 64/128 conv (50%), 0.8 conv/s, tokens 8192 (102/s), ETA 0:01:20, 80 s elapsed`."""
-        elapsed = max(time.monotonic() - self._start, 1e-9)
+        """`regenerating: 64/128 conv (50%), 0.8 conv/s, tokens 8192 (102/s), ETA 0:01:20, 80 s elapsed`; a line
+        written while the current item has taken longer than `log_every_s` says so (`waiting 95 s for the next
+        conv`)."""
+        now = time.monotonic()
+        elapsed = max(now - self._start, 1e-9)
         rate = self.done / elapsed
         parts = [f"{self.desc}: {self.done}/{self.total} {self.unit} ({self.done / max(self.total, 1):.0%})",
                  f"{rate:.2f} {self.unit}/s"]
@@ -145,10 +170,14 @@ class Progress:
             parts.append(self.status)
         if rate > 0 and self.done < self.total:
             parts.append(f"ETA {_eta((self.total - self.done) / rate)}")
+        if self.done < self.total and 0 < self.log_every_s <= now - self._last_update:
+            parts.append(f"waiting {now - self._last_update:.0f} s for the next {self.unit}")
         parts.append(f"{elapsed:.0f} s elapsed")
         return ", ".join(parts)
 
     def close(self) -> None:
+        with self._lock:
+            self._closed.set()  # the timer stops
         if self._bar is not None:
             self._bar.close()
             self._bar = None

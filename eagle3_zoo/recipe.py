@@ -233,7 +233,8 @@ class TrainerConfig:
     checkpoint_every_n_steps: int | None = ruled(1000, GT0)
     val_check_interval: int | None = ruled(None, GT0)  # validate every N training batches; null = once per epoch
     log_every_n_steps: int = ruled(10, GT0)
-    logger: list[Literal["csv", "tensorboard"]] = field(default_factory=lambda: ["csv", "tensorboard"])
+    # wandb: pip install 'eagle3-zoo[wandb]'; WANDB_MODE, WANDB_PROJECT... as wandb reads them
+    logger: list[Literal["csv", "tensorboard", "wandb"]] = field(default_factory=lambda: ["csv", "tensorboard"])
     seed: int = 42  # seed of the drafter initialisation and data order
     activation_checkpointing: bool = False
     gpu_memory_gb: float | None = ruled(None, GT0)  # memory of one GPU the recipe is planned for; `plan` checks it

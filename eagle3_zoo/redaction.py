@@ -6,13 +6,13 @@ holder file, model cards, error lines and log records).
     redact("curl -H 'Bearer sk-...'")    # -> "curl -H 'Bearer ***'"
     redact_data({"engine": {"extra_args": ["--api-key", "sk-..."]}})  # -> {... ["--api-key", "***"]}
 
-Known secrets: values registered by the process (`register`), the current values of registered variables (the
-recipe's `engine.api_key_env` and `data.regenerate.api_key_env`, read when a text is redacted: a key set later is
-known too), the Hub token (`HF_TOKEN`, `HUGGING_FACE_HUB_TOKEN`, the token files of `hf auth login`), and whatever
-is written as a secret whatever its value: the ``user:password@`` of a URL and the value after ``--api-key``,
-``--hf-token`` or ``--token`` (``--api-key X``, ``--api-key=X``). Values shorter than `MIN_LENGTH` are not replaced
-in free text (they would match everywhere); in structured data the value after a key flag is replaced whatever its
-length. The registry is process-wide: whatever a command loaded, everything it writes afterwards is redacted.
+Known secrets: values registered by the process (`register`), the current values of registered variables (the recipe's
+`engine.api_key_env` and `data.regenerate.api_key_env`, and `WANDB_API_KEY`, read when a text is redacted: a key set
+later is known too), the Hub token (`HF_TOKEN`, `HUGGING_FACE_HUB_TOKEN`, the token files of `hf auth login`), and
+whatever is written as a secret whatever its value: the ``user:password@`` of a URL and the value after ``--api-key``,
+``--hf-token`` or ``--token`` (``--api-key X``, ``--api-key=X``). Values shorter than `MIN_LENGTH` are not replaced in
+free text (they would match everywhere); in structured data the value after a key flag is replaced whatever its length.
+The registry is process-wide: whatever a command loaded, everything it writes afterwards is redacted.
 Imports nothing heavy (no torch; YAML only to rewrite a document)."""
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ _FLAG_VALUE = re.compile(  # --api-key X, --api-key=X, '--api-key', 'X' (a list'
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 _values: dict[str, str] = {}  # secret value -> what it is (for messages, which never show the value)
-_variables: dict[str, str] = {}  # environment variable holding a secret -> what it is
+# environment variable holding a secret -> what it is (the Weights & Biases key of `trainer.logger: [wandb]`)
+_variables: dict[str, str] = {"WANDB_API_KEY": "the Weights & Biases key ($WANDB_API_KEY)"}
 
 
 def register(value: Any, what: str) -> None:

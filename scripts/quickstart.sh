@@ -72,8 +72,11 @@ fi
 # the smoke drafter is a demo (its card says so) and never shares the real recipe's repo id
 REPO_ID=eagle3-zoo/smollm2-135m-instruct-eagle3
 [ "${FULL:-0}" = "1" ] || REPO_ID=$REPO_ID-smoke-demo
-rm -rf "$RUN/card"  # publish stages into an empty folder; the card is rendered anew from the drafter folder
+# the card is rendered anew from the drafter folder (publish replaces the folder an earlier run staged)
 eagle3-zoo publish "$DRAFTER" --repo-id "$REPO_ID" --dry-run --stage-dir "$RUN/card"
 end=$(date +%s)
 python scripts/summary.py "$RUN" --card "$RUN/card/README.md"
 echo "wall time: data prepared in $((prepared - start)) s; trained in $((trained - prepared)) s; evaluated and carded in $((end - trained)) s ($((end - start)) s in all; load average at the end: $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo n/a))"
+# the command lives in .venv/bin, which this script put on its own PATH only: say how to use it from a new shell
+echo "next: in a new shell, run 'source .venv/bin/activate' (or call .venv/bin/eagle3-zoo), e.g."
+echo "  .venv/bin/eagle3-zoo eval $DRAFTER --target smollm2-135m-instruct --bench mtbench --limit 4"

@@ -1,6 +1,7 @@
 """Nothing is dropped silently: every conversation the data stage leaves out is counted in one log line of the stage
-that drops it (reader, regeneration, tokenisation), each line once; a validation split too small to mean anything
-is a warning that says how to get a bigger one."""
+that drops it (reader, regeneration, tokenisation), each line once: information while the drops are the few a slice
+of real data loses (`readers.EXPECTED_DROP_SHARE`), a warning beyond; a validation split too small to mean anything
+is a warning that says how to get a bigger one (information in a demo run, whose small slice is its point)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,17 @@ def _lines(caplog, text: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if text in r.getMessage()]
 
 
+def _levels(caplog, text: str) -> list[str]:
+    return [r.levelname for r in caplog.records if text in r.getMessage()]
+
+
+def test_the_level_of_a_drop_line_is_information_up_to_the_expected_share():
+    from eagle3_zoo.data.readers import drop_level
+
+    assert [logging.getLevelName(drop_level(n, 128)) for n in (0, 21, 32, 33, 128)] == [
+        "INFO", "INFO", "INFO", "WARNING", "WARNING"]
+
+
 def test_every_drop_is_counted_once_in_the_log(tiny, tmp_path, caplog):
     model, tok, adapter = tiny
     data = _data(tmp_path / "chat.jsonl")
@@ -47,8 +59,10 @@ def test_every_drop_is_counted_once_in_the_log(tiny, tmp_path, caplog):
     # the reader: the blank record, once (not an INFO line and then the same counts as a WARNING)
     (reader,) = _lines(caplog, "read 20 records, kept 19, skipped 1 (")
     assert reader.startswith("data sources:")
+    assert _levels(caplog, "data sources:") == ["INFO"]  # 1 of 20: what a slice of real data loses
     # tokenisation: one labelled line for both splits, counting the conversations longer than data.max_length
     (tokenised,) = _lines(caplog, "tokenised")
+    assert _levels(caplog, "tokenised") == ["WARNING"]  # 7 of 19: more than a slice should lose
     assert "tokenised 19 conversations" in tokenised and "at data.max_length=128" in tokenised
     assert "dropped 7 (too_long: 7)" in tokenised
     assert f"{len(prepared.train)} train + {len(prepared.val)} validation examples" in tokenised
@@ -67,6 +81,7 @@ def test_regeneration_counts_conversations_whose_prompt_leaves_no_room(tiny, tmp
     (line,) = _lines(caplog, "regeneration: dropped")
     assert "dropped 4 of 16 conversations whose first prompt already has data.max_length=128 tokens" in line
     assert "raise data.max_length" in line
+    assert _levels(caplog, "regeneration: dropped") == ["INFO"]  # 4 of 16 (the smoke run's share: 21 of 128)
 
 
 def test_a_validation_split_too_small_to_mean_anything_is_a_warning(tiny, tmp_path, caplog):
@@ -84,3 +99,10 @@ def test_a_validation_split_too_small_to_mean_anything_is_a_warning(tiny, tmp_pa
     prepared = prepare_data(load_recipe(path, ["data.val_fraction=0.4"]), tok, adapter, target_id="tiny",
                             vocab_size=512)
     assert len(prepared.val) == 16 and not _lines(caplog, "validation set")
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="eagle3_zoo")
+    prepare_data(load_recipe(path, ["data.val_fraction=0.05", "demo=true"]), tok, adapter, target_id="tiny",
+                 vocab_size=512)  # the quickstart's smoke slice: information, not a warning it cannot act on
+    assert _levels(caplog, "validation set") == ["INFO"]
+    assert "validation set: 2 examples (data.val_fraction=0.05 of 40 conversations; a demo run" in \
+        _lines(caplog, "validation set")[0]

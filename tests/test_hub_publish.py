@@ -304,3 +304,43 @@ def test_publish_without_a_token_says_how_to_log_in_before_staging(tmp_path, hub
     assert "hf auth login" in err and "HF_TOKEN" in err and len(err.strip().splitlines()) == 1
     assert not stage.exists() and hub.requests == []  # nothing staged, nothing sent
     assert cli(["publish", str(src), "--repo-id", "org/d", "--dry-run", "--stage-dir", str(stage)]) == 0  # needs none
+
+
+def test_stage_dir_refuses_a_folder_publish_did_not_stage_and_replaces_an_earlier_stage(tmp_path, capsys):
+    """`--stage-dir` into an unrelated non-empty folder is refused, naming --force (the old refusal did not say how
+    to force; an earlier stage was refused too, and the quickstart had to delete it first); an earlier stage is
+    replaced whole; --force keeps the folder's own files (staged with it) and a failed forced stage removes only
+    what it added. Fails without `stage_destination` (no --force, earlier stage refused)."""
+    src, _ = _drafter_with_extras(tmp_path)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine")
+    args = ["publish", str(src), "--repo-id", "me/tiny-eagle3", "--dry-run", "--stage-dir"]
+    assert cli([*args, str(notes)]) == 2
+    err = capsys.readouterr().err
+    assert f"{notes} exists and is not a drafter folder (no config.json)" in err and "--force" in err
+    assert [p.name for p in notes.iterdir()] == ["todo.txt"]
+    for folder in (src, src.parent):  # the drafter folder itself, or a folder holding it
+        with pytest.raises(ValueError, match="staging would replace it"):
+            publish(src, "me/tiny-eagle3", dry_run=True, stage_dir=folder)
+    with pytest.raises(ValueError, match="a drafter folder that publish did not stage .* --force"):
+        publish(canonical_dir(tmp_path, name="other")[0], "me/x", dry_run=True, stage_dir=src)
+
+    stage = tmp_path / "stage"
+    assert cli([*args, str(stage)]) == 0
+    (stage / "stale.json").write_text("{}")  # what an older stage held: never uploaded with the new one
+    assert cli([*args, str(stage)]) == 0  # an earlier stage is replaced
+    assert not (stage / "stale.json").exists() and (stage / "README.md").is_file()
+
+    assert cli([*args, str(notes), "--force"]) == 0
+    assert (notes / "todo.txt").read_text() == "mine" and (notes / "model.safetensors").is_file()
+    assert "todo.txt" in capsys.readouterr().out  # listed: it would be uploaded with the stage
+    forced = tmp_path / "forced"
+    forced.mkdir()
+    (forced / "todo.txt").write_text("mine")
+    from eagle3_zoo.redaction import register
+
+    register(SECRET, "a test secret")
+    with pytest.raises(TokenLeakError, match="staged README.md"):  # found once staged (in the card)
+        publish(src, "me/tiny-eagle3", dry_run=True, stage_dir=forced, force=True, license=SECRET)
+    assert [p.name for p in forced.iterdir()] == ["todo.txt"]  # a failed forced stage removes only what it added

@@ -1,5 +1,7 @@
 """TTT loss semantics, the fused soft cross-entropy, and the draft-vocabulary mapping."""
 
+import logging
+
 import pytest
 import torch
 
@@ -137,13 +139,17 @@ def test_vocab_keeps_most_frequent_sorted_by_id_with_deterministic_ties():
     assert t2d.nonzero().squeeze(-1).tolist() == [0, 2, 3]
 
 
-def test_vocab_fills_with_lowest_unused_ids_when_data_is_small():
+def test_vocab_fills_with_lowest_unused_ids_when_data_is_small(caplog):
     counts = torch.zeros(10, dtype=torch.long)
     counts[7] = 3
     counts[4] = 1
-    d2t, t2d = build_draft_vocab(counts, 5)
+    with caplog.at_level(logging.INFO, logger="eagle3_zoo.modeling.vocab"):
+        d2t, t2d = build_draft_vocab(counts, 5)
     assert (torch.arange(5) + d2t).tolist() == [0, 1, 2, 4, 7]
     assert int(t2d.sum()) == 5
+    # information, not a warning (the smoke run's 128 conversations have fewer distinct tokens than its 8192 slots)
+    assert [(r.levelname, r.getMessage()[:76]) for r in caplog.records] == [
+        ("INFO", "draft vocabulary: the data has 2 distinct supervised tokens for 5 slots; the")]
 
 
 def test_vocab_full_size_is_identity():

@@ -67,3 +67,37 @@ def test_a_terminal_without_columns_gets_log_lines_not_a_bar():
         os.close(main_fd)
         os.close(tty_fd)
     assert use_bar(open(os.devnull, "w")) is False
+
+
+def test_a_timer_writes_lines_while_no_item_completes_and_stops_when_closed(caplog):
+    """Lines at the interval although `update` is not called (an item that takes many intervals), and none once
+    closed (fails without the timer: no line at all before the first update)."""
+    import time
+
+    log = logging.getLogger("test-progress")
+    with caplog.at_level(logging.INFO, logger="test-progress"):
+        p = Progress(4, "regenerating", "conv", logger=log, log_every_s=0.1, bar=False)
+        p.update(1)
+        time.sleep(0.75)
+        waited = [r.getMessage() for r in caplog.records]
+        p.close()
+        time.sleep(0.3)
+    assert len(caplog.records) == len(waited)  # nothing after close
+    assert len(waited) >= 4, waited
+    assert all(line.startswith("regenerating: 1/4 conv (25%)") and "ETA" in line for line in waited)
+    assert "s for the next conv" in waited[-1]
+
+
+def test_a_rank_waiting_for_the_others_logs_at_the_interval(monkeypatch, caplog):
+    """`wait_until` (a rank done with its share of regeneration or the feature job) logs every
+    EAGLE3_ZOO_LOG_EVERY_S, not every 60 s whatever the setting."""
+    import time
+
+    from eagle3_zoo.data.ranks import wait_until
+
+    monkeypatch.setenv("EAGLE3_ZOO_LOG_EVERY_S", "0.2")
+    end = time.monotonic() + 0.9
+    with caplog.at_level(logging.INFO, logger="eagle3_zoo.data.ranks"):
+        wait_until(lambda: (int(time.monotonic() >= end), 1), "feature parts (x)", poll_s=0.05)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) >= 3 and lines[0] == "waiting for the other ranks' feature parts (x): 0 of 1 done", lines

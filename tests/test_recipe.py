@@ -95,7 +95,7 @@ BAD_CASES = [
      "available: auto, " + ", ".join(available_adapters())),
     ("unknown_strategy", {"trainer.strategy": "fsdb"}, "trainer.strategy", "did you mean 'fsdp'"),
     ("unknown_precision", {"trainer.precision": "bf16"}, "trainer.precision", "one of 32-true, bf16-mixed"),
-    ("unknown_logger", {"trainer.logger": ["csv", "wandb"]}, "trainer.logger[1]", "one of csv, tensorboard"),
+    ("unknown_logger", {"trainer.logger": ["csv", "mlflow"]}, "trainer.logger[1]", "one of csv, tensorboard, wandb"),
     ("unknown_dtype", {"target.dtype": "fp16"}, "target.dtype", "one of float32, bfloat16, float16"),
     ("draft_vocab_zero", {"drafter.draft_vocab_size": 0}, "drafter.draft_vocab_size", "must be > 0"),
     ("ttt_steps_zero", {"ttt.steps": 0}, "ttt.steps", "must be >= 1"),

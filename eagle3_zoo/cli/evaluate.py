@@ -292,7 +292,8 @@ def run_engine_eval(args: argparse.Namespace) -> dict[str, Any]:
     template_kwargs = chat_template_kwargs_for(args)
     results = evaluate_in_vllm(
         args.drafter, args.target, benches, num_speculative_tokens=args.depth or 3, max_new_tokens=max_new,
-        limit=args.limit, spread=bool(args.spread), temperature=args.temperature, baseline=not args.no_baseline,
+        limit=args.limit, spread=bool(args.spread), temperature=args.temperature, top_p=args.sample_top_p,
+        top_k=args.sample_top_k, baseline=not args.no_baseline,
         url=args.engine_url, baseline_url=args.engine_baseline_url, work_dir=out.parent / f"{out.stem}-vllm",
         out=None, chat_template_kwargs=template_kwargs)
     if args.engine_compare:

@@ -51,7 +51,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
     result = publish(args.drafter_dir, args.repo_id, private=args.private, create_pr=args.create_pr,
                      dry_run=args.dry_run, endpoint=args.endpoint, stage_dir=args.stage_dir, fmt=args.format,
-                     license=args.license)
+                     license=args.license, force=args.force)
     if result.dry_run:
         print(f"dry run: staged {len(result.files)} files in {result.stage_dir} (no request made):")
         print("\n".join(f"  {f}" for f in result.files))
@@ -132,7 +132,10 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("--private", action="store_true", help="create the repository as private")
     p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing to main")
     p.add_argument("--dry-run", action="store_true", help="stage the folder only; no network request")
-    p.add_argument("--stage-dir", help="where to stage (default: a temporary folder)")
+    p.add_argument("--stage-dir", help="where to stage (default: a temporary folder): a new or empty folder, or one "
+                   "an earlier publish staged (replaced)")
+    p.add_argument("--force", action="store_true", help="stage into a non-empty --stage-dir that no publish staged "
+                   "(its files of other names are kept and uploaded too)")
     p.add_argument("--license", default="apache-2.0", help="license of the drafter weights (card metadata)")
     p.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or huggingface.co)")
     p.set_defaults(func=cmd_publish)

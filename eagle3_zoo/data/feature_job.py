@@ -167,21 +167,20 @@ def _write_part(examples: list[dict[str, Any]], batches: list[list[int]], target
         todo = [b for b in batches if any(str(examples[i]["id"]) not in writer for i in b)]
         logger.info("%s: extracting features of %d samples in %d batches", store, sum(len(b) for b in todo),
                     len(todo))
-        progress = Progress(sum(len(b) for b in todo), "feature job", "sample", logger=logger)
-        for batch in todo:
-            if features_fn is not None:
-                aux_hidden, final_hidden = features_fn([examples[i]["input_ids"] for i in batch])
-            else:
-                padded = collate_right_padded([examples[i] for i in batch])
-                aux_hidden, final_hidden, _ = adapter.forward_features(
-                    target, padded["input_ids"].to(device), attention_mask=padded["attention_mask"].to(device),
-                    layer_ids=aux_layer_ids, use_cache=False)
-            for row, i in enumerate(batch):
-                ex, t = examples[i], int(examples[i]["input_ids"].numel())
-                writer.add(str(ex["id"]), input_ids=ex["input_ids"], loss_mask=ex["loss_mask"],
-                           aux_hidden=aux_hidden[row, :t], final_hidden=final_hidden[row, :t])
-            progress.update(len(batch), tokens=sum(int(examples[i]["input_ids"].numel()) for i in batch))
-        progress.close()
+        with Progress(sum(len(b) for b in todo), "feature job", "sample", logger=logger) as progress:
+            for batch in todo:
+                if features_fn is not None:
+                    aux_hidden, final_hidden = features_fn([examples[i]["input_ids"] for i in batch])
+                else:
+                    padded = collate_right_padded([examples[i] for i in batch])
+                    aux_hidden, final_hidden, _ = adapter.forward_features(
+                        target, padded["input_ids"].to(device), attention_mask=padded["attention_mask"].to(device),
+                        layer_ids=aux_layer_ids, use_cache=False)
+                for row, i in enumerate(batch):
+                    ex, t = examples[i], int(examples[i]["input_ids"].numel())
+                    writer.add(str(ex["id"]), input_ids=ex["input_ids"], loss_mask=ex["loss_mask"],
+                               aux_hidden=aux_hidden[row, :t], final_hidden=final_hidden[row, :t])
+                progress.update(len(batch), tokens=sum(int(examples[i]["input_ids"].numel()) for i in batch))
     if writer.damaged:
         logger.warning("%s: redid %d damaged shard(s) (%d samples): %s", store, len(writer.damaged),
                        sum(len(s["samples"]) for s in writer.damaged), ", ".join(s["file"] for s in writer.damaged))

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
 from eagle3_zoo.data.cache_keys import json_sha256, key_version
-from eagle3_zoo.data.readers import ReadStats, read_sources, split_train_val
+from eagle3_zoo.data.readers import ReadStats, drop_level, read_sources, split_train_val
 from eagle3_zoo.data.tokenize import TokenStats, supervised_token_counts, tokenize_conversations
 from eagle3_zoo.data.vocab_cache import (
     fingerprint_sources,
@@ -152,9 +152,14 @@ def regenerated_path(recipe: Any, tokenizer: Any, target_id: str) -> Path:
 MIN_VALIDATION_EXAMPLES = 16  # fewer, and val/loss and val/acc_k say more about which conversations than the drafter
 
 
-def _warn_small_validation(n_val: int, conversations: int, val_fraction: float) -> None:
-    """A warning, with how to get a bigger one, when the validation split is too small to mean anything."""
+def _warn_small_validation(n_val: int, conversations: int, val_fraction: float, demo: bool = False) -> None:
+    """A warning, with how to get a bigger one, when the validation split is too small to mean anything; in a demo
+    run (`demo: true`, the quickstart's smoke slice) the same as information: a small slice is its point."""
     if not n_val or n_val >= MIN_VALIDATION_EXAMPLES:
+        return
+    if demo:
+        logger.info("validation set: %d examples (data.val_fraction=%g of %d conversations; a demo run: val/loss and "
+                    "val/acc_k on so few are noise)", n_val, val_fraction, conversations)
         return
     fraction = min(0.5, -(-MIN_VALIDATION_EXAMPLES * 100 // max(conversations, 1)) / 100)
     logger.warning("validation set: only %d examples (data.val_fraction=%g of %d conversations): val/loss and "
@@ -203,10 +208,11 @@ def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, 
                 split=split)
         regen = {"path": str(path), **rstats.to_dict()}
         dropped = rstats.skipped.get("prompt_too_long", 0)
-        if dropped:
-            logger.warning("regeneration: dropped %d of %d conversations whose first prompt already has "
-                           "data.max_length=%d tokens or more (no room left for an answer); raise data.max_length to "
-                           "keep them", dropped, dropped + rstats.conversations, d.max_length)
+        if dropped:  # long prompts in a slice of real chats: information, unless they are a large share
+            logger.log(drop_level(dropped, dropped + rstats.conversations),
+                       "regeneration: dropped %d of %d conversations whose first prompt already has data.max_length=%d "
+                       "tokens or more (no room left for an answer); raise data.max_length to keep them", dropped,
+                       dropped + rstats.conversations, d.max_length)
     answers = answers_digest(conversations) if d.regenerate.enabled else None
     fingerprint = data_fingerprint(recipe, tokenizer, target_id, answers)
     train_c, val_c = split_train_val(conversations, d.val_fraction, d.seed)
@@ -222,9 +228,9 @@ def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, 
         val, _ = tokenize_conversations(val_c, tokenizer, adapter, **kw)
         if train:
             save_examples(d.cache_dir, fingerprint, train, val, token_stats)
-    logger.log(logging.WARNING if token_stats.num_skipped else logging.INFO, "%s; %d train + %d validation examples "
+    logger.log(drop_level(token_stats.num_skipped, token_stats.conversations), "%s; %d train + %d validation examples "
                "(%s)", token_stats.summary(d.max_length), len(train), len(val), where)
-    _warn_small_validation(len(val), len(train_c) + len(val_c), d.val_fraction)
+    _warn_small_validation(len(val), len(train_c) + len(val_c), d.val_fraction, demo=recipe.demo)
     if not train:
         from eagle3_zoo.data.readers import DataError
 

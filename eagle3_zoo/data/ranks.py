@@ -112,9 +112,13 @@ def split_for(directory: str | Path) -> RankSplit:
 
 
 def wait_until(done: Callable[[], tuple[int, int]], what: str, poll_s: float = POLL_S,
-               log_every_s: float = 60.0) -> None:
-    """Poll `done() -> (finished, total)` until finished == total, logging progress now and then (the other ranks
-    write their parts meanwhile; a rank that died is noticed by its launcher, which stops the others)."""
+               log_every_s: float | None = None) -> None:
+    """Poll `done() -> (finished, total)` until finished == total, logging progress every `log_every_s` seconds
+    (default `EAGLE3_ZOO_LOG_EVERY_S`, else 30; the other ranks write their parts meanwhile; a rank that died is
+    noticed by its launcher, which stops the others)."""
+    from eagle3_zoo.progress import progress_interval_s
+
+    log_every_s = progress_interval_s() if log_every_s is None else log_every_s
     last = time.monotonic()
     while True:
         finished, total = done()

@@ -99,6 +99,17 @@ class ReadStats:
         return f"read {self.read} records, kept {self.kept}, skipped {self.num_skipped} ({reasons})"
 
 
+EXPECTED_DROP_SHARE = 0.25
+"""Up to this share of a data stage's records left out is what a slice of real data loses (empty records with
+`data.on_error: skip`, prompts longer than a short `data.max_length`): logged as information, with the count; more
+is a warning (the data or the settings are likely wrong)."""
+
+
+def drop_level(dropped: int, total: int) -> int:
+    """The log level of a line counting `dropped` of `total` records left out (`EXPECTED_DROP_SHARE`)."""
+    return logging.WARNING if dropped > EXPECTED_DROP_SHARE * total else logging.INFO
+
+
 class _BadRecord(Exception):
     def __init__(self, reason: str, detail: str):
         super().__init__(detail)
@@ -440,7 +451,7 @@ def read_sources(sources: Iterable[Any], *, on_error: str = "raise",
     for line in per_file if len(per_file) > 1 else ():
         logger.info("%s", line)
     where = per_file[0] if len(per_file) == 1 else f"{len(per_file)} files: {total.summary()}"
-    logger.log(logging.WARNING if total.num_skipped else logging.INFO, "data sources: %s", where)
+    logger.log(drop_level(total.num_skipped, total.read), "data sources: %s", where)
     if not out:
         raise DataError(f"no usable conversations in the data sources ({total.summary()})")
     return out, total

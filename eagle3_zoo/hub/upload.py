@@ -17,6 +17,7 @@ endpoint (a `HubUnreachableError`) instead of an HTTP client traceback after the
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -27,6 +28,7 @@ import eagle3_zoo
 from eagle3_zoo.checkpoint.check import require_valid_drafter
 from eagle3_zoo.checkpoint.check_report import CheckReport
 from eagle3_zoo.checkpoint.convert import export_drafter
+from eagle3_zoo.checkpoint.folder import drafter_out_dir, is_drafter_folder
 from eagle3_zoo.checkpoint.formats import EXPORT_FORMATS, extra_candidates, load_drafter_config
 from eagle3_zoo.fileio import atomic_write
 from eagle3_zoo.hub.card import render_card
@@ -73,18 +75,19 @@ def check_repo_id(repo_id: str) -> None:
 
 
 def stage(drafter_dir: str | Path, stage_dir: str | Path, repo_id: str | None = None, fmt: str = "sglang",
-          published: bool = False, **card_overrides) -> list[str]:
+          published: bool = False, force: bool = False, **card_overrides) -> list[str]:
     """Write the folder to upload: weights + config in `fmt`, README.md card, plots, recipe, results, provenance.
 
     `published`: the folder goes to `repo_id` (the card's snippets name it); otherwise they name the staged folder.
+    `force`: stage into a folder that is not empty (its files of other names are kept, and listed as staged).
 
     Raises:
-        ValueError: `stage_dir` exists and is not empty (stale files would be uploaded too).
+        ValueError: `stage_dir` exists and is not empty (stale files would be uploaded too), without `force`.
     """
     out = Path(stage_dir)
-    if out.exists() and any(out.iterdir()):
+    if not force and out.exists() and any(out.iterdir()):
         raise ValueError(f"stage folder {out} is not empty; pass an empty or new folder")
-    export_drafter(drafter_dir, fmt, out)
+    export_drafter(drafter_dir, fmt, out, force=force)
     card = render_card(out, repo_id=repo_id, fmt=EXPORT_FORMATS[fmt], published=published, **card_overrides)
     atomic_write(out / "README.md", card.save)  # a killed stage never leaves a truncated card
     return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
@@ -100,13 +103,50 @@ def _scan_for_secrets(paths: list[Path], where: Callable[[Path], str], drafter_d
                                  "publish again")
 
 
-def _remove_stage(out: Path, temporary: bool, existed: bool = True) -> None:
-    """Undo a stage: the temporary folder, or what was staged into the caller's (empty or new) folder, and that
-    folder itself if the publish created it."""
+def is_staged_folder(path: Path) -> bool:
+    """Whether `path` is a folder an earlier `publish` staged: a drafter folder with the model card publish renders
+    (README.md whose metadata names eagle3-zoo as its library)."""
+    try:
+        card = (path / "README.md").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    header = card.split("---", 2)[1] if card.startswith("---") and card.count("---") >= 2 else ""
+    return is_drafter_folder(path) and "library_name: eagle3-zoo" in header
+
+
+def stage_destination(stage_dir: str | Path, drafter_dir: str | Path, force: bool = False) -> tuple[Path, bool]:
+    """`--stage-dir` as a folder publish may stage into, and whether it holds an earlier stage (to be emptied first:
+    its stale files would be uploaded too). New, empty and earlier stages are taken; any other non-empty folder only
+    with `force` (its files of other names are kept, and uploaded with the stage), as `export --out` does.
+
+    Raises:
+        ValueError: it is (or holds) the drafter folder, holds the current directory, is a file, or is a non-empty
+            folder that no publish staged (without `force`).
+    """
+    out, src = Path(os.path.abspath(stage_dir)), Path(os.path.abspath(drafter_dir))
+    if out == src or out in src.parents:
+        raise ValueError(f"stage folder {stage_dir} {'is' if out == src else 'holds'} the drafter folder {drafter_dir};"
+                         " staging would replace it: name a new or empty folder")
+    if out.is_dir() and any(out.iterdir()):
+        if is_staged_folder(out):
+            return out, True
+        if is_drafter_folder(out) and not force:
+            raise ValueError(f"stage folder {out} is a drafter folder that publish did not stage (no eagle3-zoo model "
+                             "card); staging would overwrite its files: name a new or empty folder, or pass --force "
+                             "to stage into it anyway (its files of other names are kept and uploaded too)")
+    # a folder that is no drafter folder: export's refusal, which names --force (same wording for both commands)
+    return drafter_out_dir(out, force=force, force_option="--force"), False
+
+
+def _remove_stage(out: Path, temporary: bool, existed: bool = True, keep: frozenset[str] = frozenset()) -> None:
+    """Undo a stage: the temporary folder, or what was staged into the caller's folder (the names in `keep` were
+    there before and stay), and that folder itself if the publish created it."""
     if temporary:
         shutil.rmtree(out.parent, ignore_errors=True)  # the temporary root holding the stage
         return
     for path in out.iterdir() if out.is_dir() else ():
+        if path.name in keep:
+            continue
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:
@@ -126,6 +166,7 @@ def publish(
     stage_dir: str | Path | None = None,
     fmt: str = "sglang",
     commit_message: str | None = None,
+    force: bool = False,
     **card_overrides,
 ) -> PublishResult:
     """Check a drafter, stage it and push it to the Hub in one commit.
@@ -138,14 +179,17 @@ def publish(
         dry_run: stage only; no network request at all.
         token: Hub token (default: `HF_TOKEN` / cached login, resolved by huggingface_hub).
         endpoint: Hub URL (default: `HF_ENDPOINT` or huggingface.co).
-        stage_dir: where to stage (default: a new temporary folder, removed after a successful upload).
+        stage_dir: where to stage (default: a new temporary folder, removed after a successful upload): a new or
+            empty folder, or one an earlier publish staged (replaced); `stage_destination`.
         fmt: "sglang" (canonical; SGLang and vLLM load it) or "speculators" (vLLM's format).
         commit_message: default names the target and the eagle3-zoo version.
+        force: stage into a non-empty `stage_dir` that no publish staged (its files of other names are kept and
+            uploaded too).
         card_overrides: passed to `render_card` (e.g. `license`, `tags`).
 
     Raises:
-        ValueError: `repo_id` is not ORG/NAME (checked before anything else, dry run included), or no token is
-            found for a real publish.
+        ValueError: `repo_id` is not ORG/NAME (checked before anything else, dry run included), no token is found
+            for a real publish, or `stage_dir` is refused (`stage_destination`).
         DrafterCheckError: the static check found errors (nothing staged or sent).
         TokenLeakError: a known secret (the Hub token, an engine key...) appears in the drafter folder or a staged
             file (nothing sent; the staged files are removed).
@@ -173,14 +217,19 @@ def publish(
     _scan_for_secrets(sources, lambda p: f"{p.name} of {src}", drafter_dir)
     temporary = stage_dir is None
     # a temporary stage is a folder in a temporary root, which also holds what staging keeps next to the stage
-    out = Path(tempfile.mkdtemp(prefix="eagle3-zoo-publish-")) / repo_id.split("/")[-1] if temporary else \
-        Path(stage_dir)
-    if not temporary and out.exists() and any(out.iterdir()):  # before the cleanup below could touch its files
-        raise ValueError(f"stage folder {out} is not empty; pass an empty or new folder")
+    if temporary:
+        out, earlier = Path(tempfile.mkdtemp(prefix="eagle3-zoo-publish-")) / repo_id.split("/")[-1], False
+    else:  # before the cleanup below could touch its files
+        out, earlier = stage_destination(stage_dir, drafter_dir, force=force)
+    if earlier:  # an earlier stage is replaced whole: none of its files may be uploaded with this one
+        log.info("replacing the earlier stage in %s", out)
+        _remove_stage(out, temporary=False)
     existed = out.exists()
+    kept = frozenset(p.name for p in out.iterdir()) if out.is_dir() else frozenset()  # --force: the folder's own
 
     try:
-        files = stage(drafter_dir, out, repo_id=repo_id, fmt=fmt, published=not dry_run, **card_overrides)
+        files = stage(drafter_dir, out, repo_id=repo_id, fmt=fmt, published=not dry_run, force=force,
+                      **card_overrides)
         require_valid_drafter(out, purpose="publish")  # what is uploaded, not only its source, must load
         # a dry run stages what would be uploaded: same scan
         _scan_for_secrets(sorted(out.rglob("*")), lambda p: f"staged {p.relative_to(out)}", drafter_dir)
@@ -192,7 +241,7 @@ def publish(
     except BaseException:
         # a failed publish leaves nothing: no temporary stage, nothing staged in --stage-dir (a truncated file of a
         # full disk, a staged token, a folder that a retry would refuse as not empty)
-        _remove_stage(out, temporary, existed)
+        _remove_stage(out, temporary, existed, keep=kept)
         raise
     if temporary:
         _remove_stage(out, temporary)

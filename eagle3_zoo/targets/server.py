@@ -157,7 +157,10 @@ class VLLMServer:
         return self
 
     def _wait_healthy(self) -> None:
+        from eagle3_zoo.progress import progress_interval_s
+
         client, start = self.client(), time.monotonic()
+        every, last = progress_interval_s(), start  # a start with compilation takes minutes: a line now and then
         while time.monotonic() - start < self.startup_timeout:
             if self.proc is not None and self.proc.poll() is not None:
                 raise ServerError(f"vLLM for {self.model} exited with code {self.proc.returncode} before serving "
@@ -165,6 +168,10 @@ class VLLMServer:
             if client.healthy(timeout=5.0):
                 logger.info("vLLM healthy on %s after %.0f s", self.base_url, time.monotonic() - start)
                 return
+            if time.monotonic() - last >= every:
+                last = time.monotonic()
+                logger.info("waiting for vLLM on %s to start: %.0f s of at most %.0f s (log %s)", self.base_url,
+                            last - start, self.startup_timeout, self.log_path)
             time.sleep(1.0)
         raise ServerError(f"vLLM for {self.model} was not healthy on {self.base_url} within {self.startup_timeout:.0f}"
                           f" s; log {self.log_path} ends: {self.log_tail()}")

@@ -44,7 +44,7 @@ from eagle3_zoo.training.build import RecipeDataModule
 from eagle3_zoo.training.callbacks import ProgressLogCallback, StepProgressBar, TTTScheduleCallback
 from eagle3_zoo.training.engine_callback import EngineFeedCallback
 from eagle3_zoo.training.interrupt import InterruptWatch
-from eagle3_zoo.training.lightning_private import last_global_step_saved, save_last_checkpoint
+from eagle3_zoo.training.lightning_private import last_global_step_saved, quiet_wandb_logger, save_last_checkpoint
 from eagle3_zoo.training.module import Eagle3Module, NonFiniteError, all_finite
 from eagle3_zoo.training.outputs import build_provenance, drafter_info, full_drafter
 from eagle3_zoo.training.record import TrainingRecordCallback
@@ -105,7 +105,45 @@ def _loggers(recipe: Any, output_dir: Path) -> list[Any]:
         elif name == "tensorboard":
             out.append(TensorBoardLogger(output_dir, name="logs", version=version, sub_dir="tensorboard",
                                          default_hp_metric=False))
+        elif name == "wandb":
+            out.append(_wandb_logger(output_dir, version))
     return out
+
+
+WANDB_MISSING = ("trainer.logger lists 'wandb' but the wandb package is not installed: pip install "
+                 "'eagle3-zoo[wandb]' (or remove wandb from trainer.logger)")
+
+
+def _wandb_logger(output_dir: Path, version: str) -> Any:
+    """Weights & Biases: the metrics the CSV and TensorBoard loggers get, under the same names, and the resolved,
+    redacted recipe as the run's config (`log_hyperparams`). Where and how is wandb's own environment
+    (`WANDB_MODE=offline`, `WANDB_PROJECT`, `WANDB_ENTITY`, `WANDB_DIR`; default directory `output_dir/logs`). Its
+    system metadata (which records the command line, secrets included) and console capture are off: the command
+    line is not redacted there, and the log lines are in the run's own log."""
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        raise ImportError(WANDB_MISSING)
+    import os
+
+    import wandb
+    from lightning.pytorch.loggers import WandbLogger
+
+    save_dir = Path(os.environ.get("WANDB_DIR") or output_dir / "logs")
+    save_dir.mkdir(parents=True, exist_ok=True)  # wandb writes under it and falls back to /tmp when it is missing
+    return quiet_wandb_logger(WandbLogger(
+        name=f"{output_dir.name} {version}", save_dir=str(save_dir),
+        project=os.environ.get("WANDB_PROJECT") or "eagle3-zoo", log_model=False,
+        settings=wandb.Settings(console="off", x_disable_meta=True, save_code=False, disable_git=True)))
+
+
+def _finish_wandb(failed: bool) -> None:
+    """End the run's wandb run (Lightning leaves it open: a second `fit` in the same process would log into it)."""
+    import sys
+
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish(exit_code=1 if failed else 0)
 
 
 def _tau_eval_callbacks(recipe: Any, tokenizer: Any) -> list[L.Callback]:
@@ -265,14 +303,18 @@ def _fit(recipe: Any, source: str) -> Path:
     module = Eagle3Module.deferred()
     datamodule = RecipeDataModule(recipe, source, module, on_built)
     record.hardware, record.static["world_size"] = _hardware(trainer), trainer.world_size
+    failed = True
     try:
         with interrupt.reported(trainer, last, t.checkpoint_every_n_steps):
             trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if last.exists() else None)
+        failed = False
     except EngineFeedError as e:  # one error that says what the run keeps
         raise EngineFeedError(f"{e}; {engine[0].kept}" if engine and engine[0].kept else str(e)) from None
     finally:
         if datamodule.feed is not None:
             datamodule.feed.close()  # servers launched for the run stop, whatever happened
+        if "wandb" in t.logger:
+            _finish_wandb(failed)
     target_info, data_summary = built["target_info"], built["data_summary"]
     trained = full_drafter(module)  # collective under FSDP: every rank takes part, rank 0 gets the weights
     bad = [] if trained is None else [k for k, v in trained.state_dict().items()

@@ -23,6 +23,9 @@ on lightning 2.6.0 (the low stack of `scripts/test_low_stack.sh`, which runs the
   sharded (DTensor) parameter this rank owns, so `eagle3_zoo.training.strategies.load_target_shards` reads only
   those from the safetensors files. torch has no public function for it (`DTensor.to_local()` gives the local
   shape, not its offset in the global tensor).
+- `WandbLogger()._wandb_init`: the arguments the logger gives `wandb.init`. Lightning always passes `anonymous`
+  (None when not asked for), which wandb 0.2x+ answers with a warning at every start that a user cannot act on
+  ("The anonymous setting has no effect"); `quiet_wandb_logger` drops it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.callbacks", "ModelCheckpoint()._last_global_step_saved"),  # set by __init__: on an instance
     ("lightning.pytorch", "LightningModule()._trainer"),
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
+    ("lightning.pytorch.loggers", "WandbLogger()._wandb_init"),  # needs wandb (the dev extra installs it)
 )
 
 
@@ -76,3 +80,10 @@ def local_shape_and_global_offset(param: Any) -> tuple[tuple[int, ...], tuple[in
 
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     return tuple(shape), tuple(offset)
+
+
+def quiet_wandb_logger(logger: Any) -> Any:
+    """A `WandbLogger` without the `anonymous=None` argument wandb warns about (see the module docstring)."""
+    if logger._wandb_init.get("anonymous", "") is None:
+        del logger._wandb_init["anonymous"]
+    return logger
