@@ -218,7 +218,7 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     from eagle3_zoo.adapters import get_adapter
     from eagle3_zoo.adapters.shipped import shipped_target_config
     from eagle3_zoo.training.plan_phases import hidden_states_phase, regeneration_phase
-    from eagle3_zoo.training.run_plan import counted_devices, drafter_config, run_plan
+    from eagle3_zoo.training.run_plan import counted_devices, drafter_config, run_plan, trainer_device
 
     t, tr = recipe.target, recipe.trainer
     if target_config is None:
@@ -239,7 +239,8 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
         logger.warning("%s: %s", source, counted)
     plan = MemoryPlan(source, getattr(target_config, "_name_or_path", "") or t.name_or_path, tr.strategy,
                       rp.world_size, tr.gpu_memory_gb, decisions=_decisions(rp), devices_counted=counted,
-                      tau_off="" if rp.tau else "off (trainer.tau_eval.every_n_steps: null)")
+                      tau_off="" if rp.tau else "off (trainer.tau_eval.every_n_steps: null)",
+                      unit=trainer_device(tr.accelerator))
     kv = kv_elements_per_token(target_config)
     plan.phases = [regeneration_phase(recipe, target_config, counts, kv, dequant),
                    hidden_states_phase(recipe, target_config, counts, kv, dequant)]

@@ -86,6 +86,14 @@ def require_accelerator(recipe: Any, source: str = "recipe") -> None:
                          "in useful time)")
 
 
+def trainer_device(accelerator: str) -> str:
+    """What one trainer rank runs on, in words: "GPU", or "CPU process" (`trainer.accelerator` cpu, or auto on a
+    machine without a CUDA GPU, where Lightning picks the CPU)."""
+    if accelerator == "cpu" or (accelerator == "auto" and not (gpu_driver_present() and _cuda_device_count())):
+        return "CPU process"
+    return "GPU"
+
+
 def counted_devices(devices: int | str, accelerator: str) -> tuple[str, bool]:
     """How `devices_per_node` counted `trainer.devices` "auto" or -1 on this machine, in words ("" for a count or a
     list given), and whether the count is an assumption: with no CUDA GPU visible here (planning a GPU run on a
