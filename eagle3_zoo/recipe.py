@@ -381,6 +381,15 @@ def _shown(override: str) -> str:
     return re.sub(r"(://)[^/@\s]*@", r"\1***@", override)
 
 
+def _recipe_path_hint(path: Path) -> str:
+    """"; did you mean 'recipes/smollm2_135m.yaml'?" with the YAML file of `path`'s folder closest to its name."""
+    folder = path.parent
+    if not folder.is_dir():
+        return f" (no folder {str(folder)!r})"
+    names = sorted(p.name for p in folder.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+    return schema.did_you_mean(path.name, names, prefix="" if str(folder) == "." else f"{folder}{os.sep}")
+
+
 def load_recipe(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Recipe:
     """The typed `Recipe` (interpolations resolved) of a YAML file with OmegaConf dotlist `overrides` applied in
     order (e.g. `["trainer.max_steps=2000"]`), validated.
@@ -390,7 +399,8 @@ def load_recipe(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -
     """
     source, applied, problems = str(path), {}, []
     if not Path(path).is_file():
-        raise RecipeError([ConfigProblem("<file>", "recipe file not found", source, source)])
+        raise RecipeError([ConfigProblem("<file>", "recipe file not found" + _recipe_path_hint(Path(path)), source,
+                                         source)])
     cfg = _parse_yaml(_read_text(path, source), source)
     for ov in overrides:
         (key, sep, _), src = ov.partition("="), f"override '{_shown(ov)}'"

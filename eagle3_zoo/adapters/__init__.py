@@ -2,10 +2,15 @@
 
 Every module in this package is imported here, so a new family is one file with ``@register_adapter(...)`` (plus
 its recipe and test) and needs no edit to this file.
+
+The registry (`available_adapters`, `get_adapter`, the adapters' declarations) imports no torch or transformers, so
+that a recipe is validated in a second; the names that work on models and tokenizers (`load_target`,
+`capture_aux_hidden`, ...) are imported from their modules on first use.
 """
 
 import importlib
 import pkgutil
+from typing import Any
 
 from eagle3_zoo.adapters.base import (
     TargetAdapter,
@@ -15,20 +20,28 @@ from eagle3_zoo.adapters.base import (
     get_adapter,
     register_adapter,
 )
-from eagle3_zoo.adapters.capture import (
-    AuxHiddenCapture,
-    cache_kwargs,
-    capture_aux_hidden,
-    output_cache,
-    target_logits,
-)
 from eagle3_zoo.adapters.chat import ChatFormat, TemplateMappingError, build_chat_example
-from eagle3_zoo.adapters.embedded import EMBEDDED_NAMES, embedded_target_dir, load_embedded_tokenizer
-from eagle3_zoo.adapters.loading import load_target, load_target_heads
+from eagle3_zoo.locations import EMBEDDED_NAMES
+
+# the modules that import torch/transformers at the top, and the names this package re-exports from them
+_HEAVY = {"capture": ("AuxHiddenCapture", "cache_kwargs", "capture_aux_hidden", "output_cache", "target_logits"),
+          "embedded": ("embedded_target_dir", "load_embedded_tokenizer"),
+          "loading": ("load_target", "load_target_heads")}
+_LAZY = {name: module for module, names in _HEAVY.items() for name in names}
 
 for _module in pkgutil.iter_modules(__path__):
-    if not _module.name.startswith("_"):
+    if not _module.name.startswith("_") and _module.name not in _HEAVY:
         importlib.import_module(f"{__name__}.{_module.name}")
+
+
+def __getattr__(name: str) -> Any:
+    """`eagle3_zoo.adapters.load_target` and the other names of `_LAZY`: imported on first use (PEP 562)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # found directly from now on (and what monkeypatch saves and restores)
+    return value
 
 __all__ = [
     "EMBEDDED_NAMES",

@@ -2,6 +2,9 @@
 
 An adapter *declares* how a family is built (decoder-layer class, attribute paths, keys to ignore on load, chat
 formats, a tiny test config); shared code only reads the declarations, never branches on family names.
+
+This module and the family modules import no torch or transformers at the top: recipe validation reads the registry
+(the known families) and must answer in a second; the methods that work on models import them.
 """
 
 from __future__ import annotations
@@ -9,15 +12,15 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-import torch
-from torch import nn
-from transformers import PretrainedConfig
-
-from eagle3_zoo.adapters.capture import cache_kwargs, capture_aux_hidden
 from eagle3_zoo.adapters.chat import ChatFormat, build_chat_example, load_chat_formats, resolve_chat_format
 from eagle3_zoo.adapters.testing import build_tiny_tokenizer
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from transformers import PretrainedConfig
 
 # The shape every family's tiny test config starts from (vocab 512 fits the tiny tokenizers); adapters change it
 # with `tiny_config_fields`.
@@ -142,6 +145,8 @@ class TargetAdapter:
 
     def base_model(self, model: nn.Module) -> nn.Module:
         """The base (headless) model of a ``*ForCausalLM``; a base model is returned as is."""
+        from torch import nn
+
         inner = getattr(model, self.base_model_attr, None)
         if isinstance(inner, nn.Module) and hasattr(inner, self.layers_attr):
             return inner
@@ -237,6 +242,8 @@ class TargetAdapter:
         Returns:
             ``(aux_hidden [B, T, 3H], final_hidden [B, T, H] post-norm, base-model outputs incl. the cache)``.
         """
+        from eagle3_zoo.adapters.capture import cache_kwargs, capture_aux_hidden
+
         base = self.base_model(model)
         kwargs = cache_kwargs(base, kwargs)
         with capture_aux_hidden(model, self, layer_ids) as capture:

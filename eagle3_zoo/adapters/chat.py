@@ -55,14 +55,16 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 import yaml
 
 from eagle3_zoo import schema
 from eagle3_zoo.adapters.conversation import Message, parse_messages, validate_tools
 from eagle3_zoo.adapters.testing import TinyTokenizerSpec
+
+if TYPE_CHECKING:
+    import torch
 
 FEATURES = ("thinking", "tools")
 _SENTINELS = ("\ue000", "\ue001")  # private-use characters: differ from each other at both ends of every text
@@ -360,6 +362,8 @@ def build_chat_example(
     ids, offsets = _tokenize_with_offsets(tokenizer, mapper.full)
     mask = _mask_from_spans(offsets, [s for s in spans if s is not None])
     ids, mask = ids[:max_length], mask[:max_length]
+    import torch  # here: the adapter registry imports this module, and recipe validation must not wait for torch
+
     return {"input_ids": torch.tensor(ids, dtype=torch.long), "loss_mask": torch.tensor(mask, dtype=torch.long)}
 
 

@@ -8,9 +8,10 @@ offline target for data and training tests.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 TINY_VOCAB_SIZE = 512
 
@@ -53,6 +54,10 @@ def build_tiny_tokenizer(
     Returns:
         A fast tokenizer (character offsets supported), deterministic for a given spec.
     """
+    # here, not at the top: the adapter registry imports this module, and recipe validation must not pay for them
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

@@ -11,9 +11,7 @@ read once to find NaN/Inf (a diverged run writes a drafter that loads fine and p
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from eagle3_zoo.checkpoint.check_report import CheckReport, InvalidDrafterError, Problem
 from eagle3_zoo.checkpoint.formats import (
@@ -42,6 +40,9 @@ from eagle3_zoo.checkpoint.weights import (
 )
 from eagle3_zoo.modeling import Eagle3Config
 from eagle3_zoo.modeling.config import ARCHITECTURE
+
+if TYPE_CHECKING:  # imported where tensors are read: a missing or invalid config is reported without it
+    import torch
 
 # architectures some loaders accept besides the canonical one (official releases; vLLM's own class name)
 _TOLERATED_ARCHITECTURES = {
@@ -87,6 +88,8 @@ def require_valid_stage(staged: str | Path, destination: str | Path, purpose: st
 def vocab_mapping_problems(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab_size: int,
                            check_dtypes: bool = True) -> list[Problem]:
     """Problems of a (d2t, t2d) pair: dtypes, every `i + d2t[i]` inside the target vocab and marked in t2d."""
+    import torch
+
     out: list[Problem] = []
     resave = "re-save it with `eagle3-zoo export DIR --format sglang --out NEW` (converts whole-number values)"
     if check_dtypes and d2t.dtype != torch.int64:
@@ -222,6 +225,8 @@ def _weight_problems(folder: Path, fmt: str, cfg: Eagle3Config, report: CheckRep
 def _finite_problems(folder: Path, infos: dict[str, TensorInfo], report: CheckReport,
                      state: dict[str, torch.Tensor] | None) -> None:
     """NaN/Inf in any floating-point weight (a run that diverged): such a drafter proposes garbage or crashes."""
+    import torch
+
     bad: list[str] = []
     for name, info in infos.items():
         if not info.dtype.startswith(("F", "BF")):  # safetensors dtype names: F16, BF16, F32, F64, F8_*

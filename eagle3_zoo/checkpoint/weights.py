@@ -14,11 +14,13 @@ import pickle
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from eagle3_zoo.dtypes import SAFETENSORS_FLOATS, SAFETENSORS_ITEMSIZE, safetensors_code
 from eagle3_zoo.fileio import pickle_refusal
+
+if TYPE_CHECKING:  # imported where tensors are read: the config and header checks answer without it
+    import torch
 
 SAFETENSORS_NAME = "model.safetensors"
 PICKLE_NAME = "pytorch_model.bin"
@@ -192,6 +194,8 @@ def load_pickle_weights(path: str | Path) -> dict[str, torch.Tensor]:
         UnsafeCheckpointError: the file holds non-tensor objects (never executed).
         CheckpointError: the file is truncated or not a PyTorch checkpoint.
     """
+    import torch
+
     path = Path(path)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)

@@ -266,10 +266,23 @@ def _log_plan(args: argparse.Namespace, s: dict[str, Any], device: str) -> None:
         s["depth"] if s["mode"] == "chain" else s["total_tokens"], s["min_prob"]).label
     prompts = f"{s['limit']} prompts{' spread' if s['spread'] else ''} of each benchmark" if s["limit"] else \
         "every prompt of each benchmark"
-    log.info("eval on %s: %s, %s, up to %d new tokens per request%s (options not given take the %s defaults: "
-             "--mode/--depth/--top-k/--total-tokens/--min-prob, --max-new-tokens, --limit/--spread)", device, shapes,
-             prompts, s["max_new_tokens"], "" if args.no_baseline else ", then plain decoding of each request",
-             "GPU" if device.startswith("cuda") else "CPU")
+    defaulted = defaulted_options(args)
+    log.info("eval on %s: %s, %s, up to %d new tokens per request%s%s", device, shapes, prompts, s["max_new_tokens"],
+             "" if args.no_baseline else ", then plain decoding of each request",
+             f" (the {'GPU' if device.startswith('cuda') else 'CPU'} defaults of the options not given: "
+             f"{', '.join(defaulted)})" if defaulted else "")
+
+
+def defaulted_options(args: argparse.Namespace) -> list[str]:
+    """The options whose value `settings_for` takes from the device's defaults, as flags (`--depth`): none of the
+    shape's under --shapes, and no --min-prob once a shape option is given (uncut), no --spread once --limit is."""
+    shape_given = bool(args.shapes) or any(getattr(args, k) is not None for k in _SHAPE_FLAGS)
+    keys = [k for k in _SHAPE_FLAGS if not args.shapes and getattr(args, k) is None
+            and not (k == "min_prob" and shape_given)]
+    keys += [k for k in ("max_new_tokens", "limit") if getattr(args, k) is None]
+    if args.spread is None and args.limit is None:
+        keys.append("spread")
+    return ["--" + k.replace("_", "-") for k in keys]
 
 
 def run_engine_eval(args: argparse.Namespace) -> dict[str, Any]:

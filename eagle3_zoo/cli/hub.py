@@ -19,11 +19,10 @@ _FORMATS = ["canonical", "sglang", "speculators"]
 
 def cmd_export(args: argparse.Namespace) -> int:
     from eagle3_zoo.checkpoint.convert import export_drafter
-    from eagle3_zoo.checkpoint.formats import EXPORT_FORMATS
 
     out = export_drafter(args.drafter_dir, args.format, args.out, num_speculative_tokens=args.num_speculative_tokens,
                          verifier=args.verifier, force=args.force)
-    print(f"exported {args.drafter_dir} -> {out} ({EXPORT_FORMATS[args.format]} format)")
+    print(f"exported {args.drafter_dir} -> {out} ({args.format} format)")  # the name asked for: canonical = sglang
     return 0
 
 
@@ -102,8 +101,8 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
                               parents=[common])
     p.add_argument("drafter_dir", help="drafter folder (any supported format)")
     p.add_argument("--format", choices=_FORMATS, default="sglang",
-                   help="sglang (= canonical: SGLang, vLLM and the official loaders) or speculators (vLLM's own "
-                   "format); default: sglang")
+                   help="sglang or canonical (two names of one format, the same files byte for byte: SGLang, vLLM "
+                   "and the official loaders read it) or speculators (vLLM's own format); default: sglang")
     p.add_argument("--out", required=True, help="output folder (replaced in one rename; in an existing drafter "
                    "folder, files of other names are kept)")
     p.add_argument("--force", action="store_true", help="write into an existing --out that is not a drafter folder "

@@ -20,28 +20,39 @@ def _print_config(args: argparse.Namespace) -> bool:
 def cmd_fit(args: argparse.Namespace) -> int:
     if _print_config(args):
         return 0
-    from eagle3_zoo.training.fit import fit_main
+    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.training.run_plan import require_accelerator
 
-    print(fit_main(args.recipe, args.overrides))
+    # a bad recipe, or GPUs this machine lacks, is refused before Lightning and torch are imported (seconds to a
+    # minute on a loaded machine)
+    recipe = load_recipe(args.recipe, args.overrides)
+    require_accelerator(recipe, args.recipe)
+    from eagle3_zoo.training.fit import fit
+
+    print(fit(recipe, source=args.recipe))
     return 0
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     if _print_config(args):
         return 0
-    from eagle3_zoo.data.stage import prepare_recipe
     from eagle3_zoo.recipe import load_recipe
 
-    summary = prepare_recipe(load_recipe(args.recipe, args.overrides), rank=args.rank, world_size=args.world_size)
+    recipe = load_recipe(args.recipe, args.overrides)  # refused before the data stage's imports (torch) are paid
+    from eagle3_zoo.data.stage import prepare_recipe
+
+    summary = prepare_recipe(recipe, rank=args.rank, world_size=args.world_size)
     print(json.dumps(summary, indent=2))
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from eagle3_zoo.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)  # refused before the plan's imports (torch) are paid
     from eagle3_zoo.training.plan import plan_recipe
 
-    plan = plan_recipe(load_recipe(args.recipe, args.overrides), source=args.recipe)
+    plan = plan_recipe(recipe, source=args.recipe)
     print(plan.table())  # its last line names the phases that do not fit
     # any phase that does not fit fails the plan: a regeneration or feature job that cannot run blocks as training does
     return 1 if plan.not_fitting() else 0

@@ -64,12 +64,22 @@ def find_zoo(name: str) -> ZooEntry | None:
     return next((e for e in list_zoo() if name.lower() in (e.name.lower(), (e.repo_id or "").lower())), None)
 
 
+HINT_CUTOFF = 0.8
+
+
 def zoo_hint(name: str, list_all: bool = True) -> str:
-    """"did you mean A, B?" with the zoo names (or repo ids) closest to `name`; else the known names (`list_all`)
-    or a pointer to `eagle3-zoo zoo list`."""
+    """"did you mean A, B?" with the zoo names (or repo ids) close to `name` (or starting with it); else the known
+    names (`list_all`) or a pointer to `eagle3-zoo zoo list`.
+
+    Close means a similarity of at least `HINT_CUTOFF`: nearly every name ends in "eagle3", so at difflib's usual
+    0.6 an unrelated name ("foo/bar-eagle3") would be offered three drafters it has nothing to do with.
+    """
     entries = list_zoo()
     by_lower = {e.name.lower(): e.name for e in entries} | {e.repo_id.lower(): e.repo_id for e in entries if e.repo_id}
-    close = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.5)
+    wanted = name.lower()
+    starting = [k for k in by_lower if len(wanted) >= 4 and k.startswith(wanted)]
+    close = list(dict.fromkeys([*difflib.get_close_matches(wanted, list(by_lower), n=3, cutoff=HINT_CUTOFF),
+                                *starting]))[:3]
     if close:
         return f"did you mean {', '.join(by_lower[c] for c in close)}?"
     return f"known: {', '.join(e.name for e in entries)}" if list_all else "see `eagle3-zoo zoo list`"

@@ -1,4 +1,11 @@
-"""The EAGLE-3 drafter: config, model (TTT + KV-cache paths), attention kernels and draft-vocabulary mapping."""
+"""The EAGLE-3 drafter: config, model (TTT + KV-cache paths), attention kernels and draft-vocabulary mapping.
+
+The config imports no torch (reading and checking a drafter's config.json answers at once); the model and vocabulary
+names are imported from their modules on first use.
+"""
+
+import importlib
+from typing import Any
 
 from eagle3_zoo.modeling.config import (
     Eagle3Config,
@@ -6,8 +13,20 @@ from eagle3_zoo.modeling.config import (
     from_sglang_layer_ids,
     to_sglang_layer_ids,
 )
-from eagle3_zoo.modeling.drafter import CONFIG_NAME, WEIGHTS_NAME, DraftCache, DraftStepOutput, Eagle3Drafter
-from eagle3_zoo.modeling.vocab import build_draft_vocab, draft_ids_of, identity_vocab
+
+_LAZY = {**dict.fromkeys(("CONFIG_NAME", "WEIGHTS_NAME", "DraftCache", "DraftStepOutput", "Eagle3Drafter"), "drafter"),
+         **dict.fromkeys(("build_draft_vocab", "draft_ids_of", "identity_vocab"), "vocab")}
+
+
+def __getattr__(name: str) -> Any:
+    """`eagle3_zoo.modeling.Eagle3Drafter` and the other names of `_LAZY`: imported on first use (PEP 562)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CONFIG_NAME",

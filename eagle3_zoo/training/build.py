@@ -12,37 +12,11 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab
+from eagle3_zoo.modeling import Eagle3Drafter, build_draft_vocab
 from eagle3_zoo.targets.loading import aux_layer_ids_for, load_recipe_target
+from eagle3_zoo.training.run_plan import drafter_config
 
 logger = logging.getLogger(__name__)
-
-_DRAFTER_OVERRIDES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
-
-
-def drafter_dtype_name(precision: str) -> str:
-    """The dtype the drafter checkpoint is saved in: the training precision's half type, else float32."""
-    if precision.startswith("bf16"):
-        return "bfloat16"
-    if precision.startswith("16"):
-        return "float16"
-    return "float32"
-
-
-def drafter_config(recipe: Any, target_config: Any, aux_layer_ids: tuple[int, ...] | None) -> Eagle3Config:
-    """The config of a fresh drafter for the recipe: sized like the target, with the family's published-drafter
-    shape (`TargetAdapter.drafter_defaults`) and the recipe's overrides on top."""
-    from eagle3_zoo.adapters import adapter_for
-
-    family = adapter_for(target_config).drafter_defaults
-    overrides = {k: family[k] for k in _DRAFTER_OVERRIDES if k in family}
-    overrides.update({k: getattr(recipe.drafter, k) for k in _DRAFTER_OVERRIDES
-                      if getattr(recipe.drafter, k) is not None})
-    return Eagle3Config.from_target_config(
-        target_config, draft_vocab_size=recipe.drafter.draft_vocab_size, aux_layer_ids=aux_layer_ids,
-        target_name_or_path=recipe.target.name_or_path, torch_dtype=drafter_dtype_name(recipe.trainer.precision),
-        fc_norm=recipe.drafter.fc_norm, norm_output=recipe.drafter.norm_output, **overrides)
-
 
 def build_drafter(recipe: Any, target_config: Any, counts: torch.Tensor, aux_layer_ids: tuple[int, ...],
                   target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> Eagle3Drafter:

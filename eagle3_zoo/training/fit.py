@@ -48,7 +48,7 @@ from eagle3_zoo.training.lightning_private import last_global_step_saved, quiet_
 from eagle3_zoo.training.module import Eagle3Module, NonFiniteError, all_finite
 from eagle3_zoo.training.outputs import build_provenance, drafter_info, full_drafter
 from eagle3_zoo.training.record import TrainingRecordCallback
-from eagle3_zoo.training.run_plan import devices_per_node, run_plan, world_size
+from eagle3_zoo.training.run_plan import require_accelerator, run_plan, world_size
 from eagle3_zoo.training.rundir import CHECKPOINT_DIR, DRAFTER_DIR
 from eagle3_zoo.training.strategies import build_strategy
 
@@ -203,26 +203,6 @@ def without_validation(trainer: L.Trainer) -> None:
     calls this from the `setup` hook, before the fit loop reads them. No validation runs, and `last.ckpt` is saved
     at the end of every epoch as well."""
     trainer.limit_val_batches, trainer.val_check_interval, trainer.check_val_every_n_epoch = 0, 1.0, 1
-
-
-def require_accelerator(recipe: Any, source: str = "recipe") -> None:
-    """Stop at once when the recipe declares GPUs (`trainer.accelerator: gpu`) and this machine has none, before
-    minutes of loading a target that could not be trained here anyway.
-
-    Raises:
-        ValueError: no CUDA device, or fewer than `trainer.devices`.
-    """
-    t = recipe.trainer
-    if t.accelerator != "gpu":
-        return
-    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    want = devices_per_node(t.devices, t.accelerator)  # "0,1" wants two, as the strategy will start
-    if have < want:
-        found = f"only {have} CUDA device(s)" if have else "no CUDA GPU (torch.cuda.is_available() is False)"
-        raise ValueError(f"{source}: trainer.accelerator = 'gpu' with trainer.devices = {t.devices}, but this machine "
-                         f"has {found}. Run it on a machine with the GPUs it declares, or override "
-                         "trainer.accelerator=cpu trainer.devices=1 to try it here (a CPU cannot train this target "
-                         "in useful time)")
 
 
 def fit(recipe: Any, source: str = "recipe") -> Path:

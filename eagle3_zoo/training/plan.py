@@ -179,10 +179,11 @@ def tau_eval_lines(recipe: Any, target_config: Any, dcfg: Any, n_drafter: int, g
     final hidden it returns) and the drafter's pass over the prompt (at most what a TTT step saves, a causal mask),
     and the fp32 logits rows of the verified path and the drafted frontier. Prompts are bounded by
     `data.max_length` (MT-bench first turns are far shorter)."""
-    from eagle3_zoo.speculative.callback import TauEvalCallback
+    from eagle3_zoo.draft_shapes import TreeSpec
 
     cfg = recipe.trainer.tau_eval
-    tree = TauEvalCallback(["plan"], every_n_steps=cfg.every_n_steps, max_new_tokens=cfg.max_new_tokens).tree
+    # the tree `TauEvalCallback` drafts (its defaults), without importing Lightning for it
+    tree = TreeSpec()
     tbytes = torch_dtype(recipe.target.dtype).itemsize
     wbytes = stored_dtype(recipe.trainer.precision).itemsize
     p, n = recipe.data.max_length, cfg.max_new_tokens
@@ -216,9 +217,8 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     """
     from eagle3_zoo.adapters import get_adapter
     from eagle3_zoo.adapters.shipped import shipped_target_config
-    from eagle3_zoo.training.build import drafter_config
     from eagle3_zoo.training.plan_phases import hidden_states_phase, regeneration_phase
-    from eagle3_zoo.training.run_plan import counted_devices, run_plan
+    from eagle3_zoo.training.run_plan import counted_devices, drafter_config, run_plan, trainer_device
 
     t, tr = recipe.target, recipe.trainer
     if target_config is None:
@@ -239,7 +239,8 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
         logger.warning("%s: %s", source, counted)
     plan = MemoryPlan(source, getattr(target_config, "_name_or_path", "") or t.name_or_path, tr.strategy,
                       rp.world_size, tr.gpu_memory_gb, decisions=_decisions(rp), devices_counted=counted,
-                      tau_off="" if rp.tau else "off (trainer.tau_eval.every_n_steps: null)")
+                      tau_off="" if rp.tau else "off (trainer.tau_eval.every_n_steps: null)",
+                      unit=trainer_device(tr.accelerator))
     kv = kv_elements_per_token(target_config)
     plan.phases = [regeneration_phase(recipe, target_config, counts, kv, dequant),
                    hidden_states_phase(recipe, target_config, counts, kv, dequant)]

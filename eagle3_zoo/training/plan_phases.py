@@ -50,7 +50,7 @@ def regeneration_in_process(recipe: Any, config: Any, counts: dict[str, int], kv
         config, kv_per_token, p + n) < kv_per_token * (p + n) else ""
     logits = b * config.vocab_size * 4  # the last position's fp32 logits of each row
     lines = [PlanLine("target weights", counts["total"] * tb,
-                      f"{counts['total'] / 1e9:.2f}B params in {t.dtype}, whole on every GPU{dequant}"),
+                      f"{counts['total'] / 1e9:.2f}B params in {t.dtype}, whole on every trainer rank{dequant}"),
              PlanLine("KV cache", b * kv_elements(config, kv_per_token, p) * tb, f"batch {b} x {p}-token prompts",
                       "prefill"),
              PlanLine("prefill forward", forward_bytes(config, b * p, tb) + logits,
@@ -132,7 +132,7 @@ def regeneration_phase(recipe: Any, config: Any, counts: dict[str, int], kv_per_
     server started here (backend vllm: the whole target on one GPU), the recipe's engine (backend engine) or a server
     outside the run (not planned)."""
     from eagle3_zoo.recipe_engine import regeneration_max_model_len
-    from eagle3_zoo.training.run_plan import regeneration_site
+    from eagle3_zoo.training.run_plan import regeneration_site, trainer_device
 
     site, r, d, tr = regeneration_site(recipe), recipe.data.regenerate, recipe.data, recipe.trainer
     name = "regeneration"
@@ -145,7 +145,8 @@ def regeneration_phase(recipe: Any, config: Any, counts: dict[str, int], kv_per_
     if site == "in process":
         return PhasePlan(name, f"in process (backend hf), every trainer rank generating batches of {r.batch_size} "
                          "with the whole target", regeneration_in_process(recipe, config, counts, kv_per_token,
-                                                                         dequant), tr.gpu_memory_gb)
+                                                                         dequant), tr.gpu_memory_gb,
+                         unit=trainer_device(tr.accelerator))
     if site == "engine":
         how = "for the regeneration only, stopped after it" if recipe.engine.mode == "launch" else \
             "answering the completions"
@@ -166,7 +167,7 @@ def hidden_states_phase(recipe: Any, config: Any, counts: dict[str, int], kv_per
     """The target's hidden states where `run_plan.hidden_states_site` puts them: in the training step (its lines are
     the training phase's), the offline feature job in process, or the recipe's engine."""
     from eagle3_zoo.recipe_engine import engine_max_model_len
-    from eagle3_zoo.training.run_plan import hidden_states_site
+    from eagle3_zoo.training.run_plan import hidden_states_site, trainer_device
 
     site, t, tr = hidden_states_site(recipe), recipe.target, recipe.trainer
     name = "hidden states"
@@ -180,7 +181,7 @@ def hidden_states_phase(recipe: Any, config: Any, counts: dict[str, int], kv_per
                PlanLine("target forward", forward_bytes(config, tokens, tb), "one layer's activations (no grad)")]
         job.append(PlanLine("reserve", reserve_line(job).bytes, ""))
         phase = PhasePlan(name, "feature job (`eagle3-zoo prepare`, one target per process, data split by rank)", job,
-                          tr.gpu_memory_gb)
+                          tr.gpu_memory_gb, unit=trainer_device(tr.accelerator))
         if phase.fits is False:
             phase.after.append("  -> the target does not fit one process: extract its features with an inference "
                                "engine (tensor/expert parallel) instead")

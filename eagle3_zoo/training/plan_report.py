@@ -53,6 +53,7 @@ class PhasePlan:
     capacity_gb: float | None = None
     capacity_key: str = "trainer.gpu_memory_gb"
     after: list[str] = field(default_factory=list)  # printed after the verdict (hints, budgets)
+    unit: str = "GPU"  # what one of its processes runs on ("CPU process" for a trainer-side phase of a CPU run)
 
     @property
     def total(self) -> float:
@@ -68,7 +69,7 @@ class PhasePlan:
     def table(self) -> list[str]:
         if not self.lines:
             return [f"{self.name}: {self.where}"]
-        return [f"{self.name}: {self.where}; per GPU:", *rows(self.lines),
+        return [f"{self.name}: {self.where}; per {self.unit}:", *rows(self.lines),
                 verdict(self.total, self.capacity_gb, self.name, self.capacity_key), *self.after]
 
 
@@ -87,6 +88,7 @@ class MemoryPlan:
     decisions: str = ""  # the run plan (`eagle3_zoo.training.run_plan`) in words
     devices_counted: str = ""  # how trainer.devices "auto" / -1 was counted (empty: a count was given)
     tau_off: str = ""  # why the tau evaluation does not run (empty: it runs)
+    unit: str = "GPU"  # what one trainer rank runs on (`run_plan.trainer_device`)
 
     @property
     def total(self) -> float:
@@ -126,7 +128,7 @@ class MemoryPlan:
                "per device (GB = 1e9 bytes):", f"  {self.decisions}"]
         for p in self.phases:
             out += ["", *p.table()]
-        out += ["", "training (training step and tau evaluation); per trainer GPU:", *rows(self.lines),
+        out += ["", f"training (training step and tau evaluation); per trainer {self.unit}:", *rows(self.lines),
                 verdict(self.total, self.gpu_memory_gb, "training")]
         if self.tau_off:
             out.append(f"{TAU}: {self.tau_off}")

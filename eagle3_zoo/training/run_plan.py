@@ -7,15 +7,16 @@ recipe's engine).
 
 `eagle3-zoo plan` prints these decisions with their memory, `build_run` loads the target as `target_load` says and
 the strategy builder sizes its mesh with `world_size` / `fsdp_shard_size`: each decision is one function here, so
-what `plan` reports is what the run does. Pure Python on the recipe (torch only for dtypes); nothing is loaded.
+what `plan` reports is what the run does. Pure Python on the recipe (torch only for dtypes, imported where they are
+made: counting the devices a recipe declares does not wait for it); nothing is loaded.
 """
 
 from __future__ import annotations
 
+import glob
+import os
 from dataclasses import dataclass
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from eagle3_zoo.dtypes import torch_dtype
 from eagle3_zoo.recipe_engine import (
@@ -25,8 +26,31 @@ from eagle3_zoo.recipe_engine import (
     target_sharded_in_trainer,
 )
 
+if TYPE_CHECKING:
+    import torch
+
+    from eagle3_zoo.modeling import Eagle3Config
+
 TargetLoad = Literal["whole", "fsdp shard", "heads only"]
 Site = Literal["off", "in process", "vllm server", "server", "engine", "training step", "feature job"]
+_DRAFTER_OVERRIDES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+# device files of a GPU driver torch can use: NVIDIA (Linux), WSL2's GPU paravirtualisation, AMD ROCm (HIP)
+_GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia[0-9]*", "/dev/dxg", "/dev/kfd")
+
+
+def gpu_driver_present() -> bool:
+    """Whether this machine shows the device files of a GPU driver (and CUDA_VISIBLE_DEVICES does not hide every
+    GPU): without them torch sees no GPU, which is then known without importing it (seconds to a minute on a loaded
+    machine)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1") and any(glob.glob(f) for f in _GPU_DEVICE_FILES)
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def devices_per_node(devices: int | str, accelerator: str) -> int:
@@ -37,8 +61,37 @@ def devices_per_node(devices: int | str, accelerator: str) -> int:
         return len(parts) if len(parts) > 1 or devices.endswith(",") else int(parts[0])
     if isinstance(devices, int) and devices > 0:
         return devices
-    use_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-    return max(torch.cuda.device_count(), 1) if use_gpu else 1
+    return max(_cuda_device_count(), 1) if accelerator in ("gpu", "cuda", "auto") else 1
+
+
+def require_accelerator(recipe: Any, source: str = "recipe") -> None:
+    """Stop at once when the recipe declares GPUs (`trainer.accelerator: gpu`) and this machine has none, before
+    minutes of loading a target that could not be trained here anyway (and, on a machine with no GPU driver, before
+    torch is imported).
+
+    Raises:
+        ValueError: no CUDA device, or fewer than `trainer.devices`.
+    """
+    t = recipe.trainer
+    if t.accelerator != "gpu":
+        return
+    have = _cuda_device_count() if gpu_driver_present() else 0
+    # "0,1" wants two, as the strategy will start; with none here any number is too many ("auto" counts with torch)
+    want = devices_per_node(t.devices, t.accelerator) if have else 1
+    if have < want:
+        found = f"only {have} CUDA device(s)" if have else "no CUDA GPU"
+        raise ValueError(f"{source}: trainer.accelerator = 'gpu' with trainer.devices = {t.devices}, but this machine "
+                         f"has {found}. Run it on a machine with the GPUs it declares, or override "
+                         "trainer.accelerator=cpu trainer.devices=1 to try it here (a CPU cannot train this target "
+                         "in useful time)")
+
+
+def trainer_device(accelerator: str) -> str:
+    """What one trainer rank runs on, in words: "GPU", or "CPU process" (`trainer.accelerator` cpu, or auto on a
+    machine without a CUDA GPU, where Lightning picks the CPU)."""
+    if accelerator == "cpu" or (accelerator == "auto" and not (gpu_driver_present() and _cuda_device_count())):
+        return "CPU process"
+    return "GPU"
 
 
 def counted_devices(devices: int | str, accelerator: str) -> tuple[str, bool]:
@@ -50,8 +103,7 @@ def counted_devices(devices: int | str, accelerator: str) -> tuple[str, bool]:
     key = f"trainer.devices = {devices}"
     if accelerator == "cpu":
         return f"{key} on the CPU: one process", False
-    use_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-    visible = torch.cuda.device_count() if use_gpu else 0
+    visible = _cuda_device_count() if accelerator in ("gpu", "cuda", "auto") else 0
     if visible:
         return f"{key}: the {visible} CUDA GPU(s) visible here", False
     return (f"{key}, but no CUDA GPU is visible here: counted as 1 device, while the run takes every GPU of its "
@@ -129,13 +181,42 @@ def target_load(recipe: Any) -> tuple[TargetLoad, str]:
 def stored_dtype(precision: str) -> torch.dtype:
     """The dtype of the drafter's stored parameters under a `trainer.precision` (Lightning converts the module
     under the `*-true` precisions; the mixed precisions keep fp32 weights)."""
+    import torch
+
     return {"64-true": torch.float64, "bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision,
                                                                                                 torch.float32)
 
 
 def compute_dtype(precision: str) -> torch.dtype:
     """The dtype of the drafter's matmuls under a `trainer.precision` (autocast's under `*-mixed`)."""
+    import torch
+
     return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision, stored_dtype(precision))
+
+
+def drafter_dtype_name(precision: str) -> str:
+    """The dtype the drafter checkpoint is saved in: the training precision's half type, else float32."""
+    if precision.startswith("bf16"):
+        return "bfloat16"
+    if precision.startswith("16"):
+        return "float16"
+    return "float32"
+
+
+def drafter_config(recipe: Any, target_config: Any, aux_layer_ids: tuple[int, ...] | None) -> Eagle3Config:
+    """The config of a fresh drafter for the recipe: sized like the target, with the family's published-drafter
+    shape (`TargetAdapter.drafter_defaults`) and the recipe's overrides on top."""
+    from eagle3_zoo.adapters import adapter_for
+    from eagle3_zoo.modeling.config import Eagle3Config
+
+    family = adapter_for(target_config).drafter_defaults
+    overrides = {k: family[k] for k in _DRAFTER_OVERRIDES if k in family}
+    overrides.update({k: getattr(recipe.drafter, k) for k in _DRAFTER_OVERRIDES
+                      if getattr(recipe.drafter, k) is not None})
+    return Eagle3Config.from_target_config(
+        target_config, draft_vocab_size=recipe.drafter.draft_vocab_size, aux_layer_ids=aux_layer_ids,
+        target_name_or_path=recipe.target.name_or_path, torch_dtype=drafter_dtype_name(recipe.trainer.precision),
+        fc_norm=recipe.drafter.fc_norm, norm_output=recipe.drafter.norm_output, **overrides)
 
 
 @dataclass(frozen=True)
