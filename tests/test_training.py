@@ -114,7 +114,8 @@ def test_ttt_ramp_schedule_and_callback():
     with pytest.raises(ValueError, match="constant, ramp"):
         TTTScheduleCallback(7, "linear")
     logged = {}
-    module = SimpleNamespace(active_ttt_steps=None, log=lambda k, v, **kw: logged.update({k: v}))
+    module = SimpleNamespace(active_ttt_steps=None, device=torch.device("cpu"),
+                             log=lambda k, v, **kw: logged.update({k: v}))
     trainer = SimpleNamespace(global_step=10, max_steps=100, estimated_stepping_batches=100)
     TTTScheduleCallback(4, "ramp", 0.4).on_train_batch_start(trainer, module, None, 0)
     assert module.active_ttt_steps == 2 and logged["train/ttt_steps"] == 2.0
