@@ -173,10 +173,21 @@ def _ttt_block_mask(seg_len: int, n_diag: int, device: torch.device):
 
 @functools.cache
 def _compiled_flex():
+    """FlexAttention compiled once per process for every batch shape the training sampler gives, within few graphs:
+    dynamic shapes from the first call (no static graph for the first length), and no "duck sizing" (sizes equal by
+    chance, such as 4 heads and 4 blocks, would otherwise share one symbol, and a later batch where they differ would
+    need another graph). With at least 2 blocks per segment (`_flex_ttt`) only a batch of one sequence adds a graph:
+    dynamo specialises sizes 0 and 1. Past dynamo's `recompile_limit` (8) it would fall back to dense eager math."""
+    from torch.fx.experimental import _config as shape_config
     from torch.nn.attention.flex_attention import flex_attention
 
-    # compiled once per process; dynamo re-traces with symbolic lengths when the sequence length changes
-    return torch.compile(flex_attention)
+    compiled = torch.compile(flex_attention, dynamic=True)
+
+    def flex(*args, **kwargs):
+        with shape_config.patch(use_duck_shape=False):  # read when a call traces a new graph
+            return compiled(*args, **kwargs)
+
+    return flex
 
 
 def _flex_ttt(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float) -> torch.Tensor:
@@ -184,7 +195,9 @@ def _flex_ttt(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tens
     from torch.nn.attention.flex_attention import flex_attention
 
     t = q.shape[-2]
-    seg_len = -(-t // _FLEX_BLOCK) * _FLEX_BLOCK
+    # at least 2 blocks: a block count of 1 would be specialised by the compiler (a graph of its own for every batch
+    # of <= 128 tokens, each TTT step count included)
+    seg_len = max(-(-t // _FLEX_BLOCK), 2) * _FLEX_BLOCK
     pad = seg_len - t  # zero keys past t are never visible (causal: pos <= q < t; diagonal: pos == q < t)
 
     def padded(x: torch.Tensor) -> torch.Tensor:
