@@ -89,6 +89,36 @@ def test_a_fit_step_waits_for_the_device_once(tmp_path, monkeypatch, bar):
         assert [(kind, where.split(" ")[-1]) for kind, where in events] == [("to host", "(_read_counts)")], events
 
 
+def test_a_validation_batch_waits_for_the_device_once():
+    """The loss's counts are the one wait of a validation batch: the per-step metrics add on the device and are read
+    once per epoch. Before: 30 more with 3 TTT steps, 10 per step (a `float()` of its count, then for its loss,
+    accuracy and alpha a host tensor of the weight and torchmetrics' two NaN checks)."""
+    from transformers import LlamaForCausalLM
+
+    from eagle3_zoo.adapters import get_adapter
+    from eagle3_zoo.data.datamodule import collate_right_padded
+    from eagle3_zoo.modeling import Eagle3Config, build_draft_vocab
+    from eagle3_zoo.training.module import Eagle3Module, with_host_counts
+
+    adapter = get_adapter("llama")
+    target = LlamaForCausalLM(adapter.tiny_config()).eval().requires_grad_(False)
+    cfg = Eagle3Config.from_target_config(target.config, draft_vocab_size=64, aux_layer_ids=(1, 2, 3))
+    drafter = Eagle3Drafter(cfg)
+    drafter.set_vocab(*build_draft_vocab(torch.arange(512) % 7, 64))
+    module = Eagle3Module(drafter, adapter, target, ttt_steps=3)
+    g = torch.Generator().manual_seed(1)
+    batches = [with_host_counts(collate_right_padded([{"input_ids": torch.randint(512, (n,), generator=g),
+                                                        "loss_mask": torch.ones(n, dtype=torch.long)} for n in sizes]))
+               for sizes in ((12, 9), (20, 17))]
+    for i, batch in enumerate(batches):
+        with SyncCounter() as counter, counting_host_reads(counter):
+            module.validation_step(batch, i)
+        assert [(kind, where.split(" ")[-1]) for kind, where in counter.events] == [("to host", "(_read_counts)")], \
+            counter.events
+    metrics = module.val_metrics.compute("val")
+    assert {f"val/{name}_{k}" for name in ("loss", "acc", "alpha") for k in range(3)} | {"val/tau_est"} == set(metrics)
+
+
 def test_rope_frequencies_move_with_the_drafter_stay_fp32_and_are_not_saved(tmp_path):
     # on the meta device (a stand-in for a GPU) RoPE and the projections copy nothing from the host
     drafter, _ = tiny_drafter()

@@ -419,7 +419,7 @@ class Eagle3Module(L.LightningModule):
 
     @override
     def on_validation_epoch_end(self) -> None:
-        metrics = self.val_metrics.compute("val")
+        metrics = self.val_metrics.compute("val") if self.val_metrics.update_called else {}
         losses = [metrics[f"val/loss_{k}"] for k in range(self.ttt_steps) if f"val/loss_{k}" in metrics]
         if losses:
             self.log_dict(metrics, prog_bar=False)
