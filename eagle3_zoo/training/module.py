@@ -155,6 +155,15 @@ def with_host_counts(batch: Any) -> Any:
     return batch
 
 
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` summed over all ranks, in place. Lightning's `strategy.reduce` (and `log(sync_dist=True)`) put a
+    barrier before every all_reduce (`_sync_ddp`), which blocks the host until every rank gets there; on GPUs the
+    all_reduce alone is queued on the device like a kernel, and the host goes on."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+    return tensor
+
+
 def target_rows(loss_mask: torch.Tensor) -> torch.Tensor:
     """`[B, T]` bool: the positions j whose target logits a TTT step reads (the next token j+1 is supervised; j >= 1:
     position 0 is never a target, it would predict x_1)."""
@@ -343,7 +352,7 @@ class Eagle3Module(L.LightningModule):
         weights = self.step_weights[:steps]
         local = supervised_positions(batch["loss_mask"], valid, steps)
         if global_norm and attached_trainer(self) is not None and self.trainer.world_size > 1:
-            total = self.trainer.strategy.reduce(local.clone(), reduce_op="sum")
+            total = all_reduce_sum(local.clone())
             weights = rank_step_weights(weights, local, total, self.trainer.world_size)
         loss, step_losses, step_acc, counts, step_alpha = self.objective(
             self._frozen.embed_tokens, batch["input_ids"], aux_hidden, logits, batch["loss_mask"], valid, steps,
@@ -368,9 +377,9 @@ class Eagle3Module(L.LightningModule):
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out = self.loss(batch, self.active_ttt_steps, global_norm=True, read_along=True)
-        self._check_later(out.loss)
+        mean_loss = self._check_later(out.loss)
         b = batch["input_ids"].shape[0]
-        self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=b, sync_dist=True)
+        self.log("train/loss", mean_loss, prog_bar=True, batch_size=b)  # reduced over the ranks already
         metrics = {f"train/loss_{k}": v for k, v in enumerate(out.step_losses)}
         metrics.update({f"train/acc_{k}": v.float() for k, v in enumerate(out.step_acc) if k > 0})
         # the expected acceptance of a drafted token at each step (what tau is made of), beside top-1 agreement
@@ -380,24 +389,32 @@ class Eagle3Module(L.LightningModule):
         self.log_dict(metrics, batch_size=b)
         self.log("train/acc_0", out.step_acc[0].float(), prog_bar=True, batch_size=b)
         # what a live bar shows, read with the next step's counts instead of by the bar (`StepProgressBar`)
-        self._read_later.update({"train/loss": out.loss.detach(), "train/acc_0": out.step_acc[0]})
+        self._read_later.update({"train/loss": mean_loss, "train/acc_0": out.step_acc[0]})
         if attached_trainer(self) is not None and self.trainer.lr_scheduler_configs:
             lr = self.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
             # a tensor filled on the device: Lightning turns a float into a tensor by a blocking host-to-device copy
             self.log("train/lr", torch.full((), lr, device=out.loss.device), batch_size=b)
         return out.loss
 
-    def _check_later(self, loss: torch.Tensor) -> None:
+    def _check_later(self, loss: torch.Tensor) -> torch.Tensor:
         """Whether the loss is finite on every rank, as a flag on the device that the next training step reads with
         its counts (`_read_counts`; `on_train_end` reads the last one), so the check adds no wait of its own. A
         diverged step's update reaches the weights, but nothing keeps them: a checkpoint refuses non-finite weights
         (`resume.RunIdentityCallback`), and so does the drafter folder. Every rank takes part in the reduction, so
-        all of them stop on the same step and none is left waiting in a collective."""
-        bad = (~torch.isfinite(loss.detach())).float()
+        all of them stop on the same step and none is left waiting in a collective.
+
+        Returns the loss averaged over the ranks (what `train/loss` shows), reduced with the flag in one all_reduce.
+        """
+        loss = loss.detach()
+        bad = (~torch.isfinite(loss)).to(loss.dtype)
         if attached_trainer(self) is not None and self.trainer.world_size > 1:
-            bad = self.trainer.strategy.reduce(bad, reduce_op="sum")
-        self._read_later.update({_NONFINITE_RANKS: bad, _NONFINITE_LOSS: loss.detach()})
+            bad, total = all_reduce_sum(torch.stack([bad, loss]))
+            mean = total / self.trainer.world_size
+        else:
+            mean = loss
+        self._read_later.update({_NONFINITE_RANKS: bad, _NONFINITE_LOSS: loss})
         self._nonfinite_step = self.global_step
+        return mean
 
     def _raise_if_nonfinite(self, ranks: float, loss: float | None) -> None:
         if ranks > 0:
