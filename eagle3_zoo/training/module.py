@@ -325,7 +325,8 @@ class Eagle3Module(L.LightningModule):
             return batch["aux_hidden"], batch["final_hidden"]
         # no attention mask: batches are right-padded (`collate_right_padded`), and causal attention never lets a
         # real position see a later pad, so every position the loss reads is unchanged; transformers would instead
-        # read the mask on the host (two waits for the GPU) to find out whether SDPA's causal kernel may run
+        # read the mask on the host (two waits for the GPU) to find out whether SDPA's causal kernel may run; nor
+        # does it look for packed sequences (a batch whose position ids restart per document must not skip that)
         with torch.no_grad(), one_sequence_per_row():
             aux_hidden, final_hidden, _ = self.adapter.forward_features(
                 self.target, batch["input_ids"], attention_mask=None, layer_ids=self.drafter.config.aux_layer_ids,
