@@ -77,6 +77,7 @@ def _fit_step_events(tmp_path, monkeypatch, bar: bool) -> list[list[tuple[str, s
     return [step.events for step in counts.steps[1:-1]]
 
 
+@pytest.mark.filterwarnings("ignore:The number of training batches")  # log_every_n_steps past the run on purpose
 @pytest.mark.parametrize("bar", [False, True], ids=["log-lines", "bar"])
 def test_a_fit_step_waits_for_the_device_once(tmp_path, monkeypatch, bar):
     """A whole training step of `fit`, callbacks included, waits for the device once: the read of the loss's

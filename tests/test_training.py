@@ -22,6 +22,7 @@ from eagle3_zoo.training.module import (
     lr_lambda,
     rank_step_weights,
     supervised_positions,
+    target_rows,
 )
 from eagle3_zoo.training.strategies import build_strategy, enable_activation_checkpointing
 
@@ -49,6 +50,10 @@ def test_draft_target_logits_equal_full_logits_sliced():
     assert not valid[~needed].any() and (logits[~needed] == 0).all()
     *_, mass = draft_target_logits(head, final_hidden, t2d, loss_mask, chunk_size=5, with_mass=True)
     torch.testing.assert_close(mass[needed], torch.softmax(full[needed], -1)[:, t2d].sum(-1))
+    # the rows counted on the host (`with_host_counts`) pick the same rows: the same tensors, bit for bit
+    assert torch.equal(target_rows(loss_mask), needed)
+    again = draft_target_logits(head, final_hidden, t2d, loss_mask, chunk_size=5, num_rows=int(needed.sum()))
+    assert torch.equal(again[0], logits) and torch.equal(again[1], valid)
 
 
 def test_restricted_logits_give_the_same_loss_as_full_vocab():
