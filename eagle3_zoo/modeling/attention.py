@@ -34,6 +34,7 @@ _flash_bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 TTT_BACKENDS = ("cpu-flash", "flex", "explicit")
 _FLEX_BLOCK = 128  # FlexAttention's default sparse block size; each step's key segment is padded to a multiple
+FLEX_GRAPHS = 32  # the compiled FlexAttention's recompile limit (dynamo's default: 8)
 
 
 @functools.cache
@@ -173,18 +174,20 @@ def _ttt_block_mask(seg_len: int, n_diag: int, device: torch.device):
 
 @functools.cache
 def _compiled_flex():
-    """FlexAttention compiled once per process for every batch shape the training sampler gives, within few graphs:
-    dynamic shapes from the first call (no static graph for the first length), and no "duck sizing" (sizes equal by
-    chance, such as 4 heads and 4 blocks, would otherwise share one symbol, and a later batch where they differ would
-    need another graph). With at least 2 blocks per segment (`_flex_ttt`) only a batch of one sequence adds a graph:
-    dynamo specialises sizes 0 and 1. Past dynamo's `recompile_limit` (8) it would fall back to dense eager math."""
-    from torch.fx.experimental import _config as shape_config
+    """FlexAttention compiled once per process for every batch shape the training sampler gives: dynamic shapes from
+    the first call (no static graph for the first length), at least 2 blocks per segment (`_flex_ttt`: dynamo
+    specialises sizes 0 and 1), and room for the graphs that sizes equal by chance still add (dynamo gives equal
+    sizes one symbol, e.g. 4 heads and 4 blocks, and a later batch where they differ needs another graph) and for
+    a batch of one sequence: its own recompile limit of `FLEX_GRAPHS`. Past the limit, dynamo would run FlexAttention
+    in eager mode, i.e. dense attention."""
     from torch.nn.attention.flex_attention import flex_attention
 
     compiled = torch.compile(flex_attention, dynamic=True)
 
     def flex(*args, **kwargs):
-        with shape_config.patch(use_duck_shape=False):  # read when a call traces a new graph
+        # read when a call needs a new graph; the process's limit for everything else stays as it is
+        limit = max(torch.compiler.config.recompile_limit, FLEX_GRAPHS)
+        with torch.compiler.config.patch(recompile_limit=limit):
             return compiled(*args, **kwargs)
 
     return flex
