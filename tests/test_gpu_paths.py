@@ -203,6 +203,37 @@ def test_flex_graphs_leave_headroom_below_the_recompile_limit_for_every_batch_sh
     assert graphs[-1] + 2 <= torch._dynamo.config.recompile_limit, graphs
 
 
+def test_compiled_flex_has_its_own_recompile_limit(monkeypatch):
+    """Under a process-wide recompile limit of 1 the compiled FlexAttention still compiles the second graph a batch
+    of one sequence needs (dynamo specialises size 1) instead of falling back to its dense eager implementation
+    (which warns): its own limit is `FLEX_GRAPHS`. The process's limit stays as it was."""
+    import warnings
+
+    import torch._dynamo
+    import torch.nn.attention.flex_attention as flex
+
+    from eagle3_zoo.modeling import attention
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
+    attention._compiled_flex.cache_clear()
+    try:
+        monkeypatch.setattr(flex, "flex_attention", attention._compiled_flex())
+    finally:
+        attention._compiled_flex.cache_clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for batch in (2, 1):
+            q, ks, vs = _qkv(300, 2, grad=False, batch=batch)
+            torch.testing.assert_close(ttt_attention(q, ks, vs, backend="flex"), ttt_attention_reference(q, ks, vs),
+                                       atol=1e-5, rtol=1e-4)
+    torch._dynamo.reset()
+    assert not [w for w in seen if "without torch.compile" in str(w.message)]
+    assert torch._dynamo.config.recompile_limit == 1
+
+
 def test_init_head_from_target_on_a_cuda_target():
     """The target's lm_head on a (fake) CUDA device, the fresh drafter on the CPU: no op may mix the two."""
     from torch._subclasses.fake_tensor import FakeTensorMode

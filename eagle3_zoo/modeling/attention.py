@@ -184,10 +184,13 @@ def _compiled_flex():
 
     compiled = torch.compile(flex_attention, dynamic=True)
 
+    config = getattr(torch.compiler, "config", None)
+    if not hasattr(config, "recompile_limit"):  # a torch without the public setting: dynamo's limit
+        return compiled
+
     def flex(*args, **kwargs):
         # read when a call needs a new graph; the process's limit for everything else stays as it is
-        limit = max(torch.compiler.config.recompile_limit, FLEX_GRAPHS)
-        with torch.compiler.config.patch(recompile_limit=limit):
+        with config.patch(recompile_limit=max(config.recompile_limit, FLEX_GRAPHS)):
             return compiled(*args, **kwargs)
 
     return flex
