@@ -52,13 +52,17 @@ def _where() -> str:
 
 
 class SyncCounter(TorchDispatchMode):
-    """`with SyncCounter() as c: ...` then `c.counts` (kind -> n) and `c.events` ((kind, where) in order)."""
+    """`with SyncCounter() as c: ...` then `c.counts` (kind -> n) and `c.events` ((kind, where) in order).
+
+    `host_tensors`: tensors that stay on the host when the same code runs on a GPU (Adam's step counters): reading
+    one waits for nothing, so it is not counted."""
 
     supports_higher_order_operators = True  # FlexAttention runs as one; passed through like any other op
 
-    def __init__(self) -> None:
+    def __init__(self, host_tensors: list[torch.Tensor] = ()) -> None:
         super().__init__()
         self.events: list[tuple[str, str]] = []
+        self._host = {id(t) for t in host_tensors}
 
     @property
     def counts(self) -> Counter:
@@ -70,7 +74,8 @@ class SyncCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is aten._local_scalar_dense.default:
-            self.record("item")
+            if id(args[0]) not in self._host:
+                self.record("item")
         elif func in _DATA_DEPENDENT:
             self.record(_DATA_DEPENDENT[func])
         elif func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:

@@ -281,3 +281,62 @@ def test_fsdp_fit_logs_the_tau_of_its_drafter(tmp_path):
     drafter = Eagle3Drafter.from_pretrained(run / "drafter", dtype=torch.float32)
     summary = callback.measure(types.SimpleNamespace(drafter=drafter, target=target, adapter=adapter))
     assert taus[1] == pytest.approx(summary["tau"], rel=1e-6)
+
+
+def test_a_data_parallel_step_reduces_without_barriers(monkeypatch):
+    """A ddp training step all_reduces twice (the supervised counts that weight the loss; the non-finite flag with
+    the loss it logs) and never stops at a barrier, which would block the host until every rank gets there. Counted
+    in one process: a ddp strategy over one gloo rank whose module is told the world has 2. Before: 3 barriers and
+    3 all_reduces per step (Lightning's `_sync_ddp` barriers before each: `strategy.reduce` twice, `train/loss`
+    logged with `sync_dist`)."""
+    import lightning as L
+    from transformers import LlamaForCausalLM
+
+    from eagle3_zoo.adapters import get_adapter
+    from eagle3_zoo.data.datamodule import Eagle3DataModule, ExampleDataset
+    from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab
+    from eagle3_zoo.training.module import Eagle3Module
+
+    adapter = get_adapter("llama")
+    target = LlamaForCausalLM(adapter.tiny_config()).eval().requires_grad_(False)
+    cfg = Eagle3Config.from_target_config(target.config, draft_vocab_size=64, aux_layer_ids=(1, 2, 3))
+    drafter = Eagle3Drafter(cfg)
+    drafter.set_vocab(*build_draft_vocab(torch.arange(512) % 7, 64))
+    module = Eagle3Module(drafter, adapter, target, ttt_steps=3, lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    examples = [{"input_ids": torch.randint(512, (int(n),), generator=g), "loss_mask": torch.ones(int(n)).long()}
+                for n in torch.randint(8, 20, (6,), generator=g)]
+    steps: list[list[str]] = []
+    window = {"open": False}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            if window["open"]:
+                steps[-1].append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(dist, "barrier", counted("barrier", dist.barrier))
+    monkeypatch.setattr(dist, "all_reduce", counted("all_reduce", dist.all_reduce))
+
+    class Window(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            trainer.strategy.cluster_environment.set_world_size(2)  # the module reduces as on 2 ranks
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            steps.append([])
+            window["open"] = True
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            window["open"] = False
+
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    trainer = L.Trainer(max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[Window()], limit_val_batches=0, accelerator="cpu",
+                        devices=1, strategy="ddp", use_distributed_sampler=False)
+    try:
+        trainer.fit(module, datamodule=Eagle3DataModule(ExampleDataset(examples), ExampleDataset([]), batch_size=2))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert steps == [["all_reduce", "all_reduce"]] * 3, steps

@@ -22,6 +22,7 @@ from eagle3_zoo.training.module import (
     lr_lambda,
     rank_step_weights,
     supervised_positions,
+    target_rows,
 )
 from eagle3_zoo.training.strategies import build_strategy, enable_activation_checkpointing
 
@@ -49,6 +50,10 @@ def test_draft_target_logits_equal_full_logits_sliced():
     assert not valid[~needed].any() and (logits[~needed] == 0).all()
     *_, mass = draft_target_logits(head, final_hidden, t2d, loss_mask, chunk_size=5, with_mass=True)
     torch.testing.assert_close(mass[needed], torch.softmax(full[needed], -1)[:, t2d].sum(-1))
+    # the rows counted on the host (`with_host_counts`) pick the same rows: the same tensors, bit for bit
+    assert torch.equal(target_rows(loss_mask), needed)
+    again = draft_target_logits(head, final_hidden, t2d, loss_mask, chunk_size=5, num_rows=int(needed.sum()))
+    assert torch.equal(again[0], logits) and torch.equal(again[1], valid)
 
 
 def test_restricted_logits_give_the_same_loss_as_full_vocab():
@@ -114,7 +119,8 @@ def test_ttt_ramp_schedule_and_callback():
     with pytest.raises(ValueError, match="constant, ramp"):
         TTTScheduleCallback(7, "linear")
     logged = {}
-    module = SimpleNamespace(active_ttt_steps=None, log=lambda k, v, **kw: logged.update({k: v}))
+    module = SimpleNamespace(active_ttt_steps=None, device=torch.device("cpu"),
+                             log=lambda k, v, **kw: logged.update({k: v}))
     trainer = SimpleNamespace(global_step=10, max_steps=100, estimated_stepping_batches=100)
     TTTScheduleCallback(4, "ramp", 0.4).on_train_batch_start(trainer, module, None, 0)
     assert module.active_ttt_steps == 2 and logged["train/ttt_steps"] == 2.0

@@ -34,6 +34,7 @@ _flash_bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 TTT_BACKENDS = ("cpu-flash", "flex", "explicit")
 _FLEX_BLOCK = 128  # FlexAttention's default sparse block size; each step's key segment is padded to a multiple
+FLEX_GRAPHS = 32  # the compiled FlexAttention's recompile limit (dynamo's default: 8)
 
 
 @functools.cache
@@ -173,10 +174,26 @@ def _ttt_block_mask(seg_len: int, n_diag: int, device: torch.device):
 
 @functools.cache
 def _compiled_flex():
+    """FlexAttention compiled once per process for every batch shape the training sampler gives: dynamic shapes from
+    the first call (no static graph for the first length), at least 2 blocks per segment (`_flex_ttt`: dynamo
+    specialises sizes 0 and 1), and room for the graphs that sizes equal by chance still add (dynamo gives equal
+    sizes one symbol, e.g. 4 heads and 4 blocks, and a later batch where they differ needs another graph) and for
+    a batch of one sequence: its own recompile limit of `FLEX_GRAPHS`. Past the limit, dynamo would run FlexAttention
+    in eager mode, i.e. dense attention."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    # compiled once per process; dynamo re-traces with symbolic lengths when the sequence length changes
-    return torch.compile(flex_attention)
+    compiled = torch.compile(flex_attention, dynamic=True)
+
+    config = getattr(torch.compiler, "config", None)
+    if not hasattr(config, "recompile_limit"):  # a torch without the public setting: dynamo's limit
+        return compiled
+
+    def flex(*args, **kwargs):
+        # read when a call needs a new graph; the process's limit for everything else stays as it is
+        with config.patch(recompile_limit=max(config.recompile_limit, FLEX_GRAPHS)):
+            return compiled(*args, **kwargs)
+
+    return flex
 
 
 def _flex_ttt(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float) -> torch.Tensor:
@@ -184,7 +201,9 @@ def _flex_ttt(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tens
     from torch.nn.attention.flex_attention import flex_attention
 
     t = q.shape[-2]
-    seg_len = -(-t // _FLEX_BLOCK) * _FLEX_BLOCK
+    # at least 2 blocks: a block count of 1 would be specialised by the compiler (a graph of its own for every batch
+    # of <= 128 tokens, each TTT step count included)
+    seg_len = max(-(-t // _FLEX_BLOCK), 2) * _FLEX_BLOCK
     pad = seg_len - t  # zero keys past t are never visible (causal: pos <= q < t; diagonal: pos == q < t)
 
     def padded(x: torch.Tensor) -> torch.Tensor:

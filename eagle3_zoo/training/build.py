@@ -279,6 +279,12 @@ class RecipeDataModule(L.LightningDataModule):
             self.built.on_exception(exception)
 
     @override
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        from eagle3_zoo.training.module import with_host_counts
+
+        return with_host_counts(batch)  # counts taken on the host, so no step reads them back from the device
+
+    @override
     def train_dataloader(self) -> Any:
         return self.built.train_dataloader()
 

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
 
@@ -21,6 +22,7 @@ from eagle3_zoo.progress import _eta, progress_interval_s
 logger = logging.getLogger(__name__)
 
 SCHEDULES = ("constant", "ramp")
+NUM_TOKENS = "num_tokens"  # a batch's tokens, counted on the host before it moves to the device (`batch_tokens`)
 
 
 def ttt_steps_at(step: int, total_steps: int, steps: int, schedule: str = "constant",
@@ -67,7 +69,9 @@ class TTTScheduleCallback(L.Callback):
         active = ttt_steps_at(trainer.global_step, self._total_steps(trainer), self.steps, self.schedule,
                               self.ramp_fraction)
         pl_module.active_ttt_steps = active
-        pl_module.log("train/ttt_steps", float(active), on_step=True, on_epoch=False, batch_size=1)
+        # a tensor filled on the device: Lightning turns a float into a tensor by a blocking host-to-device copy
+        pl_module.log("train/ttt_steps", torch.full((), float(active), device=pl_module.device), on_step=True,
+                      on_epoch=False, batch_size=1)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -94,7 +98,7 @@ class ProgressLogCallback(L.Callback):
     @staticmethod
     def _line(metrics: dict[str, Any], prefix: str) -> str:
         keys = sorted((k for k in metrics if k.startswith(prefix + "/")), key=_metric_order)
-        return " ".join(f"{k.split('/', 1)[1]}={float(metrics[k]):.4g}" for k in keys)
+        return " ".join(f"{k.split('/', 1)[1]}={v:.4g}" for k, v in zip(keys, _host_values([metrics[k] for k in keys])))
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -150,11 +154,23 @@ def _metric_order(key: str) -> tuple[int, str, int]:
     return (0 if name == "loss" else 1, base if k.isdigit() else name, int(k) if k.isdigit() else -1)
 
 
+def _host_values(values: list[Any]) -> list[float]:
+    """Floats of device scalars and numbers, read in one transfer (one wait for the device, not one per value)."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist() if tensors else [])
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
 def batch_tokens(batch: Any) -> int:
-    """Input tokens of a right-padded batch (padding excluded)."""
-    if isinstance(batch, dict) and "attention_mask" in batch:
+    """Input tokens of a right-padded batch (padding excluded): the count taken on the host before the batch moved
+    to the device (`Eagle3Module.on_before_batch_transfer`), else counted from the batch."""
+    if not isinstance(batch, dict):
+        return 0
+    if isinstance(batch.get(NUM_TOKENS), int):
+        return batch[NUM_TOKENS]
+    if "attention_mask" in batch:
         return int(batch["attention_mask"].sum())
-    return int(batch["input_ids"].numel()) if isinstance(batch, dict) and "input_ids" in batch else 0
+    return int(batch["input_ids"].numel()) if "input_ids" in batch else 0
 
 
 class StepProgressBar(TQDMProgressBar):
@@ -164,6 +180,7 @@ class StepProgressBar(TQDMProgressBar):
     def __init__(self) -> None:
         super().__init__()
         self._t0, self._tokens = 0.0, 0
+        self._held: dict[str, Any] = {}  # metrics other than training's (validation's), kept from their last read
 
     def _count_steps(self, trainer: L.Trainer) -> None:
         bar = self.train_progress_bar  # set by on_train_start
@@ -196,9 +213,21 @@ class StepProgressBar(TQDMProgressBar):
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
 
     @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        self._held = {k: v for k, v in super().get_metrics(trainer, pl_module).items()
+                      if not k.startswith("train/") and k != "v_num"}
+
+    @override
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
-        items = super().get_metrics(trainer, pl_module)
-        items.pop("v_num", None)
+        shown = getattr(pl_module, "shown_metrics", None)
+        if trainer.training and shown:
+            # the module read them with its step's counts (as of the previous step): reading Lightning's progress
+            # bar metrics would wait for the device at every refresh
+            items = {**self._held, **shown}
+        else:
+            items = super().get_metrics(trainer, pl_module)
+            items.pop("v_num", None)
         elapsed = time.monotonic() - self._t0
         if self._tokens and elapsed > 0:
             items["tok/s"] = f"{self._tokens / elapsed:.0f}"

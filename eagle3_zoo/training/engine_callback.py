@@ -46,6 +46,9 @@ class EngineFeedCallback(L.Callback):
                       batch_size=1)
         pl_module.log("train/engine_wait", torch.full((), min(stats.wait_s / elapsed, 1.0), device=device),
                       prog_bar=True, batch_size=1)
+        if isinstance(getattr(pl_module, "shown_metrics", None), dict):  # what a live bar shows, read on the host
+            pl_module.shown_metrics.update({"train/engine_tok_s": stats.tokens / elapsed,
+                                            "train/engine_wait": min(stats.wait_s / elapsed, 1.0)})
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:

@@ -227,6 +227,7 @@ def ttt_loss(
     objective: str = "soft_ce",
     lk_eta: float = DEFAULT_ETA,
     target_mass: torch.Tensor | None = None,
+    counts: list[int] | None = None,
 ) -> TTTLossOutput:
     """EAGLE-3 TTT loss for one batch (right-padded; pads have loss_mask 0).
 
@@ -243,6 +244,8 @@ def ttt_loss(
         lk_eta: lk_hybrid's lambda = exp(-lk_eta * alpha).
         target_mass: `[B, T]` the target's probability mass on the draft vocabulary, for the reported acceptance
             (default: from full-vocab `target_logits`, else 1).
+        counts: the supervised positions of each step (`num_supervised`) already read on the host by the caller
+            (`Eagle3Module` reads them with other values in one transfer); default: read here.
     """
     check_objective(objective)
     if steps < 1:
@@ -264,7 +267,8 @@ def ttt_loss(
         embeds = embed_tokens(next_ids)
     masks = step_masks(loss_mask, valid, steps)
     n_k = masks.sum((1, 2))
-    counts = n_k.tolist()  # the loss's one wait for the device: the counts size every gather below
+    # the loss's one wait for the device (unless the caller read them): the counts size every gather below
+    counts = n_k.tolist() if counts is None else list(counts)
     total = torch.zeros((), dtype=torch.float32, device=device)
     # rows of every step go through ONE fused lm_head + loss call after the rollout (one fp32 grad_w buffer)
     h_rows, prob_rows, row_weights = [], [], []

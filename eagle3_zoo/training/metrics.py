@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
-from torchmetrics import MeanMetric
+from torchmetrics import Metric
 
 
 def acceptance_length_estimate(step_acc: Sequence[float] | torch.Tensor) -> float:
@@ -42,50 +41,52 @@ def acceptance_length_tensor(step_acc: torch.Tensor) -> torch.Tensor:
     return 1.0 + torch.cumprod(acc if acc.is_floating_point() else acc.float(), dim=0).sum()
 
 
-class StepMetrics(nn.Module):
+class StepMetrics(Metric):
     """Supervised-position-weighted means of each TTT step's loss, accuracy and expected acceptance (alpha) over an
     epoch (val) or window.
 
     Weighting by the number of supervised positions makes the epoch value equal to the loss over all positions,
-    whatever the batch composition. torchmetrics syncs the states across ranks at `compute()`.
+    whatever the batch composition. The sums stay on the device: `update` reads nothing on the host (a wait for the
+    device per value, 40-60 per validation batch with one `MeanMetric` per step and value); `compute` reads them
+    once. torchmetrics sums the states across ranks at `compute()`.
     """
+
+    full_state_update = False
 
     def __init__(self, steps: int):
         super().__init__()
         self.steps = steps
-        self.loss = nn.ModuleList(MeanMetric() for _ in range(steps))
-        self.acc = nn.ModuleList(MeanMetric() for _ in range(steps))
-        self.alpha = nn.ModuleList(MeanMetric() for _ in range(steps))  # expected acceptance of a drafted token
+        # float32 sums, as torchmetrics' MeanMetric keeps them: the same values in the same order of additions
+        for name in ("loss", "acc", "weight", "alpha", "alpha_weight"):
+            self.add_state(name, default=torch.zeros(steps), dist_reduce_fx="sum")
 
     def update(self, step_losses: torch.Tensor, step_acc: torch.Tensor, num_supervised: torch.Tensor,
                step_alpha: torch.Tensor | None = None) -> None:
         """Add one batch; steps beyond the ones that ran (or with no supervised position) are left out."""
-        for k in range(min(self.steps, step_losses.numel())):
-            n = float(num_supervised[k])
-            if n > 0:
-                self.loss[k].update(step_losses[k].detach().float(), weight=n)
-                self.acc[k].update(step_acc[k].detach().float(), weight=n)
-                if step_alpha is not None:
-                    self.alpha[k].update(step_alpha[k].detach().float(), weight=n)
+        k = min(self.steps, step_losses.numel())
+        n = num_supervised[:k].detach().to(self.weight)
+        self.loss[:k] += step_losses[:k].detach().to(self.loss) * n
+        self.acc[:k] += step_acc[:k].detach().to(self.acc) * n
+        self.weight[:k] += n
+        if step_alpha is not None:
+            self.alpha[:k] += step_alpha[:k].detach().to(self.alpha) * n
+            self.alpha_weight[:k] += n
 
     def compute(self, prefix: str) -> dict[str, torch.Tensor]:
         """`{prefix}/loss_k`, `{prefix}/acc_k` (and `{prefix}/alpha_k`) for the steps that saw data, and
         `{prefix}/tau_est`."""
+        loss, acc, alpha = self.loss / self.weight, self.acc / self.weight, self.alpha / self.alpha_weight
+        # one read of what saw data, and of the accuracies for the estimate
+        weight, alpha_weight, accs = torch.stack([self.weight, self.alpha_weight, acc]).tolist()
         out: dict[str, torch.Tensor] = {}
-        accs = []
+        seen = []
         for k in range(self.steps):
-            if not self.acc[k].update_called:
+            if not weight[k] > 0:
                 break  # later steps cannot have data when this one has none (same positions, shorter window)
-            out[f"{prefix}/loss_{k}"] = self.loss[k].compute()
-            acc = self.acc[k].compute()
-            out[f"{prefix}/acc_{k}"] = acc
-            if self.alpha[k].update_called:
-                out[f"{prefix}/alpha_{k}"] = self.alpha[k].compute()
-            accs.append(float(acc))
-        if accs:
-            out[f"{prefix}/tau_est"] = torch.tensor(acceptance_length_estimate(accs))
+            out[f"{prefix}/loss_{k}"], out[f"{prefix}/acc_{k}"] = loss[k], acc[k]
+            if alpha_weight[k] > 0:
+                out[f"{prefix}/alpha_{k}"] = alpha[k]
+            seen.append(accs[k])
+        if seen:
+            out[f"{prefix}/tau_est"] = torch.tensor(acceptance_length_estimate(seen))
         return out
-
-    def reset(self) -> None:
-        for metric in (*self.loss, *self.acc, *self.alpha):
-            metric.reset()

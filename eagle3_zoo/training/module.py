@@ -12,8 +12,10 @@ the Trainer, and never wrapped by DDP. FSDP shards its decoder layers explicitly
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import lightning as L
@@ -22,12 +24,17 @@ from torch import nn
 from typing_extensions import override
 
 from eagle3_zoo.modeling import Eagle3Drafter
+from eagle3_zoo.training.callbacks import NUM_TOKENS
 from eagle3_zoo.training.lightning_private import attached_trainer
 from eagle3_zoo.training.loss import TTTLossOutput, default_step_weights, draft_vocab_mass, step_masks, ttt_loss
 from eagle3_zoo.training.metrics import StepMetrics, acceptance_length_tensor
 from eagle3_zoo.training.objectives import DEFAULT_ETA, check_objective
 
 logger = logging.getLogger(__name__)
+
+# a host count `with_host_counts` adds to a batch; and what a training step leaves to read
+NUM_TARGET_ROWS = "num_target_rows"
+_NONFINITE_RANKS, _NONFINITE_LOSS = "nonfinite_ranks", "nonfinite_loss"
 
 DECAYS = ("cosine", "linear", "constant")
 
@@ -67,22 +74,22 @@ class DrafterObjective(nn.Module):
     def forward(self, embed_tokens: nn.Module, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
                 target_logits: torch.Tensor, loss_mask: torch.Tensor, target_valid: torch.Tensor, steps: int,
                 step_weights: list[float] | torch.Tensor,
-                target_mass: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                target_mass: torch.Tensor | None = None, counts: list[int] | None = None) -> tuple[torch.Tensor, ...]:
         out = ttt_loss(self.drafter, embed_tokens, input_ids, aux_hidden, target_logits, loss_mask, steps=steps,
                        step_weights=step_weights, target_valid=target_valid, objective=self.loss_name,
-                       lk_eta=self.lk_eta, target_mass=target_mass)
+                       lk_eta=self.lk_eta, target_mass=target_mass, counts=counts)
         return out.loss, out.step_losses, out.step_acc, out.num_supervised, out.step_alpha
 
 
 @torch.no_grad()
 def draft_target_logits(lm_head: nn.Module, final_hidden: torch.Tensor, t2d: torch.Tensor, loss_mask: torch.Tensor,
                         chunk_size: int = 1024, draft_vocab_size: int | None = None,
-                        with_mass: bool = False) -> tuple[torch.Tensor, ...]:
+                        with_mass: bool = False, num_rows: int | None = None) -> tuple[torch.Tensor, ...]:
     """Target logits restricted to the draft vocabulary, and where the full-vocab argmax lies in it.
 
     Only positions j whose next token j+1 is supervised are ever a TTT target (see `ttt_loss`); the full-vocab
     product is formed for those rows only, `chunk_size` rows at a time ([chunk, V] at most). Finding those rows
-    is this function's one wait for the device.
+    waits for the device unless `num_rows` says how many there are.
 
     Args:
         lm_head: the frozen target lm_head.
@@ -90,6 +97,8 @@ def draft_target_logits(lm_head: nn.Module, final_hidden: torch.Tensor, t2d: tor
         t2d: `[V]` bool draft-vocab membership.
         loss_mask: `[B, T]` supervision mask.
         draft_vocab_size: the number of ids `t2d` marks (default: counted, a second wait).
+        num_rows: the number of rows used, `target_rows(loss_mask)`, counted on the host (`Eagle3Module` counts
+            them before the batch moves to the device); default: found on the device, a wait.
         with_mass: also return the `[B, T]` fp32 probability the full target distribution puts on the draft
             vocabulary (0 on unused rows), which bounds the acceptance of any draft (`objectives`).
 
@@ -97,9 +106,11 @@ def draft_target_logits(lm_head: nn.Module, final_hidden: torch.Tensor, t2d: tor
         `[B, T, Vd]` logits (0 on unused rows) and `[B, T]` bool valid mask (False on unused rows) (and the mass).
     """
     b, t, _ = final_hidden.shape
-    needed = torch.zeros(b, t, dtype=torch.bool, device=final_hidden.device)
-    needed[:, 1:-1] = loss_mask[:, 2:].bool()  # j >= 1: position 0 is never a target (it would predict x_1)
-    rows_b, rows_t = needed.nonzero(as_tuple=True)
+    needed = target_rows(loss_mask).to(final_hidden.device)
+    if num_rows is None:
+        rows_b, rows_t = needed.nonzero(as_tuple=True)
+    else:  # the same rows in the same order, sized on the host: no wait
+        rows_b, rows_t = torch.nonzero_static(needed, size=num_rows).unbind(1)
     t2d = t2d.to(final_hidden.device)
     draft_vocab = int(t2d.sum()) if draft_vocab_size is None else draft_vocab_size
     draft_ids = torch.nonzero_static(t2d, size=draft_vocab).squeeze(-1)
@@ -114,6 +125,51 @@ def draft_target_logits(lm_head: nn.Module, final_hidden: torch.Tensor, t2d: tor
         if mass is not None:
             mass[rb, rt] = draft_vocab_mass(full, draft_ids)
     return (logits, valid) if mass is None else (logits, valid, mass)
+
+
+@contextlib.contextmanager
+def one_sequence_per_row() -> Iterator[None]:
+    """While it is held, transformers does not look for packed sequences in the position ids of a forward without
+    an attention mask (`masking_utils.find_packed_sequence_indices`: it reads its answer on the host, a wait for the
+    device). Only for batches of one sequence per row at positions 0..T-1 (right-padded), where it finds none."""
+    from transformers import masking_utils
+
+    find = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if find is None:  # a transformers without the check
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = find
+
+
+def with_host_counts(batch: Any) -> Any:
+    """`batch` with what a step needs to know as a number counted on the host, while the batch is still there (a
+    `LightningDataModule.on_before_batch_transfer`): its tokens (the progress lines and bar) and the rows of target
+    logits the loss reads (`draft_target_logits`). Read from the device, each would be a wait for it."""
+    if isinstance(batch, dict) and "loss_mask" in batch and batch["loss_mask"].device.type == "cpu":
+        tokens = batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
+        batch = {**batch, NUM_TOKENS: int(tokens), NUM_TARGET_ROWS: int(target_rows(batch["loss_mask"]).sum())}
+    return batch
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` summed over all ranks, in place. Lightning's `strategy.reduce` (and `log(sync_dist=True)`) put a
+    barrier before every all_reduce (`_sync_ddp`), which blocks the host until every rank gets there; on GPUs the
+    all_reduce alone is queued on the device like a kernel, and the host goes on."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+    return tensor
+
+
+def target_rows(loss_mask: torch.Tensor) -> torch.Tensor:
+    """`[B, T]` bool: the positions j whose target logits a TTT step reads (the next token j+1 is supervised; j >= 1:
+    position 0 is never a target, it would predict x_1)."""
+    needed = torch.zeros(loss_mask.shape, dtype=torch.bool, device=loss_mask.device)
+    needed[:, 1:-1] = loss_mask[:, 2:].bool()
+    return needed
 
 
 def supervised_positions(loss_mask: torch.Tensor, valid: torch.Tensor, steps: int) -> torch.Tensor:
@@ -219,6 +275,10 @@ class Eagle3Module(L.LightningModule):
         self.schedule_args = dict(warmup_steps=warmup_steps, decay=decay, min_lr_ratio=min_lr_ratio)
         self.logits_chunk_size = logits_chunk_size
         self.val_metrics = StepMetrics(ttt_steps)
+        # device values read with the next step's counts (`_read_counts`): the non-finite check, the bar's metrics
+        self._read_later: dict[str, torch.Tensor] = {}
+        self._nonfinite_step = 0
+        self.shown_metrics: dict[str, float] = {}  # the bar's training metrics, as of the previous step
         self._sharded = False
         self.shard_target = mode == "online" if shard_target is None else shard_target
         return self
@@ -265,15 +325,20 @@ class Eagle3Module(L.LightningModule):
             return batch["aux_hidden"], batch["final_hidden"]
         # no attention mask: batches are right-padded (`collate_right_padded`), and causal attention never lets a
         # real position see a later pad, so every position the loss reads is unchanged; transformers would instead
-        # read the mask on the host (two waits for the GPU) to find out whether SDPA's causal kernel may run
-        with torch.no_grad():
+        # read the mask on the host (two waits for the GPU) to find out whether SDPA's causal kernel may run; nor
+        # does it look for packed sequences (a batch whose position ids restart per document must not skip that)
+        with torch.no_grad(), one_sequence_per_row():
             aux_hidden, final_hidden, _ = self.adapter.forward_features(
                 self.target, batch["input_ids"], attention_mask=None, layer_ids=self.drafter.config.aux_layer_ids,
                 use_cache=False)
         return aux_hidden, final_hidden
 
-    def loss(self, batch: dict[str, torch.Tensor], steps: int, global_norm: bool = False) -> TTTLossOutput:
+    def loss(self, batch: dict[str, torch.Tensor], steps: int, global_norm: bool = False,
+             read_along: bool = False) -> TTTLossOutput:
         """TTT loss of one right-padded batch with `steps` unrolled steps.
+
+        The loss waits for the device once, to read the supervised-row counts of its steps; with `read_along` (the
+        training step) that read also brings what earlier steps left to read (`_read_counts`).
 
         With `global_norm` (training under a data-parallel strategy), step k's weight on this rank is scaled by
         `world * n_k(rank) / N_k(all ranks)`: the gradient averaged over ranks is then exactly the gradient of the
@@ -283,24 +348,39 @@ class Eagle3Module(L.LightningModule):
         aux_hidden, final_hidden = self._features(batch)
         logits, valid, mass = draft_target_logits(self._frozen.lm_head, final_hidden, self.drafter.t2d,
                                                   batch["loss_mask"], self.logits_chunk_size,
-                                                  self.drafter.config.draft_vocab_size, with_mass=True)
+                                                  self.drafter.config.draft_vocab_size, with_mass=True,
+                                                  num_rows=batch.get(NUM_TARGET_ROWS))
         weights = self.step_weights[:steps]
+        local = supervised_positions(batch["loss_mask"], valid, steps)
         if global_norm and attached_trainer(self) is not None and self.trainer.world_size > 1:
-            local = supervised_positions(batch["loss_mask"], valid, steps)
-            total = self.trainer.strategy.reduce(local.clone(), reduce_op="sum")
+            total = all_reduce_sum(local.clone())
             weights = rank_step_weights(weights, local, total, self.trainer.world_size)
         loss, step_losses, step_acc, counts, step_alpha = self.objective(
             self._frozen.embed_tokens, batch["input_ids"], aux_hidden, logits, batch["loss_mask"], valid, steps,
-            weights, mass)
+            weights, mass, self._read_counts(local, read_along))
         return TTTLossOutput(loss=loss, step_losses=step_losses, step_acc=step_acc, num_supervised=counts,
                              step_alpha=step_alpha)
 
+    def _read_counts(self, local: torch.Tensor, read_along: bool) -> list[int]:
+        """The supervised-row counts of each TTT step on the host (they size the loss's gathers): the step's one
+        wait for the device. With `read_along`, the same transfer brings what the previous training step left to
+        read: its non-finite flag (raised here, before this step's backward) and the metrics a live bar shows."""
+        pending = self._read_later if read_along else {}
+        dtype = torch.float32 if local.device.type == "mps" else torch.float64  # counts above 2**24 stay exact
+        values = torch.cat([local.to(dtype), *(v.detach().to(dtype).reshape(1) for v in pending.values())]).tolist()
+        n = local.numel()
+        if read_along:
+            back, self._read_later = dict(zip(pending, values[n:])), {}
+            self._raise_if_nonfinite(back.pop(_NONFINITE_RANKS, 0), back.pop(_NONFINITE_LOSS, None))
+            self.shown_metrics = back
+        return [int(v) for v in values[:n]]
+
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        out = self.loss(batch, self.active_ttt_steps, global_norm=True)
-        self._raise_if_nonfinite(out.loss)
+        out = self.loss(batch, self.active_ttt_steps, global_norm=True, read_along=True)
+        mean_loss = self._check_later(out.loss)
         b = batch["input_ids"].shape[0]
-        self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=b, sync_dist=True)
+        self.log("train/loss", mean_loss, prog_bar=True, batch_size=b)  # reduced over the ranks already
         metrics = {f"train/loss_{k}": v for k, v in enumerate(out.step_losses)}
         metrics.update({f"train/acc_{k}": v.float() for k, v in enumerate(out.step_acc) if k > 0})
         # the expected acceptance of a drafted token at each step (what tau is made of), beside top-1 agreement
@@ -309,25 +389,46 @@ class Eagle3Module(L.LightningModule):
         metrics["train/supervised_tokens"] = out.num_supervised[0].float()
         self.log_dict(metrics, batch_size=b)
         self.log("train/acc_0", out.step_acc[0].float(), prog_bar=True, batch_size=b)
+        # what a live bar shows, read with the next step's counts instead of by the bar (`StepProgressBar`)
+        self._read_later.update({"train/loss": mean_loss, "train/acc_0": out.step_acc[0]})
         if attached_trainer(self) is not None and self.trainer.lr_scheduler_configs:
             lr = self.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
             # a tensor filled on the device: Lightning turns a float into a tensor by a blocking host-to-device copy
             self.log("train/lr", torch.full((), lr, device=out.loss.device), batch_size=b)
         return out.loss
 
-    def _raise_if_nonfinite(self, loss: torch.Tensor) -> None:
-        """Stop on a NaN/Inf loss on any rank, before backward and the optimizer step spread it into the weights
-        (every rank takes part in the check, so none is left waiting in a collective). The step's one wait for the
-        device outside the loss: the flag is formed there and read once."""
-        bad = (~torch.isfinite(loss.detach())).float()
+    def _check_later(self, loss: torch.Tensor) -> torch.Tensor:
+        """Whether the loss is finite on every rank, as a flag on the device that the next training step reads with
+        its counts (`_read_counts`; `on_train_end` reads the last one), so the check adds no wait of its own. A
+        diverged step's update reaches the weights, but nothing keeps them: a checkpoint refuses non-finite weights
+        (`resume.RunIdentityCallback`), and so does the drafter folder. Every rank takes part in the reduction, so
+        all of them stop on the same step and none is left waiting in a collective.
+
+        Returns the loss averaged over the ranks (what `train/loss` shows), reduced with the flag in one all_reduce.
+        """
+        loss = loss.detach()
+        bad = (~torch.isfinite(loss)).to(loss.dtype)
         if attached_trainer(self) is not None and self.trainer.world_size > 1:
-            bad = self.trainer.strategy.reduce(bad, reduce_op="sum")
-        ranks = int(bad.item())
+            bad, total = all_reduce_sum(torch.stack([bad, loss]))
+            mean = total / self.trainer.world_size
+        else:
+            mean = loss
+        self._read_later.update({_NONFINITE_RANKS: bad, _NONFINITE_LOSS: loss})
+        self._nonfinite_step = self.global_step
+        return mean
+
+    def _raise_if_nonfinite(self, ranks: float, loss: float | None) -> None:
         if ranks > 0:
             raise NonFiniteError(
-                f"step {self.global_step}: the training loss is {loss.detach().float().item()} (not finite) on "
-                f"{ranks} rank(s); training stopped and the last checkpoint (all finite) is kept. Lower "
-                "optim.lr, add optim.warmup_steps, keep optim.grad_clip set, or train with trainer.precision=32-true")
+                f"step {self._nonfinite_step}: the training loss is {loss} (not finite) on {int(ranks)} rank(s); "
+                "training stopped and the last checkpoint (all finite) is kept. Lower optim.lr, add "
+                "optim.warmup_steps, keep optim.grad_clip set, or train with trainer.precision=32-true")
+
+    @override
+    def on_train_end(self) -> None:
+        pending, self._read_later = self._read_later, {}
+        if _NONFINITE_RANKS in pending:  # the last step's flag: no next step reads it
+            self._raise_if_nonfinite(float(pending[_NONFINITE_RANKS]), float(pending[_NONFINITE_LOSS]))
 
     @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
@@ -336,7 +437,7 @@ class Eagle3Module(L.LightningModule):
 
     @override
     def on_validation_epoch_end(self) -> None:
-        metrics = self.val_metrics.compute("val")
+        metrics = self.val_metrics.compute("val") if self.val_metrics.update_called else {}
         losses = [metrics[f"val/loss_{k}"] for k in range(self.ttt_steps) if f"val/loss_{k}" in metrics]
         if losses:
             self.log_dict(metrics, prog_bar=False)
