@@ -61,12 +61,12 @@ from eagle3_zoo.training.reference import reference_ttt_loss  # noqa: E402
 # agreement bounds (relative: ||a - b|| / ||b||); bf16 keeps 8 mantissa bits (unit roundoff 4e-3)
 STEP_TOL = {"loss": 1e-2, "grad": 5e-2}  # bf16 eagle3-zoo vs the naive formulation (fp32, or bf16 at 8192)
 ATTN_TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # one attention call vs the fp32 reference
-# host-device syncs of one whole `fit` step (no terminal bar, not a logging step, no progress line due), counted on a
-# CPU at 751e238 (main 179c5a7's library code): the TTT schedule's float logged as a device tensor (Lightning's
-# `log`), the progress callback's token count, the module and loss's nonzero / tolist / non-finite check,
-# transformers' packed-sequence check, and Lightning's `_LoggerConnector.on_batch_end` turning each `prog_bar=True`
-# metric (train/loss, train/acc_0) into a Python number after every batch. Lower it as they go.
-SYNC_BUDGET = 8
+# host-device syncs of one whole `fit` step (no terminal bar, not a logging step, no progress line due): the read of
+# the loss's supervised-row counts, which brings the previous step's non-finite flag and the bar's metrics along
+# (8 at 179c5a7: the TTT schedule's float logged as a device tensor, the progress callback's token count, the module
+# and loss's nonzero / tolist / non-finite check, transformers' packed-sequence check, and Lightning turning the two
+# `prog_bar=True` metrics into Python numbers after every batch)
+SYNC_BUDGET = 1
 
 
 @dataclass
@@ -512,11 +512,13 @@ class FitMeter:
 
 def _host_only() -> bool:
     """Whether the op being counted on a CPU runs on host tensors when the step runs on CUDA too: a batch built by
-    the data loader (copied to the device after), or torch.optim's own per-parameter step counters (host tensors for
-    a non-fused, non-capturable AdamW; the closure's forward and backward run inside `optimizer.step` too, so only
-    ops whose innermost caller is torch.optim count as its own)."""
+    the data loader (copied to the device after), the batch's host-side counts taken before that copy
+    (`with_host_counts`), or torch.optim's own per-parameter step counters (host tensors for a non-fused,
+    non-capturable AdamW; the closure's forward and backward run inside `optimizer.step` too, so only ops whose
+    innermost caller is torch.optim count as its own)."""
     frames = traceback.extract_stack()
-    if any(f"{os.sep}torch{os.sep}utils{os.sep}data{os.sep}" in f.filename for f in frames):
+    if any(f"{os.sep}torch{os.sep}utils{os.sep}data{os.sep}" in f.filename or f.name == "with_host_counts"
+           for f in frames):
         return True
     torch_dir, counting = str(Path(torch.__file__).parent), (__file__, "device_checks.py")
     for frame in reversed(frames):

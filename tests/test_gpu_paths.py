@@ -19,12 +19,13 @@ from tests.tiny import tiny_drafter
 
 class _CountSteps(L.Callback):
     """A `SyncCounter` around each training step, from the first callback's `on_train_batch_start` (the batch is on
-    the device) through backward, the optimizer step and the last callback's `on_train_batch_end` (progress bars,
-    checkpoints): put it first in `trainer.callbacks` and its `closer` last."""
+    the device) through backward, the optimizer step, every callback's `on_train_batch_end` (progress bars,
+    checkpoints) and Lightning's logging at the batch's end (`close_after` its logger connector): put it first in
+    `trainer.callbacks`."""
 
     def __init__(self) -> None:
         self.steps: list[SyncCounter] = []
-        self.closer = _CloseStep(self)
+        self.counter: SyncCounter | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         # Adam's step counters live on the host on a GPU too (torch keeps them there unless capturable or fused)
@@ -35,17 +36,24 @@ class _CountSteps(L.Callback):
         self.counter.__enter__()
 
     def close(self) -> None:
+        if self.counter is None:  # a validation batch's end: no training step open
+            return
         self.counter.__exit__(None, None, None)
         self.reads.__exit__(None, None, None)
         self.steps.append(self.counter)
+        self.counter = None
 
+    def close_after(self, trainer) -> None:
+        """Close each step after Lightning's `_LoggerConnector.on_batch_end`, the last thing a training batch does
+        (it turns the step's `prog_bar` metrics into Python numbers: a wait each on a GPU)."""
+        connector = trainer._logger_connector
+        inner = connector.on_batch_end
 
-class _CloseStep(L.Callback):
-    def __init__(self, opener: _CountSteps) -> None:
-        self.opener = opener
+        def on_batch_end(*args, **kwargs):
+            inner(*args, **kwargs)
+            self.close()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.opener.close()
+        connector.on_batch_end = on_batch_end
 
 
 def _fit_step_events(tmp_path, monkeypatch, bar: bool) -> list[list[tuple[str, str]]]:
@@ -66,7 +74,7 @@ def _fit_step_events(tmp_path, monkeypatch, bar: bool) -> list[list[tuple[str, s
     def build_trainer(*args, **kwargs):
         trainer = build(*args, **kwargs)
         trainer.callbacks.insert(0, counts)
-        trainer.callbacks.append(counts.closer)
+        counts.close_after(trainer)
         return trainer
 
     monkeypatch.setattr(fit_module, "build_trainer", build_trainer)

@@ -42,10 +42,10 @@ class EngineFeedCallback(L.Callback):
         stats, device = self.feed.stats, pl_module.device
         elapsed = max(stats.elapsed(), 1e-9)
         # tensors filled on the device: a float would be copied host-to-device with a wait, every step
-        pl_module.log("train/engine_tok_s", torch.full((), stats.tokens / elapsed, device=device), prog_bar=True,
-                      batch_size=1)
+        pl_module.log("train/engine_tok_s", torch.full((), stats.tokens / elapsed, device=device),
+                      batch_size=1)  # not `prog_bar` (a wait per batch to show it): the bar reads `shown_metrics`
         pl_module.log("train/engine_wait", torch.full((), min(stats.wait_s / elapsed, 1.0), device=device),
-                      prog_bar=True, batch_size=1)
+                      batch_size=1)
         if isinstance(getattr(pl_module, "shown_metrics", None), dict):  # what a live bar shows, read on the host
             pl_module.shown_metrics.update({"train/engine_tok_s": stats.tokens / elapsed,
                                             "train/engine_wait": min(stats.wait_s / elapsed, 1.0)})

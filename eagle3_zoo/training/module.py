@@ -380,7 +380,9 @@ class Eagle3Module(L.LightningModule):
         out = self.loss(batch, self.active_ttt_steps, global_norm=True, read_along=True)
         mean_loss = self._check_later(out.loss)
         b = batch["input_ids"].shape[0]
-        self.log("train/loss", mean_loss, prog_bar=True, batch_size=b)  # reduced over the ranks already
+        # not `prog_bar`: Lightning turns each progress-bar metric into a Python number at every batch's end (a wait
+        # for the device each); the live bar reads them from `shown_metrics`, brought by the next step's counts
+        self.log("train/loss", mean_loss, batch_size=b)  # reduced over the ranks already
         metrics = {f"train/loss_{k}": v for k, v in enumerate(out.step_losses)}
         metrics.update({f"train/acc_{k}": v.float() for k, v in enumerate(out.step_acc) if k > 0})
         # the expected acceptance of a drafted token at each step (what tau is made of), beside top-1 agreement
@@ -388,7 +390,7 @@ class Eagle3Module(L.LightningModule):
         metrics["train/tau_est"] = acceptance_length_tensor(out.step_acc.detach())  # on the device: no wait
         metrics["train/supervised_tokens"] = out.num_supervised[0].float()
         self.log_dict(metrics, batch_size=b)
-        self.log("train/acc_0", out.step_acc[0].float(), prog_bar=True, batch_size=b)
+        self.log("train/acc_0", out.step_acc[0].float(), batch_size=b)
         # what a live bar shows, read with the next step's counts instead of by the bar (`StepProgressBar`)
         self._read_later.update({"train/loss": mean_loss, "train/acc_0": out.step_acc[0]})
         if attached_trainer(self) is not None and self.trainer.lr_scheduler_configs:
