@@ -95,7 +95,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--modes", default="online,offline")
-    parser.add_argument("--packing", default="off", help="off, on, or off,on (each mode both ways)")
+    parser.add_argument("--packing", default="off", help="off, on, or off,on / on,off (each mode both ways, in this "
+                        "order)")
     parser.add_argument("--rounds", type=int, default=1, help="times the configurations alternate")
     parser.add_argument("overrides", nargs="*", help="recipe overrides (key=value)")
     args = parser.parse_args()
@@ -135,7 +136,11 @@ def main() -> None:
             print(f"feature job: {n_tokens} tokens in {extract_s:.1f} s = {n_tokens / extract_s:.0f} tokens/s")
             del target
         for _ in range(args.rounds):
-            results += [bench_mode(recipe, mode, args.warmup, args.steps, packing) for packing in packings]
+            for packing in packings:
+                results.append(bench_mode(recipe, mode, args.warmup, args.steps, packing))
+                r = results[-1]  # as it comes: a long comparison on a loaded machine may be cut short
+                print(f"done: {mode}, packing {'on' if packing else 'off'}: {r['tokens_per_s']:.1f} tokens/s, "
+                      f"padding {r['padding']:.1%}, {r['s_per_step']:.2f} s/step", flush=True)
     print(f"{'mode':8} {'packing':8} {'s/step':>8} {'tokens/step':>12} {'padding':>8} {'tokens/s':>10} "
           f"{'supervised/s':>13}")
     for r in results:
@@ -146,7 +151,8 @@ def main() -> None:
             print(f"offline cache: {r['bytes_per_token']:.0f} bytes/token ({r['dtype']}) in {r['features_dir']}")
             break
     if len(packings) == 2:  # neighbouring runs of one round: packed / unpacked tokens/s
-        ratios = [b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(results[::2], results[1::2])]
+        ratios = [(b["tokens_per_s"] / a["tokens_per_s"]) ** (1 if b["packing"] else -1)
+                  for a, b in zip(results[::2], results[1::2])]
         print("tokens/s packed / unpacked, per round: " + ", ".join(f"{x:.2f}" for x in ratios))
 
 
