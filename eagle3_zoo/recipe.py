@@ -28,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from eagle3_zoo import locations, schema
 from eagle3_zoo.dtypes import DTYPE_NAMES
 from eagle3_zoo.locations import EMBEDDED_SHAREGPT, EMBEDDED_TARGET, hub_or_local_problem, path_problem
-from eagle3_zoo.recipe_engine import EngineConfig, engine_problems
+from eagle3_zoo.recipe_engine import EngineConfig, engine_problems, streams_features
 from eagle3_zoo.redaction import redact_data, register_recipe, register_variable
 from eagle3_zoo.schema import GE0, GT0, UNIT, ConfigProblem, rule, ruled
 
@@ -134,6 +134,9 @@ class DataConfig:
                                          factory=lambda: [DataSourceConfig(path=EMBEDDED_SHAREGPT)])
     max_length: int = ruled(2048, rule(lambda v: v >= 2, "must be >= 2 tokens"))  # EAGLE-3 trains on 2048 tokens
     overflow: Literal["truncate", "drop"] = "truncate"  # a conversation longer than max_length tokens
+    # several conversations per row, up to max_length tokens (attention, positions and targets kept per
+    # conversation: the same loss as unpacked, with less padding); false = one conversation per row
+    packing: bool = False
     max_samples: int | None = ruled(None, GT0)  # cap on conversations over all sources
     on_error: Literal["raise", "skip"] = "raise"  # bad records: stop naming file and record, or skip and count
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
@@ -275,6 +278,9 @@ def _cross_field_rules(r: Recipe) -> list[tuple[str, bool, str, tuple[str, ...]]
         ("trainer.strategy", tr.num_nodes > 1 and tr.strategy == "auto",
          "multi-node training needs an explicit strategy: ddp or fsdp", ("trainer.num_nodes",)),
         ("ttt.schedule", t.schedule == "ramp" and t.steps == 1, "a ramp needs ttt.steps > 1", ("ttt.steps",)),
+        ("data.packing", r.data.packing and streams_features(r), "cannot be combined with hidden states streamed "
+         "from the engine (data.features_backend = vllm, data.mode online or hybrid): pack stored features "
+         "(data.mode = offline) or set data.packing = false", ("data.features_backend", "data.mode")),
         ("optim.precondition_fc", r.optim.precondition_fc and d.fc_norm, "cannot be combined with drafter.fc_norm: "
          "its scale is measured on the raw features, which fc_norm normalises per aux layer first",
          ("drafter.fc_norm",))]

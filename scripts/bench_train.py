@@ -8,8 +8,13 @@ the real (non-pad) tokens of the batches; supervised tokens/s the positions with
 at the recipe's full K so that both modes do the same work. Offline mode first runs (and times) the feature job on
 the same examples and reports the store's bytes per token.
 
+`--packing off,on` times each mode without and with sequence packing (`data.packing`), the configurations
+alternating `--rounds` times (a shared machine drifts: compare the ratios of neighbouring runs), and reports the
+padding fraction of the timed batches (pad positions / all positions of the padded `[B, T]` batches).
+
     python scripts/bench_train.py                               # SmolLM2 recipe, 48 conversations, 1 + 3 steps
     python scripts/bench_train.py --steps 5 data.max_length=256 # any recipe override after the options
+    python scripts/bench_train.py --modes offline --packing off,on --rounds 2 --samples 128 data.max_length=384
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ class StepTimer(L.Callback):
     """Wall time and token counts of each training batch."""
 
     def __init__(self) -> None:
-        self.steps: list[tuple[float, int, int]] = []  # (seconds, tokens, supervised tokens)
+        self.steps: list[tuple[float, int, int, int]] = []  # (seconds, tokens, supervised tokens, padded size)
         self._start = 0.0
 
     def _sync(self, pl_module: L.LightningModule) -> None:
@@ -43,7 +48,7 @@ class StepTimer(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._sync(pl_module)
         self.steps.append((time.perf_counter() - self._start, int(batch["attention_mask"].sum()),
-                           int(batch["loss_mask"].sum())))
+                           int(batch["loss_mask"].sum()), batch["input_ids"].numel()))
 
 
 def cpu_name() -> str:
@@ -56,11 +61,11 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def bench_mode(recipe: Any, mode: str, warmup: int, steps: int) -> dict[str, Any]:
+def bench_mode(recipe: Any, mode: str, warmup: int, steps: int, packing: bool = False) -> dict[str, Any]:
     from eagle3_zoo.training.build import build_run
     from eagle3_zoo.training.callbacks import TTTScheduleCallback
 
-    recipe.data.mode = mode
+    recipe.data.mode, recipe.data.packing = mode, packing
     start = time.perf_counter()
     run = build_run(recipe)
     setup_s = time.perf_counter() - start
@@ -73,10 +78,11 @@ def bench_mode(recipe: Any, mode: str, warmup: int, steps: int) -> dict[str, Any
                         callbacks=[TTTScheduleCallback(recipe.ttt.steps, "constant"), timer])
     trainer.fit(run.module, datamodule=run.datamodule)
     timed = timer.steps[warmup:]
-    seconds, tokens, supervised = (sum(col) for col in zip(*timed))
-    out = {"mode": mode, "setup_s": setup_s, "steps": len(timed), "s_per_step": seconds / len(timed),
-           "tokens_per_s": tokens / seconds, "supervised_per_s": supervised / seconds,
-           "tokens_per_step": tokens / len(timed)}
+    seconds, tokens, supervised, padded = (sum(col) for col in zip(*timed))
+    out = {"mode": mode, "packing": packing, "setup_s": setup_s, "steps": len(timed),
+           "s_per_step": seconds / len(timed), "tokens_per_s": tokens / seconds,
+           "supervised_per_s": supervised / seconds, "tokens_per_step": tokens / len(timed),
+           "padding": 1 - tokens / padded}
     if mode == "offline":
         out.update(run.features)
     return out
@@ -89,6 +95,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--modes", default="online,offline")
+    parser.add_argument("--packing", default="off", help="off, on, or off,on / on,off (each mode both ways, in this "
+                        "order)")
+    parser.add_argument("--rounds", type=int, default=1, help="times the configurations alternate")
     parser.add_argument("overrides", nargs="*", help="recipe overrides (key=value)")
     args = parser.parse_args()
 
@@ -112,6 +121,7 @@ def main() -> None:
           f"{recipe.drafter.draft_vocab_size}; precision {t.precision}; features {recipe.data.features_dtype}; "
           f"{args.samples} conversations; {args.warmup} warm-up + {args.steps} timed steps")
     results = []
+    packings = [{"off": False, "on": True}[p] for p in args.packing.split(",")]
     for mode in args.modes.split(","):
         if mode == "offline":  # time the feature job on its own (build_run then finds the store complete)
             from eagle3_zoo.data.prepare import prepare_data
@@ -125,13 +135,25 @@ def main() -> None:
             n_tokens = sum(int(e["input_ids"].numel()) for e in data.train + data.val)
             print(f"feature job: {n_tokens} tokens in {extract_s:.1f} s = {n_tokens / extract_s:.0f} tokens/s")
             del target
-        results.append(bench_mode(recipe, mode, args.warmup, args.steps))
-    print(f"{'mode':8} {'s/step':>8} {'tokens/step':>12} {'tokens/s':>10} {'supervised/s':>13}")
+        for _ in range(args.rounds):
+            for packing in packings:
+                results.append(bench_mode(recipe, mode, args.warmup, args.steps, packing))
+                r = results[-1]  # as it comes: a long comparison on a loaded machine may be cut short
+                print(f"done: {mode}, packing {'on' if packing else 'off'}: {r['tokens_per_s']:.1f} tokens/s, "
+                      f"padding {r['padding']:.1%}, {r['s_per_step']:.2f} s/step", flush=True)
+    print(f"{'mode':8} {'packing':8} {'s/step':>8} {'tokens/step':>12} {'padding':>8} {'tokens/s':>10} "
+          f"{'supervised/s':>13}")
     for r in results:
-        print(f"{r['mode']:8} {r['s_per_step']:8.2f} {r['tokens_per_step']:12.0f} {r['tokens_per_s']:10.1f} "
-              f"{r['supervised_per_s']:13.1f}")
+        print(f"{r['mode']:8} {'on' if r['packing'] else 'off':8} {r['s_per_step']:8.2f} {r['tokens_per_step']:12.0f} "
+              f"{r['padding']:8.1%} {r['tokens_per_s']:10.1f} {r['supervised_per_s']:13.1f}")
+    for r in results:
         if r["mode"] == "offline":
             print(f"offline cache: {r['bytes_per_token']:.0f} bytes/token ({r['dtype']}) in {r['features_dir']}")
+            break
+    if len(packings) == 2:  # neighbouring runs of one round: packed / unpacked tokens/s
+        ratios = [(b["tokens_per_s"] / a["tokens_per_s"]) ** (1 if b["packing"] else -1)
+                  for a, b in zip(results[::2], results[1::2])]
+        print("tokens/s packed / unpacked, per round: " + ", ".join(f"{x:.2f}" for x in ratios))
 
 
 if __name__ == "__main__":

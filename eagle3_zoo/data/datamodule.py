@@ -66,7 +66,10 @@ class FeatureDataset(Dataset):
 
 
 def collate_right_padded(samples: Sequence[dict[str, torch.Tensor]], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest sample: `attention_mask` and `loss_mask` are 0 on pads, features 0."""
+    """Right-pad to the longest sample: `attention_mask` and `loss_mask` are 0 on pads, features 0.
+
+    Packed samples (`eagle3_zoo.data.packing`) also carry `position_ids` (0 on pads) and `document_ids`; a row's pads
+    form one more document after its last, so document ids never decrease along a row."""
     lengths = [int(s["input_ids"].shape[0]) for s in samples]
     b, t = len(samples), max(lengths)
     batch = {
@@ -78,7 +81,15 @@ def collate_right_padded(samples: Sequence[dict[str, torch.Tensor]], pad_id: int
         if name in samples[0]:
             ref = samples[0][name]
             batch[name] = torch.zeros(b, t, *ref.shape[1:], dtype=ref.dtype)
+    packed = "document_ids" in samples[0]
+    if packed:
+        batch["position_ids"] = torch.zeros(b, t, dtype=torch.long)
+        batch["document_ids"] = torch.zeros(b, t, dtype=torch.long)
     for i, (s, n) in enumerate(zip(samples, lengths)):
+        if packed:
+            batch["position_ids"][i, :n] = s["position_ids"]
+            batch["document_ids"][i, :n] = s["document_ids"]
+            batch["document_ids"][i, n:] = int(s["document_ids"][-1]) + 1
         batch["input_ids"][i, :n] = s["input_ids"]
         batch["attention_mask"][i, :n] = 1
         batch["loss_mask"][i, :n] = s["loss_mask"].long()
@@ -205,6 +216,11 @@ class ResumableDataLoader(DataLoader):
             self._local_epoch = state["epoch"] - 1
 
 
+def _rows(dataset: Dataset) -> str:
+    examples = getattr(dataset, "num_examples", None)
+    return "examples" if examples is None else f"rows ({examples} examples packed)"
+
+
 class Eagle3DataModule(L.LightningDataModule):
     """Train/val loaders over token examples (online) or feature-store samples (offline).
 
@@ -215,11 +231,18 @@ class Eagle3DataModule(L.LightningDataModule):
         seed: data-order seed.
         num_workers: DataLoader worker processes.
         pad_id: id written into padded `input_ids` positions (never attended, never supervised).
+        pack_length: pack several examples per row, up to this many tokens (`data.packing`: `data.max_length`);
+            None = one example per row.
     """
 
     def __init__(self, train: Dataset, val: Dataset | None = None, *, batch_size: int = 1, seed: int = 0,
-                 num_workers: int = 0, pad_id: int = 0):
+                 num_workers: int = 0, pad_id: int = 0, pack_length: int | None = None):
         super().__init__()
+        if pack_length is not None:
+            from eagle3_zoo.data.packing import PackedDataset
+
+            train = PackedDataset(train, pack_length)
+            val = PackedDataset(val, pack_length) if val is not None and len(val) else val
         self.train_set, self.val_set = train, val
         self.batch_size, self.seed, self.num_workers, self.pad_id = batch_size, seed, num_workers, pad_id
 
@@ -236,7 +259,7 @@ class Eagle3DataModule(L.LightningDataModule):
         sampler = LengthBucketBatchSampler(dataset.lengths, self.batch_size, num_replicas=world, rank=rank,
                                            shuffle=shuffle, seed=self.seed, drop_last=shuffle)
         if shuffle and len(sampler) == 0:
-            raise ValueError(f"{len(dataset)} training examples cannot fill one batch of {self.batch_size} x "
+            raise ValueError(f"{len(dataset)} training {_rows(dataset)} cannot fill one batch of {self.batch_size} x "
                              f"{world} device(s): add data or lower trainer.batch_size")
         kwargs = dict(num_workers=self.num_workers, collate_fn=functools.partial(collate_right_padded,
                       pad_id=self.pad_id), persistent_workers=self.num_workers > 0)

@@ -15,6 +15,10 @@ The CPU and CUDA backends keep no T x T score matrix. `ttt_backend` picks one pe
 - "explicit" (any other device, and where the CPU flash op is missing): the same log-space merge with explicit fp32
   causal scores; exact, portable, O(T^2) memory.
 
+Packed rows (`document_ids`, several conversations in one row): every backend also hides the step-0 keys of other
+documents (the diagonal keys are the query's own position, hence its own document). cpu-flash and explicit add the
+document mask to the causal part; flex builds its block mask from the documents' block spans on the device.
+
 Precision is explicit: under autocast q/k/v are cast to autocast's dtype before the kernel and the kernel runs with
 autocast disabled in forward *and* backward (so both see the same dtypes); without autocast, the inputs' promoted
 dtype. The merge and its log-sum-exp are fp32.
@@ -47,29 +51,43 @@ def ttt_backend(device_type: str) -> str:
     return "explicit"
 
 
-def _causal_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+def document_mask(document_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`[B, 1, T, T]` additive mask: 0 where query and key lie in the same document, -inf elsewhere."""
+    same = document_ids[:, None, :, None] == document_ids[:, None, None, :]
+    return torch.zeros(same.shape, dtype=dtype, device=document_ids.device).masked_fill(~same, float("-inf"))
+
+
+def _causal_scores(q: torch.Tensor, k: torch.Tensor, scale: float, doc_mask: torch.Tensor | None = None):
     t, groups = q.shape[-2], q.shape[1] // k.shape[1]
     s = (q.float() @ _expand_kv(k, groups).float().transpose(-1, -2)) * scale
-    return s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return s if doc_mask is None else s + doc_mask
 
 
-def _causal_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, flash: bool):
-    """Causal attention and its log-sum-exp; k/v may have fewer (GQA) heads."""
+def _causal_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, flash: bool,
+                     doc_mask: torch.Tensor | None = None):
+    """Causal attention (within documents, with an additive `doc_mask`) and its log-sum-exp; k/v may have fewer
+    (GQA) heads."""
     if flash:  # the CPU flash kernel handles GQA natively and returns the log-sum-exp
-        out, lse = _flash_fwd(q, k, v, 0.0, True, scale=scale)
+        out, lse = _flash_fwd(q, k, v, 0.0, True, attn_mask=_in(doc_mask, q.dtype), scale=scale)
         return out, lse.float()
     # explicit scores (devices without a kernel that exposes the log-sum-exp): exact, O(T^2) memory
-    s = _causal_scores(q, k, scale)
+    s = _causal_scores(q, k, scale, doc_mask)
     lse = torch.logsumexp(s, -1)
     out = (torch.softmax(s, -1) @ _expand_kv(v, q.shape[1] // v.shape[1]).float()).to(q.dtype)
     return out, lse
 
 
-def _causal_backward(d_out, q, k, v, out, lse, scale, flash: bool):
+def _in(doc_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if doc_mask is None else doc_mask.to(dtype)
+
+
+def _causal_backward(d_out, q, k, v, out, lse, scale, flash: bool, doc_mask: torch.Tensor | None = None):
     if flash:
-        return _flash_bwd(d_out.contiguous(), q, k, v, out, lse, 0.0, True, scale=scale)
+        return _flash_bwd(d_out.contiguous(), q, k, v, out, lse, 0.0, True, attn_mask=_in(doc_mask, q.dtype),
+                          scale=scale)
     groups = q.shape[1] // k.shape[1]
-    p = torch.exp(_causal_scores(q, k, scale) - lse[..., None])  # probabilities w.r.t. the merged normaliser
+    p = torch.exp(_causal_scores(q, k, scale, doc_mask) - lse[..., None])  # probabilities w.r.t. the merged normaliser
     dp = d_out.float() @ _expand_kv(v, groups).float().transpose(-1, -2)
     delta = (d_out.float() * out.float()).sum(-1, keepdim=True)
     ds = p * (dp - delta)
@@ -88,20 +106,21 @@ class _TTTAttention(torch.autograd.Function):
 
     q `[B, h, T, d]`; k0/v0 `[B, hk, T, d]`; kd/vd `[B, hk, T, n, d]` (the n diagonal steps stacked), with GQA
     groups of g = h // hk query heads per KV head (head i uses KV head i // g, as `repeat_interleave`). All inputs
-    share one dtype; forward and backward run with autocast disabled (see `ttt_attention`).
+    share one dtype; forward and backward run with autocast disabled (see `ttt_attention`). `doc_mask`: None, or
+    the `[B, 1, T, T]` additive `document_mask` of a packed batch (applied to the causal step-0 part).
     """
 
     @staticmethod
-    def forward(ctx, scale: float, flash: bool, q, k0, v0, kd, vd):
+    def forward(ctx, scale: float, flash: bool, doc_mask, q, k0, v0, kd, vd):
         with torch.autocast(q.device.type, enabled=False):
-            return _TTTAttention._forward(ctx, scale, flash, q, k0, v0, kd, vd)
+            return _TTTAttention._forward(ctx, scale, flash, doc_mask, q, k0, v0, kd, vd)
 
     @staticmethod
-    def _forward(ctx, scale, flash, q, k0, v0, kd, vd):
+    def _forward(ctx, scale, flash, doc_mask, q, k0, v0, kd, vd):
         b, h, t, d = q.shape
         hk = k0.shape[1]
         g = h // hk
-        out_c, lse_c = _causal_with_lse(q, k0, v0, scale, flash)
+        out_c, lse_c = _causal_with_lse(q, k0, v0, scale, flash, doc_mask)
         qg = q.float().reshape(b, hk, g, t, d)
         kdf, vdf = kd.float(), vd.float()
         s = torch.einsum("bkgtd,bktnd->bkgtn", qg, kdf) * scale
@@ -111,7 +130,7 @@ class _TTTAttention(torch.autograd.Function):
         bw = torch.exp(s - lse[..., None])
         out = a * out_c.float().reshape(b, hk, g, t, d) + torch.einsum("bkgtn,bktnd->bkgtd", bw, vdf)
         out = out.reshape(b, h, t, d).to(q.dtype)
-        ctx.scale, ctx.flash = scale, flash
+        ctx.scale, ctx.flash, ctx.doc_mask = scale, flash, doc_mask
         ctx.save_for_backward(q, k0, v0, kd, vd, out, lse.reshape(b, h, t), bw)
         return out
 
@@ -119,15 +138,15 @@ class _TTTAttention(torch.autograd.Function):
     def backward(ctx, d_out: torch.Tensor):
         q, k0, v0, kd, vd, out, lse, bw = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):
-            return (None, None, *_TTTAttention._backward(d_out.to(q.dtype), q, k0, v0, kd, vd, out, lse, bw,
-                                                         ctx.scale, ctx.flash))
+            return (None, None, None, *_TTTAttention._backward(d_out.to(q.dtype), q, k0, v0, kd, vd, out, lse, bw,
+                                                               ctx.scale, ctx.flash, ctx.doc_mask))
 
     @staticmethod
-    def _backward(d_out, q, k0, v0, kd, vd, out, lse, bw, scale, flash):
+    def _backward(d_out, q, k0, v0, kd, vd, out, lse, bw, scale, flash, doc_mask=None):
         b, h, t, d = q.shape
         hk = k0.shape[1]
         g = h // hk
-        dq, dk0, dv0 = _causal_backward(d_out, q, k0, v0, out, lse, scale, flash)
+        dq, dk0, dv0 = _causal_backward(d_out, q, k0, v0, out, lse, scale, flash, doc_mask)
         do = d_out.float().reshape(b, hk, g, t, d)
         delta = (do * out.float().reshape(b, hk, g, t, d)).sum(-1)
         kdf, vdf = kd.float(), vd.float()
@@ -172,6 +191,48 @@ def _ttt_block_mask(seg_len: int, n_diag: int, device: torch.device):
                                     seq_lengths=(seg_len, n_kv * _FLEX_BLOCK))
 
 
+def _document_block_mask(document_ids: torch.Tensor, seg_len: int, n_diag: int):
+    """`_ttt_block_mask` for packed rows: the step-0 keys are also limited to the query's document.
+
+    Built on the device from block spans (no wait for the host): document ids never decrease along a row, so the
+    documents of a block are those between its first and last token. Step-0 block j < i is full for query block i
+    when both blocks hold one and the same document, partial when they share one (the key block's last document is
+    the query block's first), and skipped otherwise; the diagonal block and block i of each diagonal segment stay
+    partial. Not cached: it depends on the batch.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    b, t = document_ids.shape
+    device = document_ids.device
+    # padded keys past t are hidden by causality already and padded queries are cut off: they join the row's last
+    # document (ids still never decrease, and a last block of one document stays full)
+    doc = torch.cat([document_ids, document_ids[:, -1:].expand(b, seg_len - t)], dim=1).to(torch.int32)
+    nb = seg_len // _FLEX_BLOCK
+    blocks = doc.view(b, nb, _FLEX_BLOCK)
+    first, last = blocks[..., 0], blocks[..., -1]  # [B, nb]: the lowest and highest document of each block
+    below = torch.ones(nb, nb, dtype=torch.bool, device=device).tril(-1)  # [i, j]: key block j before query block i
+    full = below & (first[:, None, :] == last[:, :, None])  # [B, i, j]
+    shared = below & (last[:, None, :] == first[:, :, None])
+    eye = torch.eye(nb, dtype=torch.bool, device=device).expand(b, nb, nb)
+    partial = torch.cat([(shared & ~full) | eye, *[eye] * n_diag], dim=-1)  # [B, nb, (n_diag + 1) * nb]
+    full = torch.cat([full, torch.zeros(b, nb, n_diag * nb, dtype=torch.bool, device=device)], dim=-1)
+
+    def listed(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # the flagged block indices first, in ascending order (a stable sort of "not flagged"), and their count
+        idx = torch.sort((~flags).to(torch.int8), dim=-1, stable=True).indices
+        return flags.sum(-1, dtype=torch.int32)[:, None], idx.to(torch.int32)[:, None]
+
+    seg = torch.tensor(seg_len, dtype=torch.int32, device=device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        pos = kv_idx % seg
+        ttt = ((kv_idx < seg) & (pos <= q_idx)) | ((kv_idx >= seg) & (pos == q_idx))
+        return ttt & (doc[b, q_idx] == doc[b, pos])
+
+    return BlockMask.from_kv_blocks(*listed(partial), *listed(full), BLOCK_SIZE=_FLEX_BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(seg_len, (n_diag + 1) * seg_len))
+
+
 @functools.cache
 def _compiled_flex():
     """FlexAttention compiled once per process for every batch shape the training sampler gives: dynamic shapes from
@@ -196,7 +257,8 @@ def _compiled_flex():
     return flex
 
 
-def _flex_ttt(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float) -> torch.Tensor:
+def _flex_ttt(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float,
+              document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """TTT attention as one FlexAttention call (compiled on CUDA; eager, i.e. dense math, elsewhere)."""
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -212,8 +274,9 @@ def _flex_ttt(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tens
     k_all = torch.cat([padded(k) for k in keys], dim=-2)
     v_all = torch.cat([padded(v) for v in values], dim=-2)
     fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
-    out = fn(padded(q), k_all, v_all, block_mask=_ttt_block_mask(seg_len, len(keys) - 1, q.device), scale=scale,
-             enable_gqa=q.shape[1] != keys[0].shape[1])
+    mask = _ttt_block_mask(seg_len, len(keys) - 1, q.device) if document_ids is None else \
+        _document_block_mask(document_ids, seg_len, len(keys) - 1)
+    out = fn(padded(q), k_all, v_all, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys[0].shape[1])
     return out[..., :t, :]
 
 
@@ -225,13 +288,15 @@ def _compute_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
 
 
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                  backend: str | None = None) -> torch.Tensor:
+                  backend: str | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """TTT attention for step k = len(keys) - 1.
 
     Args:
         q: `[B, heads, T, d]` queries of step k (RoPE applied).
         keys, values: per step 0..k, `[B, kv_heads, T, d]` (RoPE applied to keys).
         backend: one of `TTT_BACKENDS`; default `ttt_backend(q.device.type)`.
+        document_ids: `[B, T]` packed rows: the document of each position, never decreasing along a row; a query
+            sees no key of another document. None = one document per row.
 
     Returns:
         `[B, heads, T, d]` in autocast's dtype under autocast, else the inputs' promoted dtype.
@@ -244,17 +309,29 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     scale = 1.0 / math.sqrt(q.shape[-1])
     with torch.autocast(q.device.type, enabled=False):
         if backend == "flex":
-            return _flex_ttt(q, keys, values, scale)
+            return _flex_ttt(q, keys, values, scale, document_ids)
+        doc_mask = None if document_ids is None else document_mask(document_ids, dtype)
         if len(keys) == 1:
-            return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True,
+            return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=doc_mask is None,
+                                                  attn_mask=_causal_documents(doc_mask),
                                                   enable_gqa=q.shape[1] != keys[0].shape[1])
         kd = torch.stack(keys[1:], dim=3)  # [B, hk, T, n, d]
         vd = torch.stack(values[1:], dim=3)
-        return _TTTAttention.apply(scale, backend == "cpu-flash", q, keys[0], values[0], kd, vd)
+        return _TTTAttention.apply(scale, backend == "cpu-flash", doc_mask, q, keys[0], values[0], kd, vd)
 
 
-def ttt_attention_reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """Naive TTT attention: concatenate all steps' keys and build the full [T, (k+1)T] visibility mask."""
+def _causal_documents(doc_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The causal part of an additive document mask (SDPA takes a mask or `is_causal`, not both)."""
+    if doc_mask is None:
+        return None
+    t = doc_mask.shape[-1]
+    return doc_mask.masked_fill(torch.ones(t, t, dtype=torch.bool, device=doc_mask.device).triu(1), float("-inf"))
+
+
+def ttt_attention_reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                            document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Naive TTT attention: concatenate all steps' keys and build the full [T, (k+1)T] visibility mask (the step-0
+    keys limited to the query's document with `document_ids [B, T]`)."""
     groups = q.shape[1] // keys[0].shape[1]
     t = q.shape[-2]
     k_all = torch.cat([_expand_kv(k, groups) for k in keys], dim=-2)
@@ -262,6 +339,9 @@ def ttt_attention_reference(q: torch.Tensor, keys: list[torch.Tensor], values: l
     visible = [torch.ones(t, t, dtype=torch.bool, device=q.device).tril()]
     visible += [torch.eye(t, dtype=torch.bool, device=q.device)] * (len(keys) - 1)
     mask = torch.cat(visible, dim=-1)
+    if document_ids is not None:
+        same = document_ids[:, None, :, None] == document_ids[:, None, None, :]  # [B, 1, T, T]
+        mask = mask & torch.cat([same, *[torch.ones_like(same)] * (len(keys) - 1)], dim=-1)
     scores = (q @ k_all.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v_all

@@ -297,6 +297,7 @@ class Eagle3Drafter(nn.Module):
         aux_hidden: torch.Tensor,
         steps: int,
         position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ):
         """Unroll the drafter for `steps` TTT steps over whole sequences; yields each step's pre-norm hidden.
 
@@ -306,6 +307,8 @@ class Eagle3Drafter(nn.Module):
             aux_hidden: `[B, T, n_aux*Ht]` target features at positions 0..T-1.
             steps: number of unrolled steps K.
             position_ids: `[B, T]` base positions (default 0..T-1); step k uses position t + k.
+            document_ids: `[B, T]` packed rows: the document of each position (attention stays inside it; see
+                `ttt_attention`); None = one document per row.
 
         Yields:
             `[B, T, H]` pre-norm hidden of step k (logits = `self.logits(hidden)`), for k = 0..steps-1; the next
@@ -326,7 +329,7 @@ class Eagle3Drafter(nn.Module):
             q, key, value = layer.self_attn.project(x, cos, sin)
             keys.append(key)
             values.append(value)
-            out = layer.finish(hidden, ttt_attention(q, keys, values))
+            out = layer.finish(hidden, ttt_attention(q, keys, values, document_ids=document_ids))
             yield out
             hidden = self.feedback(out)
 

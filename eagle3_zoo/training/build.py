@@ -121,7 +121,8 @@ def build_run(recipe: Any, source: str = "recipe", device: Any = None, module: A
         train_set = datamodule.train_set
     else:
         train_set, val_set, features = _datasets(recipe, data, target, tokenizer, adapter, aux_ids)
-        datamodule = Eagle3DataModule(train_set, val_set, **loader_kw)
+        datamodule = Eagle3DataModule(train_set, val_set, **loader_kw,
+                                      pack_length=recipe.data.max_length if recipe.data.packing else None)
     if recipe.optim.precondition_fc and not recipe.drafter.init_from:
         if plan.streams:
             datamodule.feed.start()  # the statistics read the first samples' states now, before training

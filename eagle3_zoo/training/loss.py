@@ -228,8 +228,10 @@ def ttt_loss(
     lk_eta: float = DEFAULT_ETA,
     target_mass: torch.Tensor | None = None,
     counts: list[int] | None = None,
+    position_ids: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> TTTLossOutput:
-    """EAGLE-3 TTT loss for one batch (right-padded; pads have loss_mask 0).
+    """EAGLE-3 TTT loss for one batch (right-padded; pads have loss_mask 0), or of packed rows (`document_ids`).
 
     Args:
         drafter: an `Eagle3Drafter`.
@@ -246,6 +248,10 @@ def ttt_loss(
             (default: from full-vocab `target_logits`, else 1).
         counts: the supervised positions of each step (`num_supervised`) already read on the host by the caller
             (`Eagle3Module` reads them with other values in one transfer); default: read here.
+        position_ids: `[B, T]` RoPE positions (packed rows: restarting at 0 per document; default 0..T-1).
+        document_ids: `[B, T]` packed rows: the document of each position, never decreasing along a row. Attention
+            stays inside a document and no position is trained on a token of the next one (`step_masks`), so the
+            loss equals that of the documents in separate rows.
     """
     check_objective(objective)
     if steps < 1:
@@ -265,14 +271,14 @@ def ttt_loss(
     next_ids = torch.cat([input_ids[:, 1:], input_ids.new_zeros(b, steps)], dim=1)
     with torch.no_grad():
         embeds = embed_tokens(next_ids)
-    masks = step_masks(loss_mask, valid, steps)
+    masks = step_masks(loss_mask, valid, steps, document_ids)
     n_k = masks.sum((1, 2))
     # the loss's one wait for the device (unless the caller read them): the counts size every gather below
     counts = n_k.tolist() if counts is None else list(counts)
     total = torch.zeros((), dtype=torch.float32, device=device)
     # rows of every step go through ONE fused lm_head + loss call after the rollout (one fp32 grad_w buffer)
     h_rows, prob_rows, row_weights = [], [], []
-    for k, hidden in enumerate(drafter.ttt_rollout(embeds, aux_hidden, steps)):
+    for k, hidden in enumerate(drafter.ttt_rollout(embeds, aux_hidden, steps, position_ids, document_ids)):
         n = counts[k]
         if n:
             rows_b, rows_t = torch.nonzero_static(masks[k], size=n).unbind(1)  # no sync: the size is known
@@ -302,15 +308,19 @@ def ttt_loss(
     return TTTLossOutput(loss=total, step_losses=losses, step_acc=accs, num_supervised=n_k, step_alpha=alphas)
 
 
-def step_masks(loss_mask: torch.Tensor, valid: torch.Tensor, steps: int) -> torch.Tensor:
+def step_masks(loss_mask: torch.Tensor, valid: torch.Tensor, steps: int,
+               document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """`[steps, B, T]` bool: step k trains position t (< T - 2 - k) on the target at t + 1 + k, where the token it
-    predicts, x_{t+2+k}, is supervised and that target's full-vocab argmax is in the draft vocab."""
+    predicts, x_{t+2+k}, is supervised and that target's full-vocab argmax is in the draft vocab; in packed rows
+    (`document_ids`) also only where x_{t+2+k} lies in t's document (the tokens it read, x_{t+1..t+1+k}, then do)."""
     b, t = loss_mask.shape
     supervised = loss_mask.to(torch.bool)
     masks = torch.zeros(steps, b, t, dtype=torch.bool, device=loss_mask.device)
     for k in range(min(steps, t - 2)):
         n_pos = t - 2 - k  # positions with a predicted token x_{t+2+k} inside the sequence
         masks[k, :, :n_pos] = supervised[:, 2 + k :] & valid[:, 1 + k : 1 + k + n_pos]
+        if document_ids is not None:
+            masks[k, :, :n_pos] &= document_ids[:, :n_pos] == document_ids[:, 2 + k :]
     return masks
 
 

@@ -73,18 +73,21 @@ class DrafterObjective(nn.Module):
     @override
     def forward(self, embed_tokens: nn.Module, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
                 target_logits: torch.Tensor, loss_mask: torch.Tensor, target_valid: torch.Tensor, steps: int,
-                step_weights: list[float] | torch.Tensor,
-                target_mass: torch.Tensor | None = None, counts: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+                step_weights: list[float] | torch.Tensor, target_mass: torch.Tensor | None = None,
+                counts: list[int] | None = None, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         out = ttt_loss(self.drafter, embed_tokens, input_ids, aux_hidden, target_logits, loss_mask, steps=steps,
                        step_weights=step_weights, target_valid=target_valid, objective=self.loss_name,
-                       lk_eta=self.lk_eta, target_mass=target_mass, counts=counts)
+                       lk_eta=self.lk_eta, target_mass=target_mass, counts=counts, position_ids=position_ids,
+                       document_ids=document_ids)
         return out.loss, out.step_losses, out.step_acc, out.num_supervised, out.step_alpha
 
 
 @torch.no_grad()
 def draft_target_logits(lm_head: nn.Module, final_hidden: torch.Tensor, t2d: torch.Tensor, loss_mask: torch.Tensor,
                         chunk_size: int = 1024, draft_vocab_size: int | None = None,
-                        with_mass: bool = False, num_rows: int | None = None) -> tuple[torch.Tensor, ...]:
+                        with_mass: bool = False, num_rows: int | None = None,
+                        document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Target logits restricted to the draft vocabulary, and where the full-vocab argmax lies in it.
 
     Only positions j whose next token j+1 is supervised are ever a TTT target (see `ttt_loss`); the full-vocab
@@ -101,12 +104,14 @@ def draft_target_logits(lm_head: nn.Module, final_hidden: torch.Tensor, t2d: tor
             them before the batch moves to the device); default: found on the device, a wait.
         with_mass: also return the `[B, T]` fp32 probability the full target distribution puts on the draft
             vocabulary (0 on unused rows), which bounds the acceptance of any draft (`objectives`).
+        document_ids: `[B, T]` packed rows: a row is needed only where it, its successor and its predecessor lie in
+            one document (the first position of a document is never a target, as position 0 of a row).
 
     Returns:
         `[B, T, Vd]` logits (0 on unused rows) and `[B, T]` bool valid mask (False on unused rows) (and the mass).
     """
     b, t, _ = final_hidden.shape
-    needed = target_rows(loss_mask).to(final_hidden.device)
+    needed = target_rows(loss_mask, document_ids).to(final_hidden.device)
     if num_rows is None:
         rows_b, rows_t = needed.nonzero(as_tuple=True)
     else:  # the same rows in the same order, sized on the host: no wait
@@ -151,7 +156,7 @@ def with_host_counts(batch: Any) -> Any:
     logits the loss reads (`draft_target_logits`). Read from the device, each would be a wait for it."""
     if isinstance(batch, dict) and "loss_mask" in batch and batch["loss_mask"].device.type == "cpu":
         tokens = batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
-        batch = {**batch, NUM_TOKENS: int(tokens), NUM_TARGET_ROWS: int(target_rows(batch["loss_mask"]).sum())}
+        batch = {**batch, NUM_TOKENS: int(tokens), NUM_TARGET_ROWS: int(target_rows(batch["loss_mask"], batch.get("document_ids")).sum())}
     return batch
 
 
@@ -164,17 +169,22 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def target_rows(loss_mask: torch.Tensor) -> torch.Tensor:
+def target_rows(loss_mask: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """`[B, T]` bool: the positions j whose target logits a TTT step reads (the next token j+1 is supervised; j >= 1:
-    position 0 is never a target, it would predict x_1)."""
+    position 0 is never a target, it would predict x_1). Packed rows (`document_ids`): only where j, its successor
+    and its predecessor lie in one document (a document's first position is never a target, as position 0)."""
     needed = torch.zeros(loss_mask.shape, dtype=torch.bool, device=loss_mask.device)
     needed[:, 1:-1] = loss_mask[:, 2:].bool()
+    if document_ids is not None:
+        doc = document_ids.to(loss_mask.device)
+        needed[:, 1:-1] &= (doc[:, :-2] == doc[:, 1:-1]) & (doc[:, 1:-1] == doc[:, 2:])
     return needed
 
 
-def supervised_positions(loss_mask: torch.Tensor, valid: torch.Tensor, steps: int) -> torch.Tensor:
+def supervised_positions(loss_mask: torch.Tensor, valid: torch.Tensor, steps: int,
+                         document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """`[steps]` number of positions each TTT step is trained on (the same masks as `ttt_loss`)."""
-    return step_masks(loss_mask, valid, steps).sum((1, 2))
+    return step_masks(loss_mask, valid, steps, document_ids).sum((1, 2))
 
 
 def rank_step_weights(weights: list[float], local: torch.Tensor, total: torch.Tensor,
@@ -326,16 +336,21 @@ class Eagle3Module(L.LightningModule):
         # no attention mask: batches are right-padded (`collate_right_padded`), and causal attention never lets a
         # real position see a later pad, so every position the loss reads is unchanged; transformers would instead
         # read the mask on the host (two waits for the GPU) to find out whether SDPA's causal kernel may run; nor
-        # does it look for packed sequences (a batch whose position ids restart per document must not skip that)
-        with torch.no_grad(), one_sequence_per_row():
+        # does it look for packed sequences. Packed rows pass their per-document positions instead: with no attention
+        # mask and no cache, transformers reads a position that restarts as a new sequence
+        # (`masking_utils.find_packed_sequence_indices`, one host read per mask) and keeps attention inside it, for
+        # every attention implementation, sliding windows too
+        packed = "document_ids" in batch
+        with torch.no_grad(), (contextlib.nullcontext() if packed else one_sequence_per_row()):
             aux_hidden, final_hidden, _ = self.adapter.forward_features(
                 self.target, batch["input_ids"], attention_mask=None, layer_ids=self.drafter.config.aux_layer_ids,
-                use_cache=False)
+                use_cache=False, **({"position_ids": batch["position_ids"]} if packed else {}))
         return aux_hidden, final_hidden
 
     def loss(self, batch: dict[str, torch.Tensor], steps: int, global_norm: bool = False,
              read_along: bool = False) -> TTTLossOutput:
-        """TTT loss of one right-padded batch with `steps` unrolled steps.
+        """TTT loss of one right-padded batch (or of packed rows: `position_ids` and `document_ids` in the batch)
+        with `steps` unrolled steps.
 
         The loss waits for the device once, to read the supervised-row counts of its steps; with `read_along` (the
         training step) that read also brings what earlier steps left to read (`_read_counts`).
@@ -346,18 +361,19 @@ class Eagle3Module(L.LightningModule):
         computes), and the rank-mean of the returned loss is that global loss.
         """
         aux_hidden, final_hidden = self._features(batch)
+        documents = batch.get("document_ids")  # packed rows (`data.packing`)
         logits, valid, mass = draft_target_logits(self._frozen.lm_head, final_hidden, self.drafter.t2d,
                                                   batch["loss_mask"], self.logits_chunk_size,
                                                   self.drafter.config.draft_vocab_size, with_mass=True,
-                                                  num_rows=batch.get(NUM_TARGET_ROWS))
+                                                  num_rows=batch.get(NUM_TARGET_ROWS), document_ids=documents)
         weights = self.step_weights[:steps]
-        local = supervised_positions(batch["loss_mask"], valid, steps)
+        local = supervised_positions(batch["loss_mask"], valid, steps, documents)
         if global_norm and attached_trainer(self) is not None and self.trainer.world_size > 1:
             total = all_reduce_sum(local.clone())
             weights = rank_step_weights(weights, local, total, self.trainer.world_size)
         loss, step_losses, step_acc, counts, step_alpha = self.objective(
             self._frozen.embed_tokens, batch["input_ids"], aux_hidden, logits, batch["loss_mask"], valid, steps,
-            weights, mass, self._read_counts(local, read_along))
+            weights, mass, self._read_counts(local, read_along), batch.get("position_ids"), documents)
         return TTTLossOutput(loss=loss, step_losses=step_losses, step_acc=step_acc, num_supervised=counts,
                              step_alpha=step_alpha)
 

@@ -46,6 +46,10 @@ RESUMABLE_KEYS = (
     "data.features_shard_size", "data.regenerate.output", "data.regenerate.batch_size",
 )
 
+# recipe keys added after identities were first saved, with the value every earlier run had: an identity without one
+# compares as that value (a resume with another value is refused like any other data setting)
+ADDED_KEYS = {"data.packing": repr(False)}
+
 # temporaries of an atomic write killed before its rename (AtomicCheckpointIO, atomic_write): `.last.ckpt.*.tmp`
 _STALE_TEMP_GLOB = ".*.tmp"
 _STALE_AFTER_S = 60.0  # a temporary younger than this may belong to a rank of this very run that is still writing
@@ -111,6 +115,7 @@ def identity_differences(saved: dict[str, str], current: dict[str, str]) -> list
             sizes = []
         if sizes and min(sizes) > 0:
             saved = {**saved, GLOBAL_BATCH: repr(sizes[0] * sizes[1] * sizes[2])}
+    saved = {**{k: v for k, v in ADDED_KEYS.items() if k in current}, **saved}
     saved = {k: v for k, v in saved.items() if not _resumable(k)}
     out = []
     for key in sorted(set(saved) | set(current)):
