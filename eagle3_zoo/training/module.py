@@ -156,7 +156,8 @@ def with_host_counts(batch: Any) -> Any:
     logits the loss reads (`draft_target_logits`). Read from the device, each would be a wait for it."""
     if isinstance(batch, dict) and "loss_mask" in batch and batch["loss_mask"].device.type == "cpu":
         tokens = batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
-        batch = {**batch, NUM_TOKENS: int(tokens), NUM_TARGET_ROWS: int(target_rows(batch["loss_mask"], batch.get("document_ids")).sum())}
+        rows = target_rows(batch["loss_mask"], batch.get("document_ids"))
+        batch = {**batch, NUM_TOKENS: int(tokens), NUM_TARGET_ROWS: int(rows.sum())}
     return batch
 
 
