@@ -22,7 +22,7 @@ from torch import nn
 from typing_extensions import override
 
 from eagle3_zoo.modeling import Eagle3Drafter
-from eagle3_zoo.training.lightning_private import attached_trainer
+from eagle3_zoo.training.lightning_private import attached_trainer, should_update_logs
 from eagle3_zoo.training.loss import TTTLossOutput, default_step_weights, draft_vocab_mass, step_masks, ttt_loss
 from eagle3_zoo.training.metrics import StepMetrics, acceptance_length_tensor
 from eagle3_zoo.training.objectives import DEFAULT_ETA, check_objective
@@ -67,10 +67,10 @@ class DrafterObjective(nn.Module):
     def forward(self, embed_tokens: nn.Module, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
                 target_logits: torch.Tensor, loss_mask: torch.Tensor, target_valid: torch.Tensor, steps: int,
                 step_weights: list[float] | torch.Tensor,
-                target_mass: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                target_mass: torch.Tensor | None = None, with_alpha: bool = True) -> tuple[torch.Tensor, ...]:
         out = ttt_loss(self.drafter, embed_tokens, input_ids, aux_hidden, target_logits, loss_mask, steps=steps,
                        step_weights=step_weights, target_valid=target_valid, objective=self.loss_name,
-                       lk_eta=self.lk_eta, target_mass=target_mass)
+                       lk_eta=self.lk_eta, target_mass=target_mass, with_alpha=with_alpha)
         return out.loss, out.step_losses, out.step_acc, out.num_supervised, out.step_alpha
 
 
@@ -272,18 +272,20 @@ class Eagle3Module(L.LightningModule):
                 use_cache=False)
         return aux_hidden, final_hidden
 
-    def loss(self, batch: dict[str, torch.Tensor], steps: int, global_norm: bool = False) -> TTTLossOutput:
+    def loss(self, batch: dict[str, torch.Tensor], steps: int, global_norm: bool = False,
+             with_alpha: bool = True) -> TTTLossOutput:
         """TTT loss of one right-padded batch with `steps` unrolled steps.
 
         With `global_norm` (training under a data-parallel strategy), step k's weight on this rank is scaled by
         `world * n_k(rank) / N_k(all ranks)`: the gradient averaged over ranks is then exactly the gradient of the
         loss normalised by the supervised positions of the *global* batch (what one process with the whole batch
-        computes), and the rank-mean of the returned loss is that global loss.
+        computes), and the rank-mean of the returned loss is that global loss. `with_alpha=False` leaves out the
+        per-step acceptance (`step_alpha` None) and the target's draft-vocabulary mass it needs.
         """
         aux_hidden, final_hidden = self._features(batch)
-        logits, valid, mass = draft_target_logits(self._frozen.lm_head, final_hidden, self.drafter.t2d,
-                                                  batch["loss_mask"], self.logits_chunk_size,
-                                                  self.drafter.config.draft_vocab_size, with_mass=True)
+        logits, valid, *mass = draft_target_logits(self._frozen.lm_head, final_hidden, self.drafter.t2d,
+                                                   batch["loss_mask"], self.logits_chunk_size,
+                                                   self.drafter.config.draft_vocab_size, with_mass=with_alpha)
         weights = self.step_weights[:steps]
         if global_norm and attached_trainer(self) is not None and self.trainer.world_size > 1:
             local = supervised_positions(batch["loss_mask"], valid, steps)
@@ -291,20 +293,24 @@ class Eagle3Module(L.LightningModule):
             weights = rank_step_weights(weights, local, total, self.trainer.world_size)
         loss, step_losses, step_acc, counts, step_alpha = self.objective(
             self._frozen.embed_tokens, batch["input_ids"], aux_hidden, logits, batch["loss_mask"], valid, steps,
-            weights, mass)
+            weights, mass[0] if mass else None, with_alpha)
         return TTTLossOutput(loss=loss, step_losses=step_losses, step_acc=step_acc, num_supervised=counts,
                              step_alpha=step_alpha)
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        out = self.loss(batch, self.active_ttt_steps, global_norm=True)
+        trainer = attached_trainer(self)
+        # alpha is a metric only (no gradient depends on it): formed on the steps whose metrics a logger records
+        with_alpha = trainer is None or should_update_logs(trainer)
+        out = self.loss(batch, self.active_ttt_steps, global_norm=True, with_alpha=with_alpha)
         self._raise_if_nonfinite(out.loss)
         b = batch["input_ids"].shape[0]
         self.log("train/loss", out.loss.detach(), prog_bar=True, batch_size=b, sync_dist=True)
         metrics = {f"train/loss_{k}": v for k, v in enumerate(out.step_losses)}
         metrics.update({f"train/acc_{k}": v.float() for k, v in enumerate(out.step_acc) if k > 0})
         # the expected acceptance of a drafted token at each step (what tau is made of), beside top-1 agreement
-        metrics.update({f"train/alpha_{k}": v for k, v in enumerate(out.step_alpha)})
+        if with_alpha:
+            metrics.update({f"train/alpha_{k}": v for k, v in enumerate(out.step_alpha)})
         metrics["train/tau_est"] = acceptance_length_tensor(out.step_acc.detach())  # on the device: no wait
         metrics["train/supervised_tokens"] = out.num_supervised[0].float()
         self.log_dict(metrics, batch_size=b)
