@@ -7,7 +7,9 @@ step a full T x T fp32 score matrix plus one column per earlier step's key, lm_h
 every position, a masked soft cross-entropy. It computes the same function as `ttt_loss` (positions t + k, the same
 masks and draft-vocabulary targets): before anything is timed, both losses and every gradient are computed on
 weights that are not near zero and compared; the script exits with an error if they disagree. eagle3-zoo: flash
-causal attention + log-space diagonal merge, lm_head + soft CE fused and computed only on supervised rows.
+causal attention + log-space diagonal merge, lm_head + soft CE fused and computed only on supervised rows; the
+step as `fit` runs it between logging steps (`with_alpha=False`: the per-step acceptance alpha, a metric only, is
+formed on the steps whose metrics a logger records).
 
 Tokens/s are timed alternately in this process; peak memory is the peak RSS growth of a forked child running
 one step of each in a fresh interpreter (the RSS grown after the batch is built).
@@ -35,7 +37,8 @@ IMPLS = ("reference", "eagle3-zoo")
 TOLERANCE = {"loss": 1e-5, "grad": 1e-4}  # relative (||a - b|| / ||b||), fp32
 
 
-def build(args):
+def build_drafter(args) -> Eagle3Drafter:
+    """The drafter of the benchmark's shape (seed 0), its weights well away from zero, and its draft vocabulary."""
     torch.manual_seed(0)
     cfg = Eagle3Config(hidden_size=args.hidden, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                        intermediate_size=args.intermediate, vocab_size=args.vocab, draft_vocab_size=args.draft_vocab,
@@ -48,6 +51,11 @@ def build(args):
             param.data.uniform_(0.5, 1.5)
     counts = torch.randint(0, 1000, (args.vocab,))
     drafter.set_vocab(*build_draft_vocab(counts, args.draft_vocab))
+    return drafter
+
+
+def build(args):
+    drafter = build_drafter(args)
     embed = torch.nn.Embedding(args.vocab, args.hidden).requires_grad_(False)
     b, t = args.batch, args.seq_len
     ids = torch.randint(0, args.vocab, (b, t))
@@ -65,7 +73,9 @@ def run_step(impl, drafter, embed, batch, steps, weights):
     ids, aux, target_logits, mask = batch
     drafter.zero_grad(set_to_none=True)
     if impl == "eagle3-zoo":
-        loss = ttt_loss(drafter, embed, ids, aux, target_logits, mask, steps=steps, step_weights=weights).loss
+        # as `fit` runs a step whose metrics no logger records (alpha, a metric only, on logging steps)
+        loss = ttt_loss(drafter, embed, ids, aux, target_logits, mask, steps=steps, step_weights=weights,
+                        with_alpha=False).loss
     else:
         loss = reference_ttt_loss(drafter, embed, ids, aux, target_logits, None, mask, steps, weights)
     loss.backward()
