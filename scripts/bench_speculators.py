@@ -30,7 +30,7 @@ Differences in the two projects' defaults, and what is done about them:
   which is added to speculators' loss before comparing.
 - RoPE positions start at 1 there and 0 here (attention depends on position differences only).
 Before anything is timed, the loss and every trained parameter's gradient are compared at each (T, K); the script
-stops if they differ by more than `TOLERANCE` (relative, fp32).
+stops if they differ by more than `bench_ttt.TOLERANCE` (relative, fp32).
 
 Steps are timed alternately (ours, theirs, ours, ...) per (T, K); the ratio uses the fastest step of each. Peak
 memory is the peak RSS growth during one step in a fresh interpreter that first builds the same batch (as
@@ -54,12 +54,11 @@ import torch.nn.functional as F
 from eagle3_zoo.training.loss import step_masks, ttt_loss
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ttt import _status_kib, build_drafter  # noqa: E402
+from bench_ttt import _status_kib, build_drafter, check_agreement  # noqa: E402
 
 PEER = "speculators"
 PEER_VERSION = "0.9.0"  # the release the README's table compares against
 IMPLS = ("eagle3-zoo", PEER)
-TOLERANCE = {"loss": 1e-5, "grad": 1e-4}  # relative (||a - b|| / ||b||), fp32
 DECAY = 0.8  # EAGLE-3's step weights 0.8**k (speculators' --ttt-step-loss-decay)
 RMS_EPS = 1e-6
 
@@ -178,20 +177,11 @@ def agreement(ours, theirs, steps: int) -> dict[str, float]:
     peer_loss = float(step(PEER, ours, theirs, steps)) + target_entropy_term(ours, steps)
     peer_grads = {k.replace("layers.0.", "midlayer."): p.grad for k, p in model.named_parameters()
                   if p.requires_grad}
-    errs = []
-    for name, p in drafter.named_parameters():
-        if not p.requires_grad:
-            continue
-        if name not in peer_grads or peer_grads[name] is None:
+    trained = [(name, p) for name, p in drafter.named_parameters() if p.requires_grad]
+    for name, _ in trained:
+        if peer_grads.get(name) is None:
             raise SystemExit(f"{PEER} does not train {name}, which eagle3-zoo trains: not the same computation")
-        errs.append(float((p.grad - peer_grads[name]).norm() / peer_grads[name].norm()))
-    err = {"loss": abs(loss - peer_loss) / abs(peer_loss), "grad": max(errs)}
-    if not all(math.isfinite(v) and v <= TOLERANCE[k] for k, v in err.items()):
-        raise SystemExit(f"eagle3-zoo and {PEER} disagree (relative loss error {err['loss']:.2e}, largest gradient "
-                         f"error {err['grad']:.2e}; tolerance {TOLERANCE}): not timing them")
-    print(f"  agreement: loss {loss:.6f} vs {peer_loss:.6f} (relative error {err['loss']:.1e}), largest relative "
-          f"gradient error {err['grad']:.1e} over {len(errs)} parameters")
-    return err
+    return check_agreement(PEER, loss, peer_loss, [p.grad for _, p in trained], [peer_grads[n] for n, _ in trained])
 
 
 def _measure_memory_child(args, impl: str, seq_len: int, steps: int) -> None:

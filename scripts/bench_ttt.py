@@ -90,12 +90,19 @@ def agreement(drafter, embed, batch, steps, weights) -> dict[str, float]:
         loss = run_step(impl, drafter, embed, batch, steps, weights)
         out[impl] = (loss, [p.grad.detach().clone() for p in drafter.parameters() if p.requires_grad])
     (ref_loss, ref_grads), (loss, grads) = out["reference"], out["eagle3-zoo"]
-    err = {"loss": abs(loss - ref_loss) / abs(ref_loss),
-           "grad": max(float((g - r).norm() / r.norm()) for g, r in zip(grads, ref_grads))}
+    return check_agreement("the reference", loss, ref_loss, grads, ref_grads)
+
+
+def check_agreement(other: str, loss: float, other_loss: float, grads: list[torch.Tensor],
+                    other_grads: list[torch.Tensor]) -> dict[str, float]:
+    """Relative difference of eagle3-zoo's loss from `other`'s and the largest one over the gradients (paired);
+    SystemExit if beyond `TOLERANCE`."""
+    err = {"loss": abs(loss - other_loss) / abs(other_loss),
+           "grad": max(float((g - r).norm() / r.norm()) for g, r in zip(grads, other_grads))}
     if not all(math.isfinite(v) and v <= TOLERANCE[k] for k, v in err.items()):
-        raise SystemExit(f"eagle3-zoo and the reference disagree (relative loss error {err['loss']:.2e}, largest "
+        raise SystemExit(f"eagle3-zoo and {other} disagree (relative loss error {err['loss']:.2e}, largest "
                          f"gradient error {err['grad']:.2e}; tolerance {TOLERANCE}): not timing them")
-    print(f"agreement: loss {ref_loss:.6f} vs {loss:.6f} (relative error {err['loss']:.1e}), largest relative "
+    print(f"agreement: loss {other_loss:.6f} vs {loss:.6f} (relative error {err['loss']:.1e}), largest relative "
           f"gradient error {err['grad']:.1e} over {len(grads)} parameters (tolerance {TOLERANCE})")
     return err
 
