@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from eagle3_zoo.training.loss import step_masks, ttt_loss
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ttt import _status_kib, build_drafter, check_agreement  # noqa: E402
+from bench_ttt import _status_kib, add_shape_args, build_drafter, check_agreement  # noqa: E402
 
 PEER = "speculators"
 PEER_VERSION = "0.9.0"  # the release the README's table compares against
@@ -171,7 +171,7 @@ def target_entropy_term(ours, steps: int) -> float:
 
 def agreement(ours, theirs, steps: int) -> dict[str, float]:
     """Relative error of the losses (entropy added to speculators' KL) and the largest over the gradients of the
-    parameters both train; SystemExit beyond `TOLERANCE`."""
+    parameters both train; SystemExit beyond `bench_ttt.TOLERANCE`."""
     drafter, model = ours[0], theirs[0]
     loss = float(step("eagle3-zoo", ours, theirs, steps))
     peer_loss = float(step(PEER, ours, theirs, steps)) + target_entropy_term(ours, steps)
@@ -210,12 +210,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, nargs="+", default=[3, 7], help="TTT steps K")
     p.add_argument("--iters", type=int, default=3, help="timed steps of each side per (T, K)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=576)
-    p.add_argument("--heads", type=int, default=9)
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--intermediate", type=int, default=1536)
-    p.add_argument("--draft-vocab", type=int, default=32000)
-    p.add_argument("--vocab", type=int, default=49152)
+    add_shape_args(p)
     p.add_argument("--supervised-fraction", type=float, default=0.66)
     p.add_argument("--frozen-lm-head", action="store_true", help="freeze the draft lm_head on both sides "
                    f"({PEER}'s trainer default)")

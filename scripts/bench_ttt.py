@@ -134,17 +134,22 @@ def _measure_memory_child(impl: str, args) -> None:
     print((_status_kib("VmHWM") - start) / 1024)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=7)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=1)
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The drafter's shape (SmolLM2-135M's target: hidden 576, 9/3 heads, vocab 49152)."""
     p.add_argument("--hidden", type=int, default=576)
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--intermediate", type=int, default=1536)
     p.add_argument("--draft-vocab", type=int, default=32000)
     p.add_argument("--vocab", type=int, default=49152)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1)
+    add_shape_args(p)
     p.add_argument("--supervised-fraction", type=float, default=0.66,
                    help="fraction of positions with loss_mask 1; 0.66 = measured on the embedded ShareGPT with the "
                         "SmolLM2 chat template at max_length 2048 (300 conversations); 1.0 = worst case for us")
