@@ -7,7 +7,9 @@ step a full T x T fp32 score matrix plus one column per earlier step's key, lm_h
 every position, a masked soft cross-entropy. It computes the same function as `ttt_loss` (positions t + k, the same
 masks and draft-vocabulary targets): before anything is timed, both losses and every gradient are computed on
 weights that are not near zero and compared; the script exits with an error if they disagree. eagle3-zoo: flash
-causal attention + log-space diagonal merge, lm_head + soft CE fused and computed only on supervised rows.
+causal attention + log-space diagonal merge, lm_head + soft CE fused and computed only on supervised rows; the
+step as `fit` runs it between logging steps (`with_alpha=False`: the per-step acceptance alpha, a metric only, is
+formed on the steps whose metrics a logger records).
 
 Tokens/s are timed alternately in this process; peak memory is the peak RSS growth of a forked child running
 one step of each in a fresh interpreter (the RSS grown after the batch is built).
@@ -35,7 +37,8 @@ IMPLS = ("reference", "eagle3-zoo")
 TOLERANCE = {"loss": 1e-5, "grad": 1e-4}  # relative (||a - b|| / ||b||), fp32
 
 
-def build(args):
+def build_drafter(args) -> Eagle3Drafter:
+    """The drafter of the benchmark's shape (seed 0), its weights well away from zero, and its draft vocabulary."""
     torch.manual_seed(0)
     cfg = Eagle3Config(hidden_size=args.hidden, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                        intermediate_size=args.intermediate, vocab_size=args.vocab, draft_vocab_size=args.draft_vocab,
@@ -48,6 +51,11 @@ def build(args):
             param.data.uniform_(0.5, 1.5)
     counts = torch.randint(0, 1000, (args.vocab,))
     drafter.set_vocab(*build_draft_vocab(counts, args.draft_vocab))
+    return drafter
+
+
+def build(args):
+    drafter = build_drafter(args)
     embed = torch.nn.Embedding(args.vocab, args.hidden).requires_grad_(False)
     b, t = args.batch, args.seq_len
     ids = torch.randint(0, args.vocab, (b, t))
@@ -65,7 +73,9 @@ def run_step(impl, drafter, embed, batch, steps, weights):
     ids, aux, target_logits, mask = batch
     drafter.zero_grad(set_to_none=True)
     if impl == "eagle3-zoo":
-        loss = ttt_loss(drafter, embed, ids, aux, target_logits, mask, steps=steps, step_weights=weights).loss
+        # as `fit` runs a step whose metrics no logger records (alpha, a metric only, on logging steps)
+        loss = ttt_loss(drafter, embed, ids, aux, target_logits, mask, steps=steps, step_weights=weights,
+                        with_alpha=False).loss
     else:
         loss = reference_ttt_loss(drafter, embed, ids, aux, target_logits, None, mask, steps, weights)
     loss.backward()
@@ -80,12 +90,19 @@ def agreement(drafter, embed, batch, steps, weights) -> dict[str, float]:
         loss = run_step(impl, drafter, embed, batch, steps, weights)
         out[impl] = (loss, [p.grad.detach().clone() for p in drafter.parameters() if p.requires_grad])
     (ref_loss, ref_grads), (loss, grads) = out["reference"], out["eagle3-zoo"]
-    err = {"loss": abs(loss - ref_loss) / abs(ref_loss),
-           "grad": max(float((g - r).norm() / r.norm()) for g, r in zip(grads, ref_grads))}
+    return check_agreement("the reference", loss, ref_loss, grads, ref_grads)
+
+
+def check_agreement(other: str, loss: float, other_loss: float, grads: list[torch.Tensor],
+                    other_grads: list[torch.Tensor]) -> dict[str, float]:
+    """Relative difference of eagle3-zoo's loss from `other`'s and the largest one over the gradients (paired);
+    SystemExit if beyond `TOLERANCE`."""
+    err = {"loss": abs(loss - other_loss) / abs(other_loss),
+           "grad": max(float((g - r).norm() / r.norm()) for g, r in zip(grads, other_grads))}
     if not all(math.isfinite(v) and v <= TOLERANCE[k] for k, v in err.items()):
-        raise SystemExit(f"eagle3-zoo and the reference disagree (relative loss error {err['loss']:.2e}, largest "
+        raise SystemExit(f"eagle3-zoo and {other} disagree (relative loss error {err['loss']:.2e}, largest "
                          f"gradient error {err['grad']:.2e}; tolerance {TOLERANCE}): not timing them")
-    print(f"agreement: loss {ref_loss:.6f} vs {loss:.6f} (relative error {err['loss']:.1e}), largest relative "
+    print(f"agreement: loss {other_loss:.6f} vs {loss:.6f} (relative error {err['loss']:.1e}), largest relative "
           f"gradient error {err['grad']:.1e} over {len(grads)} parameters (tolerance {TOLERANCE})")
     return err
 
@@ -117,17 +134,22 @@ def _measure_memory_child(impl: str, args) -> None:
     print((_status_kib("VmHWM") - start) / 1024)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=7)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=1)
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The drafter's shape (SmolLM2-135M's target: hidden 576, 9/3 heads, vocab 49152)."""
     p.add_argument("--hidden", type=int, default=576)
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--intermediate", type=int, default=1536)
     p.add_argument("--draft-vocab", type=int, default=32000)
     p.add_argument("--vocab", type=int, default=49152)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1)
+    add_shape_args(p)
     p.add_argument("--supervised-fraction", type=float, default=0.66,
                    help="fraction of positions with loss_mask 1; 0.66 = measured on the embedded ShareGPT with the "
                         "SmolLM2 chat template at max_length 2048 (300 conversations); 1.0 = worst case for us")

@@ -19,6 +19,10 @@ on lightning 2.6.0 (the low stack of `scripts/test_low_stack.sh`, which runs the
 - `LightningModule._trainer`: the Trainer a module is attached to, or None. The public `trainer` property raises
   when there is none; `Eagle3Module` runs outside a Trainer too (tests, evaluation), where its steps skip the
   cross-rank reductions.
+- `Trainer._logger_connector.should_update_logs`: whether the loggers record the metrics of the training step about
+  to run (every `log_every_n_steps`-th batch, and the last); `Eagle3Module.training_step` computes its metric-only
+  per-step acceptance (alpha) on those steps only. No public property says it, and a copy of the rule would drift
+  from Lightning's own count of batches.
 - `torch.distributed.tensor._utils.compute_local_shape_and_global_offset(shape, mesh, placements)`: the rows of a
   sharded (DTensor) parameter this rank owns, so `eagle3_zoo.training.strategies.load_target_shards` reads only
   those from the safetensors files. torch has no public function for it (`DTensor.to_local()` gives the local
@@ -39,6 +43,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.callbacks", "ModelCheckpoint._monitor_candidates"),
     ("lightning.pytorch.callbacks", "ModelCheckpoint()._last_global_step_saved"),  # set by __init__: on an instance
     ("lightning.pytorch", "LightningModule()._trainer"),
+    ("lightning.pytorch", "Trainer()._logger_connector.should_update_logs"),  # set by __init__: on an instance
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
     ("lightning.pytorch.loggers", "WandbLogger()._wandb_init"),  # needs wandb (the dev extra installs it)
 )
@@ -72,6 +77,11 @@ def save_last_checkpoint(checkpoint_callback: Any, trainer: Any) -> None:
 def attached_trainer(module: Any) -> Any:
     """The Trainer a LightningModule is attached to, or None (outside `trainer.fit`/`validate`)."""
     return module._trainer
+
+
+def should_update_logs(trainer: Any) -> bool:
+    """Whether the loggers record the metrics logged in the current (or next) training step."""
+    return trainer._logger_connector.should_update_logs
 
 
 def local_shape_and_global_offset(param: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -8,7 +8,8 @@ not in the draft vocabulary are excluded. Each step's loss is normalised by its 
 The per-position objective (EAGLE-3's soft cross-entropy by default, or an acceptance loss: `objectives`) over the
 draft vocabulary is fused with the lm_head and computed only on supervised rows, in chunks, with its gradients
 formed in the forward pass: no [T, draft_vocab] logits are kept for backward. Each step also reports the mean
-expected acceptance alpha of its drafted token.
+expected acceptance alpha of its drafted token, unless asked not to (`with_alpha=False`: a training step whose
+metrics no logger records skips its passes over the rows and the target's draft-vocabulary mass).
 
 On a GPU the loss waits for the device once (the supervised-row counts of all steps, read in one transfer, size
 every gather); nothing else in it needs a value on the host.
@@ -32,7 +33,8 @@ class TTTLossOutput:
     step_losses: torch.Tensor  # [K] detached
     step_acc: torch.Tensor  # [K] fraction of supervised positions where draft argmax == target argmax
     num_supervised: torch.Tensor  # [K] int64, on the batch's device
-    step_alpha: torch.Tensor | None = None  # [K] mean expected acceptance alpha of a drafted token (objectives)
+    step_alpha: torch.Tensor | None = None  # [K] mean expected acceptance alpha of a drafted token (objectives);
+    # None with with_alpha=False
 
 
 def default_step_weights(steps: int, decay: float = 0.8) -> list[float]:
@@ -76,7 +78,8 @@ class FusedLossOutput(NamedTuple):
     loss: torch.Tensor  # scalar fp32, sum_r row_weight_r * objective_r (differentiable)
     row_loss: torch.Tensor  # [N] fp32 objective of each row (not differentiable)
     row_correct: torch.Tensor  # [N] bool, draft argmax == target argmax (not differentiable)
-    row_alpha: torch.Tensor  # [N] fp32 expected acceptance of each row's draft distribution (not differentiable)
+    row_alpha: torch.Tensor | None  # [N] fp32 expected acceptance of each row's draft distribution (not
+    # differentiable); None with with_alpha=False
 
 
 class _FusedLMHeadLoss(torch.autograd.Function):
@@ -98,7 +101,7 @@ class _FusedLMHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, p, rows, target_ids, row_weights, mass, chunk: int, mm_dtype: torch.dtype,
-                objective: str, eta: float):
+                objective: str, eta: float, with_alpha: bool):
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(mm_dtype)
             n = h.shape[0]
@@ -106,17 +109,19 @@ class _FusedLMHeadLoss(torch.autograd.Function):
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight.requires_grad \
                 else None
             row_loss = torch.empty(n, dtype=torch.float32, device=h.device)
-            row_alpha = torch.empty(n, dtype=torch.float32, device=h.device)
+            row_alpha = torch.empty(n if with_alpha else 0, dtype=torch.float32, device=h.device)
             row_correct = torch.empty(n, dtype=torch.bool, device=h.device)
             for i in range(0, n, chunk):
                 rows_i = slice(i, i + chunk)
                 idx = None if rows is None else rows[rows_i]
                 pc = _gathered(p, idx, rows_i).float()  # gathered per chunk, never [N, Vd]
                 tc = pc.argmax(-1) if target_ids is None else _gathered(target_ids, idx, rows_i)
-                mc = None if mass is None else _gathered(mass, idx, rows_i).float()
+                mc = None if mass is None or not with_alpha else _gathered(mass, idx, rows_i).float()
                 hc = h[rows_i].to(mm_dtype)
-                out = chunk_objective((hc @ w.t()).float(), pc, objective, mc, eta)
-                row_loss[rows_i], row_alpha[rows_i] = out.loss, out.alpha
+                out = chunk_objective((hc @ w.t()).float(), pc, objective, mc, eta, report=with_alpha)
+                row_loss[rows_i] = out.loss
+                if with_alpha:
+                    row_alpha[rows_i] = out.alpha
                 row_correct[rows_i] = out.argmax == tc
                 rw = None if row_weights is None else row_weights[rows_i]
                 _add_chunk_grads(out.grad, hc, h[rows_i], w, rw, mm_dtype, grad_h[rows_i], grad_w)
@@ -134,7 +139,7 @@ class _FusedLMHeadLoss(torch.autograd.Function):
             grad_loss = grad_loss.float()
             gh = grad_h.mul_(grad_loss).to(h_dtype)  # saved grads are used once: scale in place
             gw = grad_w.mul_(grad_loss).to(w_dtype) if grad_w.numel() else None
-        return gh, gw, *([None] * 9)
+        return gh, gw, *([None] * 10)
 
 
 def _gathered(x: torch.Tensor, idx: torch.Tensor | None, rows: slice) -> torch.Tensor:
@@ -175,6 +180,7 @@ def fused_lm_head_loss(
     objective: str = "soft_ce",
     mass: torch.Tensor | None = None,
     eta: float = DEFAULT_ETA,
+    with_alpha: bool = True,
 ) -> FusedLossOutput:
     """Weighted sum of a per-row objective (`objectives.OBJECTIVES`) of `hidden [N,H] @ weight.T` against target
     probabilities, and each row's expected acceptance alpha.
@@ -184,14 +190,16 @@ def fused_lm_head_loss(
     vocabulary, for alpha; default 1) use the same indexing as `probs`; `target_ids` are the argmax ids of the
     accuracy (default: computed from `probs`). `row_weights [N]` (default 1) weight each row's loss. Under
     autocast the matmuls run in autocast's dtype and the rest in fp32; otherwise everything runs in fp32.
+    `with_alpha=False` skips the alpha (`row_alpha` None) and reads no `mass`.
     """
     check_objective(objective)
     device_type = hidden.device.type
     mm_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else torch.float32
     if row_weights is not None:
         row_weights = row_weights.float()
-    return FusedLossOutput(*_FusedLMHeadLoss.apply(hidden, weight, probs, rows, target_ids, row_weights, mass, chunk,
-                                                    mm_dtype, objective, eta))
+    loss, row_loss, row_correct, row_alpha = _FusedLMHeadLoss.apply(
+        hidden, weight, probs, rows, target_ids, row_weights, mass, chunk, mm_dtype, objective, eta, with_alpha)
+    return FusedLossOutput(loss, row_loss, row_correct, row_alpha if with_alpha else None)
 
 
 def fused_soft_cross_entropy(
@@ -204,7 +212,8 @@ def fused_soft_cross_entropy(
     row_weights: torch.Tensor | None = None,
 ) -> FusedSoftCEOutput:
     """`fused_lm_head_loss` with EAGLE-3's soft cross-entropy (loss, per-row loss, per-row accuracy)."""
-    return FusedSoftCEOutput(*fused_lm_head_loss(hidden, weight, probs, chunk, rows, target_ids, row_weights)[:3])
+    return FusedSoftCEOutput(*fused_lm_head_loss(hidden, weight, probs, chunk, rows, target_ids, row_weights,
+                                                 with_alpha=False)[:3])
 
 
 def draft_vocab_mass(target_logits: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -230,6 +239,7 @@ def ttt_loss(
     counts: list[int] | None = None,
     position_ids: torch.Tensor | None = None,
     document_ids: torch.Tensor | None = None,
+    with_alpha: bool = True,
 ) -> TTTLossOutput:
     """EAGLE-3 TTT loss for one batch (right-padded; pads have loss_mask 0), or of packed rows (`document_ids`).
 
@@ -252,6 +262,8 @@ def ttt_loss(
         document_ids: `[B, T]` packed rows: the document of each position, never decreasing along a row. Attention
             stays inside a document and no position is trained on a token of the next one (`step_masks`), so the
             loss equals that of the documents in separate rows.
+        with_alpha: compute `step_alpha` (a metric only: the loss and its gradients do not depend on it); False
+            skips it and the draft-vocabulary mass (`step_alpha` None).
     """
     check_objective(objective)
     if steps < 1:
@@ -261,9 +273,11 @@ def ttt_loss(
         raise ValueError(f"{len(weights)} step weights for {steps} TTT steps")
     b, t = input_ids.shape
     device = aux_hidden.device
-    if target_mass is None and target_logits.shape[-1] == drafter.t2d.numel() != drafter.d2t.numel():
-        draft_ids = torch.nonzero_static(drafter.t2d, size=drafter.d2t.numel()).squeeze(-1)
-        target_mass = draft_vocab_mass(target_logits, draft_ids.to(target_logits.device))
+    if with_alpha and target_mass is None and target_logits.shape[-1] == drafter.t2d.numel() != drafter.d2t.numel():
+        draft_ids = torch.nonzero_static(drafter.t2d, size=drafter.d2t.numel()).squeeze(-1).to(target_logits.device)
+        # `chunk` rows at a time: its temporaries stay [chunk, V], not [B*T, V]
+        target_mass = torch.cat([draft_vocab_mass(rows, draft_ids) for rows in
+                                 target_logits.reshape(b * t, -1).split(chunk)]).reshape(b, t)
     probs, valid = target_distribution(target_logits, drafter.t2d, target_valid, drafter.d2t.numel())
     flat_probs = probs.reshape(b * t, -1)
     flat_target_ids = flat_probs.argmax(-1)  # once for all steps: step k reads row t+1+k
@@ -295,17 +309,20 @@ def ttt_loss(
         out = fused_lm_head_loss(torch.cat(h_rows), drafter.lm_head.weight, flat_probs, chunk,
                                  rows=torch.cat(prob_rows), target_ids=flat_target_ids,
                                  row_weights=torch.cat(row_weights), objective=objective, eta=lk_eta,
-                                 mass=None if target_mass is None else target_mass.reshape(b * t))
+                                 mass=None if target_mass is None else target_mass.reshape(b * t),
+                                 with_alpha=with_alpha)
         total = total + out.loss
         step_of_row = torch.repeat_interleave(torch.arange(steps, device=device), n_k, output_size=sum(counts))
         denom = n_k.clamp(min=1).float()
         losses = losses.index_add_(0, step_of_row, out.row_loss) / denom
         accs = accs.index_add_(0, step_of_row, out.row_correct.float()) / denom
-        alphas = alphas.index_add_(0, step_of_row, out.row_alpha) / denom
+        if with_alpha:
+            alphas = alphas.index_add_(0, step_of_row, out.row_alpha) / denom
     if sum(counts) == 0:
         warnings.warn("batch has no supervised positions (loss_mask all 0 or every target outside the draft vocab): "
                       "its loss is 0", RuntimeWarning, stacklevel=2)
-    return TTTLossOutput(loss=total, step_losses=losses, step_acc=accs, num_supervised=n_k, step_alpha=alphas)
+    return TTTLossOutput(loss=total, step_losses=losses, step_acc=accs, num_supervised=n_k,
+                         step_alpha=alphas if with_alpha else None)
 
 
 def step_masks(loss_mask: torch.Tensor, valid: torch.Tensor, steps: int,

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from eagle3_zoo.modeling import Eagle3Drafter
 from eagle3_zoo.training.callbacks import NUM_TOKENS
-from eagle3_zoo.training.lightning_private import attached_trainer
+from eagle3_zoo.training.lightning_private import attached_trainer, should_update_logs
 from eagle3_zoo.training.loss import TTTLossOutput, default_step_weights, draft_vocab_mass, step_masks, ttt_loss
 from eagle3_zoo.training.metrics import StepMetrics, acceptance_length_tensor
 from eagle3_zoo.training.objectives import DEFAULT_ETA, check_objective
@@ -75,11 +75,11 @@ class DrafterObjective(nn.Module):
                 target_logits: torch.Tensor, loss_mask: torch.Tensor, target_valid: torch.Tensor, steps: int,
                 step_weights: list[float] | torch.Tensor, target_mass: torch.Tensor | None = None,
                 counts: list[int] | None = None, position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                document_ids: torch.Tensor | None = None, with_alpha: bool = True) -> tuple[torch.Tensor, ...]:
         out = ttt_loss(self.drafter, embed_tokens, input_ids, aux_hidden, target_logits, loss_mask, steps=steps,
                        step_weights=step_weights, target_valid=target_valid, objective=self.loss_name,
                        lk_eta=self.lk_eta, target_mass=target_mass, counts=counts, position_ids=position_ids,
-                       document_ids=document_ids)
+                       document_ids=document_ids, with_alpha=with_alpha)
         return out.loss, out.step_losses, out.step_acc, out.num_supervised, out.step_alpha
 
 
@@ -349,7 +349,7 @@ class Eagle3Module(L.LightningModule):
         return aux_hidden, final_hidden
 
     def loss(self, batch: dict[str, torch.Tensor], steps: int, global_norm: bool = False,
-             read_along: bool = False) -> TTTLossOutput:
+             read_along: bool = False, with_alpha: bool = True) -> TTTLossOutput:
         """TTT loss of one right-padded batch (or of packed rows: `position_ids` and `document_ids` in the batch)
         with `steps` unrolled steps.
 
@@ -359,14 +359,15 @@ class Eagle3Module(L.LightningModule):
         With `global_norm` (training under a data-parallel strategy), step k's weight on this rank is scaled by
         `world * n_k(rank) / N_k(all ranks)`: the gradient averaged over ranks is then exactly the gradient of the
         loss normalised by the supervised positions of the *global* batch (what one process with the whole batch
-        computes), and the rank-mean of the returned loss is that global loss.
+        computes), and the rank-mean of the returned loss is that global loss. `with_alpha=False` leaves out the
+        per-step acceptance (`step_alpha` None) and the target's draft-vocabulary mass it needs.
         """
         aux_hidden, final_hidden = self._features(batch)
         documents = batch.get("document_ids")  # packed rows (`data.packing`)
-        logits, valid, mass = draft_target_logits(self._frozen.lm_head, final_hidden, self.drafter.t2d,
-                                                  batch["loss_mask"], self.logits_chunk_size,
-                                                  self.drafter.config.draft_vocab_size, with_mass=True,
-                                                  num_rows=batch.get(NUM_TARGET_ROWS), document_ids=documents)
+        logits, valid, *mass = draft_target_logits(self._frozen.lm_head, final_hidden, self.drafter.t2d,
+                                                   batch["loss_mask"], self.logits_chunk_size,
+                                                   self.drafter.config.draft_vocab_size, with_mass=with_alpha,
+                                                   num_rows=batch.get(NUM_TARGET_ROWS), document_ids=documents)
         weights = self.step_weights[:steps]
         local = supervised_positions(batch["loss_mask"], valid, steps, documents)
         if global_norm and attached_trainer(self) is not None and self.trainer.world_size > 1:
@@ -374,7 +375,8 @@ class Eagle3Module(L.LightningModule):
             weights = rank_step_weights(weights, local, total, self.trainer.world_size)
         loss, step_losses, step_acc, counts, step_alpha = self.objective(
             self._frozen.embed_tokens, batch["input_ids"], aux_hidden, logits, batch["loss_mask"], valid, steps,
-            weights, mass, self._read_counts(local, read_along), batch.get("position_ids"), documents)
+            weights, mass[0] if mass else None, self._read_counts(local, read_along), batch.get("position_ids"),
+            documents, with_alpha)
         return TTTLossOutput(loss=loss, step_losses=step_losses, step_acc=step_acc, num_supervised=counts,
                              step_alpha=step_alpha)
 
@@ -394,7 +396,10 @@ class Eagle3Module(L.LightningModule):
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        out = self.loss(batch, self.active_ttt_steps, global_norm=True, read_along=True)
+        trainer = attached_trainer(self)
+        # alpha is a metric only (no gradient depends on it): formed on the steps whose metrics a logger records
+        with_alpha = trainer is None or should_update_logs(trainer)
+        out = self.loss(batch, self.active_ttt_steps, global_norm=True, read_along=True, with_alpha=with_alpha)
         mean_loss = self._check_later(out.loss)
         b = batch["input_ids"].shape[0]
         # not `prog_bar`: Lightning turns each progress-bar metric into a Python number at every batch's end (a wait
@@ -403,7 +408,8 @@ class Eagle3Module(L.LightningModule):
         metrics = {f"train/loss_{k}": v for k, v in enumerate(out.step_losses)}
         metrics.update({f"train/acc_{k}": v.float() for k, v in enumerate(out.step_acc) if k > 0})
         # the expected acceptance of a drafted token at each step (what tau is made of), beside top-1 agreement
-        metrics.update({f"train/alpha_{k}": v for k, v in enumerate(out.step_alpha)})
+        if with_alpha:
+            metrics.update({f"train/alpha_{k}": v for k, v in enumerate(out.step_alpha)})
         metrics["train/tau_est"] = acceptance_length_tensor(out.step_acc.detach())  # on the device: no wait
         metrics["train/supervised_tokens"] = out.num_supervised[0].float()
         self.log_dict(metrics, batch_size=b)

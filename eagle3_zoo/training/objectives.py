@@ -33,9 +33,12 @@ NLA_EPS = 1e-5  # alpha floor of neg_log_alpha (speculators' value): below it th
 DEFAULT_ETA = 3.0  # lk_hybrid's lambda = exp(-eta * alpha) (the value speculators ships as its default)
 
 
+ALPHA_BLOCK = 128  # rows per block of the reported alpha: its temporaries stay [128, Vd], not [chunk, Vd]
+
+
 class ChunkObjective(NamedTuple):
     loss: torch.Tensor  # [n] fp32 per-row objective
-    alpha: torch.Tensor  # [n] fp32 expected acceptance against the full target (no gradient)
+    alpha: torch.Tensor | None  # [n] fp32 expected acceptance against the full target (no gradient); None unasked
     grad: torch.Tensor  # [n, Vd] fp32 d loss / d logits (the logits buffer, overwritten)
     argmax: torch.Tensor  # [n] int64 the draft's top token
 
@@ -48,7 +51,7 @@ def check_objective(name: str) -> None:
 
 
 def chunk_objective(logits: torch.Tensor, p: torch.Tensor, name: str = "soft_ce", mass: torch.Tensor | None = None,
-                    eta: float = DEFAULT_ETA) -> ChunkObjective:
+                    eta: float = DEFAULT_ETA, report: bool = True) -> ChunkObjective:
     """Per-row objective, acceptance and logits gradient of one chunk; `logits` (fp32) is overwritten in place.
 
     One softmax pass (row max, exp, normalise in place), a batched row dot for p . z, and for the acceptance
@@ -60,6 +63,8 @@ def chunk_objective(logits: torch.Tensor, p: torch.Tensor, name: str = "soft_ce"
         name: one of `OBJECTIVES`.
         mass: `[n]` target probability mass on the draft vocabulary, for the reported alpha (None = 1).
         eta: lk_hybrid's lambda = exp(-eta * alpha).
+        report: compute the reported alpha (a metric: for soft_ce two more passes over `[n, Vd]`, which a training
+            step that logs nothing skips); False returns alpha None.
     """
     check_objective(name)
     row_max, argmax = logits.max(-1)
@@ -68,10 +73,10 @@ def chunk_objective(logits: torch.Tensor, p: torch.Tensor, name: str = "soft_ce"
     denom = q.sum(-1)
     q.div_(denom[:, None])
     ce = row_max + denom.log() - dot  # logsumexp(z) - p . z = -sum_v p_v log q_v
-    reported = torch.minimum(q, p if mass is None else p * mass[:, None]).sum(-1)
     if name == "soft_ce":
-        return ChunkObjective(ce, reported, q.sub_(p), argmax)
-    alpha = reported if mass is None else torch.minimum(q, p).sum(-1)
+        return ChunkObjective(ce, _acceptance(q, p, mass) if report else None, q.sub_(p), argmax)
+    alpha = torch.minimum(q, p).sum(-1)
+    reported = alpha if mass is None else _acceptance(q, p, mass) if report else None
     g_alpha = q * (q < p)  # s * q
     g_alpha.addcmul_(q, g_alpha.sum(-1, keepdim=True), value=-1.0)  # q * (s - S) = d alpha / dz
     if name == "tv":
@@ -84,6 +89,16 @@ def chunk_objective(logits: torch.Tensor, p: torch.Tensor, name: str = "soft_ce"
     kl = ce + torch.xlogy(p, p).sum(-1)  # cross-entropy - entropy(p)
     grad = q.sub_(p).mul_(lam[:, None]).add_(g_alpha.mul_((lam - 1.0)[:, None]))
     return ChunkObjective(lam * kl + (1.0 - lam) * (1.0 - alpha), reported, grad, argmax)
+
+
+def _acceptance(q: torch.Tensor, p: torch.Tensor, mass: torch.Tensor | None) -> torch.Tensor:
+    """`[n]` sum_v min(q_v, m p_v) in blocks of `ALPHA_BLOCK` rows (one `[n, Vd]` temporary per operand was the
+    fused loss's peak memory)."""
+    out = torch.empty(q.shape[0], dtype=q.dtype, device=q.device)
+    for i in range(0, q.shape[0], ALPHA_BLOCK):
+        rows = slice(i, i + ALPHA_BLOCK)
+        out[rows] = torch.minimum(q[rows], p[rows] if mass is None else p[rows] * mass[rows, None]).sum(-1)
+    return out
 
 
 def reference_objective(logits: torch.Tensor, p: torch.Tensor, name: str = "soft_ce", mass: torch.Tensor | None = None,
