@@ -55,9 +55,9 @@ def test_fit_forms_alpha_on_logging_steps_only(tiny_target, tmp_path):  # noqa: 
     asked = []
     loss = module.loss
 
-    def recording_loss(batch, steps, global_norm=False, with_alpha=True):
+    def recording_loss(batch, steps, global_norm=False, read_along=False, with_alpha=True):
         asked.append(with_alpha)
-        return loss(batch, steps, global_norm, with_alpha)
+        return loss(batch, steps, global_norm, read_along=read_along, with_alpha=with_alpha)
 
     module.loss = recording_loss
     trainer = L.Trainer(max_steps=4, logger=CSVLogger(tmp_path), log_every_n_steps=2, enable_checkpointing=False,
