@@ -223,23 +223,25 @@ def test_compiled_flex_has_its_own_recompile_limit(monkeypatch):
     from eagle3_zoo.modeling import attention
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
-    attention._compiled_flex.cache_clear()
-    try:
-        monkeypatch.setattr(flex, "flex_attention", attention._compiled_flex())
-    finally:
+    # the config's own patch, not monkeypatch: setattr-ing the old value back leaves the name hidden in torch 2.13
+    # (dynamo's alias of torch.compiler.config), which breaks every later eager FlexAttention call
+    with torch._dynamo.config.patch(recompile_limit=1):
+        compile_ = torch.compile
+        monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
         attention._compiled_flex.cache_clear()
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        for batch in (2, 1):
-            q, ks, vs = _qkv(300, 2, grad=False, batch=batch)
-            torch.testing.assert_close(ttt_attention(q, ks, vs, backend="flex"), ttt_attention_reference(q, ks, vs),
-                                       atol=1e-5, rtol=1e-4)
-    torch._dynamo.reset()
-    assert not [w for w in seen if "without torch.compile" in str(w.message)]
-    assert torch._dynamo.config.recompile_limit == 1
+        try:
+            monkeypatch.setattr(flex, "flex_attention", attention._compiled_flex())
+        finally:
+            attention._compiled_flex.cache_clear()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for batch in (2, 1):
+                q, ks, vs = _qkv(300, 2, grad=False, batch=batch)
+                torch.testing.assert_close(ttt_attention(q, ks, vs, backend="flex"), ttt_attention_reference(q, ks, vs),
+                                           atol=1e-5, rtol=1e-4)
+        torch._dynamo.reset()
+        assert not [w for w in seen if "without torch.compile" in str(w.message)]
+        assert torch._dynamo.config.recompile_limit == 1
 
 
 def test_init_head_from_target_on_a_cuda_target():
