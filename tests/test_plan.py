@@ -274,3 +274,45 @@ def test_fsdp_plan_counts_the_drafter_buffers_in_the_training_step():
     assert fp32["drafter all-gather"].bytes == 2 * gather.bytes  # no policy: gathered in the stored fp32
     assert fp32["drafter reduce-scatter input"].bytes == rs.bytes
     assert "drafter all-gather" not in _by_name(_tiny_plan("trainer.strategy=ddp"))  # DDP keeps whole parameters
+
+
+def test_the_shipped_parameter_counts_are_what_the_meta_build_counts():
+    """The package's table of the shipped targets' parameter counts (which lets `plan` answer without building the
+    target) equals a meta-device build of every shipped target config, with the transformers version it was made
+    with; with another version its keys do not match and `plan` builds (nothing to check here then)."""
+    import json
+    from importlib import resources
+
+    import transformers
+
+    from eagle3_zoo.training.plan import COUNTS_FILE, shipped_counts_table
+
+    shipped = json.loads(resources.files("eagle3_zoo").joinpath(*COUNTS_FILE).read_text())
+    versions = {entry["_transformers"] for entry in shipped.values()}
+    if versions != {transformers.__version__}:
+        pytest.skip(f"the table was counted with transformers {versions}, this is {transformers.__version__}")
+    assert shipped == shipped_counts_table(), ("the shipped counts are stale: rebuild them with "
+                                               "eagle3_zoo.training.plan.write_shipped_counts()")
+
+
+def test_plan_of_a_shipped_recipe_builds_no_target_and_a_changed_config_does(monkeypatch):
+    """A shipped target is counted from the table (no model built, so no modeling import); the same target with one
+    field changed is not in the table and is built."""
+    import transformers
+
+    from eagle3_zoo.adapters.shipped import shipped_target_config
+    from eagle3_zoo.training import plan as plan_module
+
+    if transformers.__version__ not in {e["_transformers"] for e in plan_module._shipped_counts().values()}:
+        pytest.skip("the shipped counts were made with another transformers version")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    built = []
+    meta_model = plan_module._meta_model
+    monkeypatch.setattr(plan_module, "_meta_model", lambda config: built.append(config) or meta_model(config))
+    recipe = load_recipe(RECIPES[0].parent / "llama3_8b.yaml")
+    plan_recipe(recipe, source="llama3_8b")
+    assert built == []
+    config = shipped_target_config(recipe.target.name_or_path)
+    config.num_hidden_layers = 2
+    counts = plan_module.target_parameter_counts(config, get_adapter(config.model_type))
+    assert len(built) == 1 and counts["total"] < 8_000_000_000

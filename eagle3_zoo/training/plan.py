@@ -22,7 +22,12 @@ allocated.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
+from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,10 +58,35 @@ def _meta_model(config: Any) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
-def target_parameter_counts(config: Any, adapter: Any) -> dict[str, int]:
+COUNTS_FILE = ("resources", "target_parameter_counts.json")  # the shipped targets' counts, keyed by `counts_key`
+
+
+def counts_key(config: Any) -> str:
+    """What a target's parameter counts depend on: its whole config (not its name) and the transformers version
+    that builds the model, as a digest."""
+    import transformers
+
+    fields = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    text = json.dumps({"config": fields, "transformers": transformers.__version__}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def _shipped_counts() -> dict[str, dict[str, int]]:
+    path = resources.files("eagle3_zoo").joinpath(*COUNTS_FILE)
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def target_parameter_counts(config: Any, adapter: Any, shipped: bool = True) -> dict[str, int]:
     """`total`, `embed`, `lm_head` and `largest_layer` parameter counts of the target (meta-device build), and of
     its decoder layers' `layer_matrices` (parameters of 2 or more dims: what FP8 checkpoints quantise) and routed
-    `experts` (what expert parallelism splits)."""
+    `experts` (what expert parallelism splits).
+
+    With `shipped`, a config whose `counts_key` is in the package's table (the shipped targets, counted with the
+    transformers version the table was made with) is answered from it without building the model (~2.5 s of
+    imports and construction); tests/test_plan.py rebuilds every entry the installed transformers can check."""
+    if shipped and (known := _shipped_counts().get(counts_key(config))) is not None:
+        return {k: v for k, v in known.items() if not k.startswith("_")}  # "_target", "_transformers": labels
     model = _meta_model(config)
     embed, head = adapter.embed_tokens(model).weight, adapter.lm_head(model).weight
     layers = list(adapter.decoder_layers(model))
@@ -67,6 +97,34 @@ def target_parameter_counts(config: Any, adapter: Any) -> dict[str, int]:
             "largest_layer": max((sum(p.numel() for p in m.parameters()) for m in layers), default=0),
             "layer_matrices": sum(p.numel() for _, p in named if p.dim() >= 2),
             "experts": sum(p.numel() for n, p in named if ".experts." in f".{n}")}
+
+
+def shipped_counts_table() -> dict[str, dict[str, int]]:
+    """The table `target_parameter_counts` reads, built: every shipped target config counted on the meta device
+    (with the installed transformers)."""
+    import transformers
+
+    from eagle3_zoo.adapters import get_adapter
+    from eagle3_zoo.adapters.shipped import shipped_target_config, shipped_target_ids
+
+    table = {}
+    for hub_id in shipped_target_ids():
+        config = shipped_target_config(hub_id)
+        counts = target_parameter_counts(config, get_adapter(config.model_type), shipped=False)
+        table[counts_key(config)] = {"_target": hub_id, "_transformers": transformers.__version__, **counts}
+    return table
+
+
+def write_shipped_counts() -> Path:
+    """Rebuild the package's table of the shipped targets' parameter counts (after adding or changing a shipped
+    target config, or with another transformers version):
+    `python -c "from eagle3_zoo.training.plan import write_shipped_counts; write_shipped_counts()"`."""
+    from eagle3_zoo.fileio import atomic_write_text
+
+    path = Path(str(resources.files("eagle3_zoo").joinpath(*COUNTS_FILE)))
+    atomic_write_text(path, json.dumps(shipped_counts_table(), indent=1, sort_keys=True) + "\n")
+    _shipped_counts.cache_clear()
+    return path
 
 
 def _meta_drafter(config: Any) -> torch.nn.Module:
