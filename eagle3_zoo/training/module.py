@@ -416,8 +416,8 @@ class Eagle3Module(L.LightningModule):
         self.log("train/acc_0", out.step_acc[0].float(), batch_size=b)
         # what a live bar shows, read with the next step's counts instead of by the bar (`StepProgressBar`)
         self._read_later.update({"train/loss": mean_loss, "train/acc_0": out.step_acc[0]})
-        if attached_trainer(self) is not None and self.trainer.lr_scheduler_configs:
-            lr = self.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
+        if trainer is not None and trainer.lr_scheduler_configs:
+            lr = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
             # a tensor filled on the device: Lightning turns a float into a tensor by a blocking host-to-device copy
             self.log("train/lr", torch.full((), lr, device=out.loss.device), batch_size=b)
         return out.loss
