@@ -121,6 +121,7 @@ ESTIMATE_S = {"TTT train step T=2048": 60, "TTT train step T=8192": 45, "TTT tra
               "fit auto": 60, "fit fsdp": 60}
 LIMIT_S = 480  # the whole run, start included, on one H200
 HANG_FACTOR, HANG_MIN_S = 4, 180
+PROFILE_DIR: Path | None = None  # --profile-fit
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -450,8 +451,9 @@ class FitMeter:
     (`_host_only`).
     """
 
-    def __init__(self, warmup: int, timed: int) -> None:
+    def __init__(self, warmup: int, timed: int, profile: Path | None = None) -> None:
         self.warmup, self.timed = warmup, timed
+        self.profile, self._profiler = profile, None  # `profile`: where the table of the untimed last step goes
         self.steps: list[tuple[float, int]] = []  # (seconds, tokens) of every timed step, warm-up ones included
         self.count: int | None = None
         self.where: list[str] = []
@@ -468,11 +470,27 @@ class FitMeter:
             self._start = time.perf_counter()
         elif step == self.warmup + self.timed:
             self._start_counting(pl_module.device)
+        elif step == self.warmup + self.timed + 1 and self.profile is not None:
+            from torch.profiler import ProfilerActivity, profile
+
+            cuda = pl_module.device.type == "cuda"
+            self._profiler = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+            self._profiler.__enter__()
 
     def step_end(self, trainer, pl_module, batch) -> None:
         if trainer.global_step - 1 < self.warmup + self.timed:  # global_step has moved on past the optimizer step
             _sync(pl_module.device)
             self.steps.append((time.perf_counter() - self._start, int(batch["attention_mask"].sum())))
+        elif self._profiler is not None:
+            _sync(pl_module.device)
+            self._profiler.__exit__(None, None, None)
+            cuda = pl_module.device.type == "cuda"
+            table = self._profiler.key_averages().table(
+                sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=40,
+                max_name_column_width=70)
+            self.profile.write_text(table)
+            print("\n".join(table.splitlines()[:18]), flush=True)
+            self._profiler = None
 
     def _start_counting(self, device: torch.device) -> None:
         caught = warnings.catch_warnings(record=True)
@@ -500,7 +518,7 @@ class FitMeter:
         self._counting = None
         if cpu is None:
             torch.cuda.set_sync_debug_mode(0)
-            events = [f"sync at {Path(w.filename).name}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)]
+            events = cuda_sync_events(seen)
         else:
             counter, reads = cpu
             counter.__exit__(None, None, None)
@@ -508,6 +526,14 @@ class FitMeter:
             events = [f"{kind} at {where.split(' ')[0].rsplit('/', 1)[-1]}" for kind, where in counter.events]
         caught.__exit__(None, None, None)
         self.count, self.where = len(events), events
+
+
+def cuda_sync_events(seen: list[warnings.WarningMessage]) -> list[str]:
+    """The syncs that `torch.cuda.set_sync_debug_mode("warn")` reported among recorded warnings, as "sync at
+    file:line". The mode's own one-time notice ("Synchronization debug mode is a prototype feature and does not yet
+    detect all synchronizing operations", raised where the mode is set) is not one: the first GPU run counted it."""
+    return [f"sync at {Path(w.filename).name}:{w.lineno}" for w in seen
+            if "called a synchronizing CUDA operation" in str(w.message)]
 
 
 def _host_only() -> bool:
@@ -604,7 +630,7 @@ def check_fit(s: Shapes, device: torch.device, work: Path, strategy: str) -> Non
 
     recipe_file = _fit_recipe(s, work, device)
     warmup, timed = s.fit_steps
-    meter, reads = FitMeter(warmup, timed), ShardReads()
+    meter, reads = FitMeter(warmup, timed, PROFILE_DIR and PROFILE_DIR / f"fit_{strategy}_profile.txt"), ShardReads()
     accel = ["trainer.accelerator=gpu"] if device.type == "cuda" else ["trainer.accelerator=cpu"]
     overrides = [*accel, f"trainer.strategy={strategy}", "trainer.devices=1", f"output_dir={work / strategy}"]
     recipe = load_recipe(recipe_file, overrides)
@@ -694,7 +720,11 @@ def main() -> int:
     p.add_argument("--jsonl", type=Path, default=None,
                    help="JSON-lines file of the rows, written as each is measured (default: "
                         "runs/gpu_check-<time>.jsonl)")
+    p.add_argument("--profile-fit", type=Path, default=None, metavar="DIR",
+                   help="profile the fit checks' last (untimed) step: DIR/fit_<strategy>_profile.txt, top rows printed")
     args = p.parse_args()
+    global PROFILE_DIR
+    PROFILE_DIR = args.profile_fit
     if args.cpu_smoke:
         device, s = torch.device("cpu"), CPU_SMOKE
     else:

@@ -245,6 +245,21 @@ def test_fsdp_target_from_meta_reads_only_each_ranks_slices(tmp_path):
     _check_shards(tmp_path, 2, {1: (flat, 2), 2: (flat, 2)})
 
 
+def test_skeleton_of_a_tied_embedding_target(tmp_path):
+    """A target whose lm_head is its embedding (stored once, as Llama-3.2-1B, Qwen2.5-0.5B and SmolLM2 store it) loads
+    as a skeleton: lm_head is the embedding parameter, read from the file, and the layers wait on meta (the GPU check
+    found such a target loaded whole: the empty-weights init had left lm_head untied and unreadable)."""
+    from eagle3_zoo.adapters.loading import load_target, load_target_skeleton
+
+    target = save_tiny_target(tmp_path / "target", tied=True)
+    assert "lm_head.weight" not in load_file(target / "model.safetensors")
+    model, _, _ = load_target_skeleton(target)
+    plain, _, _ = load_target(target)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, plain.lm_head.weight)
+    assert {n.split(".")[1] for n, p in model.named_parameters() if p.is_meta} == {"layers"}
+
+
 @pytest.mark.slow
 def test_fsdp_hsdp_mesh_across_nodes(tmp_path):
     """4 gloo ranks as 2 nodes x 2: HSDP (replicated across nodes, sharded within), so each rank reads half the

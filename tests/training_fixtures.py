@@ -35,8 +35,9 @@ def tiny_llama_target() -> tuple[Any, Any, Any]:
     return model, adapter.tiny_tokenizer(), adapter
 
 
-def save_tiny_target(directory: Path, seed: int = 0, num_layers: int = 4) -> Path:
-    """A random Llama target (hidden 64, 4 layers, vocab 512) + tokenizer in `directory`."""
+def save_tiny_target(directory: Path, seed: int = 0, num_layers: int = 4, tied: bool = False) -> Path:
+    """A random Llama target (hidden 64, 4 layers, vocab 512) + tokenizer in `directory` (`tied`: lm_head is the
+    embedding, stored once)."""
     from transformers import LlamaForCausalLM
 
     from eagle3_zoo.adapters import get_adapter
@@ -44,6 +45,7 @@ def save_tiny_target(directory: Path, seed: int = 0, num_layers: int = 4) -> Pat
     adapter = get_adapter("llama")
     config = adapter.tiny_config()
     config.num_hidden_layers = num_layers
+    config.tie_word_embeddings = tied
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.save_pretrained(directory)

@@ -423,6 +423,9 @@ def load_target_skeleton(
     files = target_weight_files(path, kwargs["local_files_only"])
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    # init_empty_weights keeps from_config from tying: a tied lm_head (Llama-3.2-1B/3B, Qwen2.5 <= 3B, SmolLM2) would
+    # stay a separate meta parameter that no file stores under its name
+    model.tie_weights()
     aliases: dict[int, list[str]] = {}  # tied weights: one parameter under several names
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
