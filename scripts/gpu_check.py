@@ -107,18 +107,18 @@ RESULTS: list[bool] = []
 WARMUPS: list[float] = []  # warm-up seconds of each row (compilation included)
 _DRAFTERS: dict = {}
 # Planned seconds of each check on one H200, compilation included, and of the machine's start (the machine, the
-# copy of the checkout, the omegaconf wheel, imports). Not measured yet (no GPU has been lent): FlexAttention's
-# first fwd+bwd compile is taken as 45 s and each further graph (a new dtype, the dynamic-length one) as 20-30 s; the
-# arithmetic is small beside it (the 8B-drafter step at T=8192 is ~0.25 PFLOP: ~1 s at 300 TFLOP/s); a fit check
-# saves/loads the 2.5 GB bf16 target and compiles the TTT attention inside Lightning. Each JSON-lines row records
-# its estimate beside the measured seconds, so the first GPU run corrects them; a check that runs past
-# HANG_FACTOR times its estimate (at least HANG_MIN_S) stops the run with every thread's stack (a hang in NCCL or a
-# compile must not spend the device time).
-START_S = 120
-ESTIMATE_S = {"TTT train step T=2048": 60, "TTT train step T=8192": 45, "TTT train step T=2000": 25,
-              "TTT attention float32 T=2048": 25, "TTT attention bfloat16 T=2048": 5,
-              "TTT attention float32 T=1000": 10, "TTT attention bfloat16 T=1000": 5, "speculative decoding": 25,
-              "fit auto": 60, "fit fsdp": 60}
+# copy of the checkout, the omegaconf wheel, imports), from the first two runs on one H200 (2026-12-04, a87afc1 and
+# 8df84b1; JSON-lines rows in docs/performance.md): measured 39-55 s for the first TTT step check (FlexAttention's
+# fwd+bwd compiles, 19-29 s), 12-17 s for the first fp32 attention check (its compile), under 11 s for every other
+# kernel check, 6-9 s decoding, 26-35 s `fit` auto and 13-22 s `fit` fsdp (the second run profiled one step more),
+# 107-153 s in all, the start 60-70 s; each estimate is about 1.5x the larger figure. Each JSON-lines row records its
+# estimate beside the measured seconds; a check that runs past HANG_FACTOR times its estimate (at least HANG_MIN_S)
+# stops the run with every thread's stack (a hang in NCCL or a compile must not spend the device time).
+START_S = 90
+ESTIMATE_S = {"TTT train step T=2048": 80, "TTT train step T=8192": 10, "TTT train step T=2000": 20,
+              "TTT attention float32 T=2048": 30, "TTT attention bfloat16 T=2048": 5,
+              "TTT attention float32 T=1000": 5, "TTT attention bfloat16 T=1000": 5, "speculative decoding": 15,
+              "fit auto": 55, "fit fsdp": 35}
 LIMIT_S = 480  # the whole run, start included, on one H200
 HANG_FACTOR, HANG_MIN_S = 4, 180
 PROFILE_DIR: Path | None = None  # --profile-fit
