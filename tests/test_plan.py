@@ -316,3 +316,70 @@ def test_plan_of_a_shipped_recipe_builds_no_target_and_a_changed_config_does(mon
     config.num_hidden_layers = 2
     counts = plan_module.target_parameter_counts(config, get_adapter(config.model_type))
     assert len(built) == 1 and counts["total"] < 8_000_000_000
+
+
+def _shipped_table_is_current() -> bool:
+    from eagle3_zoo.training import plan as plan_module
+
+    return plan_module._transformers_version() in {e["_transformers"] for e in plan_module._shipped_counts().values()}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_drafter_shapes_without_a_build_equal_the_built_drafter(recipe):
+    """`plan` sizes the drafter from `Eagle3Config.parameter_shapes()` (no torch module, no transformers import):
+    name, order and shape of every parameter equal the meta-device build, for each shipped recipe's drafter, also
+    with the EAGLE-3.1 options (fails when the drafter gains, loses or reshapes a parameter)."""
+    from eagle3_zoo.adapters.shipped import shipped_target_config
+    from eagle3_zoo.modeling import Eagle3Drafter
+    from eagle3_zoo.training.run_plan import drafter_config
+
+    r = load_recipe(recipe)
+    target_config = shipped_target_config(r.target.name_or_path)
+    adapter = get_adapter(target_config.model_type)
+    aux = tuple(r.drafter.aux_layer_ids or adapter.aux_layer_ids(target_config.num_hidden_layers))
+    base = drafter_config(r, target_config, aux)
+    for cfg in (base, base.__class__(**{**base.__dict__, "fc_norm": True, "norm_output": True})):
+        with torch.device("meta"):
+            built = Eagle3Drafter(cfg)
+        assert [(n, tuple(p.shape)) for n, p in built.named_parameters()] == \
+            [(n, shape) for n, (shape, _) in cfg.parameter_shapes().items()]
+        linear = {f"{n}.weight" for n, m in built.named_modules() if isinstance(m, torch.nn.Linear)}
+        assert linear == {n for n, (_, kind) in cfg.parameter_shapes().items() if kind == "linear"}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_plan_from_the_resolved_table_equals_plan_through_transformers(recipe, monkeypatch):
+    """A shipped target's config comes from the package's table (as transformers resolved it when the table was
+    made) instead of transformers: the plan is the same, line for line, as with the config transformers builds
+    now, under fsdp and ddp and with tau evaluation on."""
+    from eagle3_zoo.adapters.shipped import ResolvedConfig, shipped_target_config
+    from eagle3_zoo.training.plan import shipped_resolved_config
+
+    if not _shipped_table_is_current():
+        pytest.skip("the shipped table was made with another transformers version")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for overrides in ([], ["trainer.strategy=fsdp", "trainer.tau_eval.every_n_steps=100"], ["trainer.strategy=ddp"]):
+        r = load_recipe(recipe, overrides)
+        resolved = shipped_resolved_config(r.target.name_or_path)
+        assert isinstance(resolved, ResolvedConfig)
+        fast = plan_recipe(r, source="r")
+        slow = plan_recipe(r, target_config=shipped_target_config(r.target.name_or_path), source="r")
+        assert fast.table() == slow.table() and fast.lines == slow.lines, overrides
+
+
+def test_plan_of_a_shipped_recipe_imports_no_transformers():
+    """`eagle3-zoo plan` of a shipped recipe reads the resolved config from the package's table: transformers (about
+    2 s of imports on 2 busy cores) and the drafter's modeling code stay unimported (fails without the table's
+    resolved configs or without `parameter_shapes`)."""
+    import subprocess
+    import sys
+
+    if not _shipped_table_is_current():
+        pytest.skip("the shipped table was made with another transformers version")
+    code = ("import sys; from eagle3_zoo.cli import main; rc = main(['plan', 'recipes/llama3_70b.yaml']); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers' or m == 'eagle3_zoo.modeling"
+            ".drafter'))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=RECIPES[0].parents[1],
+                       env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout[-2000:]

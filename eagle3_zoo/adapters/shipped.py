@@ -44,3 +44,19 @@ def shipped_target_config(name: str) -> Any | None:
     config = AutoConfig.for_model(**data)
     config._name_or_path = name_or_path
     return config
+
+
+class ResolvedConfig:
+    """A target config as transformers resolved it (its `to_dict()`, defaults filled in), read back without
+    transformers: attribute access and `to_dict()`, what planning reads. `eagle3_zoo.training.plan` keeps one per
+    shipped target, with the transformers version that resolved it."""
+
+    def __init__(self, data: dict[str, Any], name_or_path: str) -> None:
+        self.__dict__.update(data)
+        self._name_or_path = name_or_path
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        return f"ResolvedConfig({self._name_or_path!r}, model_type={getattr(self, 'model_type', None)!r})"

@@ -164,6 +164,25 @@ class Eagle3Config:
     def num_aux_layers(self) -> int:
         return len(self.aux_layer_ids) if self.aux_layer_ids else 3
 
+    def parameter_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Every parameter of the `Eagle3Drafter` this config builds: name -> (shape, "linear" | "norm"), computed
+        without torch or transformers (`plan` sizes a drafter from it in a fraction of a second). Equal to the
+        meta-device build's `named_parameters()` for every shipped recipe and each option (tests/test_plan.py)."""
+        h, ht, d, i = self.hidden_size, self.target_hidden_size, self.head_dim, self.intermediate_size
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        shapes: dict[str, tuple[tuple[int, ...], str]] = {"fc.weight": ((h, self.num_aux_layers * ht), "linear")}
+        if self.fc_norm:
+            shapes.update({f"fc_norm.{n}.weight": ((ht,), "norm") for n in range(self.num_aux_layers)})
+        layer = {"input_layernorm.weight": ((h,), "norm"), "hidden_norm.weight": ((h,), "norm"),
+                 "self_attn.q_proj.weight": ((q, 2 * h), "linear"), "self_attn.k_proj.weight": ((kv, 2 * h), "linear"),
+                 "self_attn.v_proj.weight": ((kv, 2 * h), "linear"), "self_attn.o_proj.weight": ((h, q), "linear"),
+                 "post_attention_layernorm.weight": ((h,), "norm"), "mlp.gate_proj.weight": ((i, h), "linear"),
+                 "mlp.up_proj.weight": ((i, h), "linear"), "mlp.down_proj.weight": ((h, i), "linear")}
+        shapes.update({f"midlayer.{n}": v for n, v in layer.items()})
+        shapes["norm.weight"] = ((h,), "norm")
+        shapes["lm_head.weight"] = ((self.draft_vocab_size, h), "linear")
+        return shapes
+
     @property
     def eagle31(self) -> bool:
         """Whether this drafter uses an EAGLE-3.1 option (`fc_norm` or `norm_output`)."""

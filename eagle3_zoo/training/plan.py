@@ -26,6 +26,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -61,14 +62,43 @@ def _meta_model(config: Any) -> torch.nn.Module:
 COUNTS_FILE = ("resources", "target_parameter_counts.json")  # the shipped targets' counts, keyed by `counts_key`
 
 
+def _transformers_version() -> str:
+    """The installed transformers version, from its metadata (importing transformers costs ~1 s under load)."""
+    from importlib.metadata import version
+
+    return version("transformers")
+
+
+def _resolved_fields(config: Any) -> dict[str, Any]:
+    return {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+
+
 def counts_key(config: Any) -> str:
     """What a target's parameter counts depend on: its whole config (not its name) and the transformers version
     that builds the model, as a digest."""
-    import transformers
-
-    fields = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
-    text = json.dumps({"config": fields, "transformers": transformers.__version__}, sort_keys=True, default=str)
+    text = json.dumps({"config": _resolved_fields(config), "transformers": _transformers_version()}, sort_keys=True,
+                      default=str)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def shipped_key(data: dict[str, Any]) -> str:
+    """A shipped target's config file (`shipped_target_dict`) and the transformers version, as a digest."""
+    text = json.dumps({"shipped": data, "transformers": _transformers_version()}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def shipped_resolved_config(name: str) -> Any | None:
+    """The shipped target's config as the installed transformers resolves it, from the package's table: a
+    `ResolvedConfig`, with no transformers import. None when `name` is not shipped or the table was made from another
+    file or transformers version (the caller then resolves it with transformers: `shipped_target_config`)."""
+    from eagle3_zoo.adapters.shipped import ResolvedConfig, shipped_target_dict
+
+    data = shipped_target_dict(name)
+    if data is None:
+        return None
+    key = shipped_key(data)
+    entry = next((e for e in _shipped_counts().values() if e.get("_shipped") == key), None)
+    return None if entry is None else ResolvedConfig(entry["_config"], data["_name_or_path"])
 
 
 @functools.lru_cache(maxsize=1)
@@ -105,13 +135,16 @@ def shipped_counts_table() -> dict[str, dict[str, int]]:
     import transformers
 
     from eagle3_zoo.adapters import get_adapter
-    from eagle3_zoo.adapters.shipped import shipped_target_config, shipped_target_ids
+    from eagle3_zoo.adapters.shipped import shipped_target_config, shipped_target_dict, shipped_target_ids
 
     table = {}
     for hub_id in shipped_target_ids():
         config = shipped_target_config(hub_id)
         counts = target_parameter_counts(config, get_adapter(config.model_type), shipped=False)
-        table[counts_key(config)] = {"_target": hub_id, "_transformers": transformers.__version__, **counts}
+        resolved = json.loads(json.dumps(_resolved_fields(config), default=str))
+        table[counts_key(config)] = {"_target": hub_id, "_transformers": transformers.__version__,
+                                     "_shipped": shipped_key(shipped_target_dict(hub_id)), "_config": resolved,
+                                     **counts}
     return table
 
 
@@ -127,22 +160,15 @@ def write_shipped_counts() -> Path:
     return path
 
 
-def _meta_drafter(config: Any) -> torch.nn.Module:
-    from eagle3_zoo.modeling import Eagle3Drafter
-
-    with torch.device("meta"):
-        return Eagle3Drafter(config)
-
-
 def drafter_parameter_count(config: Any) -> int:
-    """Trainable parameters of a drafter with this `Eagle3Config` (meta-device build)."""
-    return sum(p.numel() for p in _meta_drafter(config).parameters() if p.requires_grad)
+    """Parameters of a drafter with this `Eagle3Config` (all trainable), from its shapes (no model built)."""
+    return sum(math.prod(shape) for shape, _ in config.parameter_shapes().values())
 
 
 def fsdp_padded_numel(config: Any, shard: int) -> int:
     """Elements of a drafter's parameters as FSDP2 lays them out unsharded over `shard` ranks: each parameter's
     dim 0 padded to a multiple of `shard` (the all-gather output and the reduce-scatter input have this size)."""
-    return sum(-(-p.shape[0] // shard) * shard * (p.numel() // p.shape[0]) for p in _meta_drafter(config).parameters())
+    return sum(-(-shape[0] // shard) * shard * math.prod(shape[1:]) for shape, _ in config.parameter_shapes().values())
 
 
 def fsdp_drafter_lines(config: Any, precision: str, shard: int) -> list[PlanLine]:
@@ -157,11 +183,9 @@ def fsdp_drafter_lines(config: Any, precision: str, shard: int) -> list[PlanLine
     since the reduce-scatter input is allocated after backward freed the activations and the gathered parameters.
     Checked against the buffers FSDP2 allocates in tests/test_plan.py.
     """
-    from eagle3_zoo.training.strategies import drafter_mixed_precision
+    from eagle3_zoo.training.run_plan import fsdp_drafter_dtypes
 
-    policy = drafter_mixed_precision(precision)
-    pdt = policy.param_dtype if policy is not None and policy.param_dtype is not None else stored_dtype(precision)
-    rdt = policy.reduce_dtype if policy is not None and policy.reduce_dtype is not None else pdt
+    pdt, rdt = fsdp_drafter_dtypes(precision) or (stored_dtype(precision),) * 2
     n, padded = drafter_parameter_count(config), fsdp_padded_numel(config, shard)
     (pb, pname), (rb, rname) = ((d.itemsize, str(d).removeprefix("torch.")) for d in (pdt, rdt))
     train = "training step"
@@ -205,11 +229,9 @@ def ttt_saved_bytes(config: Any, tokens: int, steps: int, compute: torch.dtype =
     rows = sup * steps * ((h * (c + 4) + 4 if low else 2 * h * c + 4) + 4 * h + 16)
     n_aux = len(config.aux_layer_ids or (0, 0, 0))
     weights = 0
-    if low:
-        drafter = _meta_drafter(config)
-        # not fc's: the features need no gradient, so its backward needs only its input
-        weights = sum(m.weight.numel() for m in drafter.modules()
-                      if isinstance(m, torch.nn.Linear) and m not in (drafter.lm_head, drafter.fc)) * c
+    if low:  # not fc's: the features need no gradient, so its backward needs only its input
+        weights = sum(math.prod(shape) for name, (shape, kind) in config.parameter_shapes().items()
+                      if kind == "linear" and name not in ("lm_head.weight", "fc.weight")) * c
     return {"activations": per_token * tokens, "loss_rows": rows, "fc_input": n_aux * config.target_hidden_size
             * tokens * c, "autocast_weights": weights}
 
@@ -279,8 +301,8 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     from eagle3_zoo.training.run_plan import counted_devices, drafter_config, run_plan, trainer_device
 
     t, tr = recipe.target, recipe.trainer
-    if target_config is None:
-        target_config = shipped_target_config(t.name_or_path)
+    if target_config is None:  # a shipped target: resolved from the table (no transformers), else by transformers
+        target_config = shipped_resolved_config(t.name_or_path) or shipped_target_config(t.name_or_path)
     if target_config is None:
         from eagle3_zoo.checkpoint.check_target import resolve_target_config
 
@@ -321,7 +343,7 @@ def _training_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any, counts:
                     dequant: str) -> list[PlanLine]:
     """Per trainer GPU during training: the target (as `rp.target_load` says), the drafter and its optimizer, the
     training step's buffers and the tau evaluation's transient."""
-    from eagle3_zoo.training.strategies import drafter_mixed_precision
+    from eagle3_zoo.training.run_plan import fsdp_drafter_dtypes
 
     t, tr = recipe.target, recipe.trainer
     tbytes, compute = rp.target_dtype.itemsize, rp.compute_dtype
@@ -372,7 +394,7 @@ def _training_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any, counts:
     lines.append(PlanLine("TTT activations", act + saved["loss_rows"] + saved["fc_input"], note, train))
     # autocast keeps a compute-dtype copy of each fp32 matmul weight for backward (FSDP's bf16 policy has none)
     copies = saved["autocast_weights"] if tr.precision.endswith("-mixed") and not (
-        fsdp and drafter_mixed_precision(tr.precision) is not None) else 0
+        fsdp and fsdp_drafter_dtypes(tr.precision) is not None) else 0
     if copies:
         lines.append(PlanLine("autocast weight copies", copies,
                               f"{compute_name} copies of the drafter's fp32 matmul weights (kept for backward)", train))

@@ -194,6 +194,14 @@ def compute_dtype(precision: str) -> torch.dtype:
     return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision, stored_dtype(precision))
 
 
+def fsdp_drafter_dtypes(precision: str) -> tuple[torch.dtype, torch.dtype] | None:
+    """The (parameter, gradient reduction) dtypes of FSDP2's mixed-precision policy for the drafter
+    (`strategies.drafter_mixed_precision`): bf16 / fp32 under `bf16-mixed`, else None (no policy)."""
+    import torch
+
+    return (torch.bfloat16, torch.float32) if precision == "bf16-mixed" else None
+
+
 def drafter_dtype_name(precision: str) -> str:
     """The dtype the drafter checkpoint is saved in: the training precision's half type, else float32."""
     if precision.startswith("bf16"):

@@ -41,7 +41,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from eagle3_zoo.fileio import replace_directory
-from eagle3_zoo.training.run_plan import fsdp_shard_size, target_skeleton_reason, world_size  # noqa: F401
+from eagle3_zoo.training.run_plan import (  # noqa: F401
+    fsdp_drafter_dtypes,
+    fsdp_shard_size,
+    target_skeleton_reason,
+    world_size,
+)
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
@@ -122,11 +127,12 @@ def drafter_mixed_precision(precision: str) -> Any:
     """FSDP2's mixed-precision policy of the drafter: bf16 parameters in forward/backward and fp32 gradient
     reduction under `bf16-mixed`; None otherwise (fp32 throughout, or Lightning's fp16 autocast). Inputs are not
     cast: the target's features and logits keep their precision, autocast handles the drafter's matmuls."""
-    if precision != "bf16-mixed":
+    dtypes = fsdp_drafter_dtypes(precision)  # the decision `plan` sizes with
+    if dtypes is None:
         return None
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    return MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1], cast_forward_inputs=False)
 
 
 def shard_fsdp2(target: nn.Module | None, adapter: Any, objective: nn.Module, mesh: Any,
