@@ -76,7 +76,7 @@ def check_repo_id(repo_id: str) -> None:
                          "'-', '_' and '.', e.g. my-org/smollm2-135m-eagle3") from None
 
 
-def stage(drafter_dir: str | Path, stage_dir: str | Path, repo_id: str | None = None, fmt: str = "sglang",
+def stage(drafter_dir: str | Path, stage_dir: str | Path, repo_id: str | None = None, fmt: str = layout_names.CANONICAL,
           published: bool = False, force: bool = False, **card_overrides) -> list[str]:
     """Write the folder to upload: weights + config in `fmt`, README.md card, plots, recipe, results, provenance.
 
@@ -167,7 +167,7 @@ def publish(
     token: str | None = None,
     endpoint: str | None = None,
     stage_dir: str | Path | None = None,
-    fmt: str = "sglang",
+    fmt: str = layout_names.CANONICAL,
     commit_message: str | None = None,
     force: bool = False,
     **card_overrides,
