@@ -12,11 +12,11 @@ from typing import Any, Literal
 
 import yaml
 
-from eagle3_zoo import schema
+from eagle3_zoo import layout_names, schema
 from eagle3_zoo.locations import looks_like_hub_id
 
 STATUSES = ("published", "not-yet-published", "recipe-only")
-FORMATS = ("sglang", "official", "speculators")  # eagle3_zoo.checkpoint.formats.FORMATS (not imported: it loads torch)
+FORMATS = layout_names.BUILT_IN  # the drafter-folder layouts a zoo entry's `format` may name
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_zoo.checkpoint import convert_to_canonical, export_drafter, import_drafter
 from eagle3_zoo.checkpoint.check import check_drafter
-from eagle3_zoo.checkpoint.formats import is_canonical
+from eagle3_zoo.checkpoint.layouts import is_canonical
 from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter
 from tests.hub_fixtures import FIT, canonical_dir, edit_config, edit_weights, step_logits, tiny_target_config
 from tests.tiny import tiny_config

@@ -322,8 +322,7 @@ def test_a_killed_export_leaves_nothing_a_rerun_keeps(tmp_path):
         "    open(path, 'wb').write(b'half a file')\n"
         f"    open({str(marker)!r}, 'w').close()\n"
         "    time.sleep(60)\n"
-        "import eagle3_zoo.checkpoint.convert as c\n"
-        "c.save_file = slow\n"
+        "st.save_file = slow\n"  # the speculators writer (checkpoint/layouts.py) imports it when it writes
         f"export_drafter({str(src)!r}, 'speculators', {str(out)!r})\n")
     proc = subprocess.Popen([sys.executable, "-c", script], env=subprocess_env(), cwd=REPO,
                             stderr=subprocess.DEVNULL)
@@ -487,12 +486,12 @@ def test_a_failed_publish_leaves_nothing_in_its_stage_dir(tmp_path, capsys, monk
 
 
 def test_export_checks_what_it_staged_before_it_reaches_the_output(tmp_path, monkeypatch):
-    from eagle3_zoo.checkpoint import convert
+    from eagle3_zoo.checkpoint import layouts
     from eagle3_zoo.checkpoint.check import InvalidDrafterError
 
     src, _ = canonical_dir(tmp_path)
-    real = convert.speculators_config
-    monkeypatch.setattr(convert, "speculators_config", lambda *a, **k: {**real(*a, **k), "draft_vocab_size": 5})
+    real = layouts.speculators_config
+    monkeypatch.setattr(layouts, "speculators_config", lambda *a, **k: {**real(*a, **k), "draft_vocab_size": 5})
     out = tmp_path / "out"
     with pytest.raises(InvalidDrafterError, match=rf"{out}: refusing to export an invalid drafter: "):
         export_drafter(src, "speculators", out)  # a conversion that went wrong: its result never reaches `out`

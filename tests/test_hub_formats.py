@@ -10,7 +10,8 @@ from safetensors import safe_open
 from transformers import LlamaConfig
 
 from eagle3_zoo.checkpoint import convert_to_canonical, detect_format, export_drafter, import_drafter
-from eagle3_zoo.checkpoint.formats import CANONICAL_KEYS, is_canonical
+from eagle3_zoo.checkpoint.formats import CANONICAL_KEYS
+from eagle3_zoo.checkpoint.layouts import is_canonical
 from eagle3_zoo.hub import load_any_drafter
 from eagle3_zoo.modeling import Eagle3Drafter
 from tests.hub_fixtures import canonical_dir, edit_config, official_dir, specforge_dir, step_logits

@@ -59,7 +59,7 @@ def test_a_bad_registry_names_every_problem_by_entry():
     from eagle3_zoo.zoo_registry import FORMATS as ZOO_FORMATS
     from eagle3_zoo.zoo_registry import ZooRegistryError, read_registry
 
-    assert ZOO_FORMATS == FORMATS  # the registry's copy of the drafter formats (checkpoint.formats loads torch)
+    assert ZOO_FORMATS == FORMATS  # both the built-in layouts of eagle3_zoo.layout_names
     ok = dict(name="a", repo_id="org/a", target="org/t", family="llama", format="sglang", recipe=None,
               status="published", verified=True, source="https://example.org")
     text = json.dumps({"targets": {}, "drafters": [
@@ -96,7 +96,9 @@ def test_add_subparsers_registers_five_commands():
     hub_cli.register(sub, argparse.ArgumentParser(add_help=False))
     assert set(sub.choices) == {"export", "check", "publish", "pull", "zoo"}
     from eagle3_zoo.checkpoint import EXPORT_FORMATS
-    assert hub_cli._FORMATS == sorted(EXPORT_FORMATS)
+    for command, option in (("export", "format"), ("publish", "format"), ("pull", "convert_to")):
+        action = next(a for a in sub.choices[command]._actions if a.dest == option)
+        assert action.choices == sorted(EXPORT_FORMATS)
     args = parser.parse_args(["pull", "org/x", "--convert-to", "speculators"])
     assert callable(args.func) and args.convert_to == "speculators"
 

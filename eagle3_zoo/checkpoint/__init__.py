@@ -1,6 +1,6 @@
-"""Drafter folders: their formats (SGLang/canonical, official EAGLE-3, speculators), weights read safely, import and
-export between formats, the static checks of `eagle3-zoo check` (and against a target's config), and the writer of
-the canonical folder a run leaves behind. No network: `eagle3_zoo.hub` downloads and publishes on top of it.
+"""Drafter folders: their layouts (SGLang/canonical, official EAGLE-3, speculators: `layouts`), weights read safely,
+import and export between layouts, the static checks of `eagle3-zoo check` (and against a target's config), and the
+writer of the canonical folder a run leaves behind. No network: `eagle3_zoo.hub` downloads and publishes on top of it.
 
     from eagle3_zoo.checkpoint import check_drafter, export_drafter, import_drafter
 
@@ -16,7 +16,8 @@ _EXPORTS = {
     "check": ("check_drafter", "require_valid_drafter", "vocab_mapping_problems"),
     "check_report": ("CheckReport", "DrafterCheckError", "InvalidDrafterError", "Problem"),
     "convert": ("convert_to_canonical", "export_drafter", "import_drafter"),
-    "formats": ("CANONICAL_KEYS", "EXPORT_FORMATS", "FORMATS", "detect_format"),
+    "formats": ("CANONICAL_KEYS", "EXPORT_FORMATS", "FORMATS"),
+    "layouts": ("Layout", "detect_format", "detect_layout", "get_layout", "register"),
     "weights": ("CheckpointError", "UnsafeCheckpointError"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -15,17 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from eagle3_zoo.checkpoint.check_report import CheckReport, InvalidDrafterError, Problem
 from eagle3_zoo.checkpoint.formats import (
-    SPECULATORS_ARCHITECTURE,
     NonCanonicalDrafterError,
     canonical_keys,
-    canonical_name,
-    detect_format,
-    drafter_config,
     expected_shapes,
     extra_candidates,
     read_config,
-    verifier_resolvable,
 )
+from eagle3_zoo.checkpoint.layouts import Layout, detect_layout, drafter_config
 from eagle3_zoo.checkpoint.weights import (
     FLOAT_DTYPES,
     CheckpointError,
@@ -39,18 +35,9 @@ from eagle3_zoo.checkpoint.weights import (
     st_dtype,
 )
 from eagle3_zoo.modeling import Eagle3Config
-from eagle3_zoo.modeling.config import ARCHITECTURE
 
 if TYPE_CHECKING:  # imported where tensors are read: a missing or invalid config is reported without it
     import torch
-
-# architectures some loaders accept besides the canonical one (official releases; vLLM's own class name)
-_TOLERATED_ARCHITECTURES = {
-    "LlamaForCausalLM": "the official releases' name; serving engines map it to their EAGLE-3 class only when told "
-                        "the method (some SGLang versions need LlamaForCausalLMEagle3)",
-    "Eagle3LlamaForCausalLM": "vLLM's class name; SGLang registers LlamaForCausalLMEagle3",
-}
-
 
 def require_valid_drafter(path_or_dir: str | Path, target_config: Any = None, *, purpose: str = "use") -> CheckReport:
     """Run the checks of `eagle3-zoo check` and refuse a drafter with errors: the gate of eval, export and publish.
@@ -144,8 +131,9 @@ def check_drafter(path_or_dir: str | Path, target_config: Any = None) -> CheckRe
     report = CheckReport(str(folder))
     try:
         raw = read_config(folder)
-        report.format = fmt = detect_format(folder)
-        _architecture_problems(raw, fmt, report)  # reported even when the config cannot be translated
+        layout = detect_layout(folder)
+        report.format = fmt = layout.name
+        layout.architecture_problems(raw, report)  # reported even when the config cannot be translated
         report.config = cfg = drafter_config(raw, fmt, source=str(folder / "config.json"))
     except FileNotFoundError as e:
         report.add("CONFIG_MISSING", str(e), "point at the folder holding config.json and the weights")
@@ -162,14 +150,14 @@ def check_drafter(path_or_dir: str | Path, target_config: Any = None) -> CheckRe
     except ValueError as e:
         report.add("CONFIG_INVALID", str(e), "fix config.json (compare with an `eagle3-zoo export` output)")
         return report
-    _config_problems(raw, fmt, report)
+    layout.config_problems(raw, report)
     _folder_file_problems(folder, report)
-    _eagle31_problems(raw, fmt, cfg, report)
-    _weight_problems(folder, fmt, cfg, report)
+    _eagle31_problems(raw, layout, cfg, report)
+    _weight_problems(folder, layout, cfg, report)
     if target_config is not None:  # config-level: reported even when the weights are unreadable
         from eagle3_zoo.checkpoint.check_target import resolve_target_config, target_problems
 
-        target_problems(raw, fmt, cfg, resolve_target_config(target_config), report)
+        target_problems(raw, layout, cfg, resolve_target_config(target_config), report)
     return report
 
 
@@ -208,7 +196,7 @@ def recipe_file_problem(folder: str | Path) -> str | None:
     return None
 
 
-def _weight_problems(folder: Path, fmt: str, cfg: Eagle3Config, report: CheckReport) -> None:
+def _weight_problems(folder: Path, layout: Layout, cfg: Eagle3Config, report: CheckReport) -> None:
     try:
         infos, state = _tensor_infos(folder)
     except UnsafeCheckpointError as e:
@@ -217,7 +205,7 @@ def _weight_problems(folder: Path, fmt: str, cfg: Eagle3Config, report: CheckRep
     except CheckpointError as e:
         report.add("CORRUPT_WEIGHTS", str(e), "download the file again (compare its size with the Hub's)")
         return
-    canon = _key_problems(infos, fmt, cfg, report)
+    canon = _key_problems(infos, layout, cfg, report)
     _vocab_problems(folder, canon, cfg, report, state)
     _finite_problems(folder, infos, report, state)
 
@@ -249,59 +237,7 @@ def _tensor_infos(folder: Path) -> tuple[dict[str, TensorInfo], dict[str, torch.
     return {k: TensorInfo(st_dtype(v.dtype), tuple(v.shape)) for k, v in state.items()}, state
 
 
-def _architecture_problems(raw: dict[str, Any], fmt: str, report: CheckReport) -> None:
-    arch = raw.get("architectures")
-    if fmt == "speculators":
-        if arch != [SPECULATORS_ARCHITECTURE]:
-            report.add("ARCHITECTURE", f"architectures={arch}, expected ['{SPECULATORS_ARCHITECTURE}'] for a "
-                       "speculators checkpoint", f"set architectures to ['{SPECULATORS_ARCHITECTURE}']", "warning")
-        return
-    if arch == [ARCHITECTURE]:
-        return
-    name = arch[0] if isinstance(arch, list) and len(arch) == 1 else None
-    if name in _TOLERATED_ARCHITECTURES:
-        report.add("ARCHITECTURE_NONCANONICAL", f"architectures=['{name}']: {_TOLERATED_ARCHITECTURES[name]}",
-                   f"export with `eagle3-zoo export DIR --format sglang` (writes ['{ARCHITECTURE}'])", "warning")
-    else:
-        report.add("ARCHITECTURE", f"architectures={arch}: not an EAGLE-3 drafter class; SGLang and vLLM would build "
-                   "a different model (or refuse) from this config", f"set architectures to ['{ARCHITECTURE}'] if "
-                   "this really is an EAGLE-3 drafter; otherwise this is the wrong checkpoint")
-
-
-def _config_problems(raw: dict[str, Any], fmt: str, report: CheckReport) -> None:
-    if fmt != "speculators":
-        if raw.get("tie_word_embeddings"):
-            report.add("TIED_EMBEDDINGS", "tie_word_embeddings=true: SGLang then uses the embedding as lm_head and "
-                       "ignores the drafter's own lm_head.weight", "set tie_word_embeddings to false")
-        if "draft_vocab_size" not in raw:
-            report.add("DRAFT_VOCAB_MISSING", "config has no draft_vocab_size: SGLang and vLLM then assume the full "
-                       "target vocab (SGLang even loads lm_head from the target)",
-                       "add draft_vocab_size = rows of lm_head.weight", "warning")
-        return
-    spec = raw.get("speculators_config") or {}
-    methods = spec.get("proposal_methods") if isinstance(spec, dict) else None
-    missing = [name for name, ok in (
-        ("speculators_config.proposal_methods[0].speculative_tokens",
-         isinstance(methods, list) and methods and isinstance(methods[0], dict) and "speculative_tokens" in methods[0]),
-        ("speculators_config.verifier.name_or_path", bool((spec.get("verifier") or {}).get("name_or_path"))),
-    ) if not ok]
-    if missing:
-        report.add("SPECULATORS_CONFIG", f"vLLM's speculators loader requires {', '.join(missing)}",
-                   "export with `eagle3-zoo export DIR --format speculators`")
-    verifier = (spec.get("verifier") or {}).get("name_or_path") if isinstance(spec, dict) else None
-    if isinstance(verifier, str) and verifier and not verifier_resolvable(verifier):
-        report.add("VERIFIER_UNRESOLVABLE", f"speculators_config.verifier.name_or_path = {verifier!r} is neither a "
-                   "Hub id (ORG/NAME) nor a folder here: speculators' from_pretrained cannot load the verifier (vLLM, "
-                   "given the target separately, is not affected)",
-                   "re-export with `eagle3-zoo export DIR --format speculators --verifier HUB_ID_OR_FOLDER`",
-                   "warning")
-    if "norm_before_residual" not in raw:
-        report.add("NORM_BEFORE_RESIDUAL_MISSING", "norm_before_residual is absent: vLLM then defaults it to true, a "
-                   "different forward pass than canonical EAGLE-3 (tau close to 1)",
-                   "write norm_before_residual: false")
-
-
-def _eagle31_problems(raw: dict[str, Any], fmt: str, cfg: Eagle3Config, report: CheckReport) -> None:
+def _eagle31_problems(raw: dict[str, Any], layout: Layout, cfg: Eagle3Config, report: CheckReport) -> None:
     """EAGLE-3.1 options: which engines serve them as trained (a warning: such a folder is checked, evaluated and
     published like any other), and the SpecForge spelling of norm_output that meant something else."""
     from eagle3_zoo.checkpoint import variants
@@ -311,18 +247,19 @@ def _eagle31_problems(raw: dict[str, Any], fmt: str, cfg: Eagle3Config, report: 
         return
     report.add("EAGLE31_ENGINES", note, "serve it with vLLM (or an SGLang that reads fc_norm and norm_output); "
                "`eagle3-zoo check DIR --engine vllm` runs it in vLLM here", "warning")
-    if cfg.norm_output and fmt != "speculators" and "eagle3_zoo" not in raw:
+    if cfg.norm_output and layout.norm_output_ambiguous and "eagle3_zoo" not in raw:
         report.add("NORM_OUTPUT_MEANING", f"norm_output=true in a checkpoint not written by eagle3-zoo: "
                    f"{variants.SPECFORGE_NORM_OUTPUT}", "if it came from SpecForge before PR #879, set norm_output to "
                    "false (its training fed back the pre-norm state); `eagle3-zoo eval` shows which reading accepts",
                    "warning")
 
 
-def _key_problems(infos: dict[str, TensorInfo], fmt: str, cfg: Eagle3Config, report: CheckReport) -> dict[str, str]:
+def _key_problems(infos: dict[str, TensorInfo], layout: Layout, cfg: Eagle3Config,
+                  report: CheckReport) -> dict[str, str]:
     """Check names, shapes and dtypes; return {canonical name: name in the file}."""
     canon: dict[str, str] = {}
     for name in infos:
-        c = canonical_name(name, fmt)
+        c = layout.canonical_name(name)
         if c is None:
             if name.endswith("embed_tokens.weight"):
                 report.add("EMBED_TOKENS_PRESENT", f"{name} {list(infos[name].shape)} is a copy of the target's frozen "

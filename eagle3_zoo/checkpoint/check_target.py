@@ -2,7 +2,8 @@
 
 Aux layer conventions: internally and in vLLM/speculators an id is a HF `output_hidden_states`
 index (the residual stream entering decoder layer i, valid 0..N-1); SGLang's `eagle_config` field stores `id - 1`.
-An id list equal to the default in the *other* convention is the classic off-by-one, so it is flagged.
+An id list equal to the default in the *other* convention is the classic off-by-one, so it is flagged; where each
+layout stores the ids, and in which convention, is its own (`Layout.stored_aux_ids`, `aux_convention_problems`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_zoo.checkpoint.check_report import CheckReport
+from eagle3_zoo.checkpoint.layouts import Layout
 from eagle3_zoo.modeling import Eagle3Config, default_aux_layer_ids
 
 
@@ -53,8 +55,8 @@ def _target_rope(target: Any) -> tuple[float, str]:
     return float(theta), kind
 
 
-def target_problems(raw: dict[str, Any], fmt: str, cfg: Eagle3Config, target: Any, report: CheckReport) -> None:
-    """Append the problems of drafter `cfg` (raw config `raw`, format `fmt`) against `target` to `report`."""
+def target_problems(raw: dict[str, Any], layout: Layout, cfg: Eagle3Config, target: Any, report: CheckReport) -> None:
+    """Append the problems of drafter `cfg` (raw config `raw` of `layout`) against `target` to `report`."""
     hidden, vocab, layers = (_get(target, k) for k in ("hidden_size", "vocab_size", "num_hidden_layers"))
     if hidden is not None and cfg.target_hidden_size != hidden:
         report.add("HIDDEN_SIZE_MISMATCH", f"the drafter's fc reads {cfg.num_aux_layers} x target_hidden_size="
@@ -68,7 +70,7 @@ def target_problems(raw: dict[str, Any], fmt: str, cfg: Eagle3Config, target: An
                    f"vocab is {vocab}: proposed ids are not this target's tokens",
                    "use a drafter trained with this target's tokenizer")
     if layers is not None:
-        _aux_problems(raw, fmt, cfg, int(layers), report)
+        _aux_problems(raw, layout, cfg, int(layers), report)
     _rope_problems(raw, cfg, target, report)
     target_max = _get(target, "max_position_embeddings")
     if target_max and cfg.max_position_embeddings < target_max:
@@ -82,14 +84,13 @@ def target_problems(raw: dict[str, Any], fmt: str, cfg: Eagle3Config, target: An
                    f"'{model_type}' one", "double-check the target", "warning")
 
 
-def _aux_problems(raw: dict[str, Any], fmt: str, cfg: Eagle3Config, n: int, report: CheckReport) -> None:
+def _aux_problems(raw: dict[str, Any], layout: Layout, cfg: Eagle3Config, n: int, report: CheckReport) -> None:
     ids = cfg.aux_layer_ids
     if ids is None:
         return  # loaders use their default (2, N//2, N-3): the eagle3-zoo default too
     bad = [i for i in ids if not 0 <= i < n]
     if bad:
-        stored = raw.get("eagle_aux_hidden_state_layer_ids") if fmt == "speculators" else \
-            (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        stored = layout.stored_aux_ids(raw)
         report.add("AUX_LAYER_OUT_OF_RANGE", f"aux layers {list(ids)} (HF hidden-state indices; stored as {stored}) "
                    f"include {bad}, outside 0..{n - 1} for a {n}-layer target: the engine never captures them",
                    "use a drafter trained for this target, or fix the ids (SGLang field = HF index - 1)")
@@ -98,25 +99,8 @@ def _aux_problems(raw: dict[str, Any], fmt: str, cfg: Eagle3Config, n: int, repo
         report.add("AUX_LAYER_COUNT", f"{len(ids)} aux layers: SGLang's and vLLM's fc expect exactly 3",
                    "serve it with eagle3-zoo only, or train with 3 aux layers", "warning")
     default = tuple(default_aux_layer_ids(n)) if n >= 4 else None
-    if default is None:
-        return
-    if fmt != "speculators" and tuple(i - 1 for i in ids) == default:
-        report.add("AUX_LAYER_CONVENTION", f"eagle_config.eagle_aux_hidden_state_layer_ids = {list(default)} equals "
-                   f"the default in HF hidden-state indices, but SGLang reads this field as output-layer indices "
-                   f"(adds 1): it will capture {[i + 1 for i in default]}, one layer off the default. The ids look "
-                   "like HF indices stored in SGLang's field",
-                   f"if the drafter was trained on the default layers, store {[i - 1 for i in default]} in "
-                   "eagle_config (SGLang field = HF index - 1)", "warning")
-    elif fmt == "speculators" and tuple(i + 1 for i in ids) == default:
-        report.add("AUX_LAYER_CONVENTION", f"eagle_aux_hidden_state_layer_ids = {list(ids)} equals SGLang's "
-                   f"output-index form of the default {list(default)}, but vLLM reads this field as HF hidden-state "
-                   "indices: it will capture one layer earlier than the default. The ids look like SGLang indices "
-                   "stored in vLLM's field", f"if the drafter was trained on the default layers, store "
-                   f"{list(default)}", "warning")
-    elif fmt != "speculators" and ids != default and not raw.get("eagle_aux_hidden_state_layer_ids"):
-        report.add("VLLM_AUX_IDS_IGNORED", f"aux layers {list(ids)} differ from the default {list(default)} and are "
-                   "stored only in eagle_config, which upstream vLLM does not read: vLLM feeds the default layers",
-                   "for vLLM, use `eagle3-zoo export DIR --format speculators` (writes the top-level field)", "warning")
+    if default is not None:
+        layout.aux_convention_problems(raw, ids, default, report)
 
 
 def _rope_problems(raw: dict[str, Any], cfg: Eagle3Config, target: Any, report: CheckReport) -> None:

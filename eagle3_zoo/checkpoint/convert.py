@@ -13,26 +13,16 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
+from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint.check import require_valid_drafter, require_valid_stage
 from eagle3_zoo.checkpoint.folder import drafter_out_dir, replace_with_stage
-from eagle3_zoo.checkpoint.formats import (
-    CANONICAL_KEYS,
-    EXPORT_FORMATS,
-    canonical_name,
-    detect_format,
-    drafter_config,
-    extra_candidates,
-    format_name,
-    is_canonical,
-    read_config,
-    speculators_config,
-)
+from eagle3_zoo.checkpoint.formats import CANONICAL_KEYS, extra_candidates, read_config
+from eagle3_zoo.checkpoint.layouts import detect_layout, drafter_config, export_layout, get_layout, is_canonical
 from eagle3_zoo.checkpoint.variants import SGLANG_RISK, eagle31_options
-from eagle3_zoo.checkpoint.weights import SAFETENSORS_NAME, inside_folder, load_weights
+from eagle3_zoo.checkpoint.weights import inside_folder, load_weights
 from eagle3_zoo.dtypes import torch_dtype
-from eagle3_zoo.fileio import atomic_write, atomic_write_text, recover_replaced_directory, staged_directory
+from eagle3_zoo.fileio import recover_replaced_directory, staged_directory
 from eagle3_zoo.modeling import CONFIG_NAME, WEIGHTS_NAME, Eagle3Drafter, identity_vocab
 from eagle3_zoo.redaction import find_secret, redact_document
 
@@ -55,10 +45,12 @@ def extra_files(drafter_dir: str | Path) -> list[Path]:
 
 
 def canonical_state(state: dict[str, torch.Tensor], fmt: str, source: str) -> dict[str, torch.Tensor]:
-    """Rename a checkpoint's keys to canonical names, dropping tensors that are not part of the drafter."""
+    """Rename a checkpoint's keys (layout `fmt`) to canonical names, dropping tensors that are not part of the
+    drafter."""
+    layout = get_layout(fmt)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        canon = canonical_name(name, fmt)
+        canon = layout.canonical_name(name)
         if canon is None:
             log.info("%s: dropping %s (not part of the drafter; the target's embedding is passed in)", source, name)
             continue
@@ -78,7 +70,7 @@ def tensors_digest(folder: str | Path) -> str:
     import hashlib
 
     folder = Path(folder)
-    state = canonical_state(load_weights(folder), detect_format(folder), str(folder))
+    state = canonical_state(load_weights(folder), detect_layout(folder).name, str(folder))
     digest = hashlib.sha256()
     for name in sorted(state):
         tensor = state[name].detach().contiguous().cpu()
@@ -122,7 +114,7 @@ def import_drafter(path: str | Path, dtype: torch.dtype | None = None, device: s
         CheckpointError: truncated/corrupt weights; UnsafeCheckpointError for a pickle with non-tensor objects.
     """
     folder = Path(path)
-    fmt = detect_format(folder)
+    fmt = detect_layout(folder).name
     cfg = drafter_config(read_config(folder), fmt, source=str(folder / CONFIG_NAME))
     state = canonical_state(load_weights(folder), fmt, str(folder))
     _vocab_tensors(state, cfg, str(folder))
@@ -137,16 +129,6 @@ def import_drafter(path: str | Path, dtype: torch.dtype | None = None, device: s
     model.load_state_dict(state)
     model.to(device=device, dtype=dtype or torch_dtype(cfg.torch_dtype))
     return model
-
-
-def _write_speculators(drafter: Eagle3Drafter, out: Path, num_speculative_tokens: int,
-                       verifier_architectures: list[str] | None, verifier: str | None) -> None:
-    config = speculators_config(drafter.config, num_speculative_tokens, verifier_architectures, verifier)
-    dtype = torch_dtype(drafter.config.torch_dtype)
-    tensors = {format_name(k, "speculators"): (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu()
-               for k, v in drafter.state_dict().items()}
-    atomic_write(out / SAFETENSORS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-    atomic_write_text(out / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
 
 
 def _copy_extra(src: Path, dest: Path) -> None:
@@ -173,15 +155,15 @@ def export_drafter(
     verifier: str | None = None,
     force: bool = False,
 ) -> Path:
-    """Write a drafter in the SGLang (canonical) or speculators layout, with its recipe, provenance and results
-    (their secrets redacted: `eagle3_zoo.redaction`).
+    """Write a drafter in a written layout (SGLang/canonical, speculators: `layouts.export_layout`), with its recipe,
+    provenance and results (their secrets redacted: `eagle3_zoo.redaction`).
 
     The folder is staged next to `out_dir` and renamed into place (`replace_with_stage`): a killed export leaves
     `out_dir` as it was (or absent), never partly written.
 
     Args:
         drafter_dir: drafter folder in any supported format (usually what training wrote).
-        fmt: "sglang" (alias "canonical") or "speculators".
+        fmt: a written layout's name or alias: "sglang" (alias "canonical"), "speculators", or a registered one.
         out_dir: output folder (created; in an existing drafter folder, files with the same names are replaced and
             the others kept).
         num_speculative_tokens: speculators only: the greedy proposal length vLLM uses by default.
@@ -199,14 +181,13 @@ def export_drafter(
         InvalidDrafterError: `eagle3-zoo check` finds errors in `drafter_dir` (nothing is written): an export is
             what serving engines load, so a broken drafter is never passed on, not even byte for byte.
     """
-    if fmt not in EXPORT_FORMATS:
-        raise ValueError(f"unknown export format {fmt!r}; valid: {', '.join(EXPORT_FORMATS)}")
+    layout = export_layout(fmt)
     src, out = Path(drafter_dir), Path(out_dir)
     if out.resolve() == src.resolve():
         raise ValueError(f"export target {out} is the drafter folder itself; choose another --out")
     out = drafter_out_dir(out, force=force, force_option="--force")
     report = require_valid_drafter(src, purpose="export")
-    sglang_risk = EXPORT_FORMATS[fmt] == "sglang" and report.config is not None and report.config.eagle31
+    sglang_risk = "sglang" in layout.info.engines and report.config is not None and report.config.eagle31
     for problem in report.warnings:
         if not (sglang_risk and problem.code == "EAGLE31_ENGINES"):  # said once, below, for this export
             log.warning("%s: %s", src, problem)
@@ -216,21 +197,20 @@ def export_drafter(
     extras = extra_files(src)  # links leading outside the folder are refused before anything is written
     with staged_directory(out) as tmp:  # a failed or killed export leaves no partial file in `out`
         recover_replaced_directory(out)  # a replacement cut short: its files are carried over below
-        if EXPORT_FORMATS[fmt] == "sglang" and is_canonical(src):
+        if layout.copies_canonical_bytes and is_canonical(src):
             for name in (CONFIG_NAME, WEIGHTS_NAME):  # already canonical: keep the exact bytes
                 shutil.copyfile(inside_folder(src, src / name), tmp / name)
-        elif EXPORT_FORMATS[fmt] == "sglang":
-            import_drafter(src).save_pretrained(tmp)
         else:
-            _write_speculators(import_drafter(src), tmp, num_speculative_tokens, verifier_architectures, verifier)
+            layout.write(import_drafter(src), tmp, num_speculative_tokens=num_speculative_tokens,
+                         verifier_architectures=verifier_architectures, verifier=verifier)
         for extra in extras:
             _copy_extra(inside_folder(src, extra), tmp / extra.name)
         require_valid_stage(tmp, out, purpose="export")  # what serving engines will load passes the checks too
         replace_with_stage(tmp, out)
-    log.debug("exported %s -> %s (%s format)", src, out, EXPORT_FORMATS[fmt])  # the CLI prints it
+    log.debug("exported %s -> %s (%s format)", src, out, layout.name)  # the CLI prints it
     return out
 
 
 def convert_to_canonical(path: str | Path, out_dir: str | Path) -> Path:
     """Any supported format -> the canonical SGLang layout (what `Eagle3Drafter.from_pretrained` reads)."""
-    return export_drafter(path, "sglang", out_dir)
+    return export_drafter(path, layout_names.CANONICAL, out_dir)

@@ -1,4 +1,6 @@
-"""Checkpoint formats of EAGLE-3 drafters: detection, key maps and config translation.
+"""Checkpoint formats of EAGLE-3 drafters: the canonical keys and shapes, config.json read and checked, the
+speculators config written. The layouts themselves (detection, key maps, config translation, writers) are objects in
+`eagle3_zoo.checkpoint.layouts`, their names in `eagle3_zoo.layout_names`.
 
 Three layouts hold the same weights:
 
@@ -20,12 +22,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from eagle3_zoo.checkpoint.weights import CheckpointError, find_weight_files, inside_folder
+from eagle3_zoo import layout_names
+from eagle3_zoo.checkpoint.weights import inside_folder
 from eagle3_zoo.modeling import Eagle3Config
-from eagle3_zoo.modeling.config import ARCHITECTURE
 
-FORMATS = ("sglang", "official", "speculators")
-EXPORT_FORMATS = {"sglang": "sglang", "canonical": "sglang", "speculators": "speculators"}
+FORMATS = layout_names.BUILT_IN  # the built-in layouts (`layout_names.layout_names()`: registered ones too)
+EXPORT_FORMATS = layout_names.export_names()  # name or alias -> built-in layout written (`layout_names.export_names()`)
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 
 _LAYER_KEYS = (
@@ -36,8 +38,6 @@ _LAYER_KEYS = (
 CANONICAL_KEYS = ("fc.weight", *(f"midlayer.{k}" for k in _LAYER_KEYS), "norm.weight", "lm_head.weight", "d2t", "t2d")
 FC_NORM_KEY = "fc_norm.{}.weight"  # EAGLE-3.1: one RMSNorm per aux hidden state (vLLM loads it as model.fc_norm.{i})
 
-# canonical prefix -> the format's prefix (inverted on import); formats not listed use canonical names
-KEY_PREFIXES: dict[str, dict[str, str]] = {"speculators": {"midlayer.": "layers.0."}}
 # wrappers some trainers save under (SpecForge / HF PreTrainedModel); both loaders also accept the bare names
 STRIPPED_PREFIXES = ("model.",)
 # tensors a checkpoint may carry that are never part of the drafter: the frozen target embedding, speculators'
@@ -49,7 +49,7 @@ EAGLE31_FLAGS = ("fc_norm", "norm_output")  # EAGLE-3.1: eagle3-zoo trains, read
 # variants that change the forward pass in ways eagle3-zoo does not implement (speculators' training defaults)
 NON_CANONICAL_FLAGS = ("norm_before_residual", "norm_before_fc", "attention_bias", "mlp_bias")
 
-_LAYER_CONFIG_KEYS = (
+LAYER_CONFIG_KEYS = (
     "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
     "rms_norm_eps", "max_position_embeddings", "hidden_act", "rope_theta", "rope_scaling", "rope_parameters",
 )
@@ -95,47 +95,6 @@ def read_config(folder: str | Path) -> dict[str, Any]:
     return raw
 
 
-def detect_format(path: str | Path) -> str:
-    """Which layout a drafter folder uses: "sglang", "official" or "speculators".
-
-    speculators is recognised by its config (`speculators_model_type`); otherwise the weight file decides:
-    safetensors -> sglang (SGLang/SpecForge/eagle3-zoo), pytorch_model.bin -> official.
-
-    Raises:
-        FileNotFoundError / ValueError / CheckpointError: no config.json, unreadable config, no weights, or a
-            speculators model type other than eagle3.
-    """
-    raw = read_config(path)
-    if "speculators_model_type" in raw:
-        if raw["speculators_model_type"] != "eagle3":
-            raise ValueError(f"{Path(path) / 'config.json'}: speculators_model_type={raw['speculators_model_type']!r};"
-                             " only 'eagle3' checkpoints are EAGLE-3 drafters")
-        return "speculators"
-    kind, _ = find_weight_files(path)
-    return "sglang" if kind == "safetensors" else "official"
-
-
-def canonical_name(name: str, fmt: str) -> str | None:
-    """Checkpoint key of format `fmt` -> canonical key, or None for tensors that are not part of the drafter."""
-    for prefix in STRIPPED_PREFIXES:
-        if name.startswith(prefix):
-            name = name[len(prefix):]
-    if name in DROPPED_KEYS:
-        return None
-    for canon, theirs in KEY_PREFIXES.get(fmt, {}).items():
-        if name.startswith(theirs):
-            return canon + name[len(theirs):]
-    return name
-
-
-def format_name(name: str, fmt: str) -> str:
-    """Canonical key -> the key format `fmt` stores it under."""
-    for canon, theirs in KEY_PREFIXES.get(fmt, {}).items():
-        if name.startswith(canon):
-            return theirs + name[len(canon):]
-    return name
-
-
 def canonical_keys(cfg: Eagle3Config) -> tuple[str, ...]:
     """The canonical tensor names of a drafter with this config (EAGLE-3.1's `fc_norm` adds one weight per aux
     hidden state)."""
@@ -162,34 +121,7 @@ def expected_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
     }
 
 
-def drafter_config(raw: dict[str, Any], fmt: str, source: str = "config.json") -> Eagle3Config:
-    """Translate a raw config.json of format `fmt` into an `Eagle3Config`.
-
-    Raises:
-        ValueError: missing fields, or a speculators checkpoint using a non-canonical training variant.
-    """
-    _refuse_unsupported_variants(raw, fmt, source)
-    if fmt != "speculators":
-        return Eagle3Config.from_json_dict(raw, source=source)
-    layer = raw.get("transformer_layer_config") or raw.get("transformer_config")
-    if not isinstance(layer, dict):
-        raise ValueError(f"{source}: speculators config without a transformer_layer_config object")
-    flat: dict[str, Any] = {k: layer[k] for k in _LAYER_CONFIG_KEYS if k in layer}
-    flat["torch_dtype"] = raw.get("torch_dtype") or layer.get("torch_dtype") or layer.get("dtype")
-    flat["draft_vocab_size"] = raw.get("draft_vocab_size", 32000)  # speculators' schema default
-    flat["target_hidden_size"] = raw.get("target_hidden_size")
-    verifier = (raw.get("speculators_config") or {}).get("verifier") or {}
-    zoo = dict(raw.get("eagle3_zoo") or {})
-    zoo.setdefault("target_name_or_path", verifier.get("name_or_path"))
-    flat["eagle3_zoo"] = zoo
-    flat.update({k: raw[k] for k in EAGLE31_FLAGS if k in raw})  # speculators writes them at the top level too
-    cfg = Eagle3Config.from_json_dict(flat, source=source)
-    ids = raw.get("eagle_aux_hidden_state_layer_ids")
-    cfg.aux_layer_ids = tuple(int(i) for i in ids) if ids else None  # speculators ids = internal convention
-    return cfg
-
-
-def _refuse_unsupported_variants(raw: dict[str, Any], fmt: str, source: str) -> None:
+def refuse_unsupported_variants(raw: dict[str, Any], fmt: str, source: str) -> None:
     """Raise `NonCanonicalDrafterError` for a norm/bias variant that vLLM would run and eagle3-zoo cannot.
 
     vLLM reads `norm_before_fc` from `eagle_config` too, and every flag from the top level of any layout; a
@@ -202,12 +134,6 @@ def _refuse_unsupported_variants(raw: dict[str, Any], fmt: str, source: str) -> 
         raise NonCanonicalDrafterError(f"{source}: {fmt} drafter with {flags}: a forward pass that is neither "
                                        "EAGLE-3 nor EAGLE-3.1 (fc_norm / norm_output); eagle3-zoo cannot represent "
                                        "it (vLLM can still serve it as is)")
-
-
-def load_drafter_config(folder: str | Path) -> tuple[Eagle3Config, str]:
-    """(`Eagle3Config`, format) of a drafter folder in any supported format."""
-    fmt = detect_format(folder)
-    return drafter_config(read_config(folder), fmt, source=str(Path(folder) / "config.json")), fmt
 
 
 def target_architectures(model_type: str | None) -> list[str]:
@@ -247,7 +173,7 @@ def speculators_config(
         raise ValueError(f"speculators could not resolve the verifier {name!r} (neither a Hub id ORG/NAME nor a local "
                          "folder here); pass --verifier with the target's Hub id or its local folder")
     canon = cfg.to_json_dict()
-    layer = {k: canon[k] for k in (*_LAYER_CONFIG_KEYS, "attention_bias", "tie_word_embeddings", "torch_dtype")}
+    layer = {k: canon[k] for k in (*LAYER_CONFIG_KEYS, "attention_bias", "tie_word_embeddings", "torch_dtype")}
     layer.update(model_type="llama", num_hidden_layers=1, mlp_bias=False)
     out: dict[str, Any] = {
         "architectures": [SPECULATORS_ARCHITECTURE],
@@ -273,17 +199,3 @@ def speculators_config(
     if cfg.aux_layer_ids is not None:  # speculators/vLLM count HF hidden-state indices, as we do internally
         out["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
     return out
-
-
-def is_canonical(folder: str | Path) -> bool:
-    """Whether a folder is exactly what `Eagle3Drafter.save_pretrained` writes (safe to copy byte for byte)."""
-    try:
-        if detect_format(folder) != "sglang" or read_config(folder).get("architectures") != [ARCHITECTURE]:
-            return False
-        from eagle3_zoo.checkpoint.weights import read_infos
-
-        infos, _, files = read_infos(folder)
-        cfg = drafter_config(read_config(folder), "sglang")
-    except (OSError, ValueError, CheckpointError):
-        return False
-    return len(files) == 1 and set(infos) == set(canonical_keys(cfg))

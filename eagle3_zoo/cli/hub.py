@@ -12,9 +12,9 @@ import json
 import logging
 from dataclasses import asdict
 
+from eagle3_zoo import layout_names
+
 log = logging.getLogger(__name__)
-# = sorted(eagle3_zoo.checkpoint.formats.EXPORT_FORMATS), spelled out so that registering the commands imports no torch
-_FORMATS = ["canonical", "sglang", "speculators"]
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -97,10 +97,11 @@ def cmd_zoo(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     """Add export, check, publish, pull and zoo to the `eagle3-zoo` subcommands; each sets `func=handler`."""
+    layouts = layout_names.export_choices()  # the written layouts' names and aliases (torch-free)
     p = subparsers.add_parser("export", help="write a drafter in the SGLang (canonical) or speculators layout",
                               parents=[common])
     p.add_argument("drafter_dir", help="drafter folder (any supported format)")
-    p.add_argument("--format", choices=_FORMATS, default="sglang",
+    p.add_argument("--format", choices=layouts, default=layout_names.CANONICAL,
                    help="sglang or canonical (two names of one format, the same files byte for byte: SGLang, vLLM "
                    "and the official loaders read it) or speculators (vLLM's own format); default: sglang")
     p.add_argument("--out", required=True, help="output folder (replaced in one rename; in an existing drafter "
@@ -127,7 +128,8 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
                               parents=[common])
     p.add_argument("drafter_dir", help="drafter folder to publish (e.g. runs/NAME/drafter)")
     p.add_argument("--repo-id", required=True, help="ORG/NAME on the Hub")
-    p.add_argument("--format", choices=_FORMATS, default="sglang", help="layout of the uploaded weights (see export)")
+    p.add_argument("--format", choices=layouts, default=layout_names.CANONICAL,
+                   help="layout of the uploaded weights (see export)")
     p.add_argument("--private", action="store_true", help="create the repository as private")
     p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing to main")
     p.add_argument("--dry-run", action="store_true", help="stage the folder only; no network request")
@@ -144,7 +146,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("repo", help="Hub repo id or zoo name")
     p.add_argument("--revision", help="branch, tag or commit of the repository (default: main)")
     p.add_argument("--target", help="target Hub id or local folder to check against")
-    p.add_argument("--convert-to", choices=_FORMATS, help="also write the drafter in this layout next to the download")
+    p.add_argument("--convert-to", choices=layouts, help="also write the drafter in this layout next to the download")
     p.add_argument("--out", help="download folder (default: the Hugging Face cache)")
     p.add_argument("--endpoint", help="Hub URL (default: HF_ENDPOINT or huggingface.co)")
     p.set_defaults(func=cmd_pull)

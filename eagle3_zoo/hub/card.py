@@ -23,8 +23,9 @@ import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
 import eagle3_zoo
+from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint.convert import extra_files, tensors_digest
-from eagle3_zoo.checkpoint.formats import load_drafter_config, read_config
+from eagle3_zoo.checkpoint.layouts import find_layout, load_drafter_config
 from eagle3_zoo.checkpoint.variants import eagle31_options, engine_note
 from eagle3_zoo.checkpoint.weights import FLOAT_DTYPES, read_infos, weights_digest
 from eagle3_zoo.hub import card_rows
@@ -41,12 +42,6 @@ log = logging.getLogger(__name__)
 
 TEMPLATE = "model_card.md.j2"
 BASE_TAGS = ("eagle3", "speculative-decoding", "draft-model", "eagle3-zoo")
-_FORMATS = {  # what the card says of each layout, and which engines load it as shipped
-    "sglang": {"description": "SGLang / canonical EAGLE-3 layout (`model.safetensors` with `midlayer.*` keys, "
-                              "`LlamaForCausalLMEagle3`)", "engines": ("sglang", "vllm")},
-    "speculators": {"description": "vLLM speculators format (`Eagle3Speculator`, `speculators_model_type: eagle3`)",
-                    "engines": ("vllm",)},
-}
 
 
 def template_text() -> str:
@@ -105,15 +100,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _speculative_tokens(folder: Path, fmt: str) -> int | None:
-    """The draft length a speculators export serves with when vLLM is given the folder alone."""
-    if fmt != "speculators":
-        return None
-    methods = (read_config(folder).get("speculators_config") or {}).get("proposal_methods") or [{}]
-    k = methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
-    return k if isinstance(k, int) else None
-
-
 def _usage(engines: tuple[str, ...], measured: list[dict[str, Any]], folder: Path, fmt: str) -> dict[str, Any]:
     """Serving snippets for the engines that load the layout, each with a draft shape the card has rows for."""
     sglang = card_rows.sglang_shape(measured) if "sglang" in engines else None
@@ -123,7 +109,8 @@ def _usage(engines: tuple[str, ...], measured: list[dict[str, Any]], folder: Pat
         out.update(sglang_flags=sglang["flags"], sglang_shape=sglang["label"])
     if vllm:
         out.update(vllm_num_speculative_tokens=vllm["k"], vllm_shape=vllm["label"])
-    served = _speculative_tokens(folder, fmt)
+    layout = find_layout(fmt)  # the draft length an engine given the folder alone serves with (speculators)
+    served = layout.served_draft_tokens(folder) if layout is not None else None
     if served is not None:
         same = vllm is not None and vllm["k"] == served
         out["serve_alone"] = (f"`vllm serve` with this repository alone also works: it reads the target from the "
@@ -175,7 +162,7 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
         "draft_vocab_size": cfg.draft_vocab_size, "vocab_size": cfg.vocab_size,
         "aux_layers": f"HF hidden-state indices {list(aux)} (SGLang eagle_config: {[i - 1 for i in aux]})"
         if aux else None,
-        "format_description": _FORMATS.get(fmt, _FORMATS["sglang"])["description"],
+        "format_description": layout_names.card_info(fmt).description,
         "eagle31_options": ", ".join(eagle31_options(cfg)) or None,  # tags the card "eagle3.1"
         "engine_note": engine_note(cfg),  # which engines serve an EAGLE-3.1 drafter as trained
         "benchmarks": rows, "show_drafted": any(b.get("drafted", "–") != "–" for b in rows),
@@ -189,7 +176,7 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
         "datasets_note": card_rows.data_line(recipe),
         "target_weights": EMBEDDED_WEIGHTS_NOTE if target and is_embedded_name(target) else None,
         "demo_note": _demo_note(recipe, prov),
-        **_usage(_FORMATS.get(fmt, _FORMATS["sglang"])["engines"], measured, folder, fmt),
+        **_usage(layout_names.card_info(fmt).engines, measured, folder, fmt),
     }
     return {k: v for k, v in variables.items() if v is not None}
 
@@ -220,12 +207,11 @@ def card_metadata(recipe_text: str, target: str | None, family: str | None, fmt:
     recipe = (yaml.safe_load(recipe_text) if recipe_text else None) or {}
     sources = [s.get("path") for s in (recipe.get("data") or {}).get("sources") or [] if isinstance(s, dict)]
     datasets = list(dict.fromkeys(d for d in map(dataset_hub_id, map(str, sources)) if d))
-    engines = _FORMATS.get(fmt or "sglang", _FORMATS["sglang"])["engines"]
-    format_tags = ("speculators",) if fmt == "speculators" else ()
+    layout = layout_names.card_info(fmt)  # what the card says of the layout: its engines and tags
     return ModelCardData(
         base_model=target_hub_id(target), library_name="eagle3-zoo", license=license, datasets=datasets or None,
         tags=list(dict.fromkeys([*BASE_TAGS, *(["eagle3.1"] if eagle31 else []), *([family] if family else []),
-                                 *engines, *format_tags, *tags])),
+                                 *layout.engines, *layout.card_tags, *tags])),
     )
 
 
@@ -243,7 +229,7 @@ def render_card(
     Args:
         drafter_dir: drafter folder (any format), with optional recipe.yaml / provenance.json / eval_results*.json.
         repo_id: the Hub repo the card describes (used in the usage snippets when `published`).
-        fmt: the published format ("sglang" or "speculators"; default: detected).
+        fmt: the published layout ("sglang", "speculators" or a registered one; default: detected).
         license: license of the drafter weights (YAML metadata).
         tags: extra tags besides eagle3 / speculative-decoding / draft-model / eagle3-zoo / the target family / the
             engines that load the layout.

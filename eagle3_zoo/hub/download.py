@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
+from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint.check import check_drafter
 from eagle3_zoo.checkpoint.check_report import CheckReport
 from eagle3_zoo.checkpoint.convert import export_drafter, import_drafter
-from eagle3_zoo.checkpoint.formats import EXPORT_FORMATS, detect_format
+from eagle3_zoo.checkpoint.layouts import detect_format
 from eagle3_zoo.hub.endpoint import HubUnreachableError, hub_url, require_reachable, resolve_endpoint, unreachable_error
 from eagle3_zoo.hub.zoo import find_zoo, resolve_repo_id, zoo_hint
 from eagle3_zoo.modeling import Eagle3Drafter
@@ -57,7 +58,7 @@ def pull(
         revision: branch, tag or commit.
         target: target to check against: a Hub id / local folder (its config.json is read with
             `AutoConfig.from_pretrained(..., trust_remote_code=False)`), a config object or a dict. None = static check.
-        convert_to: "sglang" (alias "canonical") or "speculators": write a converted copy.
+        convert_to: a written layout, "sglang" (alias "canonical") or "speculators": write a converted copy.
         out_dir: download into this folder (default: the Hugging Face cache); the converted copy goes to
             `<out_dir>/<format>` (default: `./<repo name>-<format>`).
         endpoint: Hub URL (default: `HF_ENDPOINT` or huggingface.co).
@@ -73,8 +74,9 @@ def pull(
             nor a repo on the endpoint (with the closest zoo names).
         HubUnreachableError: the endpoint does not answer and no downloaded copy exists.
     """
-    if convert_to is not None and convert_to not in EXPORT_FORMATS:
-        raise ValueError(f"unknown convert_to={convert_to!r}; valid: {', '.join(EXPORT_FORMATS)}")
+    written = layout_names.export_names()
+    if convert_to is not None and convert_to not in written:
+        raise ValueError(f"unknown convert_to={convert_to!r}; valid: {', '.join(written)}")
     repo_id = resolve_repo_id(repo_id_or_zoo_name)
     path = _download(repo_id_or_zoo_name, repo_id, revision=revision, endpoint=endpoint, token=token,
                      local_dir=str(out_dir) if out_dir is not None else None,
@@ -87,8 +89,8 @@ def pull(
     if convert_to is not None and not report.ok:
         log.warning("%s: not converted to %s: the check found errors (see the report)", path, convert_to)
     elif convert_to is not None:
-        name = f"{repo_id.split('/')[-1]}-{EXPORT_FORMATS[convert_to]}"
-        dest = Path(out_dir) / EXPORT_FORMATS[convert_to] if out_dir is not None else Path.cwd() / name
+        name = f"{repo_id.split('/')[-1]}-{written[convert_to]}"
+        dest = Path(out_dir) / written[convert_to] if out_dir is not None else Path.cwd() / name
         converted = export_drafter(path, convert_to, dest)
     return PullResult(repo_id, path, fmt, report, converted)
 

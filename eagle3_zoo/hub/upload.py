@@ -25,11 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import eagle3_zoo
+from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint.check import require_valid_drafter
 from eagle3_zoo.checkpoint.check_report import CheckReport
 from eagle3_zoo.checkpoint.convert import export_drafter
 from eagle3_zoo.checkpoint.folder import drafter_out_dir, is_drafter_folder
-from eagle3_zoo.checkpoint.formats import EXPORT_FORMATS, extra_candidates, load_drafter_config
+from eagle3_zoo.checkpoint.formats import extra_candidates
+from eagle3_zoo.checkpoint.layouts import load_drafter_config
 from eagle3_zoo.fileio import atomic_write
 from eagle3_zoo.hub.card import render_card
 from eagle3_zoo.hub.endpoint import is_transport_error, require_reachable, resolve_endpoint, unreachable_error
@@ -74,7 +76,7 @@ def check_repo_id(repo_id: str) -> None:
                          "'-', '_' and '.', e.g. my-org/smollm2-135m-eagle3") from None
 
 
-def stage(drafter_dir: str | Path, stage_dir: str | Path, repo_id: str | None = None, fmt: str = "sglang",
+def stage(drafter_dir: str | Path, stage_dir: str | Path, repo_id: str | None = None, fmt: str = layout_names.CANONICAL,
           published: bool = False, force: bool = False, **card_overrides) -> list[str]:
     """Write the folder to upload: weights + config in `fmt`, README.md card, plots, recipe, results, provenance.
 
@@ -88,7 +90,8 @@ def stage(drafter_dir: str | Path, stage_dir: str | Path, repo_id: str | None = 
     if not force and out.exists() and any(out.iterdir()):
         raise ValueError(f"stage folder {out} is not empty; pass an empty or new folder")
     export_drafter(drafter_dir, fmt, out, force=force)
-    card = render_card(out, repo_id=repo_id, fmt=EXPORT_FORMATS[fmt], published=published, **card_overrides)
+    layout = layout_names.export_names()[fmt]
+    card = render_card(out, repo_id=repo_id, fmt=layout, published=published, **card_overrides)
     atomic_write(out / "README.md", card.save)  # a killed stage never leaves a truncated card
     return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
 
@@ -164,7 +167,7 @@ def publish(
     token: str | None = None,
     endpoint: str | None = None,
     stage_dir: str | Path | None = None,
-    fmt: str = "sglang",
+    fmt: str = layout_names.CANONICAL,
     commit_message: str | None = None,
     force: bool = False,
     **card_overrides,
@@ -181,7 +184,8 @@ def publish(
         endpoint: Hub URL (default: `HF_ENDPOINT` or huggingface.co).
         stage_dir: where to stage (default: a new temporary folder, removed after a successful upload): a new or
             empty folder, or one an earlier publish staged (replaced); `stage_destination`.
-        fmt: "sglang" (canonical; SGLang and vLLM load it) or "speculators" (vLLM's format).
+        fmt: "sglang" (canonical; SGLang and vLLM load it), "speculators" (vLLM's format) or another written layout
+            (`eagle3_zoo.layout_names.export_choices()`).
         commit_message: default names the target and the eagle3-zoo version.
         force: stage into a non-empty `stage_dir` that no publish staged (its files of other names are kept and
             uploaded too).

@@ -84,26 +84,24 @@ def spec_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
     }
 
 
-SERVED_AS_IS = ("sglang", "speculators")  # layouts vLLM loads itself (`eagle3_zoo.checkpoint.formats.FORMATS`)
-
-
 def served_drafter_dir(drafter: str | Path, export_dir: str | Path) -> Path:
     """The folder vLLM is given: `drafter` itself when vLLM loads its layout as shipped (the canonical layout, and
     vLLM's own speculators format, so that what a user downloads is what is checked), else its canonical export
-    under `export_dir` (official releases with a pickle, SpecForge's `model.`-prefixed keys, ...)."""
-    from eagle3_zoo.checkpoint.formats import detect_format, is_canonical
+    under `export_dir` (official releases with a pickle, SpecForge's `model.`-prefixed keys, ...): the layout says
+    (`Layout.served_as_is`, with vLLM among its `info.engines`)."""
+    from eagle3_zoo.checkpoint.layouts import detect_layout
 
     drafter = Path(drafter)
     if not (drafter / "config.json").exists():
         raise FileNotFoundError(f"{drafter}: no config.json; pass a drafter folder")
-    fmt = detect_format(drafter)
-    if (fmt == "sglang" and is_canonical(drafter)) or fmt == "speculators":
+    layout = detect_layout(drafter)
+    if "vllm" in layout.info.engines and layout.served_as_is(drafter):
         return drafter.resolve()
     from eagle3_zoo.hub.download import load_any_drafter
 
     out = Path(export_dir)
     load_any_drafter(drafter).save_pretrained(out)
-    logger.info("exported %s (%s format) to the canonical layout in %s for vLLM", drafter, fmt, out)
+    logger.info("exported %s (%s format) to the canonical layout in %s for vLLM", drafter, layout.name, out)
     return out.resolve()
 
 
@@ -228,7 +226,7 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
     from transformers import AutoTokenizer
 
     from eagle3_zoo.checkpoint.convert import tensors_digest
-    from eagle3_zoo.checkpoint.formats import detect_format, load_drafter_config
+    from eagle3_zoo.checkpoint.layouts import detect_format, load_drafter_config
     from eagle3_zoo.checkpoint.weights import weights_digest
     from eagle3_zoo.provenance import versions
     from eagle3_zoo.speculative.evaluation import EvalSettings, _load_benches
