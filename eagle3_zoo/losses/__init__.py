@@ -1,9 +1,9 @@
 """Per-position TTT losses: one module per loss, registered by name (`@register_loss("tv")`) with its own parameters
 dataclass, selected by a recipe's `loss.name` and `loss.params`.
 
-Every module in this package is imported here (`chunk`, the shared tensor pass, excepted), so a new loss is one
-file plus its test and needs no edit elsewhere (docs/contributing/adding-a-loss.md). Importing this package imports
-no torch: recipe validation reads the registry.
+Every module in this package but `base` (the registry) and `chunk` (the shared tensor pass) is imported here, so a
+new loss is one file plus its test and needs no edit elsewhere (docs/contributing/adding-a-loss.md). Importing this
+package imports no torch: recipe validation reads the registry.
 """
 
 import importlib
