@@ -12,6 +12,7 @@ variable's value, and the secrets the recipe gives the run (`eagle3_zoo.redactio
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import operator
 import os
@@ -19,7 +20,7 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -28,6 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 from eagle3_zoo import locations, schema
 from eagle3_zoo.dtypes import DTYPE_NAMES
 from eagle3_zoo.locations import EMBEDDED_SHAREGPT, EMBEDDED_TARGET, hub_or_local_problem, path_problem
+from eagle3_zoo.losses import Loss, available_losses, make_loss, params_problems, unknown_loss_message
 from eagle3_zoo.recipe_engine import EngineConfig, engine_problems, streams_features
 from eagle3_zoo.redaction import redact_data, register_recipe, register_variable
 from eagle3_zoo.schema import GE0, GT0, UNIT, ConfigProblem, rule, ruled
@@ -177,23 +179,47 @@ class TTTConfig:
     ramp_fraction: float = ruled(0.3, UNIT)  # fraction of training over which the ramp reaches K
 
 
-LOSSES = ("soft_ce", "tv", "neg_log_alpha", "lk_hybrid")
-
-
-def _loss_problem(name: str) -> str | None:  # a rule, not a Literal: its message names the page on adding a loss
-    return None if name in LOSSES else f"expected one of {', '.join(LOSSES)}" + schema.did_you_mean(name, LOSSES) + \
-        "; to add a loss see docs/contributing/adding-a-loss.md"
+def _loss_problem(name: str) -> str | None:  # the registry's names: a new loss needs no edit here
+    return None if name in available_losses() else unknown_loss_message(name)
 
 
 @dataclass
 class LossConfig:
     """The per-position objective of each TTT step against the target's distribution p over the draft vocabulary
     (alpha = sum_v min(p_v, q_v), the expected acceptance of a drafted token); steps keep ttt's weights."""
-    # soft_ce = EAGLE-3's soft cross-entropy; tv = 1 - alpha; neg_log_alpha = -log alpha; lk_hybrid =
-    # lambda * KL(p || q) + (1 - lambda) * (1 - alpha), lambda = exp(-lk_eta * alpha) per position, alpha not
-    # differentiated in lambda (the LK losses, arXiv 2602.23881)
+    # a registered loss (eagle3_zoo/losses/, one module each; docs/concepts.md): soft_ce = EAGLE-3's soft
+    # cross-entropy; tv = 1 - alpha; neg_log_alpha = -log alpha; lk_hybrid = lambda * KL(p || q) + (1 - lambda) *
+    # (1 - alpha), lambda = exp(-eta * alpha) per position (the LK losses, arXiv 2602.23881)
     name: str = ruled("soft_ce", _loss_problem)
-    lk_eta: float = ruled(3.0, GT0)  # lk_hybrid only: larger moves from KL to TV at a lower acceptance
+    # the loss's own parameters, checked against its Params dataclass (lk_hybrid: eta = 3.0); a loaded recipe holds
+    # every one, defaults filled in
+    params: dict[str, Any] = field(default_factory=dict)
+    # loss.params.eta as recipes wrote it before loss.params (lk_hybrid only; other losses ignore it, as they did)
+    lk_eta: float | None = ruled(None, GT0)
+
+    def effective_params(self) -> dict[str, Any]:
+        """`params`, with `lk_eta` as lk_hybrid's `eta` unless `params` has one."""
+        if self.lk_eta is None or self.name != "lk_hybrid":
+            return dict(self.params)
+        return {"eta": self.lk_eta, **self.params}
+
+    def build(self) -> Loss:
+        """The `Loss` this section names, with its parameters (`eagle3_zoo.losses.make_loss`)."""
+        return make_loss(self.name, self.effective_params())
+
+    def resolved(self) -> LossConfig:
+        """This section as a run records it: every parameter of the loss with its value, `lk_eta` moved into it."""
+        return LossConfig(self.name, dataclasses.asdict(self.build().params))
+
+
+def _loss_problems(loss: LossConfig) -> list[ConfigProblem]:
+    """The loss's parameters against its Params dataclass; `lk_eta` against a different `params.eta`."""
+    problems = params_problems(loss.name, loss.params)
+    eta = loss.params.get("eta") if isinstance(loss.params, dict) else None
+    if loss.name == "lk_hybrid" and loss.lk_eta is not None and eta is not None and eta != loss.lk_eta:
+        problems.append(ConfigProblem("loss.lk_eta", f"is the older spelling of loss.params.eta, which says {eta}: "
+                                      "give only loss.params.eta", loss.lk_eta))
+    return problems
 
 
 @dataclass
@@ -303,7 +329,8 @@ def _problems(recipe: Recipe) -> list[ConfigProblem]:
     """Each field's own rule (sections and list items included), then the rules that read several fields."""
     return schema.value_problems(recipe) + _secret_problems(recipe) + [
         ConfigProblem(k, msg, operator.attrgetter(k)(recipe), related=rel)
-        for k, broken, msg, rel in _cross_field_rules(recipe) if broken] + engine_problems(recipe)
+        for k, broken, msg, rel in _cross_field_rules(recipe) if broken] + _loss_problems(recipe.loss) + \
+        engine_problems(recipe)
 
 
 def _raise_if(problems: list[ConfigProblem], source_of: typing.Callable[[str], str]) -> None:
@@ -437,6 +464,7 @@ def load_recipe(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -
         recipe = None
     problems += schema.unechoed(_problems(recipe) if recipe else [], problems)
     _raise_if(problems, source_of)
+    recipe.loss = recipe.loss.resolved()
     typed = _plain(recipe)
     # not a dataclass field: OmegaConf.structured and dataclass equality ignore it
     setattr(recipe, _ENV_VALUES, {path: (text, _at(typed, path)) for path, text in _env_sourced(unresolved).items()

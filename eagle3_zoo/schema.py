@@ -89,7 +89,7 @@ def describe(tp: Any) -> str:
     if dataclasses.is_dataclass(tp):
         return f"a mapping of {tp.__name__} fields"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}.get(
-        tp, str(tp))
+        origin or tp, str(tp))
 
 
 def _leaf_keys(cls: type, prefix: str = "") -> dict[str, str]:

@@ -2,7 +2,7 @@
 """Time one TTT train step (forward + backward) with each loss option, on the same weights and batch, in one process.
 
 The step is `ttt_loss` as `fit` runs it (fused, chunked lm_head loss; `loss.name` = each of
-`eagle3_zoo.training.objectives.OBJECTIVES`), on the drafter and batch `scripts/bench_ttt.py` builds (same options).
+`eagle3_zoo.losses.available_losses()`), on the drafter and batch `scripts/bench_ttt.py` builds (same options).
 Objectives are timed alternately so that machine noise falls on all of them; the ratio to soft_ce is the figure to
 quote. Before timing, each objective's loss is checked to be finite.
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from eagle3_zoo.losses import available_losses
 from eagle3_zoo.training.loss import ttt_loss
-from eagle3_zoo.training.objectives import OBJECTIVES
 
 
 def _bench_ttt():
@@ -52,19 +52,19 @@ def main() -> None:
     print(f"setup: torch {torch.__version__}, threads={torch.get_num_threads()}, fp32, K={args.steps}, "
           f"B={args.batch}, T={args.seq_len}, H={args.hidden}, Vd={args.draft_vocab}, V={args.vocab}, "
           f"supervised={args.supervised_fraction:.2f}; load {Path('/proc/loadavg').read_text().split()[:3]}")
-    for name in OBJECTIVES:  # warm-up and a sanity check of each
+    for name in available_losses():  # warm-up and a sanity check of each
         loss = step(name, drafter, embed, batch, args.steps)
         if not math.isfinite(loss):
             raise SystemExit(f"{name}: loss {loss} is not finite")
-    times = {name: [] for name in OBJECTIVES}
+    times = {name: [] for name in available_losses()}
     for _ in range(args.iters):
-        for name in OBJECTIVES:
+        for name in available_losses():
             t0 = time.perf_counter()
             step(name, drafter, embed, batch, args.steps)
             times[name].append(time.perf_counter() - t0)
     tokens = args.batch * args.seq_len
     best = {name: min(t) for name, t in times.items()}
-    for name in OBJECTIVES:
+    for name in available_losses():
         print(f"{name:>14}: {tokens / best[name]:8.1f} tokens/s (best of {args.iters}: {best[name]:.3f} s/step), "
               f"x{best['soft_ce'] / best[name]:.3f} of soft_ce's tokens/s")
     print(f"load after: {Path('/proc/loadavg').read_text().split()[:3]}")

@@ -42,14 +42,16 @@ def _run(*argv: str) -> tuple[int, list[str], str]:
     (["fit", "recipes/smolm2_135m.yaml"], 2, "did you mean 'recipes/smollm2_135m.yaml'?"),
     (["plan", "recipes/llama3_8b.yaml", "trainer.batch_sise=2"], 2, "did you mean 'trainer.batch_size'?"),
     (["prepare", "recipes/smollm2_135m.yaml", "data.max_lenght=8"], 2, "did you mean 'data.max_length'?"),
+    (["fit", "recipes/smollm2_135m.yaml", "loss.name=lk_hybrid", "loss.params.etta=1"], 2,
+     "did you mean 'loss.params.eta'? (the parameters of loss 'lk_hybrid')"),
     (["fit", "recipes/smollm2_135m.yaml", "--print-config"], 0, ""),
     (["--help"], 0, ""),
     (["fit", "--help"], 0, ""),
     (["zoo", "list"], 0, ""),
     (["zoo", "show", "nosuch"], 2, "no zoo entry named 'nosuch'"),
     (["check", "tests"], 1, ""),  # a folder without config.json: CONFIG_MISSING, on stdout
-], ids=["typo", "recipe-path", "plan-typo", "prepare-typo", "print-config", "help", "fit-help", "zoo-list",
-        "zoo-show", "check"])
+], ids=["typo", "recipe-path", "plan-typo", "prepare-typo", "loss-params", "print-config", "help", "fit-help",
+        "zoo-list", "zoo-show", "check"])
 def test_bad_input_and_light_commands_import_no_torch(argv, rc, says):
     code, imported, err = _run(*argv)
     assert code == rc, err

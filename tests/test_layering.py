@@ -7,7 +7,7 @@ where `name` is a submodule is an import of that submodule. Only imports of the 
 The folders (and the top-level modules), top to bottom; a module may import its own layer and the layers below:
 
     __main__ > cli > training > speculative > data > hub > targets > checkpoint > recipe (recipe, recipe_engine)
-        > adapters > modeling > utilities (draft_shapes, dtypes, fileio, layout_names, locations, progress,
+        > adapters > modeling > losses > utilities (draft_shapes, dtypes, fileio, layout_names, locations, progress,
         provenance, redaction, schema, threads, zoo_registry and the package's own __init__)
 
 `EAGLE3_ZOO_LAYERING_ROOT=/path/to/eagle3_zoo` runs the checks on another checkout's package folder.
@@ -38,6 +38,7 @@ LAYERS = (  # top to bottom
     ("recipe", "recipe_engine"),  # the recipe schema, its checks and the engine section
     ("adapters",),  # per-family target adapters, chat formats, shipped target configs
     ("modeling",),  # the drafter model
+    ("losses",),  # the per-position TTT losses: the registry (read by recipe validation) and their math
     ("draft_shapes", "dtypes", "fileio", "layout_names", "locations", "progress", "provenance", "redaction", "schema",
      "threads", "zoo_registry", ""),  # utilities; "" = the package's own __init__
 )

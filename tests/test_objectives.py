@@ -3,7 +3,10 @@
 import pytest
 import torch
 
-from eagle3_zoo.training.objectives import OBJECTIVES, chunk_objective, reference_objective
+from eagle3_zoo.losses import available_losses, make_loss
+from eagle3_zoo.losses.chunk import chunk_objective, reference_objective
+
+OBJECTIVES = available_losses()  # the registered losses: each module of eagle3_zoo/losses/
 
 
 def _rows(n=23, v=57, seed=0):
@@ -58,12 +61,12 @@ def test_the_four_objectives_differ_and_share_their_optimum():
 
 def test_lk_hybrid_moves_from_kl_to_tv_as_acceptance_grows():
     logits, p, _ = _rows(n=6, v=11, seed=5)
-    hybrid = chunk_objective(logits.clone(), p, "lk_hybrid", eta=3.0)
+    hybrid = chunk_objective(logits.clone(), p, make_loss("lk_hybrid", {"eta": 3.0}))
     kl = chunk_objective(logits.clone(), p, "soft_ce").loss + torch.xlogy(p, p).sum(-1)
     tv = 1 - hybrid.alpha
     lam = torch.exp(-3.0 * hybrid.alpha)
     torch.testing.assert_close(hybrid.loss, lam * kl + (1 - lam) * tv)
-    near_kl = chunk_objective(logits.clone(), p, "lk_hybrid", eta=1e-6)
+    near_kl = chunk_objective(logits.clone(), p, make_loss("lk_hybrid", {"eta": 1e-6}))
     torch.testing.assert_close(near_kl.loss, kl, atol=1e-4, rtol=1e-4)
 
 
@@ -77,6 +80,6 @@ def test_neg_log_alpha_is_flat_below_its_floor():
 
 
 def test_unknown_objective_is_refused_with_the_valid_names():
-    with pytest.raises(ValueError, match="unknown TTT loss 'kl'; valid: soft_ce, tv, neg_log_alpha, lk_hybrid; "
+    with pytest.raises(ValueError, match="unknown TTT loss 'kl'; valid: lk_hybrid, neg_log_alpha, soft_ce, tv; "
                                          "to add a loss see docs/contributing/adding-a-loss.md"):
         chunk_objective(torch.zeros(1, 2), torch.ones(1, 2) / 2, "kl")

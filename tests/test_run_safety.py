@@ -218,3 +218,15 @@ def test_identity_saved_before_world_size_became_resumable_compares_by_global_ba
     old["trainer.devices"] = "'auto'"  # cannot be resolved from the old identity: refused, said plainly
     assert identity_differences(old, current) == [
         "global batch (trainer.batch_size x devices x num_nodes): <unset> -> 4"]
+
+
+@pytest.mark.parametrize("name, params", [("soft_ce", {}), ("lk_hybrid", {"eta": 3.0}), ("lk_hybrid", {"eta": 2.0})])
+def test_identity_saved_before_loss_params_compares_its_lk_eta_as_lk_hybrids_eta(name, params):
+    ident = dict(data_fingerprint="f", d2t=torch.arange(3), target={"model_type": "llama"}, world_size=1)
+    current = run_identity({"loss": {"name": name, "params": params, "lk_eta": None}}, **ident)
+    old = run_identity({"loss": {"name": name, "lk_eta": 3.0}}, **ident)  # what every earlier run saved
+    assert identity_differences(old, current) == ([] if params.get("eta", 3.0) == 3.0 else
+                                                  ["loss.params.eta: 3.0 -> 2.0"])
+    moved = run_identity({"loss": {"name": "tv", "params": {}, "lk_eta": None}}, **ident)
+    assert identity_differences(old, moved) == [f"loss.name: '{name}' -> 'tv'"] + (
+        ["loss.params.eta: 3.0 -> <unset>"] if name == "lk_hybrid" else [])

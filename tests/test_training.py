@@ -180,7 +180,7 @@ def test_module_trains_and_logs_every_step_metric(tiny_target, tmp_path, loss):
     examples = [{"input_ids": torch.randint(512, (int(n),), generator=g), "loss_mask": torch.ones(int(n)).long()}
                 for n in torch.randint(8, 20, (10,), generator=g)]
     module = _module(model, adapter, weight_decay=0.1, loss=loss)
-    assert module.objective.loss_name == loss
+    assert module.objective.loss.name == loss
     dm = Eagle3DataModule(ExampleDataset(examples[:8]), ExampleDataset(examples[8:]), batch_size=2)
     trainer = L.Trainer(max_steps=3, logger=CSVLogger(tmp_path), enable_checkpointing=False, enable_progress_bar=False,
                         callbacks=[TTTScheduleCallback(3, "ramp", 0.5)], val_check_interval=3,

@@ -15,10 +15,12 @@ import pytest
 import torch
 
 import eagle3_zoo.modeling.drafter as drafter_module
+from eagle3_zoo.losses import available_losses
 from eagle3_zoo.modeling.attention import ttt_attention_reference
 from eagle3_zoo.training.loss import ttt_loss
-from eagle3_zoo.training.objectives import OBJECTIVES
 from tests.tiny import tiny_drafter31 as drafter31
+
+OBJECTIVES = available_losses()
 
 # relative bounds: (loss and step losses, step alphas, gradients)
 TOL = {torch.bfloat16: (2.5e-3, 3.5e-3, 1.5e-1), torch.float16: (2.5e-4, 2.5e-4, 1.6e-2)}
@@ -34,7 +36,22 @@ def _batch(cfg, b=2, t=24, seed=2):
     return ids, aux, target_logits, mask
 
 
-def _per_position(name: str, z: torch.Tensor, full_target: torch.Tensor, t2d: torch.Tensor, eta: float = 3.0):
+# each registered loss written out for one position, independently of its module: (p, log q, alpha) -> loss
+PER_POSITION = {
+    "soft_ce": lambda p, logq, alpha: -(p * logq).sum(),
+    "tv": lambda p, logq, alpha: 1 - alpha,
+    "neg_log_alpha": lambda p, logq, alpha: -torch.log(alpha.clamp_min(1e-5)),
+    "lk_hybrid": lambda p, logq, alpha: _lk_hybrid(p, logq, alpha, eta=3.0),  # its default eta
+}
+
+
+def _lk_hybrid(p, logq, alpha, eta):
+    lam = torch.exp(-eta * alpha.detach())
+    kl = (p * (p.log() - logq)).sum()
+    return lam * kl + (1 - lam) * (1 - alpha)
+
+
+def _per_position(name: str, z: torch.Tensor, full_target: torch.Tensor, t2d: torch.Tensor):
     """The definitions, written out for one position: (loss, expected acceptance against the full target)."""
     logq = torch.log_softmax(z.float(), -1)
     q = logq.exp()
@@ -42,15 +59,12 @@ def _per_position(name: str, z: torch.Tensor, full_target: torch.Tensor, t2d: to
     p = torch.softmax(full_target[t2d].float(), -1)  # renormalised over the draft vocabulary
     alpha = torch.minimum(p, q).sum()
     accept = torch.minimum(p_full[t2d], q).sum().detach()  # what sampling the draft would be accepted at
-    if name == "soft_ce":
-        return -(p * logq).sum(), accept
-    if name == "tv":
-        return 1 - alpha, accept
-    if name == "neg_log_alpha":
-        return -torch.log(alpha.clamp_min(1e-5)), accept
-    lam = torch.exp(-eta * alpha.detach())
-    kl = (p * (p.log() - logq)).sum()
-    return lam * kl + (1 - lam) * (1 - alpha), accept
+    return PER_POSITION[name](p, logq, alpha), accept
+
+
+def test_every_registered_loss_is_written_out_here():
+    missing = sorted(set(OBJECTIVES) - set(PER_POSITION))
+    assert not missing, f"write the naive per-position formula of {missing} in PER_POSITION (adding-a-loss.md)"
 
 
 def naive_ttt(name, drafter, embed, ids, aux, target_logits, mask, steps, weights):

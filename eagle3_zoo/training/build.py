@@ -133,7 +133,7 @@ def build_run(recipe: Any, source: str = "recipe", device: Any = None, module: A
         lm_head=adapter.lm_head(target), mode="online" if in_step else "offline", ttt_steps=t.steps,
         step_weights=t.step_weights or [t.step_weight_decay**k for k in range(t.steps)], lr=o.lr,
         betas=tuple(o.betas), weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, decay=o.decay,
-        min_lr_ratio=o.min_lr_ratio, loss=recipe.loss.name, lk_eta=recipe.loss.lk_eta,
+        min_lr_ratio=o.min_lr_ratio, loss=recipe.loss.build(),
         shard_target=plan.target_sharded)
     data_barrier()
     return TrainingRun(recipe, target, tokenizer, adapter, data, module, datamodule, features)

@@ -5,8 +5,8 @@ of the ground-truth token x_{t+1+k}, and is trained towards the target's distrib
 x_{t+2+k}), masked by the supervision mask of that predicted token. Positions whose full-vocab target argmax is
 not in the draft vocabulary are excluded. Each step's loss is normalised by its number of supervised positions.
 
-The per-position objective (EAGLE-3's soft cross-entropy by default, or an acceptance loss: `objectives`) over the
-draft vocabulary is fused with the lm_head and computed only on supervised rows, in chunks, with its gradients
+The per-position objective (EAGLE-3's soft cross-entropy by default, or another registered loss: `eagle3_zoo.losses`)
+over the draft vocabulary is fused with the lm_head and computed only on supervised rows, in chunks, with its gradients
 formed in the forward pass: no [T, draft_vocab] logits are kept for backward. Each step also reports the mean
 expected acceptance alpha of its drafted token, unless asked not to (`with_alpha=False`: a training step whose
 metrics no logger records skips its passes over the rows and the target's draft-vocabulary mass).
@@ -24,7 +24,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from eagle3_zoo.training.objectives import DEFAULT_ETA, check_objective, chunk_objective
+from eagle3_zoo.losses import Loss
+from eagle3_zoo.losses.chunk import as_loss, chunk_objective
 
 
 @dataclass
@@ -33,7 +34,7 @@ class TTTLossOutput:
     step_losses: torch.Tensor  # [K] detached
     step_acc: torch.Tensor  # [K] fraction of supervised positions where draft argmax == target argmax
     num_supervised: torch.Tensor  # [K] int64, on the batch's device
-    step_alpha: torch.Tensor | None = None  # [K] mean expected acceptance alpha of a drafted token (objectives);
+    step_alpha: torch.Tensor | None = None  # [K] mean expected acceptance alpha of a drafted token (losses.chunk);
     # None with with_alpha=False
 
 
@@ -86,7 +87,7 @@ class _FusedLMHeadLoss(torch.autograd.Function):
     """sum_r w_r * objective(softmax(h_r @ W.T), p_r) with grads computed chunk-wise in forward.
 
     Per chunk the objective's value, the acceptance alpha and the logits gradient come from
-    `objectives.chunk_objective` (one softmax pass in place, a batched row-dot for p . logits, no log-softmax tensor).
+    `losses.chunk.chunk_objective` (one softmax pass in place, a batched row-dot for p . logits, no log-softmax tensor).
 
     Precision is explicit, never inherited from the caller's autocast state: the two matmuls per chunk run in
     `mm_dtype` (autocast's dtype under autocast, else fp32), everything else (max, exp, sums, loss) in fp32, and
@@ -101,7 +102,7 @@ class _FusedLMHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, p, rows, target_ids, row_weights, mass, chunk: int, mm_dtype: torch.dtype,
-                objective: str, eta: float, with_alpha: bool):
+                objective: Loss, with_alpha: bool):
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(mm_dtype)
             n = h.shape[0]
@@ -118,7 +119,7 @@ class _FusedLMHeadLoss(torch.autograd.Function):
                 tc = pc.argmax(-1) if target_ids is None else _gathered(target_ids, idx, rows_i)
                 mc = None if mass is None or not with_alpha else _gathered(mass, idx, rows_i).float()
                 hc = h[rows_i].to(mm_dtype)
-                out = chunk_objective((hc @ w.t()).float(), pc, objective, mc, eta, report=with_alpha)
+                out = chunk_objective((hc @ w.t()).float(), pc, objective, mc, report=with_alpha)
                 row_loss[rows_i] = out.loss
                 if with_alpha:
                     row_alpha[rows_i] = out.alpha
@@ -139,7 +140,7 @@ class _FusedLMHeadLoss(torch.autograd.Function):
             grad_loss = grad_loss.float()
             gh = grad_h.mul_(grad_loss).to(h_dtype)  # saved grads are used once: scale in place
             gw = grad_w.mul_(grad_loss).to(w_dtype) if grad_w.numel() else None
-        return gh, gw, *([None] * 10)
+        return gh, gw, *([None] * 9)
 
 
 def _gathered(x: torch.Tensor, idx: torch.Tensor | None, rows: slice) -> torch.Tensor:
@@ -177,13 +178,12 @@ def fused_lm_head_loss(
     rows: torch.Tensor | None = None,
     target_ids: torch.Tensor | None = None,
     row_weights: torch.Tensor | None = None,
-    objective: str = "soft_ce",
+    objective: Loss | str = "soft_ce",
     mass: torch.Tensor | None = None,
-    eta: float = DEFAULT_ETA,
     with_alpha: bool = True,
 ) -> FusedLossOutput:
-    """Weighted sum of a per-row objective (`objectives.OBJECTIVES`) of `hidden [N,H] @ weight.T` against target
-    probabilities, and each row's expected acceptance alpha.
+    """Weighted sum of a per-row objective (a `Loss`, or a registered loss's name) of `hidden [N,H] @ weight.T`
+    against target probabilities, and each row's expected acceptance alpha.
 
     `probs` is `[N, Vd]`, or `[M, Vd]` with `rows [N]` selecting the row of each hidden state (gathered chunk by
     chunk, so no `[N, Vd]` copy is made). `target_ids` and `mass` (the target's probability mass on the draft
@@ -192,13 +192,13 @@ def fused_lm_head_loss(
     autocast the matmuls run in autocast's dtype and the rest in fp32; otherwise everything runs in fp32.
     `with_alpha=False` skips the alpha (`row_alpha` None) and reads no `mass`.
     """
-    check_objective(objective)
+    objective = as_loss(objective)
     device_type = hidden.device.type
     mm_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else torch.float32
     if row_weights is not None:
         row_weights = row_weights.float()
     loss, row_loss, row_correct, row_alpha = _FusedLMHeadLoss.apply(
-        hidden, weight, probs, rows, target_ids, row_weights, mass, chunk, mm_dtype, objective, eta, with_alpha)
+        hidden, weight, probs, rows, target_ids, row_weights, mass, chunk, mm_dtype, objective, with_alpha)
     return FusedLossOutput(loss, row_loss, row_correct, row_alpha if with_alpha else None)
 
 
@@ -233,8 +233,7 @@ def ttt_loss(
     step_weights: list[float] | torch.Tensor | None = None,
     target_valid: torch.Tensor | None = None,
     chunk: int = 1024,
-    objective: str = "soft_ce",
-    lk_eta: float = DEFAULT_ETA,
+    objective: Loss | str = "soft_ce",
     target_mass: torch.Tensor | None = None,
     counts: list[int] | None = None,
     position_ids: torch.Tensor | None = None,
@@ -252,8 +251,8 @@ def ttt_loss(
         loss_mask: `[B, T]` 1 where token j is supervised.
         steps: number of TTT steps K to unroll.
         step_weights: `w_k` per step (default 0.8**k): floats, or a `[>= steps]` tensor on the batch's device.
-        objective: the per-position loss, one of `objectives.OBJECTIVES` (default EAGLE-3's soft cross-entropy).
-        lk_eta: lk_hybrid's lambda = exp(-lk_eta * alpha).
+        objective: the per-position loss, a `Loss` with its parameters (`eagle3_zoo.losses.make_loss`) or a
+            registered loss's name with its default parameters (default EAGLE-3's soft cross-entropy).
         target_mass: `[B, T]` the target's probability mass on the draft vocabulary, for the reported acceptance
             (default: from full-vocab `target_logits`, else 1).
         counts: the supervised positions of each step (`num_supervised`) already read on the host by the caller
@@ -265,7 +264,7 @@ def ttt_loss(
         with_alpha: compute `step_alpha` (a metric only: the loss and its gradients do not depend on it); False
             skips it and the draft-vocabulary mass (`step_alpha` None).
     """
-    check_objective(objective)
+    objective = as_loss(objective)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     weights = step_weights if step_weights is not None else default_step_weights(steps)
@@ -308,7 +307,7 @@ def ttt_loss(
     if h_rows:
         out = fused_lm_head_loss(torch.cat(h_rows), drafter.lm_head.weight, flat_probs, chunk,
                                  rows=torch.cat(prob_rows), target_ids=flat_target_ids,
-                                 row_weights=torch.cat(row_weights), objective=objective, eta=lk_eta,
+                                 row_weights=torch.cat(row_weights), objective=objective,
                                  mass=None if target_mass is None else target_mass.reshape(b * t),
                                  with_alpha=with_alpha)
         total = total + out.loss

@@ -23,12 +23,13 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from eagle3_zoo.losses import Loss
+from eagle3_zoo.losses.chunk import as_loss
 from eagle3_zoo.modeling import Eagle3Drafter
 from eagle3_zoo.training.callbacks import NUM_TOKENS
 from eagle3_zoo.training.lightning_private import attached_trainer, should_update_logs
 from eagle3_zoo.training.loss import TTTLossOutput, default_step_weights, draft_vocab_mass, step_masks, ttt_loss
 from eagle3_zoo.training.metrics import StepMetrics, acceptance_length_tensor
-from eagle3_zoo.training.objectives import DEFAULT_ETA, check_objective
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +65,10 @@ class DrafterObjective(nn.Module):
     FSDP2-sharded drafter would expose shards.) Returns plain tensors so FSDP2 can hook backward on the loss.
     """
 
-    def __init__(self, drafter: Eagle3Drafter, loss: str = "soft_ce", lk_eta: float = DEFAULT_ETA):
+    def __init__(self, drafter: Eagle3Drafter, loss: Loss | str = "soft_ce"):
         super().__init__()
-        check_objective(loss)
         self.drafter = drafter
-        self.loss_name, self.lk_eta = loss, lk_eta
+        self.loss = as_loss(loss)
 
     @override
     def forward(self, embed_tokens: nn.Module, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
@@ -77,8 +77,8 @@ class DrafterObjective(nn.Module):
                 counts: list[int] | None = None, position_ids: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, with_alpha: bool = True) -> tuple[torch.Tensor, ...]:
         out = ttt_loss(self.drafter, embed_tokens, input_ids, aux_hidden, target_logits, loss_mask, steps=steps,
-                       step_weights=step_weights, target_valid=target_valid, objective=self.loss_name,
-                       lk_eta=self.lk_eta, target_mass=target_mass, counts=counts, position_ids=position_ids,
+                       step_weights=step_weights, target_valid=target_valid, objective=self.loss,
+                       target_mass=target_mass, counts=counts, position_ids=position_ids,
                        document_ids=document_ids, with_alpha=with_alpha)
         return out.loss, out.step_losses, out.step_acc, out.num_supervised, out.step_alpha
 
@@ -103,7 +103,7 @@ def draft_target_logits(lm_head: nn.Module, final_hidden: torch.Tensor, t2d: tor
         num_rows: the number of rows used, `target_rows(loss_mask)`, counted on the host (`Eagle3Module` counts
             them before the batch moves to the device); default: found on the device, a wait.
         with_mass: also return the `[B, T]` fp32 probability the full target distribution puts on the draft
-            vocabulary (0 on unused rows), which bounds the acceptance of any draft (`objectives`).
+            vocabulary (0 on unused rows), which bounds the acceptance of any draft (`eagle3_zoo.losses.chunk`).
         document_ids: `[B, T]` packed rows: a row is needed only where it, its successor and its predecessor lie in
             one document (the first position of a document is never a target, as position 0 of a row).
 
@@ -227,8 +227,8 @@ class Eagle3Module(L.LightningModule):
         lr, betas, weight_decay: AdamW settings; norms and other 1-D parameters get no weight decay.
         warmup_steps, decay, min_lr_ratio: the LR schedule (stepped every optimizer step).
         logits_chunk_size: rows per chunk of the frozen lm_head product.
-        loss, lk_eta: the per-position objective (`objectives.OBJECTIVES`; default EAGLE-3's soft cross-entropy)
-            and lk_hybrid's eta.
+        loss: the per-position objective, a `Loss` with its parameters (`eagle3_zoo.losses`; a name: its default
+            parameters; default EAGLE-3's soft cross-entropy).
         shard_target: FSDP shards the target too (default: in online mode; features streamed from an engine: for
             tau evaluation).
     """
@@ -238,12 +238,12 @@ class Eagle3Module(L.LightningModule):
                  ttt_steps: int = 7, step_weights: list[float] | None = None, lr: float = 1e-4,
                  betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0, warmup_steps: int = 0,
                  decay: str = "cosine", min_lr_ratio: float = 0.0, logits_chunk_size: int = 1024,
-                 loss: str = "soft_ce", lk_eta: float = DEFAULT_ETA, shard_target: bool | None = None):
+                 loss: Loss | str = "soft_ce", shard_target: bool | None = None):
         super().__init__()
         self.assemble(drafter, adapter, target, embed_tokens=embed_tokens, lm_head=lm_head, mode=mode,
                       ttt_steps=ttt_steps, step_weights=step_weights, lr=lr, betas=betas, weight_decay=weight_decay,
                       warmup_steps=warmup_steps, decay=decay, min_lr_ratio=min_lr_ratio,
-                      logits_chunk_size=logits_chunk_size, loss=loss, lk_eta=lk_eta, shard_target=shard_target)
+                      logits_chunk_size=logits_chunk_size, loss=loss, shard_target=shard_target)
 
     @classmethod
     def deferred(cls) -> Eagle3Module:
@@ -264,7 +264,7 @@ class Eagle3Module(L.LightningModule):
                  ttt_steps: int = 7, step_weights: list[float] | None = None, lr: float = 1e-4,
                  betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0, warmup_steps: int = 0,
                  decay: str = "cosine", min_lr_ratio: float = 0.0, logits_chunk_size: int = 1024,
-                 loss: str = "soft_ce", lk_eta: float = DEFAULT_ETA, shard_target: bool | None = None) -> Eagle3Module:
+                 loss: Loss | str = "soft_ce", shard_target: bool | None = None) -> Eagle3Module:
         """Give the module its parts (the arguments of the class); once. Returns the module."""
         if self.assembled:
             raise RuntimeError("Eagle3Module.assemble: the module already has its drafter")
@@ -274,7 +274,7 @@ class Eagle3Module(L.LightningModule):
             raise ValueError("online mode needs the target model")
         if target is None and (embed_tokens is None or lm_head is None):
             raise ValueError("without a target model, pass its embed_tokens and lm_head")
-        self.objective = DrafterObjective(drafter, loss, lk_eta)
+        self.objective = DrafterObjective(drafter, loss)
         self.adapter, self.mode = adapter, mode
         # a tuple keeps the frozen modules out of the module tree (see the module docstring)
         self._frozen = FrozenTarget(target, adapter.embed_tokens(target) if embed_tokens is None else embed_tokens,

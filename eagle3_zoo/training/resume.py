@@ -50,6 +50,17 @@ RESUMABLE_KEYS = (
 # compares as that value (a resume with another value is refused like any other data setting)
 ADDED_KEYS = {"data.packing": repr(False)}
 
+
+def _before_loss_params(saved: dict[str, str]) -> dict[str, str]:
+    """An identity saved before `loss.params` as today's: its `loss.lk_eta` (every run had one, 3.0 unless set) was
+    lk_hybrid's eta, now `loss.params.eta`, and meant nothing to the other losses; a loaded recipe's lk_eta is null."""
+    eta = saved.get("loss.lk_eta")
+    if eta in (None, repr(None)) or any(k.startswith("loss.params.") for k in saved):
+        return saved
+    return {**saved, "loss.lk_eta": repr(None),
+            **({"loss.params.eta": eta} if saved.get("loss.name") == repr("lk_hybrid") else {})}
+
+
 # temporaries of an atomic write killed before its rename (AtomicCheckpointIO, atomic_write): `.last.ckpt.*.tmp`
 _STALE_TEMP_GLOB = ".*.tmp"
 _STALE_AFTER_S = 60.0  # a temporary younger than this may belong to a rank of this very run that is still writing
@@ -115,7 +126,7 @@ def identity_differences(saved: dict[str, str], current: dict[str, str]) -> list
             sizes = []
         if sizes and min(sizes) > 0:
             saved = {**saved, GLOBAL_BATCH: repr(sizes[0] * sizes[1] * sizes[2])}
-    saved = {**{k: v for k, v in ADDED_KEYS.items() if k in current}, **saved}
+    saved = {**{k: v for k, v in ADDED_KEYS.items() if k in current}, **_before_loss_params(saved)}
     saved = {k: v for k, v in saved.items() if not _resumable(k)}
     out = []
     for key in sorted(set(saved) | set(current)):
