@@ -179,6 +179,9 @@ def test_parameter_shapes_equal_the_built_module(draft_vocab_size):
     assert cfg.parameter_shapes() == built
     buffers = dict(drafter.named_buffers())
     assert set(buffers) == ({"d2t"} if draft_vocab_size else set())  # no rotary buffers
+    drafter.to_empty(device="cpu")  # the RoPE frequencies are real numbers after a meta build
+    torch.testing.assert_close(drafter.rotary_emb.inv_freq, DFlashDrafter(cfg).rotary_emb.inv_freq, rtol=0, atol=0)
+    assert drafter.double().rotary_emb.inv_freq.dtype == torch.float32
 
 
 def test_from_target_config_defaults_and_layer_id_conventions():
@@ -434,3 +437,48 @@ def test_reduced_vocabulary_loss_maps_labels_through_d2t():
     assert 0 < out.num_supervised.item() < int(mask.sum())
     out.loss.backward()
     assert drafter.lm_head.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("attention", ["dense", "flex"])
+def test_a_packed_row_equals_its_conversations_alone(attention):
+    """Two conversations in one row (`position_ids` restarting, `document_ids`): every block, label, anchor and the
+    loss equal those of the conversations unpacked."""
+    cfg, drafter, aux, ids, embed = _setup(6)
+    lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=torch.double)
+    n1, n2 = 9, 11  # the first row's first 9 tokens, the second row's first 11
+    p_aux = torch.cat([aux[0, :n1], aux[1, :n2]])[None]
+    p_ids = torch.cat([ids[0, :n1], ids[1, :n2]])[None]
+    pos = torch.cat([torch.arange(n1), torch.arange(n2)])[None]
+    doc = torch.cat([torch.zeros(n1, dtype=torch.long), torch.ones(n2, dtype=torch.long)])[None]
+    anchors = torch.tensor([[2, 6, 7, n1 + 1, n1 + 5, n1 + 9]])
+    with torch.no_grad():
+        packed = drafter.training_forward(p_aux, p_ids, anchors, embed, attention, pos, doc).view(6, B, -1)
+        first = drafter.training_forward(aux[:1, :n1], ids[:1, :n1], anchors[:, :3], embed, attention)
+        second = drafter.training_forward(aux[1:, :n2], ids[1:, :n2], anchors[:, 3:] - n1, embed, attention)
+    torch.testing.assert_close(packed[:3], first.view(3, B, -1), rtol=0, atol=1e-12)
+    torch.testing.assert_close(packed[3:], second.view(3, B, -1), rtol=0, atol=1e-12)
+    lmask = torch.ones(1, n1 + n2, dtype=torch.bool)
+    labels, mask = block_labels(p_ids, lmask, anchors, torch.ones_like(anchors, dtype=torch.bool), B, doc)
+    assert mask[0, 2].tolist() == [True, False, False]  # anchor 7: x9 is the second conversation's first token
+    assert mask[0, 1].tolist() == [True, True, False]
+    got, valid = select_anchors(lmask, 30, torch.Generator().manual_seed(0), doc)
+    assert got[valid].tolist() == [*range(1, n1 - 1), *range(n1 + 1, n1 + n2 - 1)]  # no anchor straddles the seam
+    if attention == "dense":  # the loss too (flex has no backward on CPU; its forward is what differs)
+        v = torch.ones(1, 3, dtype=torch.bool)
+        packed_loss = dflash_loss(drafter, p_aux, p_ids, lmask, anchors, torch.ones(1, 6, dtype=torch.bool), embed,
+                                  lm_head, position_ids=pos, document_ids=doc)
+        a = dflash_loss(drafter, aux[:1, :n1], ids[:1, :n1], lmask[:, :n1], anchors[:, :3], v, embed, lm_head)
+        b = dflash_loss(drafter, aux[1:, :n2], ids[1:, :n2], lmask[:, :n2], anchors[:, 3:] - n1, v, embed, lm_head)
+        n = a.num_supervised + b.num_supervised
+        assert packed_loss.num_supervised == n
+        torch.testing.assert_close(packed_loss.loss, (a.loss * a.num_supervised + b.loss * b.num_supervised) / n)
+
+
+def test_a_batch_with_nothing_supervised_gives_a_zero_loss_that_backpropagates():
+    _, drafter, aux, ids, embed = _setup(7)
+    out = dflash_loss(drafter, aux, ids, torch.zeros(2, T, dtype=torch.bool), ANCHORS,
+                      torch.zeros_like(ANCHORS, dtype=torch.bool), embed, torch.randn(100, 64, dtype=torch.double))
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and out.num_supervised.item() == 0
+    assert drafter.fc.weight.grad is not None and out.acceptance_length.item() == 0.0

@@ -29,15 +29,19 @@ from eagle3_zoo.drafters.dflash.model import DFlashDrafter
 WEIGHTINGS = ("dpace", "decay")
 
 
-def select_anchors(loss_mask: torch.Tensor, num_anchors: int,
-                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def select_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None,
+                   document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `num_anchors` anchors per sequence, drawn uniformly without replacement among positions a >= 1 whose
-    token and next token are supervised (`loss_mask [B, T]`), sorted. Returns anchors `[B, A]` (unused entries 0)
-    and their validity `[B, A]` bool. Draw again each epoch (pass a generator seeded by epoch)."""
+    token and next token are supervised (`loss_mask [B, T]`) and, in a packed row, of the same conversation as the
+    tokens before and after them; sorted. Returns anchors `[B, A]` (unused entries 0) and their validity `[B, A]`
+    bool. Draw again each epoch (pass a generator seeded by epoch)."""
     b, t = loss_mask.shape
     m = loss_mask.bool()
     eligible = torch.zeros_like(m)
     eligible[:, 1:-1] = m[:, 1:-1] & m[:, 2:]
+    if document_ids is not None:
+        doc = document_ids[:, 1:-1]
+        eligible[:, 1:-1] &= (doc == document_ids[:, 2:]) & (doc == document_ids[:, :-2])
     scores = torch.rand((b, t), generator=generator, device="cpu").to(loss_mask.device)
     scores = torch.where(eligible, scores, torch.full_like(scores, 2.0))  # ineligible positions sort last
     a = min(num_anchors, t)
@@ -49,15 +53,17 @@ def select_anchors(loss_mask: torch.Tensor, num_anchors: int,
 
 
 def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor,
-                 block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_size: int, document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels `[B, A, block_size-1]` (x_{a+k} for k = 1..block_size-1) and their mask: the anchor is valid, a+k is
-    inside the sequence and its token is supervised."""
+    inside the sequence (and the anchor's conversation, `document_ids`) and its token is supervised."""
     t = input_ids.shape[1]
     pos = anchors[..., None] + torch.arange(1, block_size, device=anchors.device)  # [B, A, B-1]
     inside = pos < t
     pos = pos.clamp(max=t - 1)
     labels = input_ids.gather(1, pos.flatten(1)).view(pos.shape)
     mask = loss_mask.bool().gather(1, pos.flatten(1)).view(pos.shape) & inside & anchor_valid[..., None]
+    if document_ids is not None:
+        mask &= document_ids.gather(1, pos.flatten(1)).view(pos.shape) == document_ids.gather(1, anchors)[..., None]
     return labels, mask
 
 
@@ -120,15 +126,19 @@ class DFlashLossOutput:
 def dflash_loss(drafter: DFlashDrafter, aux_hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 anchors: torch.Tensor, anchor_valid: torch.Tensor, embed_weight: torch.Tensor,
                 target_lm_head_weight: torch.Tensor | None = None, weighting: str = "dpace", alpha: float = 0.5,
-                gamma: float = 4.0, chunk: int = 1024, attention: str = "dense") -> DFlashLossOutput:
-    """The DFlash objective of one batch (all blocks in one forward). A label outside a reduced draft vocabulary
-    is not in the loss (no draft id can name it) but counts as a rejected slot in the acceptance metrics."""
+                gamma: float = 4.0, chunk: int = 1024, attention: str = "dense",
+                position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> DFlashLossOutput:
+    """The DFlash objective of one batch (all blocks in one forward; packed rows: `position_ids`, `document_ids`).
+    A label outside a reduced draft vocabulary is not in the loss (no draft id can name it) but counts as a
+    rejected slot in the acceptance metrics."""
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting={weighting!r}; expected one of {', '.join(WEIGHTINGS)}")
     bsz = drafter.config.block_size
-    hidden = drafter.training_forward(aux_hidden, input_ids, anchors, embed_weight, attention)
+    hidden = drafter.training_forward(aux_hidden, input_ids, anchors, embed_weight, attention, position_ids,
+                                      document_ids)
     hidden = hidden.view(*anchors.shape, bsz, -1)[..., 1:, :]  # slot 0 (the anchor) predicts nothing
-    labels, mask = block_labels(input_ids, loss_mask, anchors, anchor_valid, bsz)
+    labels, mask = block_labels(input_ids, loss_mask, anchors, anchor_valid, bsz, document_ids)
     weight = drafter.head_weight(target_lm_head_weight)
     draft_labels, in_vocab = labels, torch.ones_like(mask)
     if drafter.d2t is not None:  # target ids -> draft ids (-1 = not in the draft vocabulary)
@@ -149,6 +159,8 @@ def dflash_loss(drafter: DFlashDrafter, aux_hidden: torch.Tensor, input_ids: tor
         w = decay_weights(bsz - 1, gamma, mask.device).expand(mask.shape)[rows]
     n = row_in_loss.sum()
     loss = (ce * w * row_in_loss).sum() / n.clamp(min=1)
+    if ce.numel() == 0:  # nothing supervised: a zero that still reaches every parameter (DDP, optimizers)
+        loss = hidden.sum() * 0.0
     correct = torch.zeros_like(mask)
     correct[rows] = (drafter.to_target_ids(pred) == labels[rows]) & row_in_loss
     total = mask.sum(dim=tuple(range(mask.dim() - 1)))

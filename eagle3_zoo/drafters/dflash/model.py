@@ -54,6 +54,10 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         d = config.head_dim
         self.attention_scaling = 1.0
+        with torch.device("cpu"):  # real values also when the drafter is built on the meta device
+            self.inv_freq = self._inv_freq(config, d)
+
+    def _inv_freq(self, config: DFlashConfig, d: int) -> torch.Tensor:
         if config.rope_scaling:
             from transformers import Qwen3Config
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -65,7 +69,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, torch.device("cpu"))
         else:
             inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        self.inv_freq = inv_freq.to(torch.float32)
+        return inv_freq.to(torch.float32)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -149,37 +153,45 @@ def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     return (anchors[..., None] + offsets).flatten(-2)
 
 
-def dense_block_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """bool `[B, Q, T+Q]` (True = visible), Q = A*block_size: a slot of block j sees context positions < a_j and the
-    slots of block j. The dense reference of `flex_block_mask`."""
+def dense_block_mask(anchors: torch.Tensor, context_len: int, block_size: int,
+                     document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """bool `[B, Q, T+Q]` (True = visible), Q = A*block_size: a slot of block j sees context positions < a_j (of the
+    anchor's document in a packed row, `document_ids [B, T]`) and the slots of block j. The dense reference of
+    `flex_block_mask`."""
     b, a = anchors.shape
     q = a * block_size
     block_of = torch.arange(q, device=anchors.device) // block_size  # [Q]
     slot_anchor = anchors[:, block_of]  # [B, Q]
     ctx = torch.arange(context_len, device=anchors.device)[None, None, :] < slot_anchor[..., None]  # [B, Q, T]
+    if document_ids is not None:
+        ctx = ctx & (document_ids[:, None, :] == document_ids.gather(1, slot_anchor)[..., None])
     same = (block_of[:, None] == block_of[None, :]).expand(b, q, q)
     return torch.cat([ctx, same], dim=-1)
 
 
-def flex_mask_mod(anchors: torch.Tensor, context_len: int, block_size: int):
+def flex_mask_mod(anchors: torch.Tensor, context_len: int, block_size: int, document_ids: torch.Tensor | None = None):
     """The FlexAttention `mask_mod` of `dense_block_mask`."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         block = q_idx // block_size
-        in_context = (kv_idx < context_len) & (kv_idx < anchors[b, block])
+        anchor = anchors[b, block]
+        in_context = (kv_idx < context_len) & (kv_idx < anchor)
+        if document_ids is not None:  # (kv_idx % T: a valid index also for the block keys, which this term drops)
+            in_context = in_context & (document_ids[b, kv_idx % context_len] == document_ids[b, anchor])
         same_block = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == block)
         return in_context | same_block
 
     return mask_mod
 
 
-def flex_block_mask(anchors: torch.Tensor, context_len: int, block_size: int):
+def flex_block_mask(anchors: torch.Tensor, context_len: int, block_size: int,
+                    document_ids: torch.Tensor | None = None):
     """A FlexAttention `BlockMask` for `dense_block_mask` (compiled construction on CUDA: no dense grid)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     b, a = anchors.shape
     q = a * block_size
-    return create_block_mask(flex_mask_mod(anchors, context_len, block_size), b, None, q, context_len + q,
+    return create_block_mask(flex_mask_mod(anchors, context_len, block_size, document_ids), b, None, q, context_len + q,
                              device=anchors.device, _compile=anchors.is_cuda)
 
 
@@ -238,28 +250,32 @@ class DFlashDrafter(nn.Module):
         return ids.flatten(-2)
 
     def training_forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
-                         embed_weight: torch.Tensor, attention: str = "dense") -> torch.Tensor:
+                         embed_weight: torch.Tensor, attention: str = "dense", position_ids: torch.Tensor | None = None,
+                         document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """All blocks of a batch in one forward: aux_hidden `[B, T, n*H_target]`, input_ids `[B, T]`, anchors
-        `[B, A]` (positions in 0..T-1) -> normed hidden states `[B, A*block_size, H]`, block-major.
+        `[B, A]` (indices in 0..T-1) -> normed hidden states `[B, A*block_size, H]`, block-major.
 
         `attention`: "dense" (a `[B, Q, T+Q]` boolean mask through scaled_dot_product_attention: the reference, for
-        CPU and small shapes) or "flex" (FlexAttention with a block mask; compiled on CUDA)."""
+        CPU and small shapes) or "flex" (FlexAttention with a block mask; compiled on CUDA). Packed rows pass
+        `position_ids` (restarting in each conversation) and `document_ids [B, T]`: a block then sees the context of
+        its anchor's conversation only, at that conversation's positions."""
         t, bsz = aux_hidden.shape[1], self.config.block_size
         if attention == "dense":
-            mask = dense_block_mask(anchors, t, bsz)[:, None]
+            mask = dense_block_mask(anchors, t, bsz, document_ids)[:, None]
 
             def attend(q, k, v):
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         elif attention == "flex":
-            block_mask = flex_block_mask(anchors, t, bsz)
+            block_mask = flex_block_mask(anchors, t, bsz, document_ids)
 
             def attend(q, k, v):
                 return _flex_attention(q, k, v, block_mask)
         else:
             raise ValueError(f"attention={attention!r}; expected 'dense' or 'flex'")
-        ctx_pos = torch.arange(t, device=aux_hidden.device).expand(aux_hidden.shape[0], t)
+        ctx_pos = torch.arange(t, device=aux_hidden.device).expand(aux_hidden.shape[0], t) if position_ids is None \
+            else position_ids
         return self._run(self.context(aux_hidden), ctx_pos, self.block_ids(input_ids, anchors),
-                         block_positions(anchors, bsz), embed_weight, attend)
+                         block_positions(ctx_pos.gather(1, anchors), bsz), embed_weight, attend)
 
     def draft_block(self, aux_prefix: torch.Tensor, anchor_ids: torch.Tensor,
                     embed_weight: torch.Tensor) -> torch.Tensor:
