@@ -482,3 +482,19 @@ def test_a_batch_with_nothing_supervised_gives_a_zero_loss_that_backpropagates()
     out.loss.backward()
     assert out.loss.item() == 0.0 and out.num_supervised.item() == 0
     assert drafter.fc.weight.grad is not None and out.acceptance_length.item() == 0.0
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_bf16_autocast_runs_both_attention_paths():
+    torch.manual_seed(8)
+    cfg = _config()
+    drafter = DFlashDrafter(cfg)
+    aux, ids = torch.randn(2, T, 3 * 64), torch.randint(0, 99, (2, T))
+    embed = torch.randn(100, 64)
+    with torch.no_grad():
+        ref = drafter.training_forward(aux, ids, ANCHORS, embed)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            dense = drafter.training_forward(aux, ids, ANCHORS, embed, "dense")
+            flex = drafter.training_forward(aux, ids, ANCHORS, embed, "flex")
+    torch.testing.assert_close(flex.float(), dense.float(), rtol=0.02, atol=0.02)
+    torch.testing.assert_close(dense.float(), ref, rtol=0.05, atol=0.1)
