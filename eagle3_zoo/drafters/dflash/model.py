@@ -115,8 +115,8 @@ class DFlashAttention(nn.Module):
         q = _rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
         k, v = self.key_value(x, cos, sin)
         k, v = torch.cat([ctx_k, k], dim=-2), torch.cat([ctx_v, v], dim=-2)
-        # under autocast the fp32 q/k norm weights promote q and k while v is autocast's dtype; FlexAttention
-        # refuses mixed dtypes: one dtype for either kernel, v's (the one autocast gives the projections)
+        # under autocast the fp32 q/k norm weights promote q and k to fp32 while v is in autocast's dtype: hand the
+        # kernel one dtype (v's), not a mixed fp32/bf16 triple
         out = attend(q.to(v.dtype), k.to(v.dtype), v)
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
