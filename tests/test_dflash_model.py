@@ -498,3 +498,32 @@ def test_bf16_autocast_runs_both_attention_paths():
             flex = drafter.training_forward(aux, ids, ANCHORS, embed, "flex")
     torch.testing.assert_close(flex.float(), dense.float(), rtol=0.02, atol=0.02)
     torch.testing.assert_close(dense.float(), ref, rtol=0.05, atol=0.1)
+
+
+@pytest.mark.parametrize("draft_vocab_size", [None, 40])
+def test_the_saved_folder_is_what_vllm_loads_and_reads_back(tmp_path, draft_vocab_size):
+    import json
+
+    from safetensors import safe_open
+
+    from eagle3_zoo.drafters.dflash.model import CONFIG_NAME, WEIGHTS_NAME
+
+    cfg, drafter, aux, ids, embed = _setup(9, draft_vocab_size=draft_vocab_size, torch_dtype="bfloat16")
+    if draft_vocab_size:
+        with torch.no_grad():
+            drafter.d2t.copy_(torch.arange(40) * 2 - torch.arange(40))
+    drafter.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / WEIGHTS_NAME), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    assert _load_like_vllm({k: torch.empty(s) for k, s in shapes.items()}) == _vllm_parameters(cfg)
+    assert {d for k, d in dtypes.items() if k != "d2t"} == {"BF16"}
+    assert dtypes.get("d2t", "I64") == "I64"
+    assert DFlashConfig.from_json_dict(json.loads((tmp_path / CONFIG_NAME).read_text())) == cfg
+    back = DFlashDrafter.from_pretrained(tmp_path, dtype=torch.double)
+    for (name, a), (_, b) in zip(drafter.state_dict().items(), back.state_dict().items(), strict=True):
+        expected = a.to(torch.bfloat16).double() if a.is_floating_point() else a
+        assert torch.equal(b, expected), name
+    (tmp_path / WEIGHTS_NAME).unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        DFlashDrafter.from_pretrained(tmp_path)

@@ -25,11 +25,20 @@ target's, passed in, and never part of the state dict. RoPE frequencies are not 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eagle3_zoo.drafters.dflash.config import DFlashConfig
+from eagle3_zoo.dtypes import torch_dtype
+from eagle3_zoo.fileio import atomic_write, atomic_write_text
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
 
 
 class RMSNorm(nn.Module):
@@ -306,3 +315,40 @@ class DFlashDrafter(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> target ids (`id + d2t[id]`; unchanged for a full-vocabulary drafter)."""
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
+
+    def save_pretrained(self, save_dir: str | Path) -> Path:
+        """Write the z-lab folder vLLM 0.32 loads: `config.json` (`DFlashConfig.to_json_dict`) and
+        `model.safetensors` (the state dict in `config.torch_dtype`; `d2t` int64)."""
+        save_dir = Path(save_dir)
+        dtype = torch_dtype(self.config.torch_dtype)
+        tensors = {name: (t.detach().to(dtype) if t.is_floating_point() else t.detach()).contiguous().cpu()
+                   for name, t in self.state_dict().items()}
+        atomic_write(save_dir / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+        atomic_write_text(save_dir / CONFIG_NAME, json.dumps(self.config.to_json_dict(), indent=2) + "\n")
+        return save_dir
+
+    @classmethod
+    def from_pretrained(cls, load_dir: str | Path, dtype: torch.dtype | None = None,
+                        device: str | torch.device = "cpu") -> DFlashDrafter:
+        """Read a folder `save_pretrained` wrote (or a z-lab DFlash folder with the same tensors)."""
+        load_dir = Path(load_dir)
+        for name in (CONFIG_NAME, WEIGHTS_NAME):
+            if not (load_dir / name).is_file():
+                raise FileNotFoundError(f"{load_dir}: no {name}; a DFlash drafter folder has {CONFIG_NAME} and "
+                                        f"{WEIGHTS_NAME}")
+        path = load_dir / CONFIG_NAME
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from e
+        config = DFlashConfig.from_json_dict(raw, source=str(path))
+        state = load_file(str(load_dir / WEIGHTS_NAME), device=str(device))
+        model = cls(config)
+        expected = set(model.state_dict())
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise ValueError(f"{load_dir / WEIGHTS_NAME}: missing keys {missing}, unexpected keys {unexpected} for "
+                             f"a DFlash drafter of {config.num_hidden_layers} layers, draft vocabulary "
+                             f"{config.draft_vocab_size} of {config.vocab_size}")
+        model.load_state_dict(state)
+        return model.to(device=device, dtype=dtype or torch_dtype(config.torch_dtype))
