@@ -29,7 +29,7 @@ from eagle3_zoo.drafters.dflash.model import DFlashDrafter
 WEIGHTINGS = ("dpace", "decay")
 
 
-def select_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None,
+def select_anchors(loss_mask: torch.Tensor, num_anchors: int = 512, generator: torch.Generator | None = None,
                    document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `num_anchors` anchors per sequence, drawn uniformly without replacement among positions a >= 1 whose
     token and next token are supervised (`loss_mask [B, T]`) and, in a packed row, of the same conversation as the

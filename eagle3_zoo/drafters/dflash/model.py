@@ -159,10 +159,10 @@ class DFlashDecoderLayer(nn.Module):
 
 # ---- the training mask: block j = slots [j*B, (j+1)*B) of the query; keys = [context T | query blocks Q] ----
 
-def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """anchors `[B, A]` -> the position of every slot `[B, A*block_size]` (a_j + k)."""
-    offsets = torch.arange(block_size, device=anchors.device)
-    return (anchors[..., None] + offsets).flatten(-2)
+def block_positions(anchor_positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The anchors' RoPE positions `[B, A]` -> the position of every slot `[B, A*block_size]` (p_j + k)."""
+    offsets = torch.arange(block_size, device=anchor_positions.device)
+    return (anchor_positions[..., None] + offsets).flatten(-2)
 
 
 def dense_block_mask(anchors: torch.Tensor, context_len: int, block_size: int,
@@ -223,7 +223,7 @@ def _flex_attention(q, k, v, block_mask):
 
 class DFlashDrafter(nn.Module):
     """The DFlash drafter. `embed_weight` (the target's input embedding, `[V, H]`) is passed to every forward and
-    never stored; so is the target's lm_head weight for a full-vocabulary drafter (`logits`)."""
+    never stored; so is the target's lm_head weight for a full-vocabulary drafter (`head_weight`)."""
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
@@ -247,7 +247,7 @@ class DFlashDrafter(nn.Module):
 
     def _run(self, ctx: torch.Tensor, ctx_pos: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor,
              embed_weight: torch.Tensor, attend) -> torch.Tensor:
-        x = F.embedding(ids, embed_weight).to(ctx.dtype)
+        x = F.embedding(ids, embed_weight).to(self.fc.weight.dtype)  # the residual stream in the drafter's dtype
         cos, sin = self.rotary_emb(pos, x.dtype)
         ctx_cos, ctx_sin = self.rotary_emb(ctx_pos, x.dtype)
         for layer in self.layers:
