@@ -7,8 +7,8 @@ where `name` is a submodule is an import of that submodule. Only imports of the 
 The folders (and the top-level modules), top to bottom; a module may import its own layer and the layers below:
 
     __main__ > cli > training > speculative > data > hub > targets > checkpoint > recipe (recipe, recipe_engine)
-        > adapters > modeling > losses > utilities (draft_shapes, dtypes, fileio, layout_names, locations, progress,
-        provenance, redaction, schema, threads, zoo_registry and the package's own __init__)
+        > adapters > modeling, drafters > losses > utilities (draft_shapes, dtypes, fileio, layout_names, locations,
+        progress, provenance, redaction, schema, threads, zoo_registry and the package's own __init__)
 
 `EAGLE3_ZOO_LAYERING_ROOT=/path/to/eagle3_zoo` runs the checks on another checkout's package folder.
 """
@@ -37,7 +37,7 @@ LAYERS = (  # top to bottom
     ("checkpoint",),  # drafter folders: formats, weights, convert, checks, the folder writer
     ("recipe", "recipe_engine"),  # the recipe schema, its checks and the engine section
     ("adapters",),  # per-family target adapters, chat formats, shipped target configs
-    ("modeling",),  # the drafter model
+    ("modeling", "drafters"),  # the drafter models (EAGLE-3; the other kinds, one subpackage each)
     ("losses",),  # the per-position TTT losses: the registry (read by recipe validation) and their math
     ("draft_shapes", "dtypes", "fileio", "layout_names", "locations", "progress", "provenance", "redaction", "schema",
      "threads", "zoo_registry", ""),  # utilities; "" = the package's own __init__

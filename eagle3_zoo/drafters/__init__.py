@@ -1,0 +1,1 @@
+"""Drafter kinds, one subpackage each."""
