@@ -120,3 +120,14 @@ def test_cuda_sync_count_skips_the_debug_modes_own_notice(monkeypatch):
                                "synchronizing operations", UserWarning, "torch/cuda/__init__.py", 1270)
         warnings.warn_explicit("called a synchronizing CUDA operation", UserWarning, "eagle3_zoo/module.py", 389)
     assert gpu_check.cuda_sync_events(seen) == ["sync at module.py:389"]
+
+
+def test_dflash_gpu_check_cpu_smoke(tmp_path):
+    """`scripts/gpu_check_dflash.py --cpu-smoke`: FlexAttention's block mask equals the dense reference (forward; a
+    CPU has no flex backward) and the training step runs with both, every row recorded."""
+    cmd = [sys.executable, "scripts/gpu_check_dflash.py", "--cpu-smoke", "--jsonl", str(tmp_path / "d.jsonl")]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=subprocess_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert len(rows) == 5 and all(row["ok"] for row in rows)
+    assert rows[0]["loss_rel_err"] < 1e-4
