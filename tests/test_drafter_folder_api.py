@@ -13,7 +13,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from eagle3_zoo import DrafterFolder
+from eagle3_zoo import DrafterFolder, EvalSettings
 from eagle3_zoo.checkpoint import InvalidDrafterError, check_drafter, export_drafter, import_drafter
 from eagle3_zoo.checkpoint.convert import tensors_digest
 from eagle3_zoo.checkpoint.weights import weights_digest
@@ -70,6 +70,17 @@ def test_eval_reads_the_drafter_weights_once(tmp_path, monkeypatch, capsys):
     assert settings["drafter_weights_sha256"] == sha256_file(drafter_dir / "model.safetensors")
     assert settings["drafter_tensors_sha256"] == tensors_digest(drafter_dir)
     assert settings["target"] == str(target_dir) and settings["drafter"] == str(drafter_dir.resolve())
+    # the same evaluation from Python: the same figures, one read
+    with weight_reads(drafter_dir, monkeypatch) as seen:
+        results = DrafterFolder.open(drafter_dir).evaluate(
+            settings=EvalSettings(benches=("humaneval",), mode="chain", depth=2, max_new_tokens=4, limit=1,
+                                  spread=False, baseline=False), device="cpu", progress=False)
+    assert seen == ["open model.safetensors"], seen
+    keys = ("requests", "new_tokens", "cycles", "tau", "depth_attempts", "depth_accepts")
+    cli = json.loads(out.read_text())["benchmarks"]["humaneval"]
+    assert {k: results["benchmarks"]["humaneval"][k] for k in keys} == {k: cli[k] for k in keys}
+    assert {k: results["settings"][k] for k in settings if k.startswith("drafter")} == \
+        {k: v for k, v in settings.items() if k.startswith("drafter")}
 
 
 @pytest.mark.parametrize("fmt", ["sglang", "speculators"])
