@@ -19,6 +19,7 @@ from eagle3_zoo.checkpoint.convert import tensors_digest
 from eagle3_zoo.checkpoint.weights import weights_digest
 from eagle3_zoo.cli import main as cli_main
 from eagle3_zoo.fileio import sha256_file
+from tests import test_hub_check
 from tests.hub_fixtures import canonical_dir, edit_weights, official_dir, tiny_target_config
 from tests.test_speculative_eval import _saved_target_and_drafter
 
@@ -132,3 +133,19 @@ def test_a_broken_folder_opens_is_reported_and_refused(tmp_path):
         broken.drafter()
     missing = DrafterFolder.open(tmp_path / "nowhere")
     assert missing.check().codes == ["CONFIG_MISSING"]
+
+
+def _api_check(path_or_dir, target_config=None):
+    """`check_drafter` answered by an opened folder."""
+    return DrafterFolder.open(path_or_dir).check(target_config)
+
+
+_CHECK_TESTS = sorted(name for name in dir(test_hub_check) if name.startswith("test_"))
+
+
+@pytest.mark.parametrize("name", _CHECK_TESTS)
+def test_every_check_test_holds_for_an_opened_folder(name, tmp_path, monkeypatch):
+    """The checker's own tests (every problem code, broken and malicious weights, target checks), with
+    `check_drafter` replaced by `DrafterFolder.open(...).check(...)`: the folder read once answers the same."""
+    monkeypatch.setattr(test_hub_check, "check_drafter", _api_check)
+    getattr(test_hub_check, name)(tmp_path)
