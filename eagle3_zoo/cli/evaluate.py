@@ -1,5 +1,6 @@
 """`eagle3-zoo eval DRAFTER --target T --bench mtbench,humaneval ...`: real speculative decoding, in this process
-(`eagle3_zoo.speculative.evaluate`) or inside vLLM (`eagle3_zoo.speculative.engine_eval`).
+(`eagle3_zoo.api.DrafterFolder.evaluate`: the drafter folder read once) or inside vLLM
+(`eagle3_zoo.speculative.engine_eval`).
 
 Everything the arguments name is checked before the target loads: the drafter (the checks of `eagle3-zoo check`,
 against the target's shipped config when the package has one, so a mismatch is reported offline), the benchmark
