@@ -149,3 +149,12 @@ def test_every_check_test_holds_for_an_opened_folder(name, tmp_path, monkeypatch
     `check_drafter` replaced by `DrafterFolder.open(...).check(...)`: the folder read once answers the same."""
     monkeypatch.setattr(test_hub_check, "check_drafter", _api_check)
     getattr(test_hub_check, name)(tmp_path)
+
+
+def test_publish_reads_the_source_weights_once(tmp_path, monkeypatch, capsys):
+    """`publish --dry-run` checks and exports its source from one read (the staged copy is checked on its own)."""
+    src, _ = canonical_dir(tmp_path)
+    with weight_reads(src, monkeypatch) as seen:
+        assert cli_main(["publish", str(src), "--repo-id", "me/tiny", "--dry-run", "--stage-dir",
+                         str(tmp_path / "stage")]) == 0
+    assert seen == ["open model.safetensors"], seen
