@@ -158,3 +158,18 @@ def test_publish_reads_the_source_weights_once(tmp_path, monkeypatch, capsys):
         assert cli_main(["publish", str(src), "--repo-id", "me/tiny", "--dry-run", "--stage-dir",
                          str(tmp_path / "stage")]) == 0
     assert seen == ["open model.safetensors"], seen
+
+
+def test_the_package_exports_the_api_lazily():
+    """`import eagle3_zoo` and `from eagle3_zoo import DrafterFolder` load no torch; every export is the object."""
+    import subprocess
+
+    import eagle3_zoo
+
+    code = ("import sys, eagle3_zoo; from eagle3_zoo import DrafterFolder; "
+            "print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]", out.stderr
+    assert all(not isinstance(getattr(eagle3_zoo, n), type(eagle3_zoo)) for n in eagle3_zoo.__all__)
+    assert eagle3_zoo.DrafterFolder is DrafterFolder

@@ -17,6 +17,7 @@ _EXPORTS = {
     "check_report": ("CheckReport", "DrafterCheckError", "InvalidDrafterError", "Problem"),
     "convert": ("convert_to_canonical", "export_drafter", "import_drafter"),
     "formats": ("CANONICAL_KEYS", "EXPORT_FORMATS", "FORMATS", "detect_format"),
+    "opened": ("OpenedDrafter",),
     "weights": ("CheckpointError", "UnsafeCheckpointError"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
