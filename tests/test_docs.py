@@ -66,6 +66,7 @@ def test_the_docs_tree_has_its_pages():
     expected = [
         "README.md",
         "commands.md",
+        "python-api.md",
         "runs.md",
         "engines.md",
         "publishing.md",

@@ -6,7 +6,7 @@ where `name` is a submodule is an import of that submodule. Only imports of the 
 
 The folders (and the top-level modules), top to bottom; a module may import its own layer and the layers below:
 
-    __main__ > cli > training > speculative > data > hub > targets > checkpoint > recipe (recipe, recipe_engine)
+    __main__ > cli > api > training > speculative > data > hub > targets > checkpoint > recipe (recipe, recipe_engine)
         > adapters > modeling, drafters > losses > utilities (draft_shapes, dtypes, fileio, layout_names, locations,
         progress, provenance, redaction, schema, threads, zoo_registry and the package's own __init__)
 
@@ -29,6 +29,7 @@ NAME = PACKAGE.name
 LAYERS = (  # top to bottom
     ("__main__",),
     ("cli",),
+    ("api",),  # the Python API of a drafter folder (check, export, evaluate) that the CLI calls
     ("training",),  # the run: recipe -> data stage -> Lightning fit -> drafter folder
     ("speculative",),  # decoding, evaluation and the tau callback; no training code
     ("data",),  # the data stage (regeneration, tokenisation, features)

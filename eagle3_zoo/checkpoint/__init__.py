@@ -18,6 +18,7 @@ _EXPORTS = {
     "convert": ("convert_to_canonical", "export_drafter", "import_drafter"),
     "formats": ("CANONICAL_KEYS", "EXPORT_FORMATS", "FORMATS"),
     "layouts": ("Layout", "detect_format", "detect_layout", "get_layout", "register"),
+    "opened": ("OpenedDrafter",),
     "weights": ("CheckpointError", "UnsafeCheckpointError"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -10,6 +10,8 @@ read once to find NaN/Inf (a diverged run writes a drafter that loads fine and p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -126,8 +128,49 @@ def check_drafter(path_or_dir: str | Path, target_config: Any = None) -> CheckRe
     Returns:
         A `CheckReport`; `report.ok` is False when any error was found. Never raises for a broken checkpoint.
     """
+    return check_folder(folder_of(path_or_dir)).against(target_config)
+
+
+def folder_of(path_or_dir: str | Path) -> Path:
+    """The drafter folder of a path naming it or a file inside it."""
     folder = Path(path_or_dir)
-    folder = folder.parent if folder.is_file() else folder
+    return folder.parent if folder.is_file() else folder
+
+
+TensorReader = Callable[[], "tuple[dict[str, TensorInfo], dict[str, torch.Tensor] | None]"]
+
+
+@dataclass
+class FolderCheck:
+    """The checks of one folder that need no target (`report`), and what they read to check it against a target.
+
+    `raw`, `fmt`, `cfg` and `layout` are None when the config could not be read (the report says why): no target is
+    checked then, as `check_drafter` does."""
+
+    report: CheckReport
+    raw: dict[str, Any] | None = None
+    fmt: str | None = None
+    cfg: Eagle3Config | None = None
+    layout: Layout | None = None
+
+    def against(self, target_config: Any = None) -> CheckReport:
+        """The report, with the problems against `target_config` appended (a new report; None: the folder's own)."""
+        if target_config is None or self.cfg is None:
+            return replace(self.report, problems=list(self.report.problems))
+        from eagle3_zoo.checkpoint.check_target import resolve_target_config, target_problems
+
+        report = replace(self.report, problems=list(self.report.problems))
+        target_problems(self.raw, self.layout, self.cfg, resolve_target_config(target_config), report)
+        return report
+
+
+def check_folder(folder: Path, tensors: TensorReader | None = None) -> FolderCheck:
+    """The checks of `check_drafter` that need no target config, on `folder`.
+
+    `tensors`: returns the weights' infos and, when already in memory, their tensors (keyed by the names in the
+    files); it raises `CheckpointError` for unreadable weights. Default: the safetensors headers (tensors read
+    one at a time where a check needs them) or the pickle loaded once.
+    """
     report = CheckReport(str(folder))
     try:
         raw = read_config(folder)
@@ -137,28 +180,24 @@ def check_drafter(path_or_dir: str | Path, target_config: Any = None) -> CheckRe
         report.config = cfg = drafter_config(raw, fmt, source=str(folder / "config.json"))
     except FileNotFoundError as e:
         report.add("CONFIG_MISSING", str(e), "point at the folder holding config.json and the weights")
-        return report
+        return FolderCheck(report)
     except OutsideFolderError as e:
         report.add("FILE_OUTSIDE_FOLDER", str(e), _OUTSIDE_FIX)
-        return report
+        return FolderCheck(report)
     except CheckpointError as e:
         report.add("WEIGHTS_MISSING", str(e), "download the weights too (model.safetensors or pytorch_model.bin)")
-        return report
+        return FolderCheck(report)
     except NonCanonicalDrafterError as e:
         report.add("NON_CANONICAL_VARIANT", str(e), "serve it with vLLM as is, or train a canonical EAGLE-3 drafter")
-        return report
+        return FolderCheck(report)
     except ValueError as e:
         report.add("CONFIG_INVALID", str(e), "fix config.json (compare with an `eagle3-zoo export` output)")
-        return report
+        return FolderCheck(report)
     layout.config_problems(raw, report)
     _folder_file_problems(folder, report)
     _eagle31_problems(raw, layout, cfg, report)
-    _weight_problems(folder, layout, cfg, report)
-    if target_config is not None:  # config-level: reported even when the weights are unreadable
-        from eagle3_zoo.checkpoint.check_target import resolve_target_config, target_problems
-
-        target_problems(raw, layout, cfg, resolve_target_config(target_config), report)
-    return report
+    _weight_problems(folder, layout, cfg, report, tensors or (lambda: _tensor_infos(folder)))
+    return FolderCheck(report, raw, fmt, cfg, layout)
 
 
 _OUTSIDE_FIX = "copy the file into the folder instead of linking to it (or remove the link)"
@@ -196,9 +235,10 @@ def recipe_file_problem(folder: str | Path) -> str | None:
     return None
 
 
-def _weight_problems(folder: Path, layout: Layout, cfg: Eagle3Config, report: CheckReport) -> None:
+def _weight_problems(folder: Path, layout: Layout, cfg: Eagle3Config, report: CheckReport,
+                     tensors: TensorReader) -> None:
     try:
-        infos, state = _tensor_infos(folder)
+        infos, state = tensors()
     except UnsafeCheckpointError as e:
         report.add("UNSAFE_PICKLE", str(e), "use a safetensors copy from a trusted source; never unpickle it")
         return

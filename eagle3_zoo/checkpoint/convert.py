@@ -11,11 +11,13 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint.check import require_valid_drafter, require_valid_stage
+from eagle3_zoo.checkpoint.check_report import CheckReport
 from eagle3_zoo.checkpoint.folder import drafter_out_dir, replace_with_stage
 from eagle3_zoo.checkpoint.formats import CANONICAL_KEYS, extra_candidates, read_config
 from eagle3_zoo.checkpoint.layouts import detect_layout, drafter_config, export_layout, get_layout, is_canonical
@@ -23,7 +25,7 @@ from eagle3_zoo.checkpoint.variants import SGLANG_RISK, eagle31_options
 from eagle3_zoo.checkpoint.weights import inside_folder, load_weights
 from eagle3_zoo.dtypes import torch_dtype
 from eagle3_zoo.fileio import recover_replaced_directory, staged_directory
-from eagle3_zoo.modeling import CONFIG_NAME, WEIGHTS_NAME, Eagle3Drafter, identity_vocab
+from eagle3_zoo.modeling import CONFIG_NAME, WEIGHTS_NAME, Eagle3Config, Eagle3Drafter, identity_vocab
 from eagle3_zoo.redaction import find_secret, redact_document
 
 __all__ = ["CANONICAL_KEYS", "convert_to_canonical", "export_drafter", "extra_files", "import_drafter",
@@ -67,13 +69,18 @@ def tensors_digest(folder: str | Path) -> str:
     Raises:
         CheckpointError: unreadable weights; ValueError: two tensors with the same canonical name.
     """
+    folder = Path(folder)
+    return state_digest(load_weights(folder), detect_layout(folder).name, str(folder))
+
+
+def state_digest(state: dict[str, torch.Tensor], fmt: str, source: str) -> str:
+    """`tensors_digest` of tensors already read (`state`, keyed by the names of format `fmt`; `source` names them)."""
     import hashlib
 
-    folder = Path(folder)
-    state = canonical_state(load_weights(folder), detect_layout(folder).name, str(folder))
+    canonical = canonical_state(state, fmt, source)
     digest = hashlib.sha256()
-    for name in sorted(state):
-        tensor = state[name].detach().contiguous().cpu()
+    for name in sorted(canonical):
+        tensor = canonical[name].detach().contiguous().cpu()
         digest.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
@@ -116,7 +123,18 @@ def import_drafter(path: str | Path, dtype: torch.dtype | None = None, device: s
     folder = Path(path)
     fmt = detect_layout(folder).name
     cfg = drafter_config(read_config(folder), fmt, source=str(folder / CONFIG_NAME))
-    state = canonical_state(load_weights(folder), fmt, str(folder))
+    return drafter_from_state(cfg, fmt, load_weights(folder), folder, dtype, device)
+
+
+def drafter_from_state(cfg: Eagle3Config, fmt: str, state: dict[str, torch.Tensor], folder: Path,
+                       dtype: torch.dtype | None = None, device: str = "cpu") -> Eagle3Drafter:
+    """`import_drafter` of a config and tensors already read (`state`: keyed by the names of format `fmt`; `folder`:
+    where they were read, named in errors). `state` itself is left as it is.
+
+    Raises:
+        ValueError: unknown keys, wrong shapes or an invalid vocab mapping.
+    """
+    state = canonical_state(state, fmt, str(folder))
     _vocab_tensors(state, cfg, str(folder))
     model = Eagle3Drafter(cfg)
     expected = model.state_dict()
@@ -181,33 +199,72 @@ def export_drafter(
         InvalidDrafterError: `eagle3-zoo check` finds errors in `drafter_dir` (nothing is written): an export is
             what serving engines load, so a broken drafter is never passed on, not even byte for byte.
     """
+    return export_source(_FolderSource(Path(drafter_dir)), fmt, out_dir, num_speculative_tokens,
+                         verifier_architectures, verifier, force)
+
+
+class ExportSource(Protocol):
+    """What `export_source` reads of a drafter folder: a path opened once (`eagle3_zoo.checkpoint.opened`) or read
+    where needed (`export_drafter`)."""
+
+    path: Path
+
+    def require_valid(self, *, purpose: str) -> CheckReport: ...  # the checks of `eagle3-zoo check`; raises on errors
+    def is_canonical(self) -> bool: ...  # exactly what `Eagle3Drafter.save_pretrained` writes
+    def write_weights(self, dest: Path) -> None: ...  # the weight file's bytes, as they are (canonical folders)
+    def drafter(self) -> Eagle3Drafter: ...  # the drafter, in the config's dtype, on the CPU
+
+
+class _FolderSource:
+    """`ExportSource` of a folder read where each step needs it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def require_valid(self, *, purpose: str) -> CheckReport:
+        return require_valid_drafter(self.path, purpose=purpose)
+
+    def is_canonical(self) -> bool:
+        return is_canonical(self.path)
+
+    def write_weights(self, dest: Path) -> None:
+        shutil.copyfile(inside_folder(self.path, self.path / WEIGHTS_NAME), dest)
+
+    def drafter(self) -> Eagle3Drafter:
+        return import_drafter(self.path)
+
+
+def export_source(src: ExportSource, fmt: str, out_dir: str | Path, num_speculative_tokens: int = 3,
+                  verifier_architectures: list[str] | None = None, verifier: str | None = None,
+                  force: bool = False) -> Path:
+    """`export_drafter` of a drafter folder given as an `ExportSource`."""
     layout = export_layout(fmt)
-    src, out = Path(drafter_dir), Path(out_dir)
-    if out.resolve() == src.resolve():
+    out = Path(out_dir)
+    if out.resolve() == src.path.resolve():
         raise ValueError(f"export target {out} is the drafter folder itself; choose another --out")
     out = drafter_out_dir(out, force=force, force_option="--force")
-    report = require_valid_drafter(src, purpose="export")
+    report = src.require_valid(purpose="export")
     sglang_risk = "sglang" in layout.info.engines and report.config is not None and report.config.eagle31
     for problem in report.warnings:
         if not (sglang_risk and problem.code == "EAGLE31_ENGINES"):  # said once, below, for this export
-            log.warning("%s: %s", src, problem)
+            log.warning("%s: %s", src.path, problem)
     if sglang_risk:
-        log.warning("%s: exporting an EAGLE-3.1 drafter (%s) in the SGLang layout (which vLLM reads too): %s", src,
+        log.warning("%s: exporting an EAGLE-3.1 drafter (%s) in the SGLang layout (which vLLM reads too): %s", src.path,
                     ", ".join(eagle31_options(report.config)), SGLANG_RISK)
-    extras = extra_files(src)  # links leading outside the folder are refused before anything is written
+    extras = extra_files(src.path)  # links leading outside the folder are refused before anything is written
     with staged_directory(out) as tmp:  # a failed or killed export leaves no partial file in `out`
         recover_replaced_directory(out)  # a replacement cut short: its files are carried over below
-        if layout.copies_canonical_bytes and is_canonical(src):
-            for name in (CONFIG_NAME, WEIGHTS_NAME):  # already canonical: keep the exact bytes
-                shutil.copyfile(inside_folder(src, src / name), tmp / name)
+        if layout.copies_canonical_bytes and src.is_canonical():  # already canonical: keep the exact bytes
+            shutil.copyfile(inside_folder(src.path, src.path / CONFIG_NAME), tmp / CONFIG_NAME)
+            src.write_weights(tmp / WEIGHTS_NAME)
         else:
-            layout.write(import_drafter(src), tmp, num_speculative_tokens=num_speculative_tokens,
+            layout.write(src.drafter(), tmp, num_speculative_tokens=num_speculative_tokens,
                          verifier_architectures=verifier_architectures, verifier=verifier)
         for extra in extras:
-            _copy_extra(inside_folder(src, extra), tmp / extra.name)
+            _copy_extra(inside_folder(src.path, extra), tmp / extra.name)
         require_valid_stage(tmp, out, purpose="export")  # what serving engines will load passes the checks too
         replace_with_stage(tmp, out)
-    log.debug("exported %s -> %s (%s format)", src, out, layout.name)  # the CLI prints it
+    log.debug("exported %s -> %s (%s format)", src.path, out, layout.name)  # the CLI prints it
     return out
 
 

@@ -8,6 +8,8 @@ any of its code runs. A file that passes must still be a flat `{name: tensor}` d
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import math
 import pickle
@@ -138,21 +140,36 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: truncated ({size} bytes); a safetensors file starts with an 8-byte "
-                                  "header length")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise CheckpointError(f"{path}: truncated or corrupt: the header claims {n} bytes but the file has "
-                                  f"only {size - 8} after the length field")
+        n = _header_length(path, head, size)
         raw = f.read(n)
+    return _header_infos(path, raw, size - 8 - n)
+
+
+def safetensors_header_of(path: str | Path, data: bytes) -> dict[str, TensorInfo]:
+    """`read_safetensors_header` of a file's bytes already read (`path` names it in the messages)."""
+    path = Path(path)
+    n = _header_length(path, data[:8], len(data))
+    return _header_infos(path, data[8:8 + n], len(data) - 8 - n)
+
+
+def _header_length(path: Path, head: bytes, size: int) -> int:
+    if len(head) < 8:
+        raise CheckpointError(f"{path}: truncated ({size} bytes); a safetensors file starts with an 8-byte "
+                              "header length")
+    (n,) = struct.unpack("<Q", head)
+    if n > size - 8:
+        raise CheckpointError(f"{path}: truncated or corrupt: the header claims {n} bytes but the file has "
+                              f"only {size - 8} after the length field")
+    return n
+
+
+def _header_infos(path: Path, raw: bytes, data_size: int) -> dict[str, TensorInfo]:
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: corrupt safetensors header (not JSON: {e})") from e
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (a JSON object is expected)")
-    data_size = size - 8 - n
     infos: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         if name == "__metadata__":
@@ -187,8 +204,9 @@ def load_safetensors(path: str | Path, keys: list[str] | None = None) -> dict[st
         return {k: f.get_tensor(k) for k in wanted}
 
 
-def load_pickle_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """Load a `pytorch_model.bin` with the restricted unpickler; anything but a flat tensor dict is refused.
+def load_pickle_weights(path: str | Path, data: bytes | None = None) -> dict[str, torch.Tensor]:
+    """Load a `pytorch_model.bin` (or its bytes `data`, already read) with the restricted unpickler; anything but a
+    flat tensor dict is refused.
 
     Raises:
         UnsafeCheckpointError: the file holds non-tensor objects (never executed).
@@ -198,7 +216,7 @@ def load_pickle_weights(path: str | Path) -> dict[str, torch.Tensor]:
 
     path = Path(path)
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(path if data is None else io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         # keep torch's diagnosis (which global was refused), drop its advice to retry with weights_only=False
         raise UnsafeCheckpointError(f"{path}: {pickle_refusal(e)}; a drafter checkpoint holds tensors only") from None
@@ -237,3 +255,48 @@ def load_weights(folder: str | Path, keys: list[str] | None = None) -> dict[str,
             part = load_pickle_weights(path)
             state.update(part if keys is None else {k: v for k, v in part.items() if k in keys})
     return state
+
+
+@dataclass(frozen=True)
+class FolderWeights:
+    """Every weight file of a checkpoint folder, each read from disk once (`read_weights`): the bytes, the tensors
+    parsed from them, the header infos and the digest `weights_digest` computes. The tensors are shared with
+    whoever asks for them: treat them as read-only."""
+
+    kind: str  # "safetensors" | "pickle"
+    files: list[Path]
+    data: list[bytes]  # each file's bytes, in `files` order
+    infos: dict[str, TensorInfo]
+    state: dict[str, torch.Tensor]  # by the names in the files
+    sha256: str  # = weights_digest(folder)
+
+
+def read_weights(folder: str | Path) -> FolderWeights:
+    """Read the weight files of `folder` once each, validated as `read_infos` and `load_weights` validate them (a
+    safetensors header before its tensors, a pickle with the restricted unpickler).
+
+    Raises:
+        CheckpointError: no weights, a truncated or corrupt file; UnsafeCheckpointError: a pickle holding more than
+            tensors; OutsideFolderError: a weight file leading outside the folder.
+    """
+    kind, files = find_weight_files(folder)
+    data, digests, infos, state = [], [], {}, {}
+    for path in files:
+        raw = path.read_bytes()
+        data.append(raw)
+        digests.append(hashlib.sha256(raw).hexdigest())
+        if kind == "safetensors":
+            infos.update(safetensors_header_of(path, raw))
+            from safetensors import SafetensorError
+            from safetensors.torch import load
+
+            try:
+                state.update(load(raw))
+            except SafetensorError as e:
+                raise CheckpointError(f"{path}: cannot read safetensors data: {e}") from e
+        else:
+            part = load_pickle_weights(path, raw)
+            infos.update({k: TensorInfo(st_dtype(v.dtype), tuple(v.shape)) for k, v in part.items()})
+            state.update(part)
+    digest = digests[0] if len(files) == 1 else hashlib.sha256("".join(digests).encode()).hexdigest()
+    return FolderWeights(kind, files, data, infos, state, digest)

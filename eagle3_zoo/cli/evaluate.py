@@ -1,5 +1,6 @@
 """`eagle3-zoo eval DRAFTER --target T --bench mtbench,humaneval ...`: real speculative decoding, in this process
-(`eagle3_zoo.speculative.evaluate`) or inside vLLM (`eagle3_zoo.speculative.engine_eval`).
+(`eagle3_zoo.api.DrafterFolder.evaluate`: the drafter folder read once) or inside vLLM
+(`eagle3_zoo.speculative.engine_eval`).
 
 Everything the arguments name is checked before the target loads: the drafter (the checks of `eagle3-zoo check`,
 against the target's shipped config when the package has one, so a mismatch is reported offline), the benchmark
@@ -190,31 +191,16 @@ def chat_template_kwargs_for(args: argparse.Namespace) -> dict[str, Any]:
     return trained
 
 
-def _target_checked_offline(name: str) -> str | None:
-    """`name` when its config can be read without the network (a local folder, a config shipped in the package)."""
-    from eagle3_zoo.adapters.shipped import shipped_target_config
-
-    return name if Path(name).expanduser().is_dir() or shipped_target_config(name) is not None else None
-
-
 def run_eval(args: argparse.Namespace) -> dict[str, Any]:
-    """Check, load, evaluate; prints the table and returns the results (written to `--out`)."""
+    """Check, load, evaluate (`eagle3_zoo.api.DrafterFolder.evaluate`); prints the table and returns the results
+    (written to `--out`)."""
     if args.engine == "vllm":
         return run_engine_eval(args)
     import torch
 
-    from eagle3_zoo.adapters import load_target
-    from eagle3_zoo.checkpoint.check import require_valid_drafter
-    from eagle3_zoo.checkpoint.convert import import_drafter, tensors_digest
-    from eagle3_zoo.checkpoint.weights import weights_digest
+    from eagle3_zoo.api import DrafterFolder
     from eagle3_zoo.speculative.benchmarks import load_benchmark
-    from eagle3_zoo.speculative.evaluation import (
-        EvalSettings,
-        evaluate,
-        evaluate_shapes,
-        format_shapes_table,
-        format_table,
-    )
+    from eagle3_zoo.speculative.evaluation import EvalSettings, format_shapes_table, format_table
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     s = settings_for(args, torch.device(device).type)
@@ -224,38 +210,17 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     template_kwargs = chat_template_kwargs_for(args)
     # the checks of `eagle3-zoo check`, so that a broken drafter is refused with its problem codes instead of
     # failing deep in decoding: before the (possibly large) target loads, against its shipped config if any
-    report = require_valid_drafter(args.drafter, purpose="evaluate")
-    target_name = args.target or report.config.target_name_or_path
-    if not target_name:
-        raise ValueError(f"{args.drafter}: the drafter config names no target (eagle3_zoo.target_name_or_path); "
-                         f"pass --target")
-    offline = _target_checked_offline(str(target_name))
-    if offline:
-        require_valid_drafter(args.drafter, offline, purpose=f"evaluate with target {target_name}")
+    folder = DrafterFolder.open(args.drafter)
+    target_name = folder.eval_target(args.target)
     _log_plan(args, s, device)
-    dtype = getattr(torch, args.dtype)
-    target, tokenizer, adapter = load_target(target_name, dtype=dtype, device=device)
-    require_valid_drafter(args.drafter, target.config, purpose=f"evaluate with target {target_name}")
-    drafter = import_drafter(args.drafter, dtype=dtype, device=device).eval()  # any format `check` accepts
     settings = EvalSettings(
         benches=tuple(benches), mode=s["mode"], depth=s["depth"], top_k=s["top_k"], total_tokens=s["total_tokens"],
         min_prob=s["min_prob"], temperature=args.temperature, sample_top_k=args.sample_top_k,
         sample_top_p=args.sample_top_p, max_new_tokens=s["max_new_tokens"], limit=s["limit"], spread=s["spread"],
         baseline=not args.no_baseline, warmup=args.warmup, seed=args.seed, chat_template_kwargs=template_kwargs)
-    common = dict(
-        adapter=adapter, out=args.out, plot=args.plot, progress=not args.no_progress,
-        # the weights' digests tie the results to these weights (the file's, and the tensors' whatever their layout):
-        # the model card leaves out results of other weights
-        extra_settings={"drafter": str(Path(args.drafter).resolve()), "target": str(target_name),
-                        "drafter_weights_sha256": weights_digest(args.drafter),
-                        "drafter_tensors_sha256": tensors_digest(args.drafter)},
-    )
-    if args.shapes:
-        results = evaluate_shapes(drafter, target, tokenizer, args.shapes, settings, **common)
-        print(format_shapes_table(results))
-    else:
-        results = evaluate(drafter, target, tokenizer, settings, **common)
-        print(format_table(results))
+    results = folder.evaluate(target_name, settings, shapes=args.shapes, device=device, dtype=args.dtype,
+                              out=args.out, plot=args.plot, progress=not args.no_progress)
+    print(format_shapes_table(results) if args.shapes else format_table(results))
     print(f"wrote {args.out} and {args.plot or Path(args.out).with_suffix('.png')}")
     return results
 

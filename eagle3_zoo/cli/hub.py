@@ -18,18 +18,18 @@ log = logging.getLogger(__name__)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from eagle3_zoo.checkpoint.convert import export_drafter
+    from eagle3_zoo.api import DrafterFolder
 
-    out = export_drafter(args.drafter_dir, args.format, args.out, num_speculative_tokens=args.num_speculative_tokens,
-                         verifier=args.verifier, force=args.force)
+    out = DrafterFolder.open(args.drafter_dir).export(args.out, args.format, force=args.force, verifier=args.verifier,
+                                                      num_speculative_tokens=args.num_speculative_tokens)
     print(f"exported {args.drafter_dir} -> {out} ({args.format} format)")  # the name asked for: canonical = sglang
     return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from eagle3_zoo.checkpoint.check import check_drafter
+    from eagle3_zoo.api import DrafterFolder
 
-    report = check_drafter(args.path, target_config=args.target)
+    report = DrafterFolder.open(args.path).check(target=args.target)
     if args.json:
         print(json.dumps({"path": report.path, "format": report.format, "ok": report.ok,
                           "problems": [asdict(p) for p in report.problems]}, indent=2))

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from eagle3_zoo import layout_names
-from eagle3_zoo.checkpoint.check import check_drafter
 from eagle3_zoo.checkpoint.check_report import CheckReport
-from eagle3_zoo.checkpoint.convert import export_drafter, import_drafter
+from eagle3_zoo.checkpoint.convert import import_drafter
 from eagle3_zoo.checkpoint.layouts import detect_format
+from eagle3_zoo.checkpoint.opened import OpenedDrafter
 from eagle3_zoo.hub.endpoint import HubUnreachableError, hub_url, require_reachable, resolve_endpoint, unreachable_error
 from eagle3_zoo.hub.zoo import find_zoo, resolve_repo_id, zoo_hint
 from eagle3_zoo.modeling import Eagle3Drafter
@@ -82,7 +82,8 @@ def pull(
                      local_dir=str(out_dir) if out_dir is not None else None,
                      cache_dir=str(cache_dir) if cache_dir is not None else None)
     fmt = detect_format(path)
-    report = check_drafter(path, target_config=target)
+    folder = OpenedDrafter.open(path)  # the weights read once for the check and the conversion
+    report = folder.check(target)
     log.info("pulled %s (%s format) into %s: %d error(s), %d warning(s)", repo_id, fmt, path, len(report.errors),
              len(report.warnings))
     converted = None
@@ -91,7 +92,7 @@ def pull(
     elif convert_to is not None:
         name = f"{repo_id.split('/')[-1]}-{written[convert_to]}"
         dest = Path(out_dir) / written[convert_to] if out_dir is not None else Path.cwd() / name
-        converted = export_drafter(path, convert_to, dest)
+        converted = folder.export(dest, convert_to)
     return PullResult(repo_id, path, fmt, report, converted)
 
 

@@ -28,10 +28,10 @@ import eagle3_zoo
 from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint.check import require_valid_drafter
 from eagle3_zoo.checkpoint.check_report import CheckReport
-from eagle3_zoo.checkpoint.convert import export_drafter
 from eagle3_zoo.checkpoint.folder import drafter_out_dir, is_drafter_folder
 from eagle3_zoo.checkpoint.formats import extra_candidates
 from eagle3_zoo.checkpoint.layouts import load_drafter_config
+from eagle3_zoo.checkpoint.opened import OpenedDrafter
 from eagle3_zoo.fileio import atomic_write
 from eagle3_zoo.hub.card import render_card
 from eagle3_zoo.hub.endpoint import is_transport_error, require_reachable, resolve_endpoint, unreachable_error
@@ -76,9 +76,12 @@ def check_repo_id(repo_id: str) -> None:
                          "'-', '_' and '.', e.g. my-org/smollm2-135m-eagle3") from None
 
 
-def stage(drafter_dir: str | Path, stage_dir: str | Path, repo_id: str | None = None, fmt: str = layout_names.CANONICAL,
-          published: bool = False, force: bool = False, **card_overrides) -> list[str]:
+def stage(drafter_dir: str | Path | OpenedDrafter, stage_dir: str | Path, repo_id: str | None = None,
+          fmt: str = layout_names.CANONICAL, published: bool = False, force: bool = False,
+          **card_overrides) -> list[str]:
     """Write the folder to upload: weights + config in `fmt`, README.md card, plots, recipe, results, provenance.
+
+    `drafter_dir`: the drafter folder, or that folder opened (`OpenedDrafter`: its weights are not read again).
 
     `published`: the folder goes to `repo_id` (the card's snippets name it); otherwise they name the staged folder.
     `force`: stage into a folder that is not empty (its files of other names are kept, and listed as staged).
@@ -89,7 +92,8 @@ def stage(drafter_dir: str | Path, stage_dir: str | Path, repo_id: str | None = 
     out = Path(stage_dir)
     if not force and out.exists() and any(out.iterdir()):
         raise ValueError(f"stage folder {out} is not empty; pass an empty or new folder")
-    export_drafter(drafter_dir, fmt, out, force=force)
+    source = drafter_dir if isinstance(drafter_dir, OpenedDrafter) else OpenedDrafter.open(drafter_dir)
+    source.export(out, fmt, force=force)
     layout = layout_names.export_names()[fmt]
     card = render_card(out, repo_id=repo_id, fmt=layout, published=published, **card_overrides)
     atomic_write(out / "README.md", card.save)  # a killed stage never leaves a truncated card
@@ -207,7 +211,8 @@ def publish(
                          f"access to {repo_id.split('/')[0]} (`--dry-run` stages the folder without one)")
     if token:
         register(token, "the Hub token")
-    report = require_valid_drafter(drafter_dir, purpose="publish")  # its warnings are logged by the export
+    source = OpenedDrafter.open(drafter_dir)  # its weights read once for the check and the export
+    report = source.require_valid(purpose="publish")  # its warnings are logged by the export
     from eagle3_zoo.checkpoint.check import recipe_file_problem
 
     if problem := recipe_file_problem(drafter_dir):  # the card shows the recipe: say so before staging anything
@@ -232,7 +237,7 @@ def publish(
     kept = frozenset(p.name for p in out.iterdir()) if out.is_dir() else frozenset()  # --force: the folder's own
 
     try:
-        files = stage(drafter_dir, out, repo_id=repo_id, fmt=fmt, published=not dry_run, force=force,
+        files = stage(source, out, repo_id=repo_id, fmt=fmt, published=not dry_run, force=force,
                       **card_overrides)
         require_valid_drafter(out, purpose="publish")  # what is uploaded, not only its source, must load
         # a dry run stages what would be uploaded: same scan
