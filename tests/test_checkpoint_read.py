@@ -21,7 +21,7 @@ IDENTITY = {"optim.lr": "0.001", "data.fingerprint": "abc"}
 def _write_checkpoint(path, sharded: bool):
     """A checkpoint as `fit` writes it: one file, or a DCP directory with the weights and a meta.pt with the rest."""
     drafter, _ = tiny_drafter()
-    info = drafter_info(drafter, {"output_dir": "run"}, {"training": {"max_steps": 7}})
+    info = drafter_info(drafter.config, None, {"output_dir": "run"}, {"training": {"max_steps": 7}})
     state = {f"objective.drafter.{k}": v for k, v in drafter.state_dict().items()}
     header = {"global_step": 7, DRAFTER_INFO_KEY: info, IDENTITY_KEY: dict(IDENTITY)}
     if sharded:

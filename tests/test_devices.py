@@ -32,24 +32,24 @@ def _recipe(tmp_path, **trainer):
 
 
 class _Loaded(Exception):
-    """Stops a job where the target would be loaded (`prepare_recipe`) or the data stage starts (`build_run`)."""
+    """Stops a job where the target would be loaded (`prepare_recipe`) or the data stage starts
+    (`RunDataModule.prepare_run`)."""
 
 
 @pytest.mark.parametrize("local_rank", [1, 0])
 def test_setup_makes_the_ranks_gpu_current_before_the_data_stage(tmp_path, two_gpus, monkeypatch, local_rank):
     """Rank 1 of 2 started by Lightning (its local rank 1), or a one-process run (0): cuda:<local rank> is current
-    when `RecipeDataModule.setup` starts the data stage (`build_run`, which loads the target there)."""
+    when `RunDataModule.setup` starts the data stage (`prepare_run`, which loads the target there)."""
     from eagle3_zoo.training import build
 
     seen = []
 
-    def build_run(recipe, source="recipe", device=None, module=None):
+    def prepare_run(self, device=None):
         seen.append((device, list(two_gpus)))
         raise _Loaded
 
-    monkeypatch.setattr(build, "build_run", build_run)
-    datamodule = build.RecipeDataModule(_recipe(tmp_path, accelerator="gpu", devices=2, strategy="ddp"), "r.yaml",
-                                        module=None)
+    monkeypatch.setattr(build.RunDataModule, "prepare_run", prepare_run)
+    datamodule = build.run_datamodule(_recipe(tmp_path, accelerator="gpu", devices=2, strategy="ddp"), "r.yaml")
     datamodule.trainer = types.SimpleNamespace(local_rank=local_rank)
     with pytest.raises(_Loaded):
         datamodule.setup("fit")

@@ -109,7 +109,7 @@ def test_links_inside_the_folder_and_the_hub_cache_layout_are_fine(tmp_path):
 def _checkpoint(path: Path, *, recipe_dict: dict | None = None, damage=None, **info_overrides) -> Path:
     """A single-file checkpoint as `fit` writes it; `info_overrides` replace raw entries of its drafter record."""
     drafter, _ = tiny_drafter()
-    info = drafter_info(drafter, recipe_dict or {"output_dir": "run"}, {"training": {"max_steps": 7}})
+    info = drafter_info(drafter.config, None, recipe_dict or {"output_dir": "run"}, {"training": {"max_steps": 7}})
     info.update(info_overrides)
     state = {f"objective.drafter.{k}": v.clone() for k, v in drafter.state_dict().items()}
     if damage:
@@ -147,7 +147,7 @@ def _sharded(path: Path) -> Path:
     import torch.distributed.checkpoint as dcp
 
     drafter, _ = tiny_drafter()
-    info = drafter_info(drafter, {"output_dir": "run"}, {})
+    info = drafter_info(drafter.config, None, {"output_dir": "run"}, {})
     dcp.save({f"state_dict.objective.drafter.{k}": v for k, v in drafter.state_dict().items()},
              checkpoint_id=str(path), no_dist=True)
     torch.save({"global_step": 7, DRAFTER_INFO_KEY: info}, path / "meta.pt")

@@ -230,19 +230,22 @@ def test_build_strategy_names_and_errors():
         build_strategy("deepspeed")
 
 
-def test_deferred_module_is_assembled_once_into_the_module_of_its_parts(tiny_target):
-    """`fit` hands `trainer.fit` an empty `Eagle3Module.deferred()` and assembles it in the setup hook: the result is
-    the module the constructor builds from the same parts (same state, same settings), and it is assembled once."""
+def test_a_module_given_its_parts_later_equals_the_module_built_with_them(tiny_target):
+    """`fit`'s module is constructed with its settings alone and takes its drafter and target in its `setup` hook
+    (`set_parts`): the result is the module the constructor builds from the same parts (same state, same settings),
+    and it takes them once."""
     model, adapter = tiny_target
     built = _module(model, adapter)
-    deferred = Eagle3Module.deferred()
-    assert not deferred.assembled and not list(deferred.parameters())
-    assert deferred.assemble(built.drafter, adapter, model, ttt_steps=3, lr=1e-3, warmup_steps=1) is deferred
-    assert deferred.assembled and deferred.state_dict().keys() == built.state_dict().keys()
+    later = Eagle3Module(None, ttt_steps=3, lr=1e-3, warmup_steps=1)
+    assert not later.has_parts and not list(later.parameters())
+    later.set_parts(built.drafter, adapter, model)
+    assert later.has_parts and later.state_dict().keys() == built.state_dict().keys()
     for name in ("mode", "ttt_steps", "step_weights", "optim_args", "schedule_args", "shard_target"):
-        assert getattr(deferred, name) == getattr(built, name), name
+        assert getattr(later, name) == getattr(built, name), name
     with pytest.raises(RuntimeError, match="already has its drafter"):
-        deferred.assemble(built.drafter, adapter, model)
+        later.set_parts(built.drafter, adapter, model)
+    with pytest.raises(ValueError, match="online mode needs the target model"):
+        Eagle3Module(None).set_parts(built.drafter, adapter, None)
 
 
 @pytest.mark.parametrize("val_check_interval", [None, 3])
@@ -252,7 +255,8 @@ def test_a_trainer_told_in_setup_that_there_is_no_validation_equals_one_built_wi
     from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
 
     from eagle3_zoo.recipe import load_recipe
-    from eagle3_zoo.training.fit import build_trainer, without_validation
+    from eagle3_zoo.training.build import without_validation
+    from eagle3_zoo.training.fit import build_trainer
 
     (tmp_path / "target").mkdir()
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", tiny_recipe(

@@ -238,13 +238,17 @@ class Eagle3DataModule(L.LightningDataModule):
     def __init__(self, train: Dataset, val: Dataset | None = None, *, batch_size: int = 1, seed: int = 0,
                  num_workers: int = 0, pad_id: int = 0, pack_length: int | None = None):
         super().__init__()
-        if pack_length is not None:
+        self.batch_size, self.seed, self.num_workers, self.pad_id = batch_size, seed, num_workers, pad_id
+        self.use_datasets(train, val, pack_length)
+
+    def use_datasets(self, train: Dataset | None, val: Dataset | None, pack_length: int | None = None) -> None:
+        """Load from `train` and `val` (packed into rows of up to `pack_length` tokens when it is given)."""
+        if pack_length is not None and train is not None:
             from eagle3_zoo.data.packing import PackedDataset
 
             train = PackedDataset(train, pack_length)
             val = PackedDataset(val, pack_length) if val is not None and len(val) else val
         self.train_set, self.val_set = train, val
-        self.batch_size, self.seed, self.num_workers, self.pad_id = batch_size, seed, num_workers, pad_id
 
     def _world(self) -> tuple[int, int]:
         trainer = self.trainer

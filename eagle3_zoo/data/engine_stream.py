@@ -210,9 +210,10 @@ class StreamingLoader(ResumableDataLoader):
 
 class StreamingDataModule(Eagle3DataModule):
     """`Eagle3DataModule` over `StreamedFeatureDataset`s: the engine feed starts in `setup` and stops in `teardown`
-    (or `on_exception`), when Lightning runs them on every rank."""
+    (or `on_exception`), when Lightning runs them on every rank. `feed` may come later, with the datasets (the run's
+    DataModule learns them in its `setup`, `eagle3_zoo.training.build`); until then the hooks have nothing to do."""
 
-    def __init__(self, train: StreamedFeatureDataset, val: StreamedFeatureDataset | None, feed: Any,
+    def __init__(self, train: StreamedFeatureDataset | None, val: StreamedFeatureDataset | None, feed: Any = None,
                  **kwargs: Any) -> None:
         super().__init__(train, val, **kwargs)
         self.feed = feed
@@ -221,6 +222,8 @@ class StreamingDataModule(Eagle3DataModule):
         return [d.stream for d in (self.train_set, self.val_set) if d is not None]
 
     def setup(self, stage: str) -> None:
+        if self.feed is None:
+            return
         for stream in self._streams():
             stream.stop_requested = lambda: self.trainer is not None and self.trainer.received_sigterm
         self.feed.start()
@@ -232,6 +235,8 @@ class StreamingDataModule(Eagle3DataModule):
         self._stop()
 
     def _stop(self) -> None:
+        if self.feed is None:
+            return
         for stream in self._streams():
             stream.cancel()
             if stream.store is not None:
@@ -243,15 +248,16 @@ class StreamingDataModule(Eagle3DataModule):
         return StreamingLoader(dataset, sampler, position=position, training=shuffle, **kwargs)
 
 
-def streaming_datamodule(recipe: Any, data: Any, target: Any, adapter: Any, aux_ids: tuple[int, ...],
-                         **kwargs: Any) -> tuple[StreamingDataModule, dict[str, Any]]:
-    """The DataModule of a run whose states are streamed from the recipe's engine, and the run's feature summary.
+def streamed_datasets(recipe: Any, data: Any, target: Any, adapter: Any,
+                      aux_ids: tuple[int, ...]) -> tuple[StreamedFeatureDataset, StreamedFeatureDataset | None, Any,
+                                                         dict[str, Any]]:
+    """The datasets of a run whose states are streamed from the recipe's engine, the engine feed they read, and the
+    run's feature summary (what a `StreamingDataModule` loads from).
 
     Args:
         recipe, data: the recipe and its prepared data (`eagle3_zoo.data.prepare.PreparedData`).
         target, adapter: the target (heads only is enough: its config and final norm are read) and its adapter.
         aux_ids: the aux layers the drafter reads.
-        **kwargs: `Eagle3DataModule`'s (batch_size, seed, num_workers, pad_id).
     """
     from eagle3_zoo.data.engine_feed import EngineFeed, run_tag
     from eagle3_zoo.data.feature_job import features_dir_for, store_meta
@@ -259,10 +265,6 @@ def streaming_datamodule(recipe: Any, data: Any, target: Any, adapter: Any, aux_
     from eagle3_zoo.targets.deployment import EngineDeployment
 
     d, cfg = recipe.data, target.config
-    if kwargs.get("num_workers"):  # the stream's futures and threads live in this process
-        logger.info("data.num_workers = %d ignored: states streamed from the engine are fetched ahead by threads of "
-                    "the training process", kwargs["num_workers"])
-        kwargs["num_workers"] = 0
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     deployment = EngineDeployment(recipe, aux_ids, cfg.num_hidden_layers)
     feed = EngineFeed(deployment, run_tag(recipe.output_dir, rank), int(d.prefetch_disk_gib * 2**30),
@@ -282,4 +284,4 @@ def streaming_datamodule(recipe: Any, data: Any, target: Any, adapter: Any, aux_
               store=store)
     train = StreamedFeatureDataset(data.train, FeatureStream(feed, data.train, name="t", **kw))
     val = StreamedFeatureDataset(data.val, FeatureStream(feed, data.val, name="v", **kw)) if data.val else None
-    return StreamingDataModule(train, val, feed, **kwargs), info
+    return train, val, feed, info

@@ -48,7 +48,8 @@ class TauEvalCallback(L.Callback):
         every_n_steps: Evaluation period in optimizer steps.
         max_new_tokens: Per prompt.
         mode: ``"tree"`` or ``"chain"``; `depth`, `top_k`, `total_tokens` shape the draft as in `evaluate`.
-        tokenizer: For text prompts; default ``pl_module.tokenizer``.
+        tokenizer: For text prompts; default: the trainer's DataModule's ``tokenizer`` (taken in `setup`), else
+            ``pl_module.tokenizer``.
         chat_template_kwargs: Variables of the chat template (the running recipe's ``data.chat_template_kwargs``).
     """
 
@@ -67,6 +68,11 @@ class TauEvalCallback(L.Callback):
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.last: dict[str, Any] | None = None  # summary of the latest evaluation
         self._last_step = -1
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.tokenizer is None:
+            self.tokenizer = getattr(trainer.datamodule, "tokenizer", None)
 
     def _input_ids(self, pl_module: L.LightningModule) -> list[torch.Tensor]:
         tokenizer = self.tokenizer or getattr(pl_module, "tokenizer", None)

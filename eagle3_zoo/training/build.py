@@ -1,6 +1,12 @@
-"""Recipe -> the pieces of a training run: target, aux layers, drafter (fresh or `drafter.init_from`), data,
-LightningModule and DataModule (`build_run`), built by `fit` in Lightning's `setup` hook once the run's processes
-run (`RecipeDataModule`)."""
+"""Recipe -> the two Lightning objects of a training run, which build the run in Lightning's own hooks.
+
+`fit` hands `trainer.fit` a `RunDataModule` and a `RecipeModule`. Lightning starts the run's processes, then calls,
+on every rank: the DataModule's `setup` (the data stage: seed, load the target, prepare the data, (offline) extract
+features, the draft vocabulary: a `DrafterStart`), the callbacks' `setup` (`eagle3_zoo.training.fit`: run identity
+and resume check, provenance, loggers; the tau callback's tokenizer), the module's `setup` (the drafter, built from
+the `DrafterStart` and the target the DataModule loaded), its `configure_model` (FSDP shards there), and then
+restores a checkpoint. `build_run` runs the same two steps outside a Trainer (benchmarks, tests).
+"""
 
 from __future__ import annotations
 
@@ -12,16 +18,55 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from eagle3_zoo.data.datamodule import Eagle3DataModule
+from eagle3_zoo.data.engine_stream import StreamingDataModule
 from eagle3_zoo.modeling import Eagle3Drafter, build_draft_vocab
 from eagle3_zoo.targets.loading import aux_layer_ids_for, load_recipe_target
-from eagle3_zoo.training.run_plan import drafter_config
+from eagle3_zoo.training.module import Eagle3Module, with_host_counts
+from eagle3_zoo.training.run_plan import drafter_config, run_plan
 
 logger = logging.getLogger(__name__)
 
-def build_drafter(recipe: Any, target_config: Any, counts: torch.Tensor, aux_layer_ids: tuple[int, ...],
-                  target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> Eagle3Drafter:
-    """A fresh drafter sized like the target (recipe overrides applied) with the draft vocab from `counts`,
-    or the `drafter.init_from` drafter, checked against the target.
+
+@dataclass
+class DrafterStart:
+    """What a run's drafter is built from, known once the data stage ran: a fresh drafter's config, its draft
+    vocabulary (from the data's token counts) and the target's head and final norm it starts from (`init_head`), or
+    the `drafter.init_from` drafter, loaded and checked against the target; and the fc preconditioning scale
+    (`optim.precondition_fc`). The run identity and provenance read it before the drafter exists."""
+
+    config: Any  # Eagle3Config
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    fc_input_scale: torch.Tensor | None = None
+    init: Eagle3Drafter | None = None
+
+    def build(self) -> Eagle3Drafter:
+        """The drafter (fresh: its random initialisation draws from the global generator, seeded by the caller)."""
+        if self.init is not None:
+            drafter = self.init
+        else:
+            drafter = Eagle3Drafter(self.config)
+            drafter.set_vocab(self.d2t, self.t2d)
+            if self.target_head is not None:
+                drafter.init_head_from_target(*self.target_head)
+        if self.fc_input_scale is not None:
+            drafter.set_fc_input_scale(self.fc_input_scale)
+        return drafter
+
+    def num_parameters(self) -> int:
+        """The built drafter's parameter count (a fresh one is counted on the meta device: nothing allocated)."""
+        if self.init is not None:
+            return sum(p.numel() for p in self.init.parameters())
+        with torch.device("meta"):
+            return sum(p.numel() for p in Eagle3Drafter(self.config).parameters())
+
+
+def drafter_start(recipe: Any, target_config: Any, counts: torch.Tensor, aux_layer_ids: tuple[int, ...],
+                  target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> DrafterStart:
+    """A fresh drafter sized like the target (recipe overrides applied) with the draft vocab from `counts`, or the
+    `drafter.init_from` drafter, checked against the target.
 
     `target_head` = the target's (lm_head weight, final norm weight): with `drafter.init_head = "target"` a fresh
     drafter's lm_head and norm start from them (`Eagle3Drafter.init_head_from_target`).
@@ -30,15 +75,15 @@ def build_drafter(recipe: Any, target_config: Any, counts: torch.Tensor, aux_lay
         ValueError: an `init_from` drafter that does not fit the target (vocab, hidden size, aux layers).
     """
     if recipe.drafter.init_from:
-        return _load_init(recipe.drafter.init_from, target_config, aux_layer_ids, recipe.drafter)
+        init = _load_init(recipe.drafter.init_from, target_config, aux_layer_ids, recipe.drafter)
+        return DrafterStart(init.config, init.d2t, init.t2d, init=init,
+                            fc_input_scale=init.fc_input_scale if init._fc_scaled else None)
     config = drafter_config(recipe, target_config, aux_layer_ids)
-    drafter = Eagle3Drafter(config)
-    drafter.set_vocab(*build_draft_vocab(counts, config.draft_vocab_size))
-    if recipe.drafter.init_head == "target":
-        if target_head is None:
-            raise ValueError("drafter.init_head = 'target' needs the target's lm_head (and final norm) weights")
-        drafter.init_head_from_target(*target_head)
-    return drafter
+    d2t, t2d = build_draft_vocab(counts, config.draft_vocab_size)
+    if recipe.drafter.init_head == "target" and target_head is None:
+        raise ValueError("drafter.init_head = 'target' needs the target's lm_head (and final norm) weights")
+    return DrafterStart(config, d2t.to(torch.int64), t2d.to(torch.bool),
+                        target_head=target_head if recipe.drafter.init_head == "target" else None)
 
 
 def _load_init(path: str, target_config: Any, aux_layer_ids: tuple[int, ...], wanted: Any = None) -> Eagle3Drafter:
@@ -64,79 +109,183 @@ def _load_init(path: str, target_config: Any, aux_layer_ids: tuple[int, ...], wa
 
 @dataclass
 class TrainingRun:
-    """Everything `fit` hands to the Trainer, built from a recipe."""
+    """A run built outside a Trainer (`build_run`): its two Lightning objects and what the data stage loaded."""
 
     recipe: Any
     target: Any
     tokenizer: Any
     adapter: Any
     data: Any  # eagle3_zoo.data.prepare.PreparedData
-    module: Any  # Eagle3Module
-    datamodule: Any  # Eagle3DataModule
+    module: Any  # RecipeModule
+    datamodule: Any  # RunDataModule
     features: dict[str, Any] = field(default_factory=dict)  # offline: store directory, bytes per token, dtype
 
 
-def build_run(recipe: Any, source: str = "recipe", device: Any = None, module: Any = None) -> TrainingRun:
-    """Seed, load the target, prepare the data, build the drafter, (offline) extract features, build the module and
-    the DataModule. `module`: an `Eagle3Module.deferred()` to assemble (`fit`'s, handed to the Trainer before any of
-    this ran), else a new one.
+NO_VALIDATION = {"limit_val_batches": 0, "val_check_interval": None, "check_val_every_n_epoch": 1}
 
-    The target is loaded on `device` (default `target_device(recipe)`: this rank's GPU, else the CPU) and does all
-    its work there. Offline without tau eval (and without in-process regeneration or a LoRA) only its embedding,
-    final norm and lm_head are read (`load_recipe_target(heads_only=True)`); the feature job loads the whole target
-    only if features are missing. Under torch.distributed the data stage is split across the ranks that share the
-    cache (`eagle3_zoo.data.ranks`), and every rank waits for all of them before returning (no rank starts training
-    collectives while another still prepares data).
+
+def without_validation(trainer: L.Trainer) -> None:
+    """Give a Trainer the validation settings of `build_trainer(has_val=False)` (what Lightning makes of
+    `NO_VALIDATION`): `fit` builds its Trainer before the data stage shows whether there is a validation split, and
+    `RunDataModule.setup` calls this, before the fit loop reads them. No validation runs, and `last.ckpt` is saved
+    at the end of every epoch as well."""
+    trainer.limit_val_batches, trainer.val_check_interval, trainer.check_val_every_n_epoch = 0, 1.0, 1
+
+
+class RunDataModule(Eagle3DataModule):
+    """A recipe's data, prepared in Lightning's `setup` hook: `fit` hands this to `trainer.fit`, which starts the
+    run's processes and its process group (Lightning's own launcher, or the processes torchrun or SLURM started) and
+    then calls `setup` on every rank. There, before anything is placed on a device, this rank's target device is made
+    current (`use_device`: else every rank's data stage, regeneration included, would allocate on GPU 0), the data
+    stage's process group is created (`eagle3_zoo.data.ranks`), and `prepare_run` runs the data stage. Lightning
+    calls it before the callbacks' and the module's `setup`, which read what it holds: `target`, `tokenizer`,
+    `adapter`, `data`, `aux_layer_ids`, `features`, `drafter_start`. `run_datamodule` picks the class.
+
+    Args:
+        recipe: a loaded `Recipe`.
+        source: where the recipe came from (error messages).
     """
-    from eagle3_zoo.data.datamodule import Eagle3DataModule
-    from eagle3_zoo.data.prepare import prepare_data
-    from eagle3_zoo.data.ranks import data_barrier
-    from eagle3_zoo.training.module import Eagle3Module
-    from eagle3_zoo.training.run_plan import run_plan
-    from eagle3_zoo.training.strategies import enable_activation_checkpointing
 
-    L.seed_everything(recipe.trainer.seed, workers=True, verbose=False)
-    plan = run_plan(recipe)  # what of the target this rank loads: the decision `eagle3-zoo plan` prints
-    in_step, keep_target = plan.target_in_step, plan.target_kept
-    if plan.target_load == "whole" and plan.strategy == "fsdp":
-        logger.info("every rank loads the whole target: %s", plan.target_load_reason)
-    target, tokenizer, adapter = load_recipe_target(recipe, source, device=device,
-                                                    heads_only=plan.target_load == "heads only",
-                                                    skeleton=plan.target_load == "fsdp shard")
-    data = prepare_data(recipe, tokenizer, adapter, target=target, target_id=recipe.target.name_or_path,
-                        vocab_size=target.config.vocab_size)
-    aux_ids = aux_layer_ids_for(recipe, target, adapter)
-    L.seed_everything(recipe.trainer.seed, workers=True, verbose=False)  # init independent of data-stage randomness
-    norm = adapter.final_norm(target)
-    drafter = build_drafter(recipe, target.config, data.counts, aux_ids,
-                            target_head=(adapter.lm_head(target).weight, getattr(norm, "weight", None)))
-    if recipe.trainer.activation_checkpointing:
-        enable_activation_checkpointing(drafter)
-    loader_kw = dict(batch_size=recipe.trainer.batch_size, seed=recipe.data.seed, num_workers=recipe.data.num_workers,
-                     pad_id=tokenizer.pad_token_id or 0)
-    if plan.streams:  # hidden states streamed from the engine (online, or hybrid's first pass)
-        from eagle3_zoo.data.engine_stream import streaming_datamodule
+    feed: Any = None  # the engine feed of a run that streams hidden states (`StreamingRunDataModule`)
 
-        datamodule, features = streaming_datamodule(recipe, data, target, adapter, aux_ids, **loader_kw)
-        train_set = datamodule.train_set
-    else:
-        train_set, val_set, features = _datasets(recipe, data, target, tokenizer, adapter, aux_ids)
-        datamodule = Eagle3DataModule(train_set, val_set, **loader_kw,
-                                      pack_length=recipe.data.max_length if recipe.data.packing else None)
-    if recipe.optim.precondition_fc and not recipe.drafter.init_from:
-        if plan.streams:
-            datamodule.feed.start()  # the statistics read the first samples' states now, before training
-        drafter.set_fc_input_scale(fc_input_scale(train_set, target, adapter, aux_ids))
-    t, o = recipe.ttt, recipe.optim
-    module = (Eagle3Module.deferred() if module is None else module).assemble(
-        drafter, adapter, target if keep_target else None, embed_tokens=adapter.embed_tokens(target),
-        lm_head=adapter.lm_head(target), mode="online" if in_step else "offline", ttt_steps=t.steps,
-        step_weights=t.step_weights or [t.step_weight_decay**k for k in range(t.steps)], lr=o.lr,
-        betas=tuple(o.betas), weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, decay=o.decay,
-        min_lr_ratio=o.min_lr_ratio, loss=recipe.loss.build(),
-        shard_target=plan.target_sharded)
-    data_barrier()
-    return TrainingRun(recipe, target, tokenizer, adapter, data, module, datamodule, features)
+    def __init__(self, recipe: Any, source: str = "recipe"):
+        super().__init__(None, None, batch_size=recipe.trainer.batch_size, seed=recipe.data.seed,
+                         num_workers=recipe.data.num_workers)
+        self.recipe, self.source, self.plan = recipe, source, run_plan(recipe)
+        self.target: Any = None
+        self.tokenizer: Any = None
+        self.adapter: Any = None
+        self.data: Any = None  # eagle3_zoo.data.prepare.PreparedData
+        self.aux_layer_ids: tuple[int, ...] = ()
+        self.features: dict[str, Any] = {}  # offline: store directory, bytes per token, dtype
+        self.drafter_start: DrafterStart | None = None
+
+    @override
+    def setup(self, stage: str) -> None:
+        if self.drafter_start is None:
+            from eagle3_zoo.data.ranks import start_coordination
+            from eagle3_zoo.targets.loading import target_device, use_device
+
+            device = use_device(target_device(self.recipe, self.trainer.local_rank))
+            start_coordination()  # at the same point on every rank, before the data stage needs it
+            self.prepare_run(device)
+            if not self.data.val:  # no validation split (data.val_fraction = 0 and no val source)
+                without_validation(self.trainer)
+        super().setup(stage)
+
+    def prepare_run(self, device: Any = None) -> None:
+        """Seed, load the target, prepare the data, (offline) extract features, and find what the drafter starts
+        from (`DrafterStart`).
+
+        The target is loaded on `device` (default `target_device(recipe)`: this rank's GPU, else the CPU) and does
+        all its work there. Offline without tau eval (and without in-process regeneration or a LoRA) only its
+        embedding, final norm and lm_head are read (`load_recipe_target(heads_only=True)`); the feature job loads the
+        whole target only if features are missing. Under torch.distributed the data stage is split across the ranks
+        that share the cache (`eagle3_zoo.data.ranks`), and every rank waits for all of them before returning (no
+        rank starts training collectives while another still prepares data).
+        """
+        from eagle3_zoo.data.prepare import prepare_data
+        from eagle3_zoo.data.ranks import data_barrier
+
+        recipe, plan = self.recipe, self.plan  # what of the target this rank loads: what `eagle3-zoo plan` prints
+        L.seed_everything(recipe.trainer.seed, workers=True, verbose=False)
+        if plan.target_load == "whole" and plan.strategy == "fsdp":
+            logger.info("every rank loads the whole target: %s", plan.target_load_reason)
+        target, tokenizer, adapter = load_recipe_target(recipe, self.source, device=device,
+                                                        heads_only=plan.target_load == "heads only",
+                                                        skeleton=plan.target_load == "fsdp shard")
+        self.target, self.tokenizer, self.adapter = target, tokenizer, adapter
+        data = self.data = prepare_data(recipe, tokenizer, adapter, target=target,
+                                        target_id=recipe.target.name_or_path, vocab_size=target.config.vocab_size)
+        aux_ids = self.aux_layer_ids = aux_layer_ids_for(recipe, target, adapter)
+        norm = adapter.final_norm(target)
+        start = drafter_start(recipe, target.config, data.counts, aux_ids,
+                              target_head=(adapter.lm_head(target).weight, getattr(norm, "weight", None)))
+        self.pad_id = tokenizer.pad_token_id or 0
+        if plan.streams:  # hidden states streamed from the engine (online, or hybrid's first pass)
+            from eagle3_zoo.data.engine_stream import streamed_datasets
+
+            if self.num_workers:  # the stream's futures and threads live in this process
+                logger.info("data.num_workers = %d ignored: states streamed from the engine are fetched ahead by "
+                            "threads of the training process", self.num_workers)
+                self.num_workers = 0
+            train_set, val_set, self.feed, self.features = streamed_datasets(recipe, data, target, adapter, aux_ids)
+            self.use_datasets(train_set, val_set)
+        else:
+            train_set, val_set, self.features = _datasets(recipe, data, target, tokenizer, adapter, aux_ids)
+            self.use_datasets(train_set, val_set, pack_length=recipe.data.max_length if recipe.data.packing else None)
+        if recipe.optim.precondition_fc and not recipe.drafter.init_from:
+            if self.feed is not None:
+                self.feed.start()  # the statistics read the first samples' states now, before training
+            start.fc_input_scale = fc_input_scale(train_set, target, adapter, aux_ids)
+        self.drafter_start = start
+        data_barrier()
+
+    @override
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return with_host_counts(batch)  # counts taken on the host, so no step reads them back from the device
+
+
+class StreamingRunDataModule(RunDataModule, StreamingDataModule):
+    """`RunDataModule` of a run whose hidden states are streamed from the engine: the loaders and the feed's start and
+    stop are `StreamingDataModule`'s."""
+
+
+def run_datamodule(recipe: Any, source: str = "recipe") -> RunDataModule:
+    """The DataModule of a recipe's run (`StreamingRunDataModule` when the run plan streams hidden states)."""
+    return (StreamingRunDataModule if run_plan(recipe).streams else RunDataModule)(recipe, source)
+
+
+class RecipeModule(Eagle3Module):
+    """The `Eagle3Module` of a recipe's run: its settings from the recipe, its drafter built in Lightning's `setup`
+    hook from what the run's DataModule prepared (`RunDataModule`: the `DrafterStart` and the target), after the
+    global generator is seeded again (the initialisation does not depend on the data stage's randomness). Lightning
+    calls `setup` before `configure_model` (where FSDP shards the drafter) and before it restores a checkpoint.
+    The drafter is built in `setup`, not in `configure_model`: Lightning runs that one inside the strategy's tensor
+    init context (the root device, the precision's dtype), which would change where a fresh drafter's random
+    initialisation is drawn; it is drawn on the host in fp32, as `build_run` draws it."""
+
+    def __init__(self, recipe: Any):
+        t, o, plan = recipe.ttt, recipe.optim, run_plan(recipe)
+        super().__init__(
+            None, mode="online" if plan.target_in_step else "offline", ttt_steps=t.steps,
+            step_weights=t.step_weights or [t.step_weight_decay**k for k in range(t.steps)], lr=o.lr,
+            betas=tuple(o.betas), weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, decay=o.decay,
+            min_lr_ratio=o.min_lr_ratio, loss=recipe.loss.build(),
+            shard_target=plan.target_sharded)
+        self.recipe, self.plan = recipe, plan
+
+    @override
+    def setup(self, stage: str) -> None:
+        if not self.has_parts:
+            self.build_drafter(self.trainer.datamodule)
+
+    def build_drafter(self, datamodule: RunDataModule) -> None:
+        """Seed, build the drafter from `datamodule.drafter_start`, and take it with the target `datamodule` loaded
+        (kept whole when the step runs it or tau is measured, else only its embedding and lm_head)."""
+        from eagle3_zoo.training.strategies import enable_activation_checkpointing
+
+        if datamodule.drafter_start is None:
+            raise RuntimeError("RecipeModule: the DataModule has not prepared the run (its setup did not run)")
+        L.seed_everything(self.recipe.trainer.seed, workers=True, verbose=False)
+        drafter = datamodule.drafter_start.build()
+        if self.recipe.trainer.activation_checkpointing:
+            enable_activation_checkpointing(drafter)
+        target, adapter = datamodule.target, datamodule.adapter
+        self.set_parts(drafter, adapter, target if self.plan.target_kept else None,
+                       embed_tokens=adapter.embed_tokens(target), lm_head=adapter.lm_head(target))
+
+
+def build_run(recipe: Any, source: str = "recipe", device: Any = None) -> TrainingRun:
+    """The run `fit` trains, built outside a Trainer: the DataModule's data stage (`RunDataModule.prepare_run`,
+    the target loaded on `device`), then the module's drafter (`RecipeModule.build_drafter`), as Lightning's hooks
+    build them in `fit`."""
+    datamodule = run_datamodule(recipe, source)
+    datamodule.prepare_run(device)
+    module = RecipeModule(recipe)
+    module.build_drafter(datamodule)
+    return TrainingRun(recipe, datamodule.target, datamodule.tokenizer, datamodule.adapter, datamodule.data, module,
+                       datamodule, datamodule.features)
 
 
 @torch.no_grad()
@@ -207,96 +356,3 @@ def verify_feature_hashes(reader: Any, store: Any) -> None:
                 "(%.0f MB/s%s) before training", store, shards, size / 1e6, seconds,
                 size / 1e6 / max(seconds, 1e-9), f", this rank's share of {split.world_size}"
                 if split.world_size > 1 else "")
-
-
-class RecipeDataModule(L.LightningDataModule):
-    """A recipe's training run built in Lightning's `setup` hook: `fit` hands this and an `Eagle3Module.deferred()`
-    to `trainer.fit`, which starts the run's processes and its process group (Lightning's own launcher, or the
-    processes torchrun or SLURM started) and then calls `setup` on every rank. There, before anything is placed on a
-    device, this rank's target device is made current (`use_device`: else every rank's data stage, regeneration
-    included, would allocate on GPU 0), the data stage's process group is created (`eagle3_zoo.data.ranks`), and
-    `build_run` loads the target, runs the data stage split across the ranks (regeneration, feature job), builds the
-    drafter and assembles the module; then `on_built(run)` (what `fit` derives from the run: identity, resume check,
-    provenance). Lightning calls this before the module's `setup` and `configure_model` (FSDP shards there) and
-    before it restores a checkpoint.
-
-    The loaders and the hooks (`setup`, `teardown`, `on_exception`, `state_dict`) are the built run's DataModule's
-    (`Eagle3DataModule`, or the engine's `StreamingDataModule`), as are `train_set`, `val_set` and `feed`.
-
-    Args:
-        recipe: a loaded `Recipe`.
-        source: where the recipe came from (error messages).
-        module: the `Eagle3Module` to assemble (`Eagle3Module.deferred()`).
-        on_built: called with the `TrainingRun` once it is built, on every rank.
-    """
-
-    def __init__(self, recipe: Any, source: str, module: Any, on_built: Any = None):
-        super().__init__()
-        self.recipe, self.source, self.module, self.on_built = recipe, source, module, on_built
-        self.run: TrainingRun | None = None
-
-    @property
-    def built(self) -> Any:
-        """The built run's DataModule."""
-        if self.run is None:
-            raise RuntimeError("RecipeDataModule: the run is built in setup(), which Lightning has not called yet")
-        return self.run.datamodule
-
-    @property
-    def train_set(self) -> Any:
-        return self.built.train_set
-
-    @property
-    def val_set(self) -> Any:
-        return self.built.val_set
-
-    @property
-    def feed(self) -> Any:
-        """The engine feed of a run that streams hidden states (None otherwise, or before `setup`)."""
-        return getattr(self.run.datamodule, "feed", None) if self.run is not None else None
-
-    @override
-    def setup(self, stage: str) -> None:
-        if self.run is None:
-            from eagle3_zoo.data.ranks import start_coordination
-            from eagle3_zoo.targets.loading import target_device, use_device
-
-            device = use_device(target_device(self.recipe, self.trainer.local_rank))
-            start_coordination()  # at the same point on every rank, before the data stage needs it
-            self.run = build_run(self.recipe, self.source, device=device, module=self.module)
-            self.run.datamodule.trainer = self.trainer
-            if self.on_built is not None:
-                self.on_built(self.run)
-        self.built.setup(stage)
-
-    @override
-    def teardown(self, stage: str) -> None:
-        if self.run is not None:
-            self.built.teardown(stage)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        if self.run is not None:
-            self.built.on_exception(exception)
-
-    @override
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        from eagle3_zoo.training.module import with_host_counts
-
-        return with_host_counts(batch)  # counts taken on the host, so no step reads them back from the device
-
-    @override
-    def train_dataloader(self) -> Any:
-        return self.built.train_dataloader()
-
-    @override
-    def val_dataloader(self) -> Any:
-        return self.built.val_dataloader()
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return self.built.state_dict() if self.run is not None else {}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.built.load_state_dict(state_dict)

@@ -3,12 +3,14 @@
     fit_main("recipes/smollm2_135m.yaml", ["trainer.max_steps=30"])  # -> Path("runs/smollm2_135m/drafter")
 
 Steps: Lightning Trainer (strategy, loggers, checkpoints every N steps with a `last.ckpt`) -> `trainer.fit`, which
-starts the run's processes, then in its `setup` hook (`eagle3_zoo.training.build.RecipeDataModule`) on every rank:
-seed -> load the target -> prepare data (read, regenerate, split, tokenise, draft-vocab counts) -> build the
-drafter -> (offline: extract features) -> resume from `output_dir/checkpoints/last.ckpt` if it exists and was
-written by a run with the same settings (`eagle3_zoo.training.resume`) -> train -> write `output_dir/drafter/`. A
-non-finite loss stops training; the last (finite) checkpoint stays. Ctrl-C stops it too (`FitInterrupted`, exit 130),
-naming the checkpoint a rerun resumes from (`eagle3_zoo.training.interrupt`).
+starts the run's processes and then runs Lightning's hooks on every rank (`eagle3_zoo.training.build`): the
+DataModule's `setup` (seed -> load the target -> prepare data (read, regenerate, split, tokenise, draft-vocab counts)
+-> (offline: extract features) -> the draft vocabulary), the callbacks' `setup` (the run identity, checked against
+`output_dir/checkpoints/last.ckpt` if it exists: resumed only when written by a run with the same settings,
+`eagle3_zoo.training.resume`; provenance; then the loggers), the module's `setup` (the drafter) and
+`configure_model` (FSDP sharding) -> resume -> train -> write `output_dir/drafter/`. A non-finite loss stops
+training; the last (finite) checkpoint stays. Ctrl-C stops it too (`FitInterrupted`, exit 130), naming the
+checkpoint a rerun resumes from (`eagle3_zoo.training.interrupt`).
 
 Multi-process strategies (ddp, fsdp) relaunch the *command line* for the other ranks (Lightning's subprocess
 launcher), so run them through the CLI (`eagle3-zoo fit` or `python -m eagle3_zoo.cli fit`), not from an
@@ -40,13 +42,13 @@ from eagle3_zoo.progress import use_bar
 from eagle3_zoo.provenance import git_info
 from eagle3_zoo.recipe import recipe_identity_dict, recipe_to_dict
 from eagle3_zoo.training import resume
-from eagle3_zoo.training.build import RecipeDataModule
+from eagle3_zoo.training.build import NO_VALIDATION, RecipeModule, run_datamodule
 from eagle3_zoo.training.callbacks import ProgressLogCallback, StepProgressBar, TTTScheduleCallback
 from eagle3_zoo.training.engine_callback import EngineFeedCallback
 from eagle3_zoo.training.interrupt import InterruptWatch
 from eagle3_zoo.training.lightning_private import last_global_step_saved, quiet_wandb_logger, save_last_checkpoint
-from eagle3_zoo.training.module import Eagle3Module, NonFiniteError, all_finite
-from eagle3_zoo.training.outputs import build_provenance, drafter_info, full_drafter
+from eagle3_zoo.training.module import NonFiniteError, all_finite
+from eagle3_zoo.training.outputs import build_provenance, drafter_info, drafter_summary, full_drafter
 from eagle3_zoo.training.record import TrainingRecordCallback
 from eagle3_zoo.training.run_plan import require_accelerator, run_plan, world_size
 from eagle3_zoo.training.rundir import CHECKPOINT_DIR, DRAFTER_DIR
@@ -146,8 +148,9 @@ def _finish_wandb(failed: bool) -> None:
         wandb.finish(exit_code=1 if failed else 0)
 
 
-def _tau_eval_callbacks(recipe: Any, tokenizer: Any) -> list[L.Callback]:
-    """Measured tau during training (`eagle3_zoo.speculative.TauEvalCallback`) on MT-bench first turns."""
+def _tau_eval_callbacks(recipe: Any, tokenizer: Any = None) -> list[L.Callback]:
+    """Measured tau during training (`eagle3_zoo.speculative.TauEvalCallback`) on MT-bench first turns; without a
+    `tokenizer` the callback takes the run DataModule's in its `setup`."""
     cfg = recipe.trainer.tau_eval
     if not cfg.every_n_steps:
         return []
@@ -166,7 +169,8 @@ def _tau_eval_callbacks(recipe: Any, tokenizer: Any) -> list[L.Callback]:
 def build_trainer(recipe: Any, callbacks: Sequence[L.Callback] = (), has_val: bool = True,
                   **overrides: Any) -> L.Trainer:
     """The Lightning Trainer of a recipe (strategy, precision, loggers, checkpoints, TTT schedule). `has_val=False`:
-    no validation (`without_validation` gives a Trainer built with validation the same settings)."""
+    no validation (`eagle3_zoo.training.build.without_validation` gives a Trainer built with validation the same
+    settings)."""
     t, output_dir = recipe.trainer, Path(recipe.output_dir)
     checkpoint = LastCheckpoint(dirpath=output_dir / CHECKPOINT_DIR, every_n_train_steps=t.checkpoint_every_n_steps,
                                 save_last=True, save_top_k=0, enable_version_counter=False)
@@ -194,15 +198,54 @@ def build_trainer(recipe: Any, callbacks: Sequence[L.Callback] = (), has_val: bo
     return L.Trainer(**{**kwargs, **overrides})
 
 
-NO_VALIDATION = {"limit_val_batches": 0, "val_check_interval": None, "check_val_every_n_epoch": 1}
+class RecipeIdentityCallback(resume.RunIdentityCallback):
+    """The identity of a recipe's run and what `eagle3-zoo consolidate` needs (`drafter_info`), worked out in the
+    callback's `setup` from what the run's DataModule prepared (`RunDataModule`: the data, the target, the
+    `DrafterStart`); a `last.ckpt` written by a run with other settings is refused there, before anything is written
+    and before Lightning restores it. `target_info` and `data_summary` are the run's provenance entries."""
+
+    def __init__(self, recipe: Any, last: Path, git: dict[str, Any]):
+        super().__init__({}, None)
+        self.recipe, self.last, self.git = recipe, last, git
+        self.target_info: dict[str, Any] = {}
+        self.data_summary: dict[str, Any] = {}
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        recipe, dm, t = self.recipe, trainer.datamodule, self.recipe.trainer
+        start, cfg = dm.drafter_start, dm.target.config
+        self.target_info = {"name_or_path": recipe.target.name_or_path, "model_type": dm.adapter.model_type,
+                            "dtype": recipe.target.dtype, "lora_path": recipe.target.lora_path,
+                            "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+                            "vocab_size": cfg.vocab_size}
+        self.identity = resume.run_identity(recipe_identity_dict(recipe), data_fingerprint=dm.data.fingerprint,
+                                            d2t=start.d2t, target=self.target_info,
+                                            world_size=world_size(t.devices, t.num_nodes, t.accelerator))
+        if self.last.exists():
+            resume.check_resume(self.last, self.identity)
+            logger.info("resuming from %s (same run settings)", self.last)
+        self.data_summary = {**dm.data.summary(), "draft_vocab_coverage": draft_vocab_coverage(dm.data.counts,
+                                                                                               start.t2d),
+                             "mode": recipe.data.mode, "features": dm.features}
+        drafter = drafter_summary(start.config, start.num_parameters())
+        self.info = drafter_info(start.config, start.fc_input_scale, recipe_to_dict(recipe), build_provenance(
+            recipe_dict=recipe_to_dict(recipe), target=self.target_info, data=self.data_summary, drafter=drafter,
+            training={"strategy": t.strategy, "precision": t.precision}, git=self.git))
 
 
-def without_validation(trainer: L.Trainer) -> None:
-    """Give a Trainer the validation settings of `build_trainer(has_val=False)` (what Lightning makes of
-    `NO_VALIDATION`): `fit` builds its Trainer before the data stage shows whether there is a validation split, and
-    calls this from the `setup` hook, before the fit loop reads them. No validation runs, and `last.ckpt` is saved
-    at the end of every epoch as well."""
-    trainer.limit_val_batches, trainer.val_check_interval, trainer.check_val_every_n_epoch = 0, 1.0, 1
+class RunLoggers(L.Callback):
+    """The run's loggers (`trainer.logger`), given to the Trainer in the callback's `setup`, after the run identity:
+    a run refused by its data stage, its target or its resume check writes nothing. The resolved recipe is the
+    loggers' hyperparameters (hparams.yaml, TensorBoard)."""
+
+    def __init__(self, recipe: Any):
+        self.recipe = recipe
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        trainer.loggers = _loggers(self.recipe, Path(self.recipe.output_dir))
+        for lg in trainer.loggers:
+            lg.log_hyperparams(recipe_to_dict(self.recipe))
 
 
 def fit(recipe: Any, source: str = "recipe") -> Path:
@@ -242,46 +285,13 @@ def _fit(recipe: Any, source: str) -> Path:
             resume.refuse_unreadable(last, read_sharded_metadata)
     t = recipe.trainer
     record = TrainingRecordCallback(start, static={"strategy": t.strategy, "precision": t.precision})
-    identity = resume.RunIdentityCallback({}, None)  # filled once the run is built
-    tau = _tau_eval_callbacks(recipe, None)  # the tokenizer too
+    identity = RecipeIdentityCallback(recipe, last, git)
+    tau = _tau_eval_callbacks(recipe)  # the tokenizer: the DataModule's, in the callback's setup
     engine = [EngineFeedCallback()] if run_plan(recipe).streams else []  # hidden states streamed from the engine
     interrupt = InterruptWatch()  # Ctrl-C: exit 130 naming the checkpoint kept, not Lightning's sys.exit(1)
-    # the loggers are given once the run is built: a run refused by its data stage or its target writes nothing
-    trainer = build_trainer(recipe, [identity, record, *engine, *tau, interrupt], logger=False)
-    built: dict[str, Any] = {}
-
-    def on_built(run: Any) -> None:
-        """On every rank, in Lightning's `setup` hook, once the run's target, data and drafter are built."""
-        data, target, adapter = run.data, run.target, run.adapter
-        cfg = target.config
-        target_info = {"name_or_path": recipe.target.name_or_path, "model_type": adapter.model_type,
-                       "dtype": recipe.target.dtype, "lora_path": recipe.target.lora_path,
-                       "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
-                       "vocab_size": cfg.vocab_size}
-        identity.identity = resume.run_identity(recipe_identity_dict(recipe), data_fingerprint=data.fingerprint,
-                                                d2t=run.module.drafter.d2t, target=target_info,
-                                                world_size=world_size(t.devices, t.num_nodes, t.accelerator))
-        if last.exists():
-            resume.check_resume(last, identity.identity)
-            logger.info("resuming from %s (same run settings)", last)
-        data_summary = {**data.summary(),
-                        "draft_vocab_coverage": draft_vocab_coverage(data.counts, run.module.drafter.t2d),
-                        "mode": recipe.data.mode, "features": run.features}
-        # what `eagle3-zoo consolidate` needs to write the drafter folder from a checkpoint alone
-        identity.info = drafter_info(run.module.drafter, recipe_to_dict(recipe), build_provenance(
-            recipe_dict=recipe_to_dict(recipe), target=target_info, data=data_summary, drafter=run.module.drafter,
-            training={"strategy": t.strategy, "precision": t.precision}, git=git))
-        for callback in tau:
-            callback.tokenizer = run.tokenizer
-        if not data.val:
-            without_validation(trainer)
-        trainer.loggers = _loggers(recipe, output_dir)
-        for lg in trainer.loggers:  # the resolved recipe as the run's hyperparameters (hparams.yaml, TensorBoard)
-            lg.log_hyperparams(recipe_to_dict(recipe))
-        built.update(target_info=target_info, data_summary=data_summary)
-
-    module = Eagle3Module.deferred()
-    datamodule = RecipeDataModule(recipe, source, module, on_built)
+    # the loggers are given in RunLoggers' setup, after the identity's: a refused run writes nothing
+    trainer = build_trainer(recipe, [identity, RunLoggers(recipe), record, *engine, *tau, interrupt], logger=False)
+    module, datamodule = RecipeModule(recipe), run_datamodule(recipe, source)
     record.hardware, record.static["world_size"] = _hardware(trainer), trainer.world_size
     failed = True
     try:
@@ -295,7 +305,7 @@ def _fit(recipe: Any, source: str) -> Path:
             datamodule.feed.close()  # servers launched for the run stop, whatever happened
         if "wandb" in t.logger:
             _finish_wandb(failed)
-    target_info, data_summary = built["target_info"], built["data_summary"]
+    target_info, data_summary = identity.target_info, identity.data_summary
     trained = full_drafter(module)  # collective under FSDP: every rank takes part, rank 0 gets the weights
     bad = [] if trained is None else [k for k, v in trained.state_dict().items()
                                       if v.is_floating_point() and not all_finite(v)]
@@ -307,7 +317,8 @@ def _fit(recipe: Any, source: str) -> Path:
         # the whole run's record (all starts of fit); a rerun that trained nothing keeps it as it was
         training = record.final if record.final is not None else record.record(trainer)
         provenance = build_provenance(recipe_dict=recipe_to_dict(recipe), target=target_info, data=data_summary,
-                                      training=training, drafter=trained, git=git)
+                                      training=training, git=git, drafter=drafter_summary(
+                                          trained.config, sum(p.numel() for p in trained.parameters())))
         write_drafter_folder(trained, out, recipe, provenance)
         logger.info("drafter written to %s (step %d, %.0f s)", out, trainer.global_step, time.time() - start)
     trainer.strategy.barrier("drafter-written")

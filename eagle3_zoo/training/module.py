@@ -216,7 +216,9 @@ class Eagle3Module(L.LightningModule):
     """Trains an EAGLE-3 drafter with the TTT loss against a frozen target (online) or stored features (offline).
 
     Args:
-        drafter: the drafter (vocabulary mapping already set).
+        drafter: the drafter (vocabulary mapping already set); None: the drafter, adapter and target come later,
+            from `set_parts` (the module `fit` trains builds its drafter in its `setup` hook,
+            `eagle3_zoo.training.build.RecipeModule`).
         adapter: the target's adapter.
         target: the frozen target model; in offline mode it may be None when `embed_tokens` and `lm_head` are given.
         embed_tokens: the target's input embedding (default: from `target`).
@@ -233,52 +235,16 @@ class Eagle3Module(L.LightningModule):
             tau evaluation).
     """
 
-    def __init__(self, drafter: Eagle3Drafter, adapter: Any, target: nn.Module | None = None, *,
+    def __init__(self, drafter: Eagle3Drafter | None, adapter: Any = None, target: nn.Module | None = None, *,
                  embed_tokens: nn.Module | None = None, lm_head: nn.Module | None = None, mode: str = "online",
                  ttt_steps: int = 7, step_weights: list[float] | None = None, lr: float = 1e-4,
                  betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0, warmup_steps: int = 0,
                  decay: str = "cosine", min_lr_ratio: float = 0.0, logits_chunk_size: int = 1024,
                  loss: Loss | str = "soft_ce", shard_target: bool | None = None):
         super().__init__()
-        self.assemble(drafter, adapter, target, embed_tokens=embed_tokens, lm_head=lm_head, mode=mode,
-                      ttt_steps=ttt_steps, step_weights=step_weights, lr=lr, betas=betas, weight_decay=weight_decay,
-                      warmup_steps=warmup_steps, decay=decay, min_lr_ratio=min_lr_ratio,
-                      logits_chunk_size=logits_chunk_size, loss=loss, shard_target=shard_target)
-
-    @classmethod
-    def deferred(cls) -> Eagle3Module:
-        """A module whose parts come later, from `assemble`: `fit` hands it to `trainer.fit` before the target and
-        the drafter exist, and builds them in a Lightning hook once Lightning has started the run's processes
-        (`eagle3_zoo.training.build.RecipeDataModule`). It holds no parameter until then."""
-        module = cls.__new__(cls)
-        L.LightningModule.__init__(module)
-        return module
-
-    @property
-    def assembled(self) -> bool:
-        """Whether the module has its drafter and target (`assemble` ran)."""
-        return "objective" in self._modules
-
-    def assemble(self, drafter: Eagle3Drafter, adapter: Any, target: nn.Module | None = None, *,
-                 embed_tokens: nn.Module | None = None, lm_head: nn.Module | None = None, mode: str = "online",
-                 ttt_steps: int = 7, step_weights: list[float] | None = None, lr: float = 1e-4,
-                 betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0, warmup_steps: int = 0,
-                 decay: str = "cosine", min_lr_ratio: float = 0.0, logits_chunk_size: int = 1024,
-                 loss: Loss | str = "soft_ce", shard_target: bool | None = None) -> Eagle3Module:
-        """Give the module its parts (the arguments of the class); once. Returns the module."""
-        if self.assembled:
-            raise RuntimeError("Eagle3Module.assemble: the module already has its drafter")
         if mode not in ("online", "offline"):
             raise ValueError(f"unknown data mode {mode!r}; valid: online, offline")
-        if mode == "online" and target is None:
-            raise ValueError("online mode needs the target model")
-        if target is None and (embed_tokens is None or lm_head is None):
-            raise ValueError("without a target model, pass its embed_tokens and lm_head")
-        self.objective = DrafterObjective(drafter, loss)
-        self.adapter, self.mode = adapter, mode
-        # a tuple keeps the frozen modules out of the module tree (see the module docstring)
-        self._frozen = FrozenTarget(target, adapter.embed_tokens(target) if embed_tokens is None else embed_tokens,
-                                    adapter.lm_head(target) if lm_head is None else lm_head)
+        self.mode, self.position_loss = mode, as_loss(loss)  # a name resolved (validated) now
         self.ttt_steps = ttt_steps
         self.step_weights = list(step_weights) if step_weights is not None else default_step_weights(ttt_steps)
         self.active_ttt_steps = ttt_steps
@@ -292,7 +258,30 @@ class Eagle3Module(L.LightningModule):
         self.shown_metrics: dict[str, float] = {}  # the bar's training metrics, as of the previous step
         self._sharded = False
         self.shard_target = mode == "online" if shard_target is None else shard_target
-        return self
+        if drafter is not None:
+            self.set_parts(drafter, adapter, target, embed_tokens=embed_tokens, lm_head=lm_head)
+
+    @property
+    def has_parts(self) -> bool:
+        """Whether the module has its drafter and target (`set_parts` ran)."""
+        return "objective" in self._modules
+
+    def set_parts(self, drafter: Eagle3Drafter, adapter: Any, target: nn.Module | None = None, *,
+                  embed_tokens: nn.Module | None = None, lm_head: nn.Module | None = None) -> None:
+        """Give the module its drafter and frozen target (the arguments of the class of the same names); once. A
+        module constructed without a drafter gets them here, from a Lightning hook that runs before
+        `configure_model` (`eagle3_zoo.training.build.RecipeModule.setup`)."""
+        if self.has_parts:
+            raise RuntimeError("Eagle3Module.set_parts: the module already has its drafter")
+        if self.mode == "online" and target is None:
+            raise ValueError("online mode needs the target model")
+        if target is None and (embed_tokens is None or lm_head is None):
+            raise ValueError("without a target model, pass its embed_tokens and lm_head")
+        self.objective = DrafterObjective(drafter, self.position_loss)
+        self.adapter = adapter
+        # a tuple keeps the frozen modules out of the module tree (see the module docstring)
+        self._frozen = FrozenTarget(target, adapter.embed_tokens(target) if embed_tokens is None else embed_tokens,
+                                    adapter.lm_head(target) if lm_head is None else lm_head)
 
     @property
     def drafter(self) -> Eagle3Drafter:

@@ -20,20 +20,24 @@ from eagle3_zoo.provenance import git_info, package_versions, provenance_json
 from eagle3_zoo.training.checkpoint_io import DRAFTER_INFO_KEY, info_json, read_checkpoint_header, sharded_state
 
 
+def drafter_summary(config: Any, num_parameters: int) -> dict[str, Any]:
+    """provenance.json's `drafter` entry, for a drafter of `config` with `num_parameters` parameters."""
+    return {"aux_layer_ids": list(config.aux_layer_ids or ()), "draft_vocab_size": config.draft_vocab_size,
+            "hidden_size": config.hidden_size, "num_parameters": num_parameters}
+
+
 def build_provenance(*, recipe_dict: dict[str, Any], target: dict[str, Any], data: dict[str, Any],
-                     training: dict[str, Any], drafter: Eagle3Drafter,
+                     training: dict[str, Any], drafter: dict[str, Any],
                      git: dict[str, Any] | None = None) -> dict[str, Any]:
-    """provenance.json. `git`: the checkout state when the run *started* (default: now); a long run must pass it,
-    since commits made while it trains are not the code it ran."""
-    cfg = drafter.config
+    """provenance.json. `drafter`: its `drafter_summary`. `git`: the checkout state when the run *started* (default:
+    now); a long run must pass it, since commits made while it trains are not the code it ran."""
     return {
         "created_unix": int(time.time()),
         "git": git if git is not None else git_info(),
         "packages": package_versions(),
         "python": platform.python_version(),
         "target": target,
-        "drafter": {"aux_layer_ids": list(cfg.aux_layer_ids or ()), "draft_vocab_size": cfg.draft_vocab_size,
-                    "hidden_size": cfg.hidden_size, "num_parameters": sum(p.numel() for p in drafter.parameters())},
+        "drafter": drafter,
         "data": data,
         "training": training,
         "recipe": recipe_dict,
@@ -77,11 +81,13 @@ def full_drafter(module: Any) -> Eagle3Drafter | None:
 _STATE_PREFIX = "state_dict.objective.drafter."  # DCP keys of the drafter in a Lightning checkpoint of `fit`
 
 
-def drafter_info(drafter: Eagle3Drafter, recipe_dict: dict[str, Any], provenance: dict[str, Any]) -> dict[str, Any]:
-    """The `DRAFTER_INFO_KEY` entry for `drafter` (see there)."""
-    return {"config": json.dumps(drafter.config.to_json_dict()), "recipe": json.dumps(recipe_dict, default=str),
+def drafter_info(config: Any, fc_input_scale: torch.Tensor | None, recipe_dict: dict[str, Any],
+                 provenance: dict[str, Any]) -> dict[str, Any]:
+    """The `DRAFTER_INFO_KEY` entry for a drafter of `config` trained with `fc_input_scale` (None: not
+    preconditioned; see there)."""
+    return {"config": json.dumps(config.to_json_dict()), "recipe": json.dumps(recipe_dict, default=str),
             "provenance": provenance_json(provenance),
-            "fc_input_scale": drafter.fc_input_scale.detach().cpu().float() if drafter._fc_scaled else None}
+            "fc_input_scale": None if fc_input_scale is None else fc_input_scale.detach().cpu().float()}
 
 
 def consolidate_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:

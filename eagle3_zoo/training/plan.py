@@ -5,9 +5,9 @@
     plan.not_fitting()           # the phases that do not fit (`eagle3-zoo plan` exits 1 naming them)
 
 What runs where and what of the target each trainer rank loads are the run plan's decisions
-(`eagle3_zoo.training.run_plan`, which `build_run` and the strategy builder read too); the phases before training
-are planned in `plan_phases`, this module plans the training phase. In the training phase, lines held for the whole
-run add up; lines of a phase (the training step's activations and, under FSDP, the
+(`eagle3_zoo.training.run_plan`, which the data stage of `fit` and the strategy builder read too); the phases before
+training are planned in `plan_phases`, this module plans the training phase. In the training phase, lines held for
+the whole run add up; lines of a phase (the training step's activations and, under FSDP, the
 drafter's gathered parameters, unsharded gradients and reduce-scatter input; the tau evaluation's transient
 buffers, which `TauEvalCallback` allocates between training steps, after the step's activations are freed) only
 count for the phase that needs more: the peak is the persistent part plus the larger phase.

@@ -5,10 +5,10 @@ recipe's engine).
     rp = run_plan(load_recipe("recipes/llama3_70b.yaml"))
     rp.world_size, rp.target_load, rp.regeneration, rp.hidden_states   # 8, "fsdp shard", "server", "engine"
 
-`eagle3-zoo plan` prints these decisions with their memory, `build_run` loads the target as `target_load` says and
-the strategy builder sizes its mesh with `world_size` / `fsdp_shard_size`: each decision is one function here, so
-what `plan` reports is what the run does. Pure Python on the recipe (torch only for dtypes, imported where they are
-made: counting the devices a recipe declares does not wait for it); nothing is loaded.
+`eagle3-zoo plan` prints these decisions with their memory, `RunDataModule.prepare_run` loads the target as
+`target_load` says and the strategy builder sizes its mesh with `world_size` / `fsdp_shard_size`: each decision is
+one function here, so what `plan` reports is what the run does. Pure Python on the recipe (torch only for dtypes,
+imported where they are made: counting the devices a recipe declares does not wait for it); nothing is loaded.
 """
 
 from __future__ import annotations
