@@ -22,7 +22,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from omegaconf import MISSING
+try:  # omegaconf's marker of a required field; the value rules work without omegaconf (the lent GPU image has none)
+    from omegaconf import MISSING
+except ImportError:  # then nothing here meets a field OmegaConf marked
+    MISSING = "???"
 
 Check = Callable[[Any], "str | None"]  # a value rule: why a (non-null) value is bad, or None
 BAD = object()  # `check_types`: no part of the value has the expected type
