@@ -10,9 +10,9 @@ import lightning as L
 import pytest
 import torch
 
+from eagle3_zoo.drafters.eagle3.ttt import fused_soft_cross_entropy
 from eagle3_zoo.modeling import Eagle3Drafter
 from eagle3_zoo.modeling.attention import _ttt_block_mask, ttt_attention, ttt_attention_reference
-from eagle3_zoo.training.loss import fused_soft_cross_entropy
 from tests.device_checks import DeviceMoves, MixedDevices, SyncCounter, counting_host_reads
 from tests.tiny import tiny_drafter
 
