@@ -183,6 +183,25 @@ class DrafterKind:
         """The headline `val/loss` from `validation_metrics(...).compute("val")` (None: nothing was measured)."""
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ the trained drafter, written
+    def to_write(self, trained: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+        """The drafter to write (plain, fp32, on the CPU) from `trained` (the module trained, maybe sharded) and the
+        full state dict of its weights (gathered on this rank)."""
+        raise NotImplementedError
+
+    def save(self, drafter: nn.Module, folder: Any) -> None:
+        """Write `drafter`'s weights and config.json into `folder` (in the first of `layouts` when it has some)."""
+        raise NotImplementedError
+
+    def load(self, folder: Any) -> nn.Module:
+        """The drafter `save` wrote into `folder`."""
+        raise NotImplementedError
+
+    def check_folder(self, folder: Any) -> list[str]:
+        """The errors of the folder `save` wrote (empty: none). Only asked of a kind with no `layouts`: a folder in a
+        registered layout is checked by that layout's checks (`eagle3-zoo check`)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ decoding
     def draft_model(self, drafter: nn.Module, embed_tokens: nn.Module) -> DraftModel:
         """The drafter as the speculative decoder drives it, with the target's frozen input embedding."""

@@ -117,11 +117,33 @@ class Eagle3Kind(DrafterKind):
         losses = [metrics[f"val/loss_{k}"] for k in range(len(step_weights)) if f"val/loss_{k}" in metrics]
         return sum(w * v for w, v in zip(step_weights, losses)) if losses else None
 
+    def to_write(self, trained: Eagle3Drafter, state: dict[str, torch.Tensor]) -> Eagle3Drafter:
+        return drafter_from_state(trained.config, state, trained.fc_input_scale if trained._fc_scaled else None)
+
+    def save(self, drafter: Eagle3Drafter, folder: Any) -> None:
+        drafter.save_pretrained(folder)
+
+    def load(self, folder: Any) -> Eagle3Drafter:
+        return Eagle3Drafter.from_pretrained(folder)
+
     def draft_model(self, drafter: Eagle3Drafter, embed_tokens: nn.Module) -> DraftModel:
         return Eagle3DraftModel(drafter, embed_tokens)
 
     def target_mismatches(self, drafter: Eagle3Drafter, target_config: Any) -> list[str]:
         return drafter.config.target_mismatches(target_config)
+
+
+def drafter_from_state(config: Eagle3Config, state: dict[str, torch.Tensor],
+                       fc_input_scale: torch.Tensor | None = None) -> Eagle3Drafter:
+    """The drafter to write (fp32, CPU) from a full state dict of its weights; a training-time fc preconditioning
+    scale is folded into fc.weight."""
+    drafter = Eagle3Drafter(config)
+    drafter.load_state_dict(state)
+    drafter = drafter.to(torch.float32)
+    if fc_input_scale is not None:
+        drafter.set_fc_input_scale(fc_input_scale.detach().cpu().float())
+        drafter.fold_fc_input_scale()
+    return drafter
 
 
 class _ValidationMetrics(StepMetrics):
