@@ -27,6 +27,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from eagle3_zoo import locations, schema
+from eagle3_zoo.drafters import kind_names, unknown_kind_message
 from eagle3_zoo.dtypes import DTYPE_NAMES
 from eagle3_zoo.locations import EMBEDDED_SHAREGPT, EMBEDDED_TARGET, hub_or_local_problem, path_problem
 from eagle3_zoo.losses import Loss, available_losses, make_loss, params_problems, unknown_loss_message
@@ -77,7 +78,11 @@ class TargetConfig:
 
 @dataclass
 class DrafterConfig:
-    """Shape of the EAGLE-3 drafter (one Llama decoder layer); null fields follow the target."""
+    """The drafter: its kind, and the shape of an EAGLE-3 drafter (one Llama decoder layer); null fields follow the
+    target."""
+    # a registered drafter kind (eagle3_zoo/drafters/; docs/contributing/adding-a-drafter-kind.md): eagle3 = EAGLE-3
+    # with its EAGLE-3.1 options below
+    kind: str = ruled("eagle3", lambda v: None if v in kind_names() else unknown_kind_message(v))
     hidden_size: int | None = ruled(None, GT0)  # must equal the target's: its frozen embedding feeds the drafter
     intermediate_size: int | None = ruled(None, GT0)  # MLP width of the single decoder layer
     num_attention_heads: int | None = ruled(None, GT0)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from eagle3_zoo.drafters.eagle3.ttt import ttt_loss
 from eagle3_zoo.losses import available_losses
-from eagle3_zoo.training.loss import ttt_loss
 
 
 def _bench_ttt():

@@ -51,7 +51,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from eagle3_zoo.training.loss import step_masks, ttt_loss
+from eagle3_zoo.drafters.eagle3.ttt import step_masks, ttt_loss
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_ttt import _status_kib, add_shape_args, build_drafter, check_agreement  # noqa: E402

@@ -29,8 +29,8 @@ import time
 
 import torch
 
+from eagle3_zoo.drafters.eagle3.ttt import ttt_loss
 from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab
-from eagle3_zoo.training.loss import ttt_loss
 from eagle3_zoo.training.reference import reference_ttt_loss
 
 IMPLS = ("reference", "eagle3-zoo")

@@ -53,9 +53,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 
+from eagle3_zoo.drafters.eagle3.ttt import ttt_loss  # noqa: E402
 from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab, identity_vocab  # noqa: E402
 from eagle3_zoo.modeling.attention import ttt_attention, ttt_attention_reference, ttt_backend  # noqa: E402
-from eagle3_zoo.training.loss import ttt_loss  # noqa: E402
 from eagle3_zoo.training.reference import reference_ttt_loss  # noqa: E402
 
 # agreement bounds (relative: ||a - b|| / ||b||); bf16 keeps 8 mantissa bits (unit roundoff 4e-3)

@@ -186,8 +186,8 @@ def test_card_tags_a_31_drafter_and_names_the_engines(tmp_path):
 def test_a_trained_31_drafter_decodes_losslessly(mode):
     """A few optimizer steps of the TTT loss on the target's own features, then greedy speculative decoding."""
     from eagle3_zoo.adapters import capture_aux_hidden, get_adapter
+    from eagle3_zoo.drafters.eagle3.ttt import ttt_loss
     from eagle3_zoo.speculative import SpeculativeGenerator, tree_spec
-    from eagle3_zoo.training.loss import ttt_loss
     from tests.test_speculative_support import reference, tiny_target
 
     target = tiny_target("llama")

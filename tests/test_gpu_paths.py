@@ -10,9 +10,9 @@ import lightning as L
 import pytest
 import torch
 
+from eagle3_zoo.drafters.eagle3.ttt import fused_soft_cross_entropy
 from eagle3_zoo.modeling import Eagle3Drafter
 from eagle3_zoo.modeling.attention import _ttt_block_mask, ttt_attention, ttt_attention_reference
-from eagle3_zoo.training.loss import fused_soft_cross_entropy
 from tests.device_checks import DeviceMoves, MixedDevices, SyncCounter, counting_host_reads
 from tests.tiny import tiny_drafter
 
@@ -95,7 +95,7 @@ def test_a_fit_step_waits_for_the_device_once(tmp_path, monkeypatch, bar):
     loss's counts, the non-finite check), 9 with the bar (it counted the tokens too and read the loss and acc_0 at
     every refresh). (Earlier still, 16 of ours with 3 TTT steps in the loss alone.)"""
     for events in _fit_step_events(tmp_path, monkeypatch, bar):
-        assert [(kind, where.split(" ")[-1]) for kind, where in events] == [("to host", "(_read_counts)")], events
+        assert [(kind, where.split(" ")[-1]) for kind, where in events] == [("to host", "(read_counts)")], events
 
 
 def test_a_validation_batch_waits_for_the_device_once():
@@ -122,7 +122,7 @@ def test_a_validation_batch_waits_for_the_device_once():
     for i, batch in enumerate(batches):
         with SyncCounter() as counter, counting_host_reads(counter):
             module.validation_step(batch, i)
-        assert [(kind, where.split(" ")[-1]) for kind, where in counter.events] == [("to host", "(_read_counts)")], \
+        assert [(kind, where.split(" ")[-1]) for kind, where in counter.events] == [("to host", "(read_counts)")], \
             counter.events
     metrics = module.val_metrics.compute("val")
     assert {f"val/{name}_{k}" for name in ("loss", "acc", "alpha") for k in range(3)} | {"val/tau_est"} == set(metrics)

@@ -5,8 +5,8 @@ import logging
 import pytest
 import torch
 
+from eagle3_zoo.drafters.eagle3.ttt import fused_soft_cross_entropy, ttt_loss
 from eagle3_zoo.modeling import build_draft_vocab, identity_vocab
-from eagle3_zoo.training.loss import fused_soft_cross_entropy, ttt_loss
 from tests.tiny import tiny_drafter
 
 

@@ -14,8 +14,8 @@ import torch
 
 from eagle3_zoo.adapters import available_adapters, get_adapter
 from eagle3_zoo.cli import main
+from eagle3_zoo.drafters.eagle3.ttt import ttt_loss
 from eagle3_zoo.recipe import load_recipe
-from eagle3_zoo.training.loss import ttt_loss
 from eagle3_zoo.training.plan import (
     drafter_parameter_count,
     fsdp_drafter_lines,
@@ -222,7 +222,7 @@ def test_fsdp_drafter_lines_match_the_buffers_fsdp2_allocates(precision, monkeyp
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from eagle3_zoo.training.module import DrafterObjective
+    from eagle3_zoo.drafters.eagle3.objective import DrafterObjective
     from eagle3_zoo.training.strategies import shard_fsdp2
 
     drafter, embed = tiny_drafter(draft_vocab_size=80, hidden_size=40, head_dim=12, intermediate_size=104)

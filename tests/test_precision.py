@@ -18,6 +18,7 @@ import torch
 from training_fixtures import run_fit_cli, save_tiny_target, tiny_recipe, write_chat_jsonl, write_recipe
 
 import eagle3_zoo.modeling.drafter as drafter_module
+from eagle3_zoo.drafters.eagle3.ttt import ttt_loss
 from eagle3_zoo.modeling.attention import (
     _FLEX_BLOCK,
     TTT_BACKENDS,
@@ -26,7 +27,6 @@ from eagle3_zoo.modeling.attention import (
     ttt_attention_reference,
     ttt_backend,
 )
-from eagle3_zoo.training.loss import ttt_loss
 from tests.test_loss_vocab import _naive_ttt_loss
 from tests.tiny import tiny_drafter
 

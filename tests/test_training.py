@@ -12,18 +12,17 @@ import torch
 from tiny import tiny_drafter
 from torch import nn
 
-from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab
-from eagle3_zoo.training.callbacks import TTTScheduleCallback, ttt_steps_at
-from eagle3_zoo.training.loss import ttt_loss
-from eagle3_zoo.training.metrics import StepMetrics, acceptance_length_estimate
-from eagle3_zoo.training.module import (
-    Eagle3Module,
+from eagle3_zoo.drafters.eagle3.metrics import StepMetrics, acceptance_length_estimate
+from eagle3_zoo.drafters.eagle3.objective import (
     draft_target_logits,
-    lr_lambda,
     rank_step_weights,
     supervised_positions,
     target_rows,
 )
+from eagle3_zoo.drafters.eagle3.ttt import ttt_loss
+from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab
+from eagle3_zoo.training.callbacks import TTTScheduleCallback, ttt_steps_at
+from eagle3_zoo.training.module import Eagle3Module, lr_lambda
 from eagle3_zoo.training.strategies import build_strategy, enable_activation_checkpointing
 
 

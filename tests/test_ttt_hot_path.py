@@ -7,8 +7,8 @@ import lightning as L
 import torch
 
 from eagle3_zoo.data.datamodule import Eagle3DataModule, ExampleDataset
+from eagle3_zoo.drafters.eagle3.ttt import ttt_loss
 from eagle3_zoo.losses.chunk import ALPHA_BLOCK, reference_objective
-from eagle3_zoo.training.loss import ttt_loss
 from tests.test_training import _module, tiny_target  # noqa: F401 (the fixture)
 from tests.tiny import tiny_drafter
 

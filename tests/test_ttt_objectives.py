@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import eagle3_zoo.modeling.drafter as drafter_module
+from eagle3_zoo.drafters.eagle3.ttt import ttt_loss
 from eagle3_zoo.losses import available_losses
 from eagle3_zoo.modeling.attention import ttt_attention_reference
-from eagle3_zoo.training.loss import ttt_loss
 from tests.tiny import tiny_drafter31 as drafter31
 
 OBJECTIVES = available_losses()

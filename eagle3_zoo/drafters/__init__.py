@@ -1,1 +1,84 @@
-"""Drafter kinds, one subpackage each."""
+"""Drafter kinds, one subpackage each, and their registry (torch-free at import: recipe validation reads
+`kind_names`).
+
+`get_kind(name)` returns the registered `DrafterKind` (`eagle3_zoo.drafters.base`); a built-in kind registers itself
+when first asked for. `kind_of(drafter)` finds the kind of a built drafter. The DFlash model (`dflash/`) is not a
+registered kind yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eagle3_zoo.drafters.base import (
+    GUIDE,
+    DrafterKind,
+    DraftModel,
+    FeatureNeeds,
+    register_kind,
+    registered,
+    unregister_kind,
+)
+
+DEFAULT_KIND = "eagle3"
+BUILTIN_KINDS = ("eagle3",)  # imported (and registered) on first use: `_load_builtin`
+
+
+def kind_names() -> tuple[str, ...]:
+    """The valid values of the recipe's `drafter.kind`: the built-in kinds, then any registered since."""
+    return BUILTIN_KINDS + tuple(sorted(set(registered()) - set(BUILTIN_KINDS)))
+
+
+def unknown_kind_message(name: Any) -> str:
+    return (f"unknown drafter kind {name!r}; valid: {', '.join(kind_names())} (a new kind is registered with "
+            f"eagle3_zoo.drafters.register_kind: {GUIDE})")
+
+
+def _load_builtin(name: str) -> None:
+    if name == "eagle3":
+        from eagle3_zoo.drafters.eagle3 import kind  # noqa: F401 (registers the kind)
+
+
+def get_kind(name: str) -> DrafterKind:
+    """The drafter kind registered as `name`.
+
+    Raises:
+        ValueError: no such kind (the message names the valid ones and how to add one).
+    """
+    kinds = registered()
+    if name not in kinds and name in BUILTIN_KINDS:
+        _load_builtin(name)
+        kinds = registered()
+    if name not in kinds:
+        raise ValueError(unknown_kind_message(name))
+    return kinds[name]
+
+
+def kind_of(drafter: Any) -> DrafterKind:
+    """The kind whose drafter `drafter` is.
+
+    Raises:
+        TypeError: `drafter` belongs to no registered kind.
+    """
+    for name in BUILTIN_KINDS:
+        get_kind(name)
+    for kind in registered().values():
+        if kind.owns(drafter):
+            return kind
+    raise TypeError(f"{type(drafter).__name__} is the drafter of no registered drafter kind "
+                    f"({', '.join(kind_names())}); see {GUIDE}")
+
+
+__all__ = [
+    "BUILTIN_KINDS",
+    "DEFAULT_KIND",
+    "DraftModel",
+    "DrafterKind",
+    "FeatureNeeds",
+    "get_kind",
+    "kind_names",
+    "kind_of",
+    "register_kind",
+    "unknown_kind_message",
+    "unregister_kind",
+]

@@ -27,7 +27,7 @@ class NoParams:
 
 class Loss(abc.ABC):
     """A per-position objective of a TTT step: a function of the drafter's logits z over the draft vocabulary and
-    the target's distribution p over it (rows summing to 1); `training.loss.ttt_loss` sums it over the supervised
+    the target's distribution p over it (rows summing to 1); `drafters.eagle3.ttt.ttt_loss` sums it over the supervised
     positions with the TTT step weights.
 
     A subclass sets `Params` (a dataclass whose fields carry their value rules, `eagle3_zoo.schema.ruled`; the

@@ -1,5 +1,5 @@
 """The tensor pass every loss shares: one softmax over a chunk of rows of draft logits (what the fused lm_head loss
-in `training.loss` runs per chunk) and the acceptance terms, handed to the loss's own `chunk`; and the naive
+in `drafters.eagle3.ttt` runs per chunk) and the acceptance terms, handed to the loss's own `chunk`; and the naive
 autograd formulation every loss is tested against (`reference_objective`).
 
 With draft logits z, q = softmax(z) and the target's distribution over the draft vocabulary p (renormalised, rows

@@ -4,8 +4,8 @@ The TTT accuracies estimate acceptance; this measures it, with the same generato
 `eagle3-zoo eval`, so checkpoints can be selected by measured tau
 (``ModelCheckpoint(monitor="val/tau", mode="max")``).
 
-It reads from the LightningModule: ``.drafter`` (an `Eagle3Drafter`), ``.target`` (the frozen target, so online
-mode or any module that keeps the target), optionally ``.adapter`` and ``.tokenizer`` (needed for text prompts
+It reads from the LightningModule: ``.drafter`` (a drafter of a registered kind), ``.target`` (the frozen target,
+so online mode or any module that keeps the target), optionally ``.adapter`` and ``.tokenizer`` (needed for text prompts
 unless a tokenizer is given to the callback). Text prompts are rendered as the data stage renders the training
 conversations (`eagle3_zoo.adapters.chat.prompt_ids`: the tokenizer's chat template, else the adapter's chat format,
 with the recipe's ``data.chat_template_kwargs``), so tau is measured on prompts like those the drafter learns from.

@@ -18,7 +18,6 @@ from eagle3_zoo.adapters import TargetAdapter
 from eagle3_zoo.adapters.chat import ChatFormat
 from eagle3_zoo.adapters.conversation import Message
 from eagle3_zoo.draft_shapes import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, TreeSpec, shape_problem
-from eagle3_zoo.modeling import Eagle3Drafter
 from eagle3_zoo.progress import Progress
 from eagle3_zoo.provenance import load_average, machine_info, versions
 from eagle3_zoo.speculative.acceptance import SamplingParams
@@ -159,7 +158,7 @@ class ShapesResults(TypedDict):
 
 
 def evaluate(
-    drafter: Eagle3Drafter | DraftModel,
+    drafter: nn.Module | DraftModel,
     target: nn.Module,
     tokenizer: Any,
     settings: EvalSettings = EvalSettings(),
@@ -173,7 +172,7 @@ def evaluate(
     """Run speculative decoding (and the plain baseline) over benchmarks and measure acceptance and speed.
 
     Args:
-        drafter: The drafter (or any `DraftModel`).
+        drafter: The drafter (of a registered kind: `eagle3_zoo.drafters`), or any `DraftModel`.
         target: The target ``*ForCausalLM``.
         tokenizer: The target's tokenizer (chat template for chat benchmarks).
         settings: What to decode and how (`EvalSettings`).
@@ -208,7 +207,7 @@ def evaluate(
 
 
 def evaluate_shapes(
-    drafter: Eagle3Drafter | DraftModel,
+    drafter: nn.Module | DraftModel,
     target: nn.Module,
     tokenizer: Any,
     shapes: Sequence[TreeSpec | str] = ("chain:1", "chain:3", "chain:7", "tree:8/10/60"),

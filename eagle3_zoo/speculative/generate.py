@@ -22,9 +22,9 @@ from transformers import DynamicCache
 from eagle3_zoo.adapters import TargetAdapter, adapter_for
 from eagle3_zoo.adapters.capture import cache_kwargs
 from eagle3_zoo.draft_shapes import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, TreeSpec
-from eagle3_zoo.modeling import Eagle3Drafter
+from eagle3_zoo.drafters import kind_of
 from eagle3_zoo.speculative.acceptance import SamplingParams, accept, next_token
-from eagle3_zoo.speculative.draft import DraftModel, Eagle3DraftModel
+from eagle3_zoo.speculative.draft import DraftModel
 from eagle3_zoo.speculative.target import TargetRunner
 from eagle3_zoo.speculative.tree import build_tree
 
@@ -105,29 +105,34 @@ def _request_args(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int
 
 
 class SpeculativeGenerator:
-    """Speculative decoding of a Hugging Face causal LM with an EAGLE-3 drafter (or any `DraftModel`).
+    """Speculative decoding of a Hugging Face causal LM with a drafter of a registered kind (or any `DraftModel`).
 
     Args:
         target: The target ``*ForCausalLM`` (frozen, eval mode, sdpa or eager attention).
-        drafter: An `Eagle3Drafter` (wrapped with the target's embedding) or a `DraftModel`.
+        drafter: A trained drafter of a registered kind (`eagle3_zoo.drafters`: wrapped, with the target's
+            embedding, in its kind's `DraftModel`) or a `DraftModel`.
         tree: Draft shape (`tree_spec(mode, ...)`); default EAGLE-2 depth 8, top-k 10, 60 nodes.
         adapter: The target's adapter; default ``adapter_for(target)``.
-        layer_ids: Aux layers; default the drafter config's ``aux_layer_ids`` (else the adapter default).
+        layer_ids: Aux layers; default the ones the drafter's kind reads (`DrafterKind.features`; else the adapter
+            default).
     """
 
     def __init__(
         self,
         target: nn.Module,
-        drafter: Eagle3Drafter | DraftModel,
+        drafter: nn.Module | DraftModel,
         tree: TreeSpec | None = None,
         adapter: TargetAdapter | None = None,
         layer_ids: Sequence[int] | None = None,
     ):
         adapter = adapter or adapter_for(target)
-        if isinstance(drafter, Eagle3Drafter):
-            _check_compatible(drafter, target)
-            layer_ids = layer_ids or drafter.config.aux_layer_ids
-            drafter = Eagle3DraftModel(drafter, adapter.embed_tokens(target))
+        if not isinstance(drafter, DraftModel):
+            kind = kind_of(drafter)
+            problems = kind.target_mismatches(drafter, target.config)
+            if problems:
+                raise ValueError("drafter does not fit the target: " + "; ".join(problems))
+            layer_ids = layer_ids or kind.features(drafter.config).aux_layer_ids
+            drafter = kind.draft_model(drafter, adapter.embed_tokens(target))
         self.target = target
         self.draft = drafter
         self.tree = tree or TreeSpec()
@@ -183,12 +188,6 @@ def _elapsed(start: float, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
-
-
-def _check_compatible(drafter: Eagle3Drafter, target: nn.Module) -> None:
-    problems = drafter.config.target_mismatches(target.config)
-    if problems:
-        raise ValueError("drafter does not fit the target: " + "; ".join(problems))
 
 
 @torch.no_grad()

@@ -20,9 +20,10 @@ from typing_extensions import override
 
 from eagle3_zoo.data.datamodule import Eagle3DataModule
 from eagle3_zoo.data.engine_stream import StreamingDataModule
+from eagle3_zoo.drafters import DrafterKind, get_kind
 from eagle3_zoo.modeling import Eagle3Drafter, build_draft_vocab
 from eagle3_zoo.targets.loading import aux_layer_ids_for, load_recipe_target
-from eagle3_zoo.training.module import Eagle3Module, with_host_counts
+from eagle3_zoo.training.module import DrafterModule, with_host_counts
 from eagle3_zoo.training.run_plan import drafter_config, run_plan
 
 logger = logging.getLogger(__name__)
@@ -30,27 +31,26 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class DrafterStart:
-    """What a run's drafter is built from, known once the data stage ran: a fresh drafter's config, its draft
-    vocabulary (from the data's token counts) and the target's head and final norm it starts from (`init_head`), or
-    the `drafter.init_from` drafter, loaded and checked against the target; and the fc preconditioning scale
-    (`optim.precondition_fc`). The run identity and provenance read it before the drafter exists."""
+    """What a run's drafter is built from, known once the data stage ran: its kind (`eagle3_zoo.drafters`), a fresh
+    drafter's config, its draft vocabulary (from the data's token counts) and the target's head and final norm it
+    starts from (`init_head`), or the `drafter.init_from` drafter, loaded and checked against the target; and the fc
+    preconditioning scale (`optim.precondition_fc`). The run identity and provenance read it before the drafter
+    exists."""
 
-    config: Any  # Eagle3Config
+    kind: DrafterKind
+    config: Any  # the kind's config class (EAGLE-3: Eagle3Config)
     d2t: torch.Tensor
     t2d: torch.Tensor
     target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None
     fc_input_scale: torch.Tensor | None = None
     init: Eagle3Drafter | None = None
 
-    def build(self) -> Eagle3Drafter:
+    def build(self) -> Any:
         """The drafter (fresh: its random initialisation draws from the global generator, seeded by the caller)."""
         if self.init is not None:
             drafter = self.init
         else:
-            drafter = Eagle3Drafter(self.config)
-            drafter.set_vocab(self.d2t, self.t2d)
-            if self.target_head is not None:
-                drafter.init_head_from_target(*self.target_head)
+            drafter = self.kind.build(self.config, d2t=self.d2t, t2d=self.t2d, target_head=self.target_head)
         if self.fc_input_scale is not None:
             drafter.set_fc_input_scale(self.fc_input_scale)
         return drafter
@@ -59,8 +59,7 @@ class DrafterStart:
         """The built drafter's parameter count (a fresh one is counted on the meta device: nothing allocated)."""
         if self.init is not None:
             return sum(p.numel() for p in self.init.parameters())
-        with torch.device("meta"):
-            return sum(p.numel() for p in Eagle3Drafter(self.config).parameters())
+        return self.kind.num_parameters(self.config)
 
 
 def drafter_start(recipe: Any, target_config: Any, counts: torch.Tensor, aux_layer_ids: tuple[int, ...],
@@ -74,15 +73,19 @@ def drafter_start(recipe: Any, target_config: Any, counts: torch.Tensor, aux_lay
     Raises:
         ValueError: an `init_from` drafter that does not fit the target (vocab, hidden size, aux layers).
     """
+    kind = get_kind(recipe.drafter.kind)
     if recipe.drafter.init_from:
         init = _load_init(recipe.drafter.init_from, target_config, aux_layer_ids, recipe.drafter)
-        return DrafterStart(init.config, init.d2t, init.t2d, init=init,
+        if not kind.owns(init):
+            raise ValueError(f"drafter.init_from = {recipe.drafter.init_from!r} is a {type(init).__name__}, not a "
+                             f"drafter of drafter.kind = {kind.name!r}")
+        return DrafterStart(kind, init.config, init.d2t, init.t2d, init=init,
                             fc_input_scale=init.fc_input_scale if init._fc_scaled else None)
     config = drafter_config(recipe, target_config, aux_layer_ids)
     d2t, t2d = build_draft_vocab(counts, config.draft_vocab_size)
     if recipe.drafter.init_head == "target" and target_head is None:
         raise ValueError("drafter.init_head = 'target' needs the target's lm_head (and final norm) weights")
-    return DrafterStart(config, d2t.to(torch.int64), t2d.to(torch.bool),
+    return DrafterStart(kind, config, d2t.to(torch.int64), t2d.to(torch.bool),
                         target_head=target_head if recipe.drafter.init_head == "target" else None)
 
 
@@ -236,19 +239,19 @@ def run_datamodule(recipe: Any, source: str = "recipe") -> RunDataModule:
     return (StreamingRunDataModule if run_plan(recipe).streams else RunDataModule)(recipe, source)
 
 
-class RecipeModule(Eagle3Module):
-    """The `Eagle3Module` of a recipe's run: its settings from the recipe, its drafter built in Lightning's `setup`
-    hook from what the run's DataModule prepared (`RunDataModule`: the `DrafterStart` and the target), after the
-    global generator is seeded again (the initialisation does not depend on the data stage's randomness). Lightning
-    calls `setup` before `configure_model` (where FSDP shards the drafter) and before it restores a checkpoint.
-    The drafter is built in `setup`, not in `configure_model`: Lightning runs that one inside the strategy's tensor
-    init context (the root device, the precision's dtype), which would change where a fresh drafter's random
-    initialisation is drawn; it is drawn on the host in fp32, as `build_run` draws it."""
+class RecipeModule(DrafterModule):
+    """The `DrafterModule` of a recipe's run (a drafter of the recipe's `drafter.kind`): its settings from the recipe,
+    its drafter built in Lightning's `setup` hook from what the run's DataModule prepared (`RunDataModule`: the
+    `DrafterStart` and the target), after the global generator is seeded again (the initialisation does not depend on
+    the data stage's randomness). Lightning calls `setup` before `configure_model` (where FSDP shards the drafter) and
+    before it restores a checkpoint. The drafter is built in `setup`, not in `configure_model`: Lightning runs that one
+    inside the strategy's tensor init context (the root device, the precision's dtype), which would change where a fresh
+    drafter's random initialisation is drawn; it is drawn on the host in fp32, as `build_run` draws it."""
 
     def __init__(self, recipe: Any):
         t, o, plan = recipe.ttt, recipe.optim, run_plan(recipe)
         super().__init__(
-            None, mode="online" if plan.target_in_step else "offline", ttt_steps=t.steps,
+            None, kind=recipe.drafter.kind, mode="online" if plan.target_in_step else "offline", ttt_steps=t.steps,
             step_weights=t.step_weights or [t.step_weight_decay**k for k in range(t.steps)], lr=o.lr,
             betas=tuple(o.betas), weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, decay=o.decay,
             min_lr_ratio=o.min_lr_ratio, loss=recipe.loss.build(),

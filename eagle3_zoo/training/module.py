@@ -23,18 +23,17 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from eagle3_zoo.drafters import DrafterKind, get_kind, kind_of
+from eagle3_zoo.drafters.eagle3.objective import NUM_TARGET_ROWS, target_rows
+from eagle3_zoo.drafters.eagle3.ttt import default_step_weights
 from eagle3_zoo.losses import Loss
 from eagle3_zoo.losses.chunk import as_loss
-from eagle3_zoo.modeling import Eagle3Drafter
 from eagle3_zoo.training.callbacks import NUM_TOKENS
 from eagle3_zoo.training.lightning_private import attached_trainer, should_update_logs
-from eagle3_zoo.training.loss import TTTLossOutput, default_step_weights, draft_vocab_mass, step_masks, ttt_loss
-from eagle3_zoo.training.metrics import StepMetrics, acceptance_length_tensor
 
 logger = logging.getLogger(__name__)
 
-# a host count `with_host_counts` adds to a batch; and what a training step leaves to read
-NUM_TARGET_ROWS = "num_target_rows"
+# what a training step leaves to read
 _NONFINITE_RANKS, _NONFINITE_LOSS = "nonfinite_ranks", "nonfinite_loss"
 
 DECAYS = ("cosine", "linear", "constant")
@@ -56,80 +55,6 @@ def all_finite(tensor: torch.Tensor) -> bool:
     """Whether every element of `tensor` (this rank's shard of a DTensor) is finite."""
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
     return bool(torch.isfinite(local.detach()).all())
-
-
-class DrafterObjective(nn.Module):
-    """The drafter and its TTT loss behind one `forward`, so FSDP2 gathers the drafter's parameters around it.
-
-    (`ttt_loss` reads `drafter.lm_head.weight` directly and unrolls through a generator: outside a forward, an
-    FSDP2-sharded drafter would expose shards.) Returns plain tensors so FSDP2 can hook backward on the loss.
-    """
-
-    def __init__(self, drafter: Eagle3Drafter, loss: Loss | str = "soft_ce"):
-        super().__init__()
-        self.drafter = drafter
-        self.loss = as_loss(loss)
-
-    @override
-    def forward(self, embed_tokens: nn.Module, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
-                target_logits: torch.Tensor, loss_mask: torch.Tensor, target_valid: torch.Tensor, steps: int,
-                step_weights: list[float] | torch.Tensor, target_mass: torch.Tensor | None = None,
-                counts: list[int] | None = None, position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, with_alpha: bool = True) -> tuple[torch.Tensor, ...]:
-        out = ttt_loss(self.drafter, embed_tokens, input_ids, aux_hidden, target_logits, loss_mask, steps=steps,
-                       step_weights=step_weights, target_valid=target_valid, objective=self.loss,
-                       target_mass=target_mass, counts=counts, position_ids=position_ids,
-                       document_ids=document_ids, with_alpha=with_alpha)
-        return out.loss, out.step_losses, out.step_acc, out.num_supervised, out.step_alpha
-
-
-@torch.no_grad()
-def draft_target_logits(lm_head: nn.Module, final_hidden: torch.Tensor, t2d: torch.Tensor, loss_mask: torch.Tensor,
-                        chunk_size: int = 1024, draft_vocab_size: int | None = None,
-                        with_mass: bool = False, num_rows: int | None = None,
-                        document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """Target logits restricted to the draft vocabulary, and where the full-vocab argmax lies in it.
-
-    Only positions j whose next token j+1 is supervised are ever a TTT target (see `ttt_loss`); the full-vocab
-    product is formed for those rows only, `chunk_size` rows at a time ([chunk, V] at most). Finding those rows
-    waits for the device unless `num_rows` says how many there are.
-
-    Args:
-        lm_head: the frozen target lm_head.
-        final_hidden: `[B, T, H]` post-norm final hidden states.
-        t2d: `[V]` bool draft-vocab membership.
-        loss_mask: `[B, T]` supervision mask.
-        draft_vocab_size: the number of ids `t2d` marks (default: counted, a second wait).
-        num_rows: the number of rows used, `target_rows(loss_mask)`, counted on the host (`Eagle3Module` counts
-            them before the batch moves to the device); default: found on the device, a wait.
-        with_mass: also return the `[B, T]` fp32 probability the full target distribution puts on the draft
-            vocabulary (0 on unused rows), which bounds the acceptance of any draft (`eagle3_zoo.losses.chunk`).
-        document_ids: `[B, T]` packed rows: a row is needed only where it, its successor and its predecessor lie in
-            one document (the first position of a document is never a target, as position 0 of a row).
-
-    Returns:
-        `[B, T, Vd]` logits (0 on unused rows) and `[B, T]` bool valid mask (False on unused rows) (and the mass).
-    """
-    b, t, _ = final_hidden.shape
-    needed = target_rows(loss_mask, document_ids).to(final_hidden.device)
-    if num_rows is None:
-        rows_b, rows_t = needed.nonzero(as_tuple=True)
-    else:  # the same rows in the same order, sized on the host: no wait
-        rows_b, rows_t = torch.nonzero_static(needed, size=num_rows).unbind(1)
-    t2d = t2d.to(final_hidden.device)
-    draft_vocab = int(t2d.sum()) if draft_vocab_size is None else draft_vocab_size
-    draft_ids = torch.nonzero_static(t2d, size=draft_vocab).squeeze(-1)
-    logits = final_hidden.new_zeros(b, t, draft_ids.numel())
-    valid = torch.zeros(b, t, dtype=torch.bool, device=final_hidden.device)
-    mass = torch.zeros(b, t, dtype=torch.float32, device=final_hidden.device) if with_mass else None
-    for i in range(0, rows_b.numel(), chunk_size):
-        rb, rt = rows_b[i : i + chunk_size], rows_t[i : i + chunk_size]
-        full = lm_head(final_hidden[rb, rt].to(lm_head.weight.dtype))  # stored features may be bf16
-        valid[rb, rt] = t2d[full.argmax(-1)]
-        logits[rb, rt] = full.index_select(-1, draft_ids).to(logits.dtype)
-        if mass is not None:
-            mass[rb, rt] = draft_vocab_mass(full, draft_ids)
-    return (logits, valid) if mass is None else (logits, valid, mass)
 
 
 @contextlib.contextmanager
@@ -170,33 +95,6 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def target_rows(loss_mask: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """`[B, T]` bool: the positions j whose target logits a TTT step reads (the next token j+1 is supervised; j >= 1:
-    position 0 is never a target, it would predict x_1). Packed rows (`document_ids`): only where j, its successor
-    and its predecessor lie in one document (a document's first position is never a target, as position 0)."""
-    needed = torch.zeros(loss_mask.shape, dtype=torch.bool, device=loss_mask.device)
-    needed[:, 1:-1] = loss_mask[:, 2:].bool()
-    if document_ids is not None:
-        doc = document_ids.to(loss_mask.device)
-        needed[:, 1:-1] &= (doc[:, :-2] == doc[:, 1:-1]) & (doc[:, 1:-1] == doc[:, 2:])
-    return needed
-
-
-def supervised_positions(loss_mask: torch.Tensor, valid: torch.Tensor, steps: int,
-                         document_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """`[steps]` number of positions each TTT step is trained on (the same masks as `ttt_loss`)."""
-    return step_masks(loss_mask, valid, steps, document_ids).sum((1, 2))
-
-
-def rank_step_weights(weights: list[float], local: torch.Tensor, total: torch.Tensor,
-                      world_size: int) -> torch.Tensor:
-    """Per-rank step weights `w_k * world * n_k / N_k` that make the rank-averaged gradient equal the gradient of
-    the loss normalised over the global batch (`n_k` this rank's, `N_k` all ranks' supervised positions): a
-    tensor on the counts' device, computed there (no wait for the device)."""
-    w = torch.tensor(weights[: local.numel()], dtype=torch.float32).to(local.device, non_blocking=True)
-    return w * local.float() * world_size / total.float().clamp(min=1.0)
-
-
 def lr_lambda(step: int, warmup_steps: int, total_steps: int, decay: str = "cosine",
               min_lr_ratio: float = 0.0) -> float:
     """Learning-rate multiplier: linear warmup to 1 over `warmup_steps`, then cosine/linear decay to `min_lr_ratio`."""
@@ -212,8 +110,11 @@ def lr_lambda(step: int, warmup_steps: int, total_steps: int, decay: str = "cosi
     return 1.0 - (1 - min_lr_ratio) * progress
 
 
-class Eagle3Module(L.LightningModule):
-    """Trains an EAGLE-3 drafter with the TTT loss against a frozen target (online) or stored features (offline).
+class DrafterModule(L.LightningModule):
+    """Trains a drafter of any registered kind (`eagle3_zoo.drafters`) against a frozen target (online) or stored
+    features (offline): the kind builds the trained unit (`DrafterKind.objective`) and computes the loss and its
+    metrics (`training_loss`, `train_metrics`, `validation_metrics`); this module runs the target, the logging, the
+    non-finite check, the optimizer and the LR schedule. (EAGLE-3's TTT loss: `eagle3_zoo.drafters.eagle3`.)
 
     Args:
         drafter: the drafter (vocabulary mapping already set); None: the drafter, adapter and target come later,
@@ -223,6 +124,7 @@ class Eagle3Module(L.LightningModule):
         target: the frozen target model; in offline mode it may be None when `embed_tokens` and `lm_head` are given.
         embed_tokens: the target's input embedding (default: from `target`).
         lm_head: the target's lm_head (default: from `target`).
+        kind: the drafter's kind, or its registered name (default: the kind whose drafter `drafter` is).
         mode: "online" (run the target in the step) or "offline" (features in the batch).
         ttt_steps: full unroll length K (validation always uses K; training uses `active_ttt_steps`).
         step_weights: per-step weights w_k (default 0.8**k).
@@ -235,8 +137,9 @@ class Eagle3Module(L.LightningModule):
             tau evaluation).
     """
 
-    def __init__(self, drafter: Eagle3Drafter | None, adapter: Any = None, target: nn.Module | None = None, *,
-                 embed_tokens: nn.Module | None = None, lm_head: nn.Module | None = None, mode: str = "online",
+    def __init__(self, drafter: nn.Module | None, adapter: Any = None, target: nn.Module | None = None, *,
+                 embed_tokens: nn.Module | None = None, lm_head: nn.Module | None = None,
+                 kind: DrafterKind | str | None = None, mode: str = "online",
                  ttt_steps: int = 7, step_weights: list[float] | None = None, lr: float = 1e-4,
                  betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0, warmup_steps: int = 0,
                  decay: str = "cosine", min_lr_ratio: float = 0.0, logits_chunk_size: int = 1024,
@@ -245,14 +148,15 @@ class Eagle3Module(L.LightningModule):
         if mode not in ("online", "offline"):
             raise ValueError(f"unknown data mode {mode!r}; valid: online, offline")
         self.mode, self.position_loss = mode, as_loss(loss)  # a name resolved (validated) now
+        self.kind: DrafterKind | None = get_kind(kind) if isinstance(kind, str) else kind
         self.ttt_steps = ttt_steps
         self.step_weights = list(step_weights) if step_weights is not None else default_step_weights(ttt_steps)
         self.active_ttt_steps = ttt_steps
         self.optim_args = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay)
         self.schedule_args = dict(warmup_steps=warmup_steps, decay=decay, min_lr_ratio=min_lr_ratio)
         self.logits_chunk_size = logits_chunk_size
-        self.val_metrics = StepMetrics(ttt_steps)
-        # device values read with the next step's counts (`_read_counts`): the non-finite check, the bar's metrics
+        self.val_metrics = self.kind.validation_metrics(ttt_steps) if self.kind is not None else None
+        # device values read with the next step's counts (`read_counts`): the non-finite check, the bar's metrics
         self._read_later: dict[str, torch.Tensor] = {}
         self._nonfinite_step = 0
         self.shown_metrics: dict[str, float] = {}  # the bar's training metrics, as of the previous step
@@ -266,30 +170,40 @@ class Eagle3Module(L.LightningModule):
         """Whether the module has its drafter and target (`set_parts` ran)."""
         return "objective" in self._modules
 
-    def set_parts(self, drafter: Eagle3Drafter, adapter: Any, target: nn.Module | None = None, *,
+    def set_parts(self, drafter: nn.Module, adapter: Any, target: nn.Module | None = None, *,
                   embed_tokens: nn.Module | None = None, lm_head: nn.Module | None = None) -> None:
         """Give the module its drafter and frozen target (the arguments of the class of the same names); once. A
         module constructed without a drafter gets them here, from a Lightning hook that runs before
         `configure_model` (`eagle3_zoo.training.build.RecipeModule.setup`)."""
         if self.has_parts:
-            raise RuntimeError("Eagle3Module.set_parts: the module already has its drafter")
+            raise RuntimeError("DrafterModule.set_parts: the module already has its drafter")
         if self.mode == "online" and target is None:
             raise ValueError("online mode needs the target model")
         if target is None and (embed_tokens is None or lm_head is None):
             raise ValueError("without a target model, pass its embed_tokens and lm_head")
-        self.objective = DrafterObjective(drafter, self.position_loss)
+        if self.kind is None:
+            self.kind = kind_of(drafter)
+            self.val_metrics = self.kind.validation_metrics(self.ttt_steps)
+        elif not self.kind.owns(drafter):
+            raise TypeError(f"a {type(drafter).__name__} is not a drafter of the kind {self.kind.name!r}")
+        self.objective = self.kind.objective(drafter, self.position_loss)
         self.adapter = adapter
         # a tuple keeps the frozen modules out of the module tree (see the module docstring)
         self._frozen = FrozenTarget(target, adapter.embed_tokens(target) if embed_tokens is None else embed_tokens,
                                     adapter.lm_head(target) if lm_head is None else lm_head)
 
     @property
-    def drafter(self) -> Eagle3Drafter:
+    def drafter(self) -> nn.Module:
         return self.objective.drafter
 
     @property
     def target(self) -> nn.Module | None:
         return self._frozen.model
+
+    @property
+    def frozen_heads(self) -> tuple[nn.Module, nn.Module]:
+        """The frozen target's (input embedding, lm_head)."""
+        return self._frozen.embed_tokens, self._frozen.lm_head
 
     # ------------------------------------------------------------------------------------------ setup
     @override
@@ -320,7 +234,8 @@ class Eagle3Module(L.LightningModule):
                 module.to(self.device)
 
     # ------------------------------------------------------------------------------------------- step
-    def _features(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def target_features(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(`aux_hidden`, `final_hidden`) of the batch at the layers the drafter's kind reads (`features`)."""
         if self.mode == "offline":
             return batch["aux_hidden"], batch["final_hidden"]
         # no attention mask: batches are right-padded (`collate_right_padded`), and causal attention never lets a
@@ -331,48 +246,32 @@ class Eagle3Module(L.LightningModule):
         # (`masking_utils.find_packed_sequence_indices`, one host read per mask) and keeps attention inside it, for
         # every attention implementation, sliding windows too
         packed = "document_ids" in batch
+        needs = self.kind.features(self.drafter.config)
         with torch.no_grad(), (contextlib.nullcontext() if packed else one_sequence_per_row()):
             aux_hidden, final_hidden, _ = self.adapter.forward_features(
-                self.target, batch["input_ids"], attention_mask=None, layer_ids=self.drafter.config.aux_layer_ids,
+                self.target, batch["input_ids"], attention_mask=None, layer_ids=needs.aux_layer_ids,
                 use_cache=False, **({"position_ids": batch["position_ids"]} if packed else {}))
-        return aux_hidden, final_hidden
+        return aux_hidden, (final_hidden if needs.final_hidden else None)
+
+    def data_parallel_ranks(self) -> int:
+        """The ranks a training step's gradients are averaged over (1 outside a Trainer)."""
+        return self.trainer.world_size if attached_trainer(self) is not None else 1
+
+    def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(tensor)
 
     def loss(self, batch: dict[str, torch.Tensor], steps: int, global_norm: bool = False,
-             read_along: bool = False, with_alpha: bool = True) -> TTTLossOutput:
-        """TTT loss of one right-padded batch (or of packed rows: `position_ids` and `document_ids` in the batch)
-        with `steps` unrolled steps.
+             read_along: bool = False, with_alpha: bool = True) -> Any:
+        """The kind's loss of one batch (`DrafterKind.training_loss`; EAGLE-3's: the TTT loss with `steps` unrolled
+        steps, `eagle3_zoo.drafters.eagle3.kind.Eagle3Kind.training_loss`)."""
+        return self.kind.training_loss(self, batch, steps, global_norm=global_norm, read_along=read_along,
+                                       with_alpha=with_alpha)
 
-        The loss waits for the device once, to read the supervised-row counts of its steps; with `read_along` (the
-        training step) that read also brings what earlier steps left to read (`_read_counts`).
-
-        With `global_norm` (training under a data-parallel strategy), step k's weight on this rank is scaled by
-        `world * n_k(rank) / N_k(all ranks)`: the gradient averaged over ranks is then exactly the gradient of the
-        loss normalised by the supervised positions of the *global* batch (what one process with the whole batch
-        computes), and the rank-mean of the returned loss is that global loss. `with_alpha=False` leaves out the
-        per-step acceptance (`step_alpha` None) and the target's draft-vocabulary mass it needs.
-        """
-        aux_hidden, final_hidden = self._features(batch)
-        documents = batch.get("document_ids")  # packed rows (`data.packing`)
-        logits, valid, *mass = draft_target_logits(self._frozen.lm_head, final_hidden, self.drafter.t2d,
-                                                   batch["loss_mask"], self.logits_chunk_size,
-                                                   self.drafter.config.draft_vocab_size, with_mass=with_alpha,
-                                                   num_rows=batch.get(NUM_TARGET_ROWS), document_ids=documents)
-        weights = self.step_weights[:steps]
-        local = supervised_positions(batch["loss_mask"], valid, steps, documents)
-        if global_norm and attached_trainer(self) is not None and self.trainer.world_size > 1:
-            total = all_reduce_sum(local.clone())
-            weights = rank_step_weights(weights, local, total, self.trainer.world_size)
-        loss, step_losses, step_acc, counts, step_alpha = self.objective(
-            self._frozen.embed_tokens, batch["input_ids"], aux_hidden, logits, batch["loss_mask"], valid, steps,
-            weights, mass[0] if mass else None, self._read_counts(local, read_along), batch.get("position_ids"),
-            documents, with_alpha)
-        return TTTLossOutput(loss=loss, step_losses=step_losses, step_acc=step_acc, num_supervised=counts,
-                             step_alpha=step_alpha)
-
-    def _read_counts(self, local: torch.Tensor, read_along: bool) -> list[int]:
-        """The supervised-row counts of each TTT step on the host (they size the loss's gathers): the step's one
-        wait for the device. With `read_along`, the same transfer brings what the previous training step left to
-        read: its non-finite flag (raised here, before this step's backward) and the metrics a live bar shows."""
+    def read_counts(self, local: torch.Tensor, read_along: bool) -> list[int]:
+        """The counts `local` (the supervised-row counts of each TTT step, which size the loss's gathers) on the
+        host: the step's one wait for the device. With `read_along`, the same transfer brings what the previous
+        training step left to read: its non-finite flag (raised here, before this step's backward) and the metrics
+        a live bar shows."""
         pending = self._read_later if read_along else {}
         dtype = torch.float32 if local.device.type == "mps" else torch.float64  # counts above 2**24 stay exact
         values = torch.cat([local.to(dtype), *(v.detach().to(dtype).reshape(1) for v in pending.values())]).tolist()
@@ -394,17 +293,10 @@ class Eagle3Module(L.LightningModule):
         # not `prog_bar`: Lightning turns each progress-bar metric into a Python number at every batch's end (a wait
         # for the device each); the live bar reads them from `shown_metrics`, brought by the next step's counts
         self.log("train/loss", mean_loss, batch_size=b)  # reduced over the ranks already
-        metrics = {f"train/loss_{k}": v for k, v in enumerate(out.step_losses)}
-        metrics.update({f"train/acc_{k}": v.float() for k, v in enumerate(out.step_acc) if k > 0})
-        # the expected acceptance of a drafted token at each step (what tau is made of), beside top-1 agreement
-        if with_alpha:
-            metrics.update({f"train/alpha_{k}": v for k, v in enumerate(out.step_alpha)})
-        metrics["train/tau_est"] = acceptance_length_tensor(out.step_acc.detach())  # on the device: no wait
-        metrics["train/supervised_tokens"] = out.num_supervised[0].float()
+        metrics, shown = self.kind.train_metrics(out, with_alpha)
         self.log_dict(metrics, batch_size=b)
-        self.log("train/acc_0", out.step_acc[0].float(), batch_size=b)
         # what a live bar shows, read with the next step's counts instead of by the bar (`StepProgressBar`)
-        self._read_later.update({"train/loss": mean_loss, "train/acc_0": out.step_acc[0]})
+        self._read_later.update({"train/loss": mean_loss, **shown})
         if trainer is not None and trainer.lr_scheduler_configs:
             lr = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
             # a tensor filled on the device: Lightning turns a float into a tensor by a blocking host-to-device copy
@@ -413,7 +305,7 @@ class Eagle3Module(L.LightningModule):
 
     def _check_later(self, loss: torch.Tensor) -> torch.Tensor:
         """Whether the loss is finite on every rank, as a flag on the device that the next training step reads with
-        its counts (`_read_counts`; `on_train_end` reads the last one), so the check adds no wait of its own. A
+        its counts (`read_counts`; `on_train_end` reads the last one), so the check adds no wait of its own. A
         diverged step's update reaches the weights, but nothing keeps them: a checkpoint refuses non-finite weights
         (`resume.RunIdentityCallback`), and so does the drafter folder. Every rank takes part in the reduction, so
         all of them stop on the same step and none is left waiting in a collective.
@@ -447,16 +339,17 @@ class Eagle3Module(L.LightningModule):
     @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         out = self.loss(batch, self.ttt_steps)  # always the full unroll, whatever the training schedule
-        self.val_metrics.update(out.step_losses, out.step_acc, out.num_supervised, out.step_alpha)
+        self.val_metrics.update(out)
 
     @override
     def on_validation_epoch_end(self) -> None:
         metrics = self.val_metrics.compute("val") if self.val_metrics.update_called else {}
-        losses = [metrics[f"val/loss_{k}"] for k in range(self.ttt_steps) if f"val/loss_{k}" in metrics]
-        if losses:
+        loss = self.kind.validation_loss(metrics, self.step_weights[: self.ttt_steps])
+        if loss is not None:
             self.log_dict(metrics, prog_bar=False)
-            self.log("val/loss", sum(w * v for w, v in zip(self.step_weights, losses)), prog_bar=True)
+            self.log("val/loss", loss, prog_bar=True)
         self.val_metrics.reset()
+
 
     # ------------------------------------------------------------------------------------------ optim
     def _total_steps(self) -> float:
@@ -485,3 +378,6 @@ class Eagle3Module(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_lambda(step, total_steps=total, **self.schedule_args))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+Eagle3Module = DrafterModule  # the name tests and scripts knew it by

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from eagle3_zoo.checkpoint.folder import drafter_out_dir, write_drafter_folder
-from eagle3_zoo.modeling import Eagle3Drafter
+from eagle3_zoo.drafters.eagle3.kind import drafter_from_state
 from eagle3_zoo.provenance import git_info, package_versions, provenance_json
 from eagle3_zoo.training.checkpoint_io import DRAFTER_INFO_KEY, info_json, read_checkpoint_header, sharded_state
 
@@ -44,20 +44,7 @@ def build_provenance(*, recipe_dict: dict[str, Any], target: dict[str, Any], dat
     }
 
 
-def drafter_from_state(config: Any, state: dict[str, torch.Tensor],
-                       fc_input_scale: torch.Tensor | None = None) -> Eagle3Drafter:
-    """The drafter to write (fp32, CPU) from a full state dict of its weights; a training-time fc preconditioning
-    scale is folded into fc.weight."""
-    drafter = Eagle3Drafter(config)
-    drafter.load_state_dict(state)
-    drafter = drafter.to(torch.float32)
-    if fc_input_scale is not None:
-        drafter.set_fc_input_scale(fc_input_scale.detach().cpu().float())
-        drafter.fold_fc_input_scale()
-    return drafter
-
-
-def full_drafter(module: Any) -> Eagle3Drafter | None:
+def full_drafter(module: Any) -> Any:
     """A plain (unsharded, CPU, fp32) copy of the trained drafter. Under FSDP the full weights are gathered onto
     rank 0 only, shard by shard (`get_model_state_dict(full_state_dict=True, cpu_offload=True)`); every rank must
     call it, and the others get None."""
@@ -75,7 +62,7 @@ def full_drafter(module: Any) -> Eagle3Drafter | None:
         state = src.state_dict()
     # a one-rank mesh hands back its (complete) DTensors as they are
     state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()}
-    return drafter_from_state(src.config, state, src.fc_input_scale if src._fc_scaled else None)
+    return module.kind.to_write(src, state)
 
 
 _STATE_PREFIX = "state_dict.objective.drafter."  # DCP keys of the drafter in a Lightning checkpoint of `fit`

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from eagle3_zoo.training.loss import target_distribution
+from eagle3_zoo.drafters.eagle3.ttt import target_distribution
 
 
 def reference_ttt_loss(drafter: Any, embed: Any, input_ids: torch.Tensor, aux_hidden: torch.Tensor,

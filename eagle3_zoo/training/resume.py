@@ -48,7 +48,7 @@ RESUMABLE_KEYS = (
 
 # recipe keys added after identities were first saved, with the value every earlier run had: an identity without one
 # compares as that value (a resume with another value is refused like any other data setting)
-ADDED_KEYS = {"data.packing": repr(False)}
+ADDED_KEYS = {"data.packing": repr(False), "drafter.kind": repr("eagle3")}
 
 
 def _before_loss_params(saved: dict[str, str]) -> dict[str, str]:

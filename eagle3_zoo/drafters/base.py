@@ -1,0 +1,235 @@
+"""What a kind of drafter declares, and the registry its objects are kept in (torch-free at import).
+
+A drafter kind (EAGLE-3, or another speculator architecture) is one `DrafterKind` object, registered by name with
+`register_kind`; `eagle3_zoo.drafters.get_kind` finds it (the built-in kinds are imported on first use). Everything
+above this layer that must know the kind asks it: the recipe validates `drafter.kind` against `kind_names` (no torch
+imported), the run's DataModule derives the drafter's config with `config_from`, the LightningModule builds the
+drafter (`build`), its trained unit (`objective`) and its loss (`training_loss`), and speculative decoding wraps a
+trained drafter in the kind's `DraftModel` (`draft_model`). How to add one: docs/contributing/adding-a-drafter-kind.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from eagle3_zoo.modeling import DraftStepOutput
+
+GUIDE = "docs/contributing/adding-a-drafter-kind.md"
+
+_KINDS: dict[str, DrafterKind] = {}
+
+
+@dataclass(frozen=True)
+class FeatureNeeds:
+    """What a kind reads from the frozen target, so the data stage produces exactly that.
+
+    Attributes:
+        aux_layer_ids: Hugging Face `output_hidden_states` indices of the target's hidden states the drafter reads
+            (`aux_hidden`, concatenated in this order).
+        final_hidden: whether the target's post-norm last hidden state is read (`final_hidden`: the target's
+            logits are formed from it with its frozen lm_head).
+    """
+
+    aux_layer_ids: tuple[int, ...]
+    final_hidden: bool = True
+
+
+@runtime_checkable
+class DraftModel(Protocol):
+    """What `eagle3_zoo.speculative.SpeculativeGenerator` needs from a drafter (batch size 1).
+
+    The generator calls `reset` once per request, `extend` once per cycle with the newly accepted tokens, then
+    `expand` once per tree depth with the frontier nodes.
+    """
+
+    def reset(self) -> None:
+        """Forget all context (start of a request)."""
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary ids to target-vocabulary ids."""
+
+    def extend(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, next_ids: torch.Tensor) -> DraftStepOutput:
+        """Drop any tree entries and append `m` context rows.
+
+        Args:
+            aux_hidden: `[1, m, F]` target features of the new context positions.
+            input_ids: `[m]` the tokens at those positions (x_t).
+            next_ids: `[m]` the tokens that follow them (x_{t+1}); the last one is the newest emitted token.
+
+        Returns:
+            Logits `[1, 1, Vd]` (draft vocabulary) and hidden `[1, 1, H]` of the LAST new row: the proposal for the
+            first draft token and the state its tree nodes start from.
+        """
+
+    def expand(
+        self, token_ids: torch.Tensor, hidden: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor
+    ) -> DraftStepOutput:
+        """Run `q` tree nodes in one pass; their entries are appended after the tree nodes run so far.
+
+        Args:
+            token_ids: `[q]` target ids of the nodes.
+            hidden: `[1, q, H]` the hidden state each node continues from (its parent's output).
+            depths: `[q]` depth of each node below the last context row (1 = first draft token).
+            visible: `[q, n + q]` bool over the tree entries (n already cached, then these q): True where node i
+                may attend (its ancestors and itself). Every context row is always visible.
+
+        Returns:
+            Logits `[1, q, Vd]` and hidden `[1, q, H]` of the nodes.
+        """
+
+
+class TrainingContext(Protocol):
+    """What a kind's `training_loss` may ask of the LightningModule that trains it
+    (`eagle3_zoo.training.module.DrafterModule`), besides its `kind`, `drafter` and `objective`."""
+
+    step_weights: list[float]  # per-step weights of an unrolled objective (the recipe's `ttt` section)
+    logits_chunk_size: int  # rows per chunk of a product with the frozen lm_head
+
+    @property
+    def frozen_heads(self) -> tuple[nn.Module, nn.Module]:
+        """The frozen target's (input embedding, lm_head)."""
+
+    def target_features(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(`aux_hidden` `[B, T, len(aux_layer_ids) * H]`, `final_hidden` `[B, T, H]` or None) of the batch, as the
+        kind's `features` asked: from the batch offline, from the target run in the step online."""
+
+    def data_parallel_ranks(self) -> int:
+        """The ranks a training step's gradients are averaged over (1 outside a data-parallel trainer)."""
+
+    def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the data-parallel ranks, in place (queued on the device: no wait)."""
+
+    def read_counts(self, counts: torch.Tensor, read_along: bool) -> list[int]:
+        """`counts` (a 1-D device tensor) on the host: the training step's one wait for the device (with
+        `read_along` it brings what the previous step left to read)."""
+
+
+class DrafterKind:
+    """One kind of drafter: subclass it, set the class attributes, implement the methods, `register_kind` an instance.
+
+    Class attributes:
+        name: the recipe's `drafter.kind` value.
+        config_class: the drafter's config (what its folder's config.json holds).
+        drafter_class: the trained `nn.Module` (`owns` recognises the kind's drafters by it).
+        layouts: the names of the drafter-folder layouts the kind is written in (`eagle3_zoo.layout_names`; empty:
+            none yet).
+        card_tags: the Hub tags of its model card.
+    """
+
+    name: ClassVar[str]
+    config_class: ClassVar[type]
+    drafter_class: ClassVar[type]
+    layouts: ClassVar[tuple[str, ...]] = ()
+    card_tags: ClassVar[tuple[str, ...]] = ()
+
+    # ------------------------------------------------------------------ the data stage and the drafter
+    def config_from(self, section: Any, target_config: Any, *, aux_layer_ids: tuple[int, ...] | None,
+                    defaults: dict[str, Any], target_name: str, torch_dtype: str) -> Any:
+        """A fresh drafter's config: from the recipe's `drafter` section, the target's config, the aux layers the
+        run reads (None: the kind's default), the target family's published-drafter shape (`defaults`,
+        `TargetAdapter.drafter_defaults`), the target's name and the dtype the drafter is saved in."""
+        raise NotImplementedError
+
+    def features(self, config: Any) -> FeatureNeeds:
+        """What the drafter of `config` reads from the target."""
+        raise NotImplementedError
+
+    def build(self, config: Any, *, d2t: torch.Tensor, t2d: torch.Tensor,
+              target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> nn.Module:
+        """A fresh drafter (its random initialisation draws from the global generator) with its draft vocabulary
+        (`d2t`, `t2d`: `eagle3_zoo.modeling.build_draft_vocab`), started from the target's (lm_head, final norm)
+        weights when `target_head` is given."""
+        raise NotImplementedError
+
+    def num_parameters(self, config: Any) -> int:
+        """The parameter count of a drafter of `config` (default: `drafter_class(config)` built on the meta device,
+        nothing allocated)."""
+        import torch
+
+        with torch.device("meta"):
+            return sum(p.numel() for p in self.drafter_class(config).parameters())
+
+    def owns(self, drafter: Any) -> bool:
+        """Whether `drafter` is one of this kind's."""
+        return isinstance(drafter, self.drafter_class)
+
+    # ------------------------------------------------------------------ training
+    def objective(self, drafter: nn.Module, loss: Any) -> nn.Module:
+        """The trained unit: an `nn.Module` holding `drafter` (as `.drafter`) whose `forward` computes the loss,
+        so FSDP2 gathers the drafter's parameters around it. `loss` is the recipe's per-position `Loss`."""
+        raise NotImplementedError
+
+    def training_loss(self, module: TrainingContext, batch: dict[str, torch.Tensor], steps: int, *,
+                      global_norm: bool = False, read_along: bool = False, with_alpha: bool = True) -> Any:
+        """The loss of one batch (`steps`: unrolled steps, for a kind that unrolls). Returns an object with a
+        scalar `loss` the module backpropagates; `train_metrics` and `validation_metrics` read the rest."""
+        raise NotImplementedError
+
+    def train_metrics(self, out: Any, with_alpha: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(what a training step logs besides `train/loss`, what the live progress bar shows besides it)."""
+        raise NotImplementedError
+
+    def validation_metrics(self, steps: int) -> Any:
+        """A `torchmetrics.Metric` over validation batches: `update(out)` with a `training_loss` output and
+        `compute("val")` -> the logged dict; the module logs `val/loss` from `validation_loss` of it."""
+        raise NotImplementedError
+
+    def validation_loss(self, metrics: dict[str, torch.Tensor], step_weights: list[float]) -> torch.Tensor | None:
+        """The headline `val/loss` from `validation_metrics(...).compute("val")` (None: nothing was measured)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the trained drafter, written
+    def to_write(self, trained: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+        """The drafter to write (plain, fp32, on the CPU) from `trained` (the module trained, maybe sharded) and the
+        full state dict of its weights (gathered on this rank)."""
+        raise NotImplementedError
+
+    def save(self, drafter: nn.Module, folder: Any) -> None:
+        """Write `drafter`'s weights and config.json into `folder` (in the first of `layouts` when it has some)."""
+        raise NotImplementedError
+
+    def load(self, folder: Any) -> nn.Module:
+        """The drafter `save` wrote into `folder`."""
+        raise NotImplementedError
+
+    def check_folder(self, folder: Any) -> list[str]:
+        """The errors of the folder `save` wrote (empty: none). Only asked of a kind with no `layouts`: a folder in a
+        registered layout is checked by that layout's checks (`eagle3-zoo check`)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ decoding
+    def draft_model(self, drafter: nn.Module, embed_tokens: nn.Module) -> DraftModel:
+        """The drafter as the speculative decoder drives it, with the target's frozen input embedding."""
+        raise NotImplementedError
+
+    def target_mismatches(self, drafter: nn.Module, target_config: Any) -> list[str]:
+        """Why `drafter` cannot draft for a target of `target_config` (empty: it can)."""
+        raise NotImplementedError
+
+
+def register_kind(kind: DrafterKind, *, replace: bool = False) -> DrafterKind:
+    """Register `kind` under `kind.name`; a second kind of the same name is refused unless `replace`."""
+    if not isinstance(kind, DrafterKind):
+        raise TypeError(f"register_kind takes a DrafterKind instance, not {type(kind).__name__} (see {GUIDE})")
+    name = getattr(type(kind), "name", None)
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a drafter kind's name must be an identifier (the recipe's drafter.kind), not {name!r}")
+    if name in _KINDS and _KINDS[name] is not kind and not replace:
+        raise ValueError(f"a drafter kind named {name!r} is registered already ({type(_KINDS[name]).__name__})")
+    _KINDS[name] = kind
+    return kind
+
+
+def unregister_kind(name: str) -> None:
+    """Remove the kind registered as `name` (a kind registered by a test, at its end)."""
+    _KINDS.pop(name, None)
+
+
+def registered() -> dict[str, DrafterKind]:
+    """The kinds registered so far (a copy), by name."""
+    return dict(_KINDS)
