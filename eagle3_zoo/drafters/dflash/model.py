@@ -156,6 +156,12 @@ class DFlashDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_context_kv(self, x, cos, sin, ctx_k, ctx_v, attend) -> torch.Tensor:
+        """`forward` with this layer's context keys/values already projected (`self_attn.key_value` of the context
+        features at their positions): what decoding runs against its persistent draft KV cache."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 # ---- the training mask: block j = slots [j*B, (j+1)*B) of the query; keys = [context T | query blocks Q] ----
 
