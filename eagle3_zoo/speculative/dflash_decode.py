@@ -34,7 +34,7 @@ from eagle3_zoo.adapters import TargetAdapter, adapter_for
 from eagle3_zoo.drafters.dflash.decoding import DFlashContextCache
 from eagle3_zoo.drafters.dflash.model import DFlashDrafter
 from eagle3_zoo.speculative.acceptance import SamplingParams, accept
-from eagle3_zoo.speculative.generate import GenerationOutput, eos_ids, plain_generate
+from eagle3_zoo.speculative.generate import GenerationOutput, _emit, eos_ids, plain_generate
 from eagle3_zoo.speculative.metrics import BenchStats
 from eagle3_zoo.speculative.target import TargetRunner
 from eagle3_zoo.speculative.tree import DraftTree
@@ -180,16 +180,6 @@ def _prompt(input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     return ids
-
-
-def _emit(out: list[int], new: Sequence[int], max_new_tokens: int, stop: set[int]) -> str | None:
-    for token in new:
-        out.append(int(token))
-        if token in stop:
-            return "eos"
-        if len(out) >= max_new_tokens:
-            return "length"
-    return None
 
 
 def measure(generator: DFlashGenerator, prompts: Sequence[torch.Tensor], max_new_tokens: int,
