@@ -196,8 +196,15 @@ def _shard_worker(rank: int, world: int, port: int, target_dir: str, out: str) -
                         "mesh": (tuple(mesh.shape), mesh.mesh_dim_names), "param_dtype": policy.param_dtype,
                         "reduce_dtype": policy.reduce_dtype, **_fsdp_roots(model, adapter)},
                        f"{out}/rank{rank}-nodes{num_nodes}.pt")
+        dist.barrier()  # no rank leaves while the other may still be in a collective
     finally:
         dist.destroy_process_group()
+    # Results are on disk. The rank ends without the interpreter's teardown: CI once saw a rank abort there
+    # ("terminate called without an active exception", SIGABRT) after passing every check, in a C++ destructor
+    # of the gloo groups its device meshes still held.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _fsdp_roots(model, adapter) -> dict:
