@@ -13,7 +13,8 @@ the drafter's Markov-corrected logits (previous token x_{a+k}, teacher forced). 
 
 with the position decay w_k = exp(-k / gamma) (slot 0, the anchor's prediction, weighs 1) and the paper's weights
 0.1 / 0.9 / 1.0. With a reduced draft vocabulary q lives on the draft ids (mapped to target ids through `d2t`), TV
-compares it with p on those ids, and a slot whose greedy target token is outside the draft vocabulary has no CE term.
+compares it with p (normalised over the whole target vocabulary) on those ids, and a slot whose greedy target token
+is outside the draft vocabulary has no CE term.
 Both vocabulary projections run in chunks of rows under activation checkpointing: at most one `[chunk, V]` logits
 tensor of each side exists at a time, in forward and again in backward.
 """
@@ -32,10 +33,15 @@ from eagle3_zoo.drafters.dspark.model import DSparkDrafter
 CE_WEIGHT, TV_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0  # the paper's loss weights
 
 
-def total_variation(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-    """1 - sum_v min(softmax(draft), softmax(target)) per row, both `[..., V]` over the same ids, in fp32."""
+def total_variation(draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                    draft_to_target: torch.Tensor | None = None) -> torch.Tensor:
+    """1 - sum_v min(q[v], p[v]) per row, in fp32: q = softmax(draft_logits `[..., V_draft]`), p = softmax(
+    target_logits `[..., V]`) over the whole target vocabulary, read at the draft ids' target ids (`draft_to_target
+    [V_draft]`; the same ids without it). Target mass outside the draft vocabulary is never accepted."""
     q = torch.softmax(draft_logits.float(), dim=-1)
     p = torch.softmax(target_logits.float(), dim=-1)
+    if draft_to_target is not None:
+        p = p[..., draft_to_target]
     return 1.0 - torch.minimum(p, q).sum(dim=-1)
 
 
@@ -44,9 +50,7 @@ def _chunk_terms(h, head, markov_embed, markov_w2, target_h, target_head, draft_
     with torch.no_grad():
         target_logits = (target_h @ target_head.T).float()
         greedy = target_logits.argmax(-1)
-        if draft_to_target is not None:
-            target_logits = target_logits[:, draft_to_target]
-    tv = total_variation(logits, target_logits)
+    tv = total_variation(logits, target_logits, draft_to_target)
     label = greedy if t2d is None else t2d[greedy]
     ce = F.cross_entropy(logits, label.clamp(min=0), reduction="none")
     return ce, tv, logits.argmax(-1), greedy, label >= 0
