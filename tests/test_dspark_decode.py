@@ -137,9 +137,11 @@ def test_the_dflash_generator_refuses_a_dspark_drafter(target):
 @pytest.mark.slow
 def test_a_drafter_trained_by_the_dspark_objective_is_accepted_by_the_decoder():
     """Training and decoding agree end to end: a drafter trained with `dspark_loss` (0.1 CE + 0.9 TV + 1.0 BCE,
-    decay 4) on 24 of the target's own greedy continuations decodes 6 of those prompts losslessly with tau well above
-    1. Negative controls: the features one layer early, and the Markov head's previous token one position off at
-    decoding (each slot keyed on the anchor, not on the token drafted before it) lose most of it."""
+    decay 4; B = 4) for 300 steps on 24 of the target's own greedy continuations decodes 6 of those prompts losslessly
+    with tau ~B + 1. Negative controls: the features one layer early, and the drafts read one slot off (the block
+    served as a DFlash one: slot k taken for position P+k) lose most of it; the Markov stage keyed on the anchor at
+    every slot instead of the previously drafted token loses some (the backbone carries most of this tiny task).
+    Measured: tau 5.00 vs 1.26 (features early), 1.02 (one slot off) and 4.08 (Markov on the anchor); 19 s."""
     from eagle3_zoo.drafters.dflash.loss import select_anchors
     from eagle3_zoo.drafters.dspark.loss import dspark_loss
 
@@ -186,9 +188,19 @@ def test_a_drafter_trained_by_the_dspark_objective_is_accepted_by_the_decoder():
     gen = DSparkGenerator(target, drafter)
     gen.draft = AnchorKeyed(drafter, embed, head)
     parallel = measure(gen, prompts[:6], length - p, eos_token_id=[], warmup=0)
-    print(f"tau trained {trained['tau']:.2f}, features one layer early {shifted['tau']:.2f}, Markov keyed on the "
-          f"anchor {parallel['tau']:.2f}; acceptance per position {trained.get('acceptance_per_position')}")
-    assert trained["lossless"] is True and shifted["lossless"] is True and parallel["lossless"] is True
-    assert trained["tau"] >= 4.0
-    assert shifted["tau"] <= trained["tau"] - 1.5
-    assert parallel["tau"] <= trained["tau"] - 1.0
+
+    class OneSlotOff(DSparkProposer):  # served as DFlash: slot k's token taken for position P+k (slot 0 dropped)
+        def propose(self, anchor_id):
+            return super().propose(anchor_id)[1:]
+
+    gen = DSparkGenerator(target, drafter)
+    gen.draft = OneSlotOff(drafter, embed, head)
+    gen.draft.num_draft = b - 1
+    off = measure(gen, prompts[:6], length - p, eos_token_id=[], warmup=0)
+    print(f"tau trained {trained['tau']:.2f} (acceptance per position {trained['acceptance_per_depth']}), features "
+          f"one layer early {shifted['tau']:.2f}, one slot off {off['tau']:.2f}, Markov keyed on the anchor "
+          f"{parallel['tau']:.2f}")
+    assert all(m["lossless"] is True for m in (trained, shifted, parallel, off))
+    assert trained["tau"] >= 4.5
+    assert shifted["tau"] <= 2.0 and off["tau"] <= 2.0
+    assert parallel["tau"] < trained["tau"]

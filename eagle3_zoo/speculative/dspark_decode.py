@@ -51,7 +51,7 @@ class DSparkProposer:
         base = (hidden @ self.head.to(device=hidden.device, dtype=hidden.dtype).T).float()
         prev = torch.tensor([int(anchor_id)], device=hidden.device)
         drafts, embeds = [], []
-        for k in range(self.num_draft):  # the sequential Markov stage
+        for k in range(d.config.num_draft):  # the sequential Markov stage
             e = d.markov_head.embed(prev)
             embeds.append(e)
             draft_id = (base[k] + d.markov_head.bias(e)[0].float()).argmax(-1, keepdim=True)
