@@ -178,3 +178,19 @@ def test_target_hidden_of_the_wrong_shape_is_refused():
     with pytest.raises(ValueError, match="target_hidden"):
         dspark_loss(drafter, aux, ids, mask, ANCHORS, torch.ones_like(ANCHORS, dtype=torch.bool), embed,
                     target_h[:, 1:], lm_head)
+
+
+def test_bf16_autocast_with_bf16_target_states_is_close_to_fp32():
+    """The training setting: an fp32 drafter under bf16 autocast, the target's last hidden states stored in bf16."""
+    cfg = _config()
+    drafter = _random(cfg).float()
+    aux, ids, embed, target_h, lm_head, mask = (x.float() if x.is_floating_point() else x for x in _batch(cfg))
+    valid = torch.ones_like(ANCHORS, dtype=torch.bool)
+    ref = dspark_loss(drafter, aux, ids, mask, ANCHORS, valid, embed, target_h, lm_head)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = dspark_loss(drafter, aux, ids, mask, ANCHORS, valid, embed, target_h.bfloat16(), lm_head)
+    low.loss.backward()
+    assert low.loss.dtype == torch.float32 and all(p.grad is not None for p in drafter.parameters())
+    torch.testing.assert_close(low.loss.detach(), ref.loss.detach(), rtol=0.05, atol=0.05)
+    stored = dspark_loss(drafter, aux, ids, mask, ANCHORS, valid, embed, target_h.bfloat16(), lm_head)  # no autocast
+    torch.testing.assert_close(stored.loss.detach(), ref.loss.detach(), rtol=0.02, atol=0.02)

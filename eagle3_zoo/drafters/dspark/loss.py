@@ -48,7 +48,7 @@ def total_variation(draft_logits: torch.Tensor, target_logits: torch.Tensor,
 def _chunk_terms(h, head, markov_embed, markov_w2, target_h, target_head, draft_to_target, t2d):
     logits = (h @ head.T).float() + (markov_embed @ markov_w2.T).float()
     with torch.no_grad():
-        target_logits = (target_h @ target_head.T).float()
+        target_logits = (target_h.to(target_head.dtype) @ target_head.T).float()  # features stored in bf16
         greedy = target_logits.argmax(-1)
     tv = total_variation(logits, target_logits, draft_to_target)
     label = greedy if t2d is None else t2d[greedy]
