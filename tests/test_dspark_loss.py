@@ -11,21 +11,42 @@ import torch
 import torch.nn.functional as F
 
 from eagle3_zoo.drafters.dflash.loss import select_anchors
-from eagle3_zoo.drafters.dspark.loss import dspark_loss, total_variation
+from eagle3_zoo.drafters.dspark.loss import dspark_loss
 from tests.test_dspark_model import _config, _random
 
 T = 20
 ANCHORS = torch.tensor([[1, 5, 6, 17], [3, 4, 10, 18]])  # adjacent anchors, blocks that run past the end
 
 
-def test_total_variation_by_hand():
-    p = torch.log(torch.tensor([0.5, 0.5, 0.0]) + 1e-30)
-    q = torch.log(torch.tensor([0.25, 0.25, 0.5]))
-    assert float(total_variation(q, p)) == pytest.approx(0.5, abs=1e-6)  # overlap 0.25 + 0.25
-    assert float(total_variation(p, p)) == pytest.approx(0.0, abs=1e-6)
-    one_hot = torch.tensor([[30.0, 0.0, 0.0]])
-    q = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
-    assert float(total_variation(q, one_hot)) == pytest.approx(0.3, abs=1e-6)
+def test_the_tv_term_and_acceptance_by_hand():
+    """One slot, vocabulary 3, the backbone silenced (base logits 0) and the Markov bias giving q = (.25, .25, .5);
+    the target's p = (.5, .5, 0): TV = 0.5; CE = -log q[argmax p] = -log .25; alpha = 0.5."""
+    cfg = _config(vocab_size=3, mask_token_id=2, markov_rank=3, block_size=2)
+    drafter = _random(cfg)
+    with torch.no_grad():
+        drafter.norm.weight.zero_()
+        drafter.markov_head.markov_w1.weight.copy_(torch.eye(3))
+        drafter.markov_head.markov_w2.weight.copy_(torch.log(torch.tensor([0.25, 0.25, 0.5]))[:, None].expand(3, 3))
+        drafter.confidence_head.proj.weight.zero_()
+        drafter.confidence_head.proj.bias.fill_(0.0)  # sigmoid 0.5
+    ids = torch.tensor([[0, 1, 1, 1]])
+    lm_head = torch.zeros(3, cfg.hidden_size, dtype=torch.double)
+    lm_head[0, 0] = lm_head[1, 0] = 1.0
+    lm_head[2, 0] = -100.0
+    lm_head[0, 1] = 1e-3  # argmax p = 0
+    target_h = torch.zeros(1, 4, cfg.hidden_size, dtype=torch.double)
+    target_h[..., 0] = 1.0
+    target_h[..., 1] = 1.0
+    mask = torch.tensor([[False, False, True, False]])  # only slot 0 of the block at 1 (predicting position 2)
+    aux = torch.zeros(1, 4, cfg.num_features * cfg.hidden_size, dtype=torch.double)
+    embed = torch.randn(3, cfg.hidden_size, dtype=torch.double)
+    out = dspark_loss(drafter, aux, ids, mask, torch.tensor([[1]]), torch.tensor([[True]]), embed, target_h, lm_head)
+    assert int(out.num_supervised) == 1
+    assert float(out.tv) == pytest.approx(0.5, abs=1e-3)
+    assert float(out.ce) == pytest.approx(-math.log(0.25), abs=1e-6)
+    assert float(out.accept_rate[0]) == pytest.approx(0.5, abs=1e-3)
+    assert float(out.bce) == pytest.approx(math.log(2.0), abs=1e-6)  # BCE(0.5, 0.5)
+    assert float(out.loss.detach()) == pytest.approx(0.1 * -math.log(0.25) + 0.9 * 0.5 + math.log(2.0), abs=1e-3)
 
 
 def _batch(cfg, seed=0):
@@ -60,13 +81,14 @@ def _reference(drafter, aux, ids, mask, anchors, valid, embed, target_h, lm_head
                 target_logits = (target_h[r, a + k] @ lm_head.T).float()
                 greedy = int(target_logits.argmax())
                 q = torch.softmax(logits, -1)
-                p = torch.softmax(target_logits, -1)[d2t]
-                tv = 1 - torch.minimum(p, q).sum()
+                p = torch.softmax(target_logits, -1)[d2t]  # the target's mass on the draft ids
+                tv = 1 - torch.minimum(p / p.sum(), q).sum()  # trained against p renormalised
+                alpha = torch.minimum(p, q).sum()  # the acceptance: the confidence target
                 ce = -torch.log_softmax(logits, -1)[int((d2t == greedy).nonzero()[0])] if greedy in d2t.tolist() \
                     else torch.zeros(())
                 c = drafter.confidence_head.proj
                 conf = (torch.cat([h, e]) @ c.weight[0] + c.bias[0]).float()
-                bce = F.binary_cross_entropy_with_logits(conf, (1 - tv).detach())
+                bce = F.binary_cross_entropy_with_logits(conf, alpha.detach())
                 total = total + math.exp(-k / gamma) * (0.1 * ce + 0.9 * tv + 1.0 * bce)
                 n += 1
     return total / n, n

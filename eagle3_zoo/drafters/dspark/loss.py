@@ -7,14 +7,17 @@ target's last (post-norm) hidden state, with the frozen target lm_head; the draf
 the drafter's Markov-corrected logits (previous token x_{a+k}, teacher forced). Per supervised slot:
 
     CE_k   = -log q_k[argmax p_k]                  (hard label: the target's greedy token)
-    TV_k   = 1 - sum_v min(p_k[v], q_k[v])         (= the rejection-sampling acceptance deficit)
-    BCE_k  = BCE(sigmoid(conf_k), 1 - TV_k)        (target detached; only with a confidence head)
+    TV_k   = 1 - sum_v min(p_k[v], q_k[v])         (the `tv` loss of `eagle3_zoo.losses`)
+    BCE_k  = BCE(sigmoid(conf_k), alpha_k)         (alpha_k the acceptance of sampling q_k against p_k; detached;
+                                                    only with a confidence head)
     loss   = sum_k w_k (ce_weight CE_k + tv_weight TV_k + confidence_weight BCE_k) / supervised slots
 
 with the position decay w_k = exp(-k / gamma) (slot 0, the anchor's prediction, weighs 1) and the paper's weights
-0.1 / 0.9 / 1.0. With a reduced draft vocabulary q lives on the draft ids (mapped to target ids through `d2t`), TV
-compares it with p (normalised over the whole target vocabulary) on those ids, and a slot whose greedy target token
-is outside the draft vocabulary has no CE term.
+0.1 / 0.9 / 1.0. With the full vocabulary alpha_k = 1 - TV_k. With a reduced draft vocabulary (draft ids mapped to
+target ids through `d2t`) the package's convention for every per-position loss holds (`eagle3_zoo.losses.chunk`):
+TV is trained against p renormalised over the draft vocabulary, while alpha_k = sum_v min(q_v, m p_v) (m the
+target's mass on the draft vocabulary) is the true acceptance, reported and used as the confidence target; a slot
+whose greedy target token is outside the draft vocabulary has no CE term.
 Both vocabulary projections run in chunks of rows under activation checkpointing: at most one `[chunk, V]` logits
 tensor of each side exists at a time, in forward and again in backward.
 """
@@ -29,20 +32,9 @@ from torch.utils.checkpoint import checkpoint
 
 from eagle3_zoo.drafters.dflash.loss import acceptance_length, block_labels, decay_weights
 from eagle3_zoo.drafters.dspark.model import DSparkDrafter
+from eagle3_zoo.losses.chunk import reference_objective
 
 CE_WEIGHT, TV_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0  # the paper's loss weights
-
-
-def total_variation(draft_logits: torch.Tensor, target_logits: torch.Tensor,
-                    draft_to_target: torch.Tensor | None = None) -> torch.Tensor:
-    """1 - sum_v min(q[v], p[v]) per row, in fp32: q = softmax(draft_logits `[..., V_draft]`), p = softmax(
-    target_logits `[..., V]`) over the whole target vocabulary, read at the draft ids' target ids (`draft_to_target
-    [V_draft]`; the same ids without it). Target mass outside the draft vocabulary is never accepted."""
-    q = torch.softmax(draft_logits.float(), dim=-1)
-    p = torch.softmax(target_logits.float(), dim=-1)
-    if draft_to_target is not None:
-        p = p[..., draft_to_target]
-    return 1.0 - torch.minimum(p, q).sum(dim=-1)
 
 
 def _chunk_terms(h, head, markov_embed, markov_w2, target_h, target_head, draft_to_target, t2d):
@@ -50,17 +42,22 @@ def _chunk_terms(h, head, markov_embed, markov_w2, target_h, target_head, draft_
     with torch.no_grad():
         target_logits = (target_h.to(target_head.dtype) @ target_head.T).float()  # features stored in bf16
         greedy = target_logits.argmax(-1)
-    tv = total_variation(logits, target_logits, draft_to_target)
+        p, mass = torch.softmax(target_logits, dim=-1), None
+        if draft_to_target is not None:  # renormalised over the draft vocabulary; the mass kept for the report
+            p = p[:, draft_to_target]
+            mass = p.sum(-1)
+            p = p / mass.clamp(min=1e-30)[:, None]
+    tv, alpha = reference_objective(logits, p, "tv", mass)
     label = greedy if t2d is None else t2d[greedy]
     ce = F.cross_entropy(logits, label.clamp(min=0), reduction="none")
-    return ce, tv, logits.argmax(-1), greedy, label >= 0
+    return ce, tv, alpha, logits.argmax(-1), greedy, label >= 0
 
 
 def chunked_terms(hidden, head, markov_embed, markov_w2, target_hidden, target_head, draft_to_target=None, t2d=None,
                   chunk: int = 1024):
-    """Per-row (CE, TV, draft argmax, target argmax, label in draft vocabulary) of rows `[N, H]`, `chunk` rows at a
-    time with the logits recomputed in backward instead of stored. `draft_to_target [V_draft]` / `t2d [V]` (-1 =
-    absent) map the vocabularies of a reduced-vocabulary drafter."""
+    """Per-row (CE, TV, acceptance, draft argmax, target argmax, label in draft vocabulary) of rows `[N, H]`,
+    `chunk` rows at a time with the logits recomputed in backward instead of stored. `draft_to_target [V_draft]` /
+    `t2d [V]` (-1 = absent) map the vocabularies of a reduced-vocabulary drafter."""
     outs = []
     for i in range(0, hidden.shape[0], chunk):
         args = (hidden[i:i + chunk], head, markov_embed[i:i + chunk], markov_w2, target_hidden[i:i + chunk],
@@ -70,7 +67,7 @@ def chunked_terms(hidden, head, markov_embed, markov_w2, target_hidden, target_h
     if not outs:
         z = hidden.new_zeros(0, dtype=torch.float32)
         e = torch.zeros(0, dtype=torch.long, device=hidden.device)
-        return z, z, e, e, e.bool()
+        return z, z, z, e, e, e.bool()
     return tuple(torch.cat(parts) for parts in zip(*outs))
 
 
@@ -80,11 +77,11 @@ class DSparkLossOutput:
     ce: torch.Tensor  # scalar, the decayed mean of each term (detached)
     tv: torch.Tensor
     bce: torch.Tensor
-    accept_rate: torch.Tensor  # [B] mean 1 - TV per slot (detached)
+    accept_rate: torch.Tensor  # [B] mean acceptance alpha per slot (detached)
     position_acc: torch.Tensor  # [B] greedy agreement with the target's argmax per slot (Markov teacher forced)
     acceptance_length: torch.Tensor  # scalar, simulated greedy accepted length per block (+1 for the bonus)
-    expected_length: torch.Tensor  # scalar, sum_k prod_{j<=k} (1 - TV_j) + 1 per block
-    confidence_error: torch.Tensor  # scalar, mean |sigmoid(conf) - (1 - TV)| (nan without a confidence head)
+    expected_length: torch.Tensor  # scalar, sum_k prod_{j<=k} alpha_j + 1 per block
+    confidence_error: torch.Tensor  # scalar, mean |sigmoid(conf) - alpha| (nan without a confidence head)
     num_supervised: torch.Tensor  # scalar int64
 
 
@@ -117,7 +114,7 @@ def dspark_loss(drafter: DSparkDrafter, aux_hidden: torch.Tensor, input_ids: tor
         t2d = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long, device=mask.device)
         t2d[d2t_ids] = torch.arange(drafter.config.draft_vocab_size, device=mask.device)
     h = hidden[rows]
-    ce, tv, pred, greedy, in_vocab = chunked_terms(h, head, markov_embed, drafter.markov_head.markov_w2.weight,
+    ce, tv, alpha, pred, greedy, in_vocab = chunked_terms(h, head, markov_embed, drafter.markov_head.markov_w2.weight,
                                                    target_rows, target_lm_head_weight.detach(), d2t_ids, t2d, chunk)
     w = decay_weights(bsz, gamma, mask.device).expand(mask.shape)[rows]
     n = mask.sum()
@@ -129,18 +126,18 @@ def dspark_loss(drafter: DSparkDrafter, aux_hidden: torch.Tensor, input_ids: tor
     conf_err = torch.full((), float("nan"), device=mask.device)
     if drafter.confidence_head is not None:
         conf = drafter.confidence_logits(h, markov_embed)
-        bce = F.binary_cross_entropy_with_logits(conf, (1.0 - tv).detach(), reduction="none")
+        bce = F.binary_cross_entropy_with_logits(conf, alpha, reduction="none")
         bce_term = (w * bce).sum() / denom
         loss = loss + confidence_weight * bce_term
         if n > 0:
-            conf_err = (conf.detach().sigmoid() - (1.0 - tv.detach())).abs().mean()
+            conf_err = (conf.detach().sigmoid() - alpha).abs().mean()
     if n == 0:  # nothing supervised: a zero that still reaches every parameter (DDP, optimizers)
         loss = hidden.sum() * 0.0 + sum(p.sum() for p in drafter.markov_head.parameters()) * 0.0
         if drafter.confidence_head is not None:
             loss = loss + sum(p.sum() for p in drafter.confidence_head.parameters()) * 0.0
     with torch.no_grad():
         accept = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-        accept[rows] = 1.0 - tv.detach()
+        accept[rows] = alpha
         correct = torch.zeros_like(mask)
         correct[rows] = drafter.to_target_ids(pred) == greedy
         dims = tuple(range(mask.dim() - 1))
