@@ -141,7 +141,7 @@ def test_a_drafter_trained_by_the_dspark_objective_is_accepted_by_the_decoder():
     with tau ~B + 1. Negative controls: the features one layer early, and the drafts read one slot off (the block
     served as a DFlash one: slot k taken for position P+k) lose most of it; the Markov stage keyed on the anchor at
     every slot instead of the previously drafted token loses some (the backbone carries most of this tiny task).
-    Measured: tau 5.00 vs 1.26 (features early), 1.02 (one slot off) and 4.08 (Markov on the anchor); speedup 1.80
+    Measured: tau 4.91 vs 1.31 (features early), 1.02 (one slot off) and 4.15 (Markov on the anchor); speedup 1.88
     on a loaded 2-core CPU; the confidence head's mean per position ~0.63, its training target 1 - TV (acceptance when
     sampling from the target's distribution), not the greedy acceptance (1.0 here); 29 s."""
     from eagle3_zoo.drafters.dflash.loss import select_anchors
