@@ -40,18 +40,43 @@ _DFLASH_CONFIG_KEYS = {"mask_token_id", "target_layer_ids", "causal"}
 _LAYER_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                "hidden_act", "vocab_size", "num_hidden_layers", "rms_norm_eps", "max_position_embeddings",
                "rope_theta", "rope_scaling", "rope_parameters", "attention_bias", "tie_word_embeddings", "layer_types")
+# HF config bookkeeping z-lab's configs carry (no effect on the drafter's forward pass): kept through conversions, in
+# the speculators layout's transformer_layer_config
+_BOOKKEEPING = ("attention_dropout", "auto_map", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
+                "max_window_layers", "use_cache", "transformers_version", "sliding_window", "use_sliding_window")
 # speculators-layout keys that change the forward pass and that a DFlashDrafter cannot represent, with the value it has
 _SPECULATORS_FIXED = {"sliding_window_non_causal": True, "sample_from_anchor": False}
 
 
-def _refuse_unknown_dflash_config(raw: dict[str, Any], source: str) -> None:
+def _zlab_raw(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """A z-lab config.json as `DFlashConfig.from_json_dict` reads it: `dtype` (transformers 5's name) as
+    `torch_dtype`, `dflash_config.block_size` as `block_size`; what changes the forward pass and a `DFlashConfig` cannot
+    represent (sliding-window attention, other `dflash_config` options) is refused.
+
+    Raises:
+        ValueError: such an option, naming the file and the key."""
+    raw = dict(raw)
+    if "dtype" in raw:
+        dtype = raw.pop("dtype")
+        raw.setdefault("torch_dtype", dtype)
+    if raw.get("use_sliding_window"):
+        raise ValueError(f"{source}: use_sliding_window={raw['use_sliding_window']!r} (sliding_window="
+                         f"{raw.get('sliding_window')!r}): sliding-window draft layers are a variant this package "
+                         "cannot represent (full attention only: use_sliding_window false)")
     dflash = raw.get("dflash_config")
     if isinstance(dflash, dict):
+        dflash = dict(dflash)
+        if "block_size" in dflash:
+            inner = dflash.pop("block_size")
+            if raw.setdefault("block_size", inner) != inner:
+                raise ValueError(f"{source}: block_size={raw['block_size']!r} but dflash_config.block_size={inner!r}")
         other = sorted(set(dflash) - _DFLASH_CONFIG_KEYS)
         if other:
             raise ValueError(f"{source}: dflash_config has {', '.join(other)}: options of a DFlash variant this "
                              f"package cannot represent (it reads {', '.join(sorted(_DFLASH_CONFIG_KEYS))}, "
                              "causal only as false)")
+        raw["dflash_config"] = dflash
+    return raw
 
 
 class DFlashLayout(Layout):
@@ -118,8 +143,7 @@ class ZLabDFlashLayout(DFlashLayout):
         return raw.get("architectures") == [ARCHITECTURE] or "dflash_config" in raw
 
     def read_config(self, raw: dict[str, Any], source: str) -> DFlashConfig:
-        _refuse_unknown_dflash_config(raw, source)
-        return DFlashConfig.from_json_dict(raw, source=source)
+        return DFlashConfig.from_json_dict(_zlab_raw(raw, source), source=source)
 
     def stored_aux_ids(self, raw: dict[str, Any]) -> Any:
         return (raw.get("dflash_config") or {}).get("target_layer_ids")
@@ -141,7 +165,7 @@ class SpeculatorsDFlashLayout(DFlashLayout):
         return raw.get("aux_hidden_state_layer_ids")
 
     def read_config(self, raw: dict[str, Any], source: str) -> DFlashConfig:
-        return DFlashConfig.from_json_dict(zlab_config(raw, source), source=source)
+        return DFlashConfig.from_json_dict(_zlab_raw(zlab_config(raw, source), source), source=source)
 
     def write(self, drafter: DFlashDrafter, out: Path, *, num_speculative_tokens: int | None = None,
               verifier_architectures: list[str] | None = None, verifier: str | None = None, **_: Any) -> None:
@@ -186,7 +210,7 @@ def zlab_config(raw: dict[str, Any], source: str = "config.json") -> dict[str, A
                                                   for i in aux)):
         raise ValueError(f"{source}: aux_hidden_state_layer_ids = {aux!r}; expected a list of target hidden-state "
                          "indices >= 1 (vLLM's aux id = z-lab target_layer_id + 1)")
-    out = {k: layer[k] for k in _LAYER_KEYS if k in layer}
+    out = {k: layer[k] for k in (*_LAYER_KEYS, *_BOOKKEEPING) if k in layer}
     zoo = dict(raw.get("eagle3_zoo") or {})
     verifier = (raw.get("speculators_config") or {}).get("verifier") or {}
     zoo.setdefault("target_name_or_path", verifier.get("name_or_path"))
@@ -232,16 +256,17 @@ def speculators_dflash_config(cfg: DFlashConfig, num_speculative_tokens: int | N
     if not verifier_resolvable(name):
         raise ValueError(f"speculators could not resolve the verifier {name!r} (neither a Hub id ORG/NAME nor a local "
                          "folder here); pass --verifier with the target's Hub id or its local folder")
-    if cfg.extra:
-        raise ValueError(f"config.json keys {sorted(cfg.extra)} have no place in the speculators layout (their "
-                         "meaning to the engines is unknown here); export to the dflash (z-lab) layout, which keeps "
-                         "them, or remove them")
+    unknown = sorted(set(cfg.extra) - set(_BOOKKEEPING))
+    if unknown:
+        raise ValueError(f"config.json keys {unknown} have no place in the speculators layout (their meaning to the "
+                         "engines is unknown here); export to the dflash (z-lab) layout, which keeps them, or remove "
+                         "them")
     k = cfg.block_size - 1 if num_speculative_tokens is None else int(num_speculative_tokens)
     if not 1 <= k <= cfg.block_size - 1:
         raise ValueError(f"num_speculative_tokens={k}; a DFlash block of block_size={cfg.block_size} drafts 1.."
                          f"{cfg.block_size - 1} tokens")
     zlab = cfg.to_json_dict()
-    layer = {key: zlab[key] for key in _LAYER_KEYS if key in zlab}
+    layer = {key: zlab[key] for key in (*_LAYER_KEYS, *_BOOKKEEPING) if key in zlab}
     layer["model_type"] = "qwen3"
     layer["torch_dtype"] = cfg.torch_dtype
     return {
