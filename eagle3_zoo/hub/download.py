@@ -99,7 +99,9 @@ def pull(
         written_as = layout_names.export_names(layout.kind).get(convert_to, written[convert_to])  # of this kind
         name = f"{repo_id.split('/')[-1]}-{written_as}"
         dest = Path(out_dir) / written_as if out_dir is not None else Path.cwd() / name
-        converted = folder.export(dest, convert_to)
+        # a zoo entry names the target, which the speculators layout records (z-lab's DFlash configs do not)
+        verifier = entry.target if entry is not None and layout.kind == "dflash" else None
+        converted = folder.export(dest, convert_to, verifier=verifier)
     return PullResult(repo_id, path, fmt, report, converted)
 
 
