@@ -77,11 +77,11 @@ class SpeculatorsLayout(Layout):
         model_type = raw["speculators_model_type"]
         if model_type == self.speculators_model_type:
             return True
-        known = sorted(t for t in (layout.speculators_model_type for layout in _LAYOUTS.values()) if t)
+        known = [t for t in (layout.speculators_model_type for layout in _LAYOUTS.values()) if t]
         if model_type in known:
             return False  # another registered layout's (speculators-dflash)
-        raise ValueError(f"{source}: speculators_model_type={model_type!r}; the speculators model types read here: "
-                         f"{', '.join(known)}")
+        raise ValueError(f"{source}: speculators_model_type={model_type!r}; only {', '.join(map(repr, known))} "
+                         "checkpoints (EAGLE-3 and DFlash drafters) are read here")
 
     def read_config(self, raw: dict[str, Any], source: str) -> Eagle3Config:
         layer = raw.get("transformer_layer_config") or raw.get("transformer_config")
