@@ -6,9 +6,12 @@ z-lab's published drafters (`check --config-only`), the zoo entries, `pull` by k
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -26,9 +29,19 @@ from tests.hub_fixtures import canonical_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "dflash"
-VLLM = ROOT.parent.parent / "main" / ".venv-vllm" / "lib" / "python3.11" / "site-packages" / "vllm"
-if not VLLM.is_dir():
-    VLLM = Path("/work/main/.venv-vllm/lib/python3.11/site-packages/vllm")
+
+
+def _vllm_venv() -> Path | None:
+    """The engine venv (scripts/setup_engine.sh's .venv-vllm, or the venv of EAGLE3_ZOO_VLLM_PYTHON), if here."""
+    python = os.environ.get("EAGLE3_ZOO_VLLM_PYTHON")
+    for venv in ([Path(python).absolute().parents[1]] if python else []) + [ROOT / ".venv-vllm"]:
+        if glob.glob(str(venv / "lib" / "python3*" / "site-packages" / "vllm")):
+            return venv
+    return None
+
+
+VENV = _vllm_venv()
+VLLM = Path(glob.glob(str(VENV / "lib" / "python3*" / "site-packages" / "vllm"))[0]) if VENV else Path("/nonexistent")
 
 
 def _config(**kw) -> DFlashConfig:
@@ -354,3 +367,34 @@ def test_cli_export_writes_the_kinds_layouts(tmp_path, capsys):
     assert cli(["check", str(tmp_path / "b")]) == 0
     assert cli(["export", str(src), "--format", "sglang", "--out", str(tmp_path / "c")]) == 2
     assert "a dflash drafter is written as one of" in capsys.readouterr().err
+
+
+_VLLM_READS = """
+import json, sys
+from transformers import AutoConfig
+from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+zlab, spec = sys.argv[1:3]
+z = AutoConfig.from_pretrained(zlab)
+s = SpeculatorsConfig.from_pretrained(spec)
+print(json.dumps({"zlab": [z.architectures, z.dflash_config, z.layer_types],
+                  "spec": [s.architectures, s.dflash_config, s.eagle_aux_hidden_state_layer_ids],
+                  "method": SpeculatorsConfig.extract_vllm_speculative_config(json.load(open(spec + "/config.json")))}))
+"""
+
+
+@pytest.mark.engine
+def test_vllm_reads_both_layouts_as_the_same_bidirectional_drafter(tmp_path):
+    """vLLM 0.32's own config readers (the engine venv's python; no model is built) on both layouts."""
+    if VENV is None:
+        pytest.skip("no engine venv (.venv-vllm or EAGLE3_ZOO_VLLM_PYTHON)")
+    src, _ = _folder(tmp_path)
+    spec = export_drafter(src, "speculators", tmp_path / "spec")
+    out = subprocess.run([str(VENV / "bin" / "python"), "-c", _VLLM_READS, str(src), str(spec)], capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["zlab"] == [["DFlashDraftModel"], {"mask_token_id": 99, "target_layer_ids": [1, 3, 5]},
+                           ["full_attention", "full_attention"]]
+    assert got["spec"] == [["DFlashDraftModel"], {"mask_token_id": 99, "target_layer_ids": [1, 3, 5],
+                                                  "sample_from_anchor": False, "causal": False}, [2, 4, 6]]
+    assert got["method"] == {"method": "dflash", "num_speculative_tokens": 3}
