@@ -179,7 +179,8 @@ def test_the_speculators_export_refuses_what_it_cannot_represent(tmp_path):
     (lambda s: s.update(mask_hidden=torch.zeros(64)), "WEIGHT_UNEXPECTED", "mask_hidden is not a tensor vLLM"),
     (lambda s: s.update({"layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(16)}), "WEIGHT_UNEXPECTED",
      "RoPE frequencies"),
-    (lambda s: s.update({"embed_tokens.weight": torch.zeros(100, 64)}), "WEIGHT_UNEXPECTED", "target's embedding"),
+    (lambda s: s.update({"embed_tokens.weight": torch.zeros(100, 64)}), "WEIGHT_UNEXPECTED",
+     "vLLM would load in place of the target's"),
     (lambda s: s.update({"lm_head.weight": torch.zeros(100, 64)}), "WEIGHT_UNEXPECTED",
      "lm_head and d2t only with a reduced draft vocabulary"),
     (lambda s: s.pop("layers.1.mlp.up_proj.weight"), "WEIGHTS_MISSING_KEYS", "missing layers.1.mlp.up_proj.weight"),
@@ -196,6 +197,10 @@ def test_check_names_the_file_and_key_of_every_tensor_vllm_would_not_load(tmp_pa
 
 def test_check_of_a_reduced_vocabulary_reads_d2t(tmp_path):
     src, _ = _folder(tmp_path, draft_vocab_size=40)
+    _edit_weights(src, lambda s: s.update(t2d=torch.ones(100, dtype=torch.bool)))
+    report = check_drafter(src)
+    assert report.ok and report.codes == ["WEIGHT_IGNORED"], report  # vLLM skips t2d
+    _edit_weights(src, lambda s: s.pop("t2d"))
     _edit_weights(src, lambda s: s.update(d2t=s["d2t"].float()))
     assert check_drafter(src).codes == ["D2T_DTYPE"]
     _edit_weights(src, lambda s: s.update(d2t=torch.full((40,), 90, dtype=torch.int64)))
