@@ -1,6 +1,7 @@
 """`eval --engine vllm` / `check --engine vllm` with a DFlash folder, without vLLM: the folder is recognised by its
 config.json (z-lab or speculators layout), served as shipped with method "dflash" and num_speculative_tokens =
-block_size - 1, and vLLM's counters are read as for EAGLE-3. (The engine tier serves one: tests/test_engine_dflash.py.)"""
+block_size - 1, and vLLM's counters are read as for EAGLE-3. (The engine tier serves one:
+tests/test_engine_dflash.py.)"""
 
 from __future__ import annotations
 
@@ -102,3 +103,29 @@ def test_a_dflash_folder_refuses_another_draft_length(tmp_path, recorded):
     engine_eval.evaluate_in_vllm(_zlab(tmp_path / "again"), num_speculative_tokens=3, max_new_tokens=2,
                                  baseline=False, work_dir=tmp_path / "work", prompts={"a": [5]})
     assert calls[0]["speculative_config"]["num_speculative_tokens"] == 3
+
+
+def test_engine_compare_decodes_a_dflash_folder_with_our_decoder_on_the_engines_prompts(tmp_path):
+    """`eval --engine vllm --engine-compare` with a DFlash folder: our DFlashGenerator on exactly the prompt ids the
+    engine was sent, lossless against plain decoding (a random one-layer drafter on the embedded SmolLM2)."""
+    import torch
+
+    from eagle3_zoo.adapters import load_target
+    from eagle3_zoo.drafters.dflash.config import DFlashConfig
+    from eagle3_zoo.drafters.dflash.model import DFlashDrafter
+
+    model, tok, _ = load_target(TARGET, dtype=torch.float32)
+    torch.manual_seed(0)
+    config = DFlashConfig.from_target_config(model.config, mask_token_id=16, num_hidden_layers=1, block_size=3)
+    folder = DFlashDrafter(config).save_pretrained(tmp_path / "zlab")
+    prompts = [tok("Hello there, how are")["input_ids"], tok("One, two, three,")["input_ids"]]
+    engine = {"settings": {"method": "dflash", "drafter_format_served": "dflash-z-lab",
+                           "drafter_dir_served": str(folder), "target": TARGET, "eos_token_ids": [2],
+                           "temperature": 0.0},
+              "requests": [{"id": f"r{i}", "prompt_ids": p} for i, p in enumerate(prompts)]}
+    ours = engine_eval.compare_with_our_decoder(engine, "mtbench", max_new_tokens=6, limit=None, spread=False)
+    assert ours["mode"] == "dflash block 3" and ours["requests"] == 2 and ours["lossless"] is True
+    assert ours["cycles"] >= 1 and len(ours["acceptance_per_depth"]) >= 1
+    engine["settings"]["drafter_format_served"] = "dflash-speculators"
+    with pytest.raises(ValueError, match="z-lab layout"):
+        engine_eval.compare_with_our_decoder(engine, "mtbench", max_new_tokens=6, limit=None, spread=False)

@@ -407,7 +407,7 @@ def _results(spec_rows: dict[str, dict[str, Any]], base_rows: dict[str, dict[str
         if overall["spec_tokens_per_s"] and overall["baseline_tokens_per_s"]:
             overall["speedup"] = overall["spec_tokens_per_s"] / overall["baseline_tokens_per_s"]
     requests = [{"id": rid, "prompt_tokens": len(r["prompt"]), "new_tokens": len(r["tokens"]),
-                 "seconds": r["seconds"], "token_ids": r["tokens"],
+                 "seconds": r["seconds"], "prompt_ids": r["prompt"], "token_ids": r["tokens"],
                  **({"matches_baseline": r["tokens"] == base_rows[rid]["tokens"]} if compared else {})}
                 for rid, r in spec_rows.items()]
     return {"protocol": PROTOCOL_ENGINE, "settings": settings, "overall": overall, "tau": overall["tau"],
@@ -431,7 +431,10 @@ def compare_with_our_decoder(engine: dict[str, Any], benches: str | Sequence[str
                              limit: int | None, spread: bool, baseline: bool = True,
                              progress: bool = True) -> dict[str, Any]:
     """Our own decoder on the requests of an engine evaluation (chain of the same K, with the same temperature,
-    top-p and top-k; `eval --engine-compare`): its overall figures, side by side with the engine's."""
+    top-p and top-k; `eval --engine-compare`): its overall figures, side by side with the engine's. A DFlash drafter
+    is decoded by `DFlashGenerator` (greedy) on exactly the prompt token ids the engine was sent."""
+    if engine["settings"].get("method") == "dflash":
+        return _compare_dflash(engine, max_new_tokens=max_new_tokens, baseline=baseline)
     import torch
 
     from eagle3_zoo.adapters import load_target
@@ -452,6 +455,39 @@ def compare_with_our_decoder(engine: dict[str, Any], benches: str | Sequence[str
     return {"mode": f"chain depth {k}", "tau": o["tau"], "acceptance_per_depth": o["acceptance_per_depth"],
             "requests": o["requests"], "new_tokens": o["new_tokens"], "lossless": o["lossless"],
             "speedup": o["speedup"]}
+
+
+def _compare_dflash(engine: dict[str, Any], *, max_new_tokens: int, baseline: bool) -> dict[str, Any]:
+    """`compare_with_our_decoder` for a DFlash drafter (z-lab layout): greedy, the engine's request prompts."""
+    import torch
+
+    from eagle3_zoo.adapters import load_target
+    from eagle3_zoo.drafters.dflash.model import DFlashDrafter
+    from eagle3_zoo.speculative.dflash_decode import DFlashGenerator
+    from eagle3_zoo.speculative.generate import plain_generate
+    from eagle3_zoo.speculative.metrics import BenchStats
+
+    settings = engine["settings"]
+    if settings.get("temperature"):
+        raise ValueError("--engine-compare with a DFlash drafter decodes greedily only (--temperature 0)")
+    if settings.get("drafter_format_served") != "dflash-z-lab":
+        raise ValueError(f"--engine-compare: our decoder reads DFlash folders in the z-lab layout; "
+                         f"{settings['drafter_dir_served']} is {settings.get('drafter_format_served')}")
+    drafter = DFlashDrafter.from_pretrained(settings["drafter_dir_served"], dtype=torch.float32).eval()
+    target, _, adapter = load_target(settings["target"], dtype=torch.float32)
+    generator = DFlashGenerator(target, drafter, adapter)
+    stats = BenchStats()
+    for request in engine["requests"]:
+        prompt = torch.tensor(request["prompt_ids"])
+        spec = generator.generate(prompt, max_new_tokens, settings["eos_token_ids"])
+        base = plain_generate(target, prompt, max_new_tokens, eos_token_id=settings["eos_token_ids"]) \
+            if baseline else None
+        stats.add(spec, base, request_id=request["id"], check_lossless=baseline)
+    o = stats.summary()
+    return {"mode": f"dflash block {drafter.config.block_size}", "tau": o["tau"],
+            "acceptance_per_depth": o["acceptance_per_depth"], "depth_accepts": o["depth_accepts"],
+            "cycles": o["cycles"], "requests": o["requests"], "new_tokens": o["new_tokens"],
+            "lossless": o["lossless"], "speedup": o["speedup"]}
 
 
 def format_engine_table(results: dict[str, Any]) -> str:
