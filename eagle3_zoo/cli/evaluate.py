@@ -114,8 +114,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--strict", action="store_true", help="exit code 1 if the lossless check fails")
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
-                        help="hf: our own decoder in this process (default); vllm: EAGLE-3 inside a vLLM server, "
-                             "judged by its own counters, greedy only (--depth = num_speculative_tokens, default 3; "
+                        help="hf: our own decoder in this process (default); vllm: the drafter inside a vLLM server, "
+                             "judged by its own counters, greedy only (EAGLE-3: --depth = num_speculative_tokens, "
+                             "default 3; DFlash: method dflash, block_size - 1 tokens; "
                              "the engine venv comes from EAGLE3_ZOO_VLLM_PYTHON or .venv-vllm)")
     parser.add_argument("--engine-url", default=None,
                         help="with --engine vllm: a running vLLM server with the drafter loaded (default: start one)")
@@ -269,7 +270,7 @@ def run_engine_eval(args: argparse.Namespace) -> dict[str, Any]:
     out, max_new = Path(args.out), args.max_new_tokens or DEFAULTS["cuda"]["max_new_tokens"]
     template_kwargs = chat_template_kwargs_for(args)
     results = evaluate_in_vllm(
-        args.drafter, args.target, benches, num_speculative_tokens=args.depth or 3, max_new_tokens=max_new,
+        args.drafter, args.target, benches, num_speculative_tokens=args.depth, max_new_tokens=max_new,
         limit=args.limit, spread=bool(args.spread), temperature=args.temperature, top_p=args.sample_top_p,
         top_k=args.sample_top_k, baseline=not args.no_baseline,
         url=args.engine_url, baseline_url=args.engine_baseline_url, work_dir=out.parent / f"{out.stem}-vllm",

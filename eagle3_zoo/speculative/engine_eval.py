@@ -1,7 +1,13 @@
-"""EAGLE-3 speculative decoding inside vLLM, judged by the engine's own counters (`eagle3-zoo eval --engine vllm`).
+"""Speculative decoding inside vLLM (EAGLE-3 and DFlash drafters), judged by the engine's own counters
+(`eagle3-zoo eval --engine vllm`).
 
-The drafter is loaded by a vLLM server as shipped (canonical or speculators layout; other layouts are exported to
-the canonical one first) with ``--speculative-config {"method": "eagle3", ...}``; the benchmark requests go to its
+An EAGLE-3 drafter is loaded by a vLLM server as shipped (canonical or speculators layout; other layouts are exported
+to the canonical one first) with ``--speculative-config {"method": "eagle3", ...}``. A DFlash drafter (z-lab layout:
+``architectures: ["DFlashDraftModel"]`` or a ``dflash_config``; speculators layout: ``speculators_model_type:
+dflash``) is served as shipped with ``"method": "dflash"`` always given (vLLM 0.32 serves a folder it does not
+recognise as a plain draft model, accepts nothing and warns about nothing) and ``num_speculative_tokens`` =
+``block_size - 1``: vLLM's DFlash proposer runs one query block ``[bonus, MASK x num_speculative_tokens]`` and
+samples the masked slots, which is the drafter's trained block of ``block_size`` slots. The benchmark requests go to its
 ``/v1/completions`` endpoint as token ids (the same chat rendering as our own decoder, so both judge the same
 prompts); tau and per-position acceptance come from the difference of the server's ``/metrics`` spec-decode
 counters before and after the requests. A second server without speculation then answers the same token-id
@@ -84,6 +90,52 @@ def spec_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
     }
 
 
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
+
+
+def dflash_layout(drafter: str | Path) -> dict[str, Any] | None:
+    """What vLLM needs to serve `drafter` as a DFlash drafter, or None when its `config.json` is not a DFlash one.
+
+    A z-lab folder has ``architectures`` with ``DFlashDraftModel`` or a ``dflash_config`` object and a top-level
+    ``block_size``; a speculators folder has ``speculators_model_type: dflash`` and ``block_size`` (else its first
+    proposal method's ``speculative_tokens`` + 1).
+
+    Returns:
+        ``{"layout": "z-lab" | "speculators", "block_size": B, "target": name or None}``.
+
+    Raises:
+        FileNotFoundError: no config.json; ValueError: a DFlash config without a usable block size.
+    """
+    import json
+
+    path = Path(drafter) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{drafter}: no config.json; pass a drafter folder")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from e
+    if not isinstance(raw, dict):
+        return None
+    spec = raw.get("speculators_config") if isinstance(raw.get("speculators_config"), dict) else {}
+    if raw.get("speculators_model_type") == "dflash":
+        layout = "speculators"
+        methods = spec.get("proposal_methods") or [{}]
+        tokens = methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
+        block = raw.get("block_size", tokens + 1 if isinstance(tokens, int) else None)
+        target = (spec.get("verifier") or {}).get("name_or_path")
+    elif DFLASH_ARCHITECTURE in (raw.get("architectures") or []) or isinstance(raw.get("dflash_config"), dict):
+        layout = "z-lab"
+        block = raw.get("block_size")
+        target = (raw.get("eagle3_zoo") or {}).get("target_name_or_path")
+    else:
+        return None
+    if not isinstance(block, int) or isinstance(block, bool) or block < 2:
+        raise ValueError(f"{path}: block_size = {block!r}; a DFlash drafter ({layout} layout) needs an integer "
+                         "block_size >= 2 (the anchor and the drafted slots; vLLM drafts block_size - 1 tokens)")
+    return {"layout": layout, "block_size": block, "target": target}
+
+
 def served_drafter_dir(drafter: str | Path, export_dir: str | Path) -> Path:
     """The folder vLLM is given: `drafter` itself when vLLM loads its layout as shipped (the canonical layout, and
     vLLM's own speculators format, so that what a user downloads is what is checked), else its canonical export
@@ -163,7 +215,8 @@ def run_requests(client: OpenAIClient, model: str, benches: Sequence[Any], token
                  template_kwargs: Mapping[str, Any] | None = None,
                  sampling: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Every request of `benches` (chat turns conditioned on this server's own earlier answers, as our decoder does,
-    rendered with `template_kwargs`), or, with `prompts`, exactly those token-id prompts; per request id
+    rendered with `template_kwargs`), or, with `prompts`, exactly those token-id prompts (with no `benches`: all of
+    `prompts`, in their order); per request id
     ``{"prompt", "tokens", "seconds"}``. `sampling`: `sampling_params`; its seed, if any, plus the request's index
     is each request's seed (the same on both servers)."""
     from eagle3_zoo.adapters.conversation import Message
@@ -175,6 +228,15 @@ def run_requests(client: OpenAIClient, model: str, benches: Sequence[Any], token
                                                          for p in b.prompts)
     # a line every EAGLE3_ZOO_LOG_EVERY_S while the requests run (a CPU engine answers a few tokens a second)
     with Progress(total, f"vLLM eval ({client.base_url})", "request", logger=logger) as progress:
+        if not benches and prompts is not None:  # exactly the token-id prompts given, in their order
+            for rid, ids in prompts.items():
+                params = dict(sampling or {})
+                if "seed" in params:
+                    params["seed"] += len(rows)
+                tokens, seconds = complete(client, model, list(ids), max_new_tokens=max_new_tokens,
+                                           stop_ids=stop_ids, sampling=params)
+                rows[rid] = {"prompt": list(ids), "tokens": tokens, "seconds": seconds}
+                progress.update(1, tokens=len(tokens))
         for bench in benches:
             for prompt in bench.prompts:
                 history: list[Message] = []
@@ -197,19 +259,22 @@ def run_requests(client: OpenAIClient, model: str, benches: Sequence[Any], token
 
 
 def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: str | Sequence[str] = "mtbench", *,
-                     num_speculative_tokens: int = 3, max_new_tokens: int = 256, limit: int | None = None,
+                     num_speculative_tokens: int | None = None, max_new_tokens: int = 256, limit: int | None = None,
                      spread: bool = False, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                      seed: int = 0, baseline: bool = True, url: str | None = None,
                      baseline_url: str | None = None, python: str | None = None, work_dir: str | Path = "runs/engine",
                      out: str | Path | None = None, startup_timeout: float = 900.0,
-                     chat_template_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                     chat_template_kwargs: Mapping[str, Any] | None = None,
+                     prompts: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
     """Evaluate `drafter` inside vLLM: engine-measured tau and per-position acceptance, greedy equality.
 
     Args:
-        drafter: drafter folder (canonical, or any format `eagle3-zoo pull` reads: exported first).
+        drafter: drafter folder (EAGLE-3: canonical, or any format `eagle3-zoo pull` reads: exported first; DFlash:
+            z-lab or speculators layout, served as shipped with method "dflash").
         target: target folder / embedded name (default: the drafter's `target_name_or_path`).
         benches: benchmark names or JSONL files (as `eagle3-zoo eval`).
-        num_speculative_tokens: K, vLLM's chain length.
+        num_speculative_tokens: K, vLLM's chain length (EAGLE-3, default 3); a DFlash drafter drafts its
+            block_size - 1 tokens (None, or that number).
         temperature, top_p, top_k, seed: sampling (temperature > 0; refused on the CPU build, see the module
             docstring); request i is sampled with seed `seed + i` on both servers.
         baseline: also serve the target without speculation and compare the greedy outputs.
@@ -218,9 +283,11 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
         work_dir: the exported drafter and the server logs.
         out: results JSON path.
         chat_template_kwargs: Variables of the chat template the drafter was trained with (as `evaluate`).
+        prompts: exactly these token-id prompts (request id -> ids), in this order, instead of `benches`.
 
     Raises:
-        ValueError: temperature > 0 on the CPU build of vLLM, no target, bad benchmark names.
+        ValueError: temperature > 0 on the CPU build of vLLM, no target, bad benchmark names, a DFlash drafter
+            with num_speculative_tokens other than block_size - 1.
         ServerError: a server did not start or stopped answering (the message names its URL and log).
     """
     from transformers import AutoTokenizer
@@ -235,26 +302,39 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
     build = _build_for_sampling(temperature, top_k, python, url)
     sampling = sampling_params(temperature, top_p, top_k, seed)
     work_dir = Path(work_dir)
-    draft_dir = served_drafter_dir(drafter, work_dir / "drafter")
-    target = target or load_drafter_config(draft_dir)[0].target_name_or_path
+    dflash = dflash_layout(drafter)
+    if dflash is not None:
+        method, draft_dir, k = "dflash", Path(drafter).resolve(), dflash["block_size"] - 1
+        if num_speculative_tokens not in (None, k):
+            raise ValueError(f"{drafter}: a DFlash drafter with block_size {dflash['block_size']} drafts {k} tokens "
+                             f"per block in vLLM; num_speculative_tokens={num_speculative_tokens} given (leave it "
+                             f"unset or pass {k})")
+        target = target or dflash["target"]
+    else:
+        method, draft_dir = "eagle3", served_drafter_dir(drafter, work_dir / "drafter")
+        k = num_speculative_tokens or 3
+        target = target or load_drafter_config(draft_dir)[0].target_name_or_path
     if not target:
         raise ValueError(f"{drafter}: the drafter config names no target (eagle3_zoo.target_name_or_path); "
                          "pass --target")
     model_dir = resolve_model_dir(target)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     stop_ids = _stop_ids(model_dir, tokenizer)
-    requested = EvalSettings(benches=benches, limit=limit, spread=spread)
-    bench_names, loaded = list(requested.benches), _load_benches(requested)
-    spec_cfg = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens}
+    if prompts is not None:
+        bench_names, loaded, prompts = [], [], {rid: [int(t) for t in ids] for rid, ids in prompts.items()}
+    else:
+        requested = EvalSettings(benches=benches, limit=limit, spread=spread)
+        bench_names, loaded = list(requested.benches), _load_benches(requested)
+    spec_cfg = {"method": method, "model": str(draft_dir), "num_speculative_tokens": k}
 
     spec_server = VLLMServer(model_dir, url=url, speculative_config=spec_cfg, python=python,
-                             startup_timeout=startup_timeout, log_path=work_dir / "vllm-eagle3.log")
+                             startup_timeout=startup_timeout, log_path=work_dir / f"vllm-{method}.log")
     with spec_server:
         client = spec_server.client()
         model = client.models()[0]
         before = parse_spec_metrics(client.metrics())
         spec_rows = run_requests(client, model, loaded, tokenizer, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                                 template_kwargs=chat_template_kwargs, sampling=sampling)
+                                 prompts=prompts, template_kwargs=chat_template_kwargs, sampling=sampling)
         counters = spec_summary(before, parse_spec_metrics(client.metrics()))
     base_rows = None
     if baseline:
@@ -265,14 +345,16 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
                                      stop_ids=stop_ids, prompts={k: r["prompt"] for k, r in spec_rows.items()},
                                      sampling=sampling)
     results = _results(spec_rows, base_rows, counters, sampled=temperature > 0, settings={
-        "engine": "vllm", "measured_by": "engine", "method": "eagle3", "num_speculative_tokens": num_speculative_tokens,
+        "engine": "vllm", "measured_by": "engine", "method": method, "num_speculative_tokens": k,
         "temperature": temperature, "sampling": sampling,
         "engine_build": build.describe() if build else None,
         "max_new_tokens": max_new_tokens, "limit": limit, "spread": spread, "benches": bench_names,
         "eos_token_ids": stop_ids, "chat_template_kwargs": dict(chat_template_kwargs or {}),
         "drafter": str(Path(drafter).resolve()), "drafter_dir_served": str(draft_dir),
-        "drafter_format_served": detect_format(draft_dir),
-        "drafter_weights_sha256": weights_digest(drafter), "drafter_tensors_sha256": tensors_digest(drafter),
+        "drafter_format_served": f"dflash-{dflash['layout']}" if dflash else detect_format(draft_dir),
+        **({"block_size": dflash["block_size"]} if dflash else {}),
+        "drafter_weights_sha256": weights_digest(drafter),
+        "drafter_tensors_sha256": None if dflash else tensors_digest(drafter),
         "target": str(target), "target_dir_served": model_dir, "server_url": url, "baseline_url": baseline_url})
     results["versions"] = {**versions(), "vllm": _engine_version(python)}
     if out is not None:
@@ -325,7 +407,7 @@ def _results(spec_rows: dict[str, dict[str, Any]], base_rows: dict[str, dict[str
         if overall["spec_tokens_per_s"] and overall["baseline_tokens_per_s"]:
             overall["speedup"] = overall["spec_tokens_per_s"] / overall["baseline_tokens_per_s"]
     requests = [{"id": rid, "prompt_tokens": len(r["prompt"]), "new_tokens": len(r["tokens"]),
-                 "seconds": r["seconds"],
+                 "seconds": r["seconds"], "prompt_ids": r["prompt"], "token_ids": r["tokens"],
                  **({"matches_baseline": r["tokens"] == base_rows[rid]["tokens"]} if compared else {})}
                 for rid, r in spec_rows.items()]
     return {"protocol": PROTOCOL_ENGINE, "settings": settings, "overall": overall, "tau": overall["tau"],
@@ -349,7 +431,10 @@ def compare_with_our_decoder(engine: dict[str, Any], benches: str | Sequence[str
                              limit: int | None, spread: bool, baseline: bool = True,
                              progress: bool = True) -> dict[str, Any]:
     """Our own decoder on the requests of an engine evaluation (chain of the same K, with the same temperature,
-    top-p and top-k; `eval --engine-compare`): its overall figures, side by side with the engine's."""
+    top-p and top-k; `eval --engine-compare`): its overall figures, side by side with the engine's. A DFlash drafter
+    is decoded by `DFlashGenerator` (greedy) on exactly the prompt token ids the engine was sent."""
+    if engine["settings"].get("method") == "dflash":
+        return _compare_dflash(engine, max_new_tokens=max_new_tokens, baseline=baseline)
     import torch
 
     from eagle3_zoo.adapters import load_target
@@ -370,6 +455,39 @@ def compare_with_our_decoder(engine: dict[str, Any], benches: str | Sequence[str
     return {"mode": f"chain depth {k}", "tau": o["tau"], "acceptance_per_depth": o["acceptance_per_depth"],
             "requests": o["requests"], "new_tokens": o["new_tokens"], "lossless": o["lossless"],
             "speedup": o["speedup"]}
+
+
+def _compare_dflash(engine: dict[str, Any], *, max_new_tokens: int, baseline: bool) -> dict[str, Any]:
+    """`compare_with_our_decoder` for a DFlash drafter (z-lab layout): greedy, the engine's request prompts."""
+    import torch
+
+    from eagle3_zoo.adapters import load_target
+    from eagle3_zoo.drafters.dflash.model import DFlashDrafter
+    from eagle3_zoo.speculative.dflash_decode import DFlashGenerator
+    from eagle3_zoo.speculative.generate import plain_generate
+    from eagle3_zoo.speculative.metrics import BenchStats
+
+    settings = engine["settings"]
+    if settings.get("temperature"):
+        raise ValueError("--engine-compare with a DFlash drafter decodes greedily only (--temperature 0)")
+    if settings.get("drafter_format_served") != "dflash-z-lab":
+        raise ValueError(f"--engine-compare: our decoder reads DFlash folders in the z-lab layout; "
+                         f"{settings['drafter_dir_served']} is {settings.get('drafter_format_served')}")
+    drafter = DFlashDrafter.from_pretrained(settings["drafter_dir_served"], dtype=torch.float32).eval()
+    target, _, adapter = load_target(settings["target"], dtype=torch.float32)
+    generator = DFlashGenerator(target, drafter, adapter)
+    stats = BenchStats()
+    for request in engine["requests"]:
+        prompt = torch.tensor(request["prompt_ids"])
+        spec = generator.generate(prompt, max_new_tokens, settings["eos_token_ids"])
+        base = plain_generate(target, prompt, max_new_tokens, eos_token_id=settings["eos_token_ids"]) \
+            if baseline else None
+        stats.add(spec, base, request_id=request["id"], check_lossless=baseline)
+    o = stats.summary()
+    return {"mode": f"dflash block {drafter.config.block_size}", "tau": o["tau"],
+            "acceptance_per_depth": o["acceptance_per_depth"], "depth_accepts": o["depth_accepts"],
+            "cycles": o["cycles"], "requests": o["requests"], "new_tokens": o["new_tokens"],
+            "lossless": o["lossless"], "speedup": o["speedup"]}
 
 
 def format_engine_table(results: dict[str, Any]) -> str:
@@ -399,13 +517,14 @@ def _ours_line(ours: dict[str, Any] | None) -> str:
 
 
 def engine_smoke(drafter: str | Path, target: str | None = None, *, prompts: int = 2, max_new_tokens: int = 32,
-                 num_speculative_tokens: int = 3, work_dir: str | Path | None = None,
+                 num_speculative_tokens: int | None = None, work_dir: str | Path | None = None,
                  python: str | None = None) -> dict[str, Any]:
     """`eagle3-zoo check DRAFTER --engine vllm`: vLLM loads the drafter and accepts some of its tokens.
 
     One speculative server, the first `prompts` MT-bench turns, greedy; no baseline (the full judgement is
-    `eval --engine vllm`). A drafter that loads but has zero accepted tokens is reported as a failure: on a trained
-    drafter that points at wrong aux layers, a wrong vocabulary mapping or a mismatched target.
+    `eval --engine vllm`). EAGLE-3 drafts `num_speculative_tokens` (default 3), a DFlash drafter its block_size - 1
+    (served with method "dflash"). A drafter that loads but has zero accepted tokens is reported as a failure: on a
+    trained drafter that points at wrong aux layers, a wrong vocabulary mapping or a mismatched target.
 
     Returns:
         ``{"ok", "message", "tau", "accepted_tokens", "draft_tokens"}``.

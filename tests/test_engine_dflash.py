@@ -1,0 +1,304 @@
+"""The `engine` tier, DFlash: vLLM 0.32 serves a DFlash drafter we trained and wrote, and counts as our decoder does.
+
+    bash scripts/test.sh -m engine          # installs .venv-vllm first (scripts/setup_engine.sh), then these tests
+
+The target is SmolLM2-135M-Instruct (CPU, fp32, the HF folder the other engine tests serve). A one-layer DFlash
+drafter (block size 4: vLLM drafts 3 tokens per block) is trained here with `dflash_loss` on the target's own greedy
+continuations of the MT-bench requests it is judged on (`_train_dflash`, a stand-in for `fit` with
+`drafter.kind=dflash`), written in the z-lab layout, and in the speculators layout with the minimal config this test
+writes itself (`_speculators_folder`). The parity (`_parity_failures`): vLLM's greedy output equals the target's plain
+greedy decoding, vLLM's own spec-decode counters equal our `DFlashGenerator`'s on the same token-id prompts (the
+same number of drafts and, at every block position, the same number of accepted tokens) and acceptance is clearly
+above zero. Negative controls each make it fail: the folder's `target_layer_ids` off by one, a drafter trained with
+its labels shifted by one. A causal block does not: this drafter's drafts do not depend on it (measured, both in vLLM
+and in our decoder; `test_a_causal_block_does_not_separate_this_drafter`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import unittest.mock
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.engine
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = "smollm2-135m-instruct"
+BLOCK = 4  # the anchor + 3 masked slots: vLLM's num_speculative_tokens = 3
+# `<empty_output>` (id 16): a reserved token of SmolLM2's tokenizer that its chat template never writes
+MASK_ID = 16
+MAX_NEW, PROMPTS, STEPS = 48, 3, 300
+MIN_ACCEPT_RATE = 0.2  # "clearly above zero": accepted / drafted at block position 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine_venv():
+    if not os.environ.get("EAGLE3_ZOO_VLLM_PYTHON"):
+        start = time.monotonic()
+        subprocess.run(["bash", str(ROOT / "scripts" / "setup_engine.sh")], check=True)
+        print(f"engine venv ready ({time.monotonic() - start:.0f} s)")
+        os.environ["EAGLE3_ZOO_VLLM_PYTHON"] = str(ROOT / ".venv-vllm" / "bin" / "python")
+    yield
+
+
+@pytest.fixture(scope="module")
+def hf_target():
+    from eagle3_zoo.adapters import load_target
+
+    return load_target(TARGET, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def requests_(hf_target):
+    """The first `PROMPTS` MT-bench prompts, both turns (turn 2 after the target's own greedy answer, rendered as
+    `eval` renders it): request id -> (prompt token ids, the target's plain greedy continuation without EOS)."""
+    from eagle3_zoo.adapters.conversation import Message
+    from eagle3_zoo.speculative.benchmarks import load_benchmark
+    from eagle3_zoo.speculative.evaluation import turn_input_ids
+    from eagle3_zoo.speculative.generate import eos_ids, plain_generate
+
+    model, tok, _ = hf_target
+    stop = eos_ids(model, None)
+    out = {}
+    for prompt in load_benchmark("mtbench", PROMPTS).prompts:
+        history = []
+        for turn in range(len(prompt.turns)):
+            ids = turn_input_ids(prompt, turn, history, tok)
+            tokens = plain_generate(model, ids, MAX_NEW).tokens
+            while tokens and tokens[-1] in stop:
+                tokens = tokens[:-1]
+            out[f"mtbench:{prompt.id}/turn{turn + 1}"] = (ids.tolist(), tokens)
+            history.append(Message("assistant", tok.decode(tokens, skip_special_tokens=True)))
+    return out
+
+
+def _train_dflash(hf_target, sequences, steps=STEPS, label_shift=0, seed=0):
+    """A DFlash drafter (1 layer, block `BLOCK`, 5 feature layers) trained with `dflash_loss` for `steps` steps on
+    `sequences` [(prompt ids, continuation ids)], the continuations supervised; features from the HF target. The
+    draft layer starts as a copy of the target's last decoder layer, the final norm as the target's. `label_shift`
+    1 trains slot k towards x_{a+k+1} instead of x_{a+k} (a negative control)."""
+    from eagle3_zoo.drafters.dflash import loss as dflash_loss_module
+    from eagle3_zoo.drafters.dflash.config import DFlashConfig
+    from eagle3_zoo.drafters.dflash.loss import dflash_loss, select_anchors
+    from eagle3_zoo.drafters.dflash.model import DFlashDrafter
+
+    model, _, adapter = hf_target
+    config = DFlashConfig.from_target_config(model.config, mask_token_id=MASK_ID, num_hidden_layers=1,
+                                             block_size=BLOCK, target_name_or_path=TARGET)
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(config).float()
+    target_layers = adapter.decoder_layers(model)
+    with torch.no_grad():
+        drafter.norm.weight.copy_(model.model.norm.weight)
+        for layer, src in zip(drafter.layers, target_layers[-len(drafter.layers):]):
+            ref = dict(src.named_parameters())
+            for name, t in layer.named_parameters():
+                if name in ref and ref[name].shape == t.shape:
+                    t.copy_(ref[name])
+    rows = []
+    for prompt, continuation in sequences:
+        ids = torch.tensor([prompt + continuation])
+        mask = torch.zeros_like(ids, dtype=torch.bool)
+        mask[:, len(prompt):] = True
+        with torch.no_grad():
+            hidden = model(ids, output_hidden_states=True).hidden_states
+        rows.append((ids, mask, torch.cat([hidden[k] for k in config.aux_layer_ids], dim=-1)))
+    embed, head = adapter.embed_tokens(model).weight.detach(), adapter.lm_head(model).weight.detach()
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(seed)
+    labels = dflash_loss_module.block_labels
+
+    def shifted_labels(input_ids, loss_mask, anchors, anchor_valid, block_size, document_ids=None):
+        return labels(input_ids, loss_mask, anchors + label_shift, anchor_valid, block_size, document_ids)
+
+    with unittest.mock.patch.object(dflash_loss_module, "block_labels", shifted_labels):
+        for step in range(steps):
+            ids, mask, aux = rows[step % len(rows)]
+            anchors, valid = select_anchors(mask[:, :mask.shape[1] - label_shift], 16, generator)
+            out = dflash_loss(drafter, aux, ids, mask, anchors, valid, embed, head)
+            optimizer.zero_grad()
+            out.loss.backward()
+            optimizer.step()
+    print(f"trained {steps} steps (label shift {label_shift}): last loss {out.loss.item():.3f}, position accuracy "
+          f"{[round(a, 3) for a in out.position_acc.tolist()]}")
+    return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def drafter(hf_target, requests_):
+    return _train_dflash(hf_target, list(requests_.values()))
+
+
+@pytest.fixture(scope="module")
+def zlab_dir(drafter, tmp_path_factory):
+    return drafter.save_pretrained(tmp_path_factory.mktemp("dflash") / "zlab")
+
+
+def _edited(folder: Path, out: Path, edit) -> Path:
+    """A copy of the z-lab `folder` whose config.json `edit` changed in place."""
+    shutil.copytree(folder, out)
+    cfg = json.loads((out / "config.json").read_text())
+    edit(cfg)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def _speculators_folder(zlab: Path, out: Path) -> Path:
+    """The speculators layout of a z-lab folder, minimal: the same weights; `speculators_model_type: dflash`,
+    `aux_hidden_state_layer_ids` (HF hidden-state indices = target_layer_ids + 1), `mask_token_id`, `block_size`,
+    `sliding_window_non_causal: true` (bidirectional block), the draft layers' Qwen3 config and the proposal
+    method vLLM reads its num_speculative_tokens from."""
+    z = json.loads((zlab / "config.json").read_text())
+    layer = {k: z[k] for k in ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
+                                "num_key_value_heads", "head_dim", "intermediate_size", "hidden_act", "vocab_size",
+                                "rope_theta", "rope_parameters", "rms_norm_eps", "max_position_embeddings",
+                                "attention_bias", "tie_word_embeddings", "torch_dtype", "layer_types")}
+    cfg = {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"],
+           "transformer_layer_config": layer, "draft_vocab_size": z["draft_vocab_size"],
+           "target_hidden_size": z["target_hidden_size"], "block_size": z["block_size"],
+           "mask_token_id": z["dflash_config"]["mask_token_id"],
+           "aux_hidden_state_layer_ids": [i + 1 for i in z["dflash_config"]["target_layer_ids"]],
+           "sliding_window_non_causal": True,
+           "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy",
+                                  "proposal_methods": [{"proposal_type": "greedy",
+                                                        "speculative_tokens": z["block_size"] - 1}],
+                                  "verifier": {"name_or_path": TARGET, "architectures": ["LlamaForCausalLM"]}}}
+    out.mkdir(parents=True)
+    shutil.copy(zlab / "model.safetensors", out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ours(hf_target, drafter, requests_):
+    """Our decoder with the drafter as trained (in memory) on the same token-id prompts."""
+    return _our_counts(hf_target, drafter, requests_)
+
+
+def _our_counts(hf_target, drafter, requests_):
+    from eagle3_zoo.speculative.dflash_decode import DFlashGenerator
+
+    model, _, adapter = hf_target
+    generator = DFlashGenerator(model, drafter, adapter)
+    k = drafter.config.block_size - 1
+    cycles, accepted, tokens, seconds = 0, [0] * k, {}, 0.0
+    for rid, (prompt, _) in requests_.items():
+        out = generator.generate(torch.tensor(prompt), MAX_NEW)
+        cycles += len(out.accept_lengths)
+        for a in out.accept_lengths:
+            for pos in range(a):
+                accepted[pos] += 1
+        tokens[rid] = out.tokens
+        seconds += out.seconds
+    return {"drafts": cycles, "accepted_per_position": accepted, "tokens": tokens, "seconds": seconds,
+            "tau": 1 + sum(accepted) / cycles if cycles else None}
+
+
+def _in_vllm(folder: Path, requests_, work: Path) -> dict:
+    from eagle3_zoo.speculative.engine_eval import evaluate_in_vllm
+
+    start = time.monotonic()
+    res = evaluate_in_vllm(folder, TARGET, max_new_tokens=MAX_NEW, baseline=False, work_dir=work,
+                           prompts={rid: prompt for rid, (prompt, _) in requests_.items()})
+    res["wall_s"] = time.monotonic() - start
+    return res
+
+
+def _parity_failures(engine: dict, ours: dict, requests_) -> list[str]:
+    """Every way vLLM's run of a folder differs from what our decoder predicts for the trained drafter (empty: the
+    parity holds)."""
+    o, failures = engine["overall"], []
+    served = {r["id"]: r["token_ids"] for r in engine["requests"]}
+    plain = {rid: cont for rid, (_, cont) in requests_.items()}
+    if served != plain:
+        differ = sorted(k for k in plain if served.get(k) != plain[k])
+        failures.append(f"greedy output differs from plain decoding on {differ}")
+    if o["drafts"] != ours["drafts"]:
+        failures.append(f"drafts: vLLM {o['drafts']}, ours {ours['drafts']}")
+    if o["accepted_per_position"] != ours["accepted_per_position"]:
+        failures.append(f"accepted per position: vLLM {o['accepted_per_position']}, ours "
+                        f"{ours['accepted_per_position']}")
+    rate = o["accepted_per_position"][0] / o["drafts"] if o["drafts"] else 0.0
+    if rate < MIN_ACCEPT_RATE:
+        failures.append(f"acceptance at position 1 is {rate:.3f} < {MIN_ACCEPT_RATE}")
+    return failures
+
+
+def _report(name: str, engine: dict, ours: dict) -> None:
+    o = engine["overall"]
+    print(f"{name}: vLLM {o['drafts']} drafts, accepted per position {o['accepted_per_position']}, tau "
+          f"{o['tau']:.3f} ({engine['wall_s']:.0f} s with the server start); ours {ours['drafts']} drafts, "
+          f"{ours['accepted_per_position']}, tau {ours['tau']:.3f} ({ours['seconds']:.0f} s)")
+
+
+def test_vllm_serves_the_zlab_folder_as_our_decoder_predicts(zlab_dir, ours, requests_, tmp_path):
+    engine = _in_vllm(zlab_dir, requests_, tmp_path)
+    _report("z-lab", engine, ours)
+    s = engine["settings"]
+    assert (s["method"], s["num_speculative_tokens"], s["drafter_format_served"]) == ("dflash", BLOCK - 1,
+                                                                                       "dflash-z-lab")
+    assert "Using auxiliary layers from speculative config: (2, 9, 15, 21, 28)" in \
+        (tmp_path / "vllm-dflash.log").read_text()  # vLLM's aux ids = target_layer_ids + 1
+    assert _parity_failures(engine, ours, requests_) == []
+
+
+def test_vllm_serves_the_speculators_folder_as_our_decoder_predicts(zlab_dir, ours, requests_, tmp_path):
+    folder = _speculators_folder(zlab_dir, tmp_path / "speculators")
+    engine = _in_vllm(folder, requests_, tmp_path / "work")
+    _report("speculators", engine, ours)
+    assert engine["settings"]["drafter_format_served"] == "dflash-speculators"
+    assert _parity_failures(engine, ours, requests_) == []
+
+
+def test_control_aux_ids_off_by_one_fails_the_parity(zlab_dir, ours, requests_, tmp_path):
+    def shift(cfg):
+        cfg["dflash_config"]["target_layer_ids"] = [i + 1 for i in cfg["dflash_config"]["target_layer_ids"]]
+
+    engine = _in_vllm(_edited(zlab_dir, tmp_path / "off-by-one", shift), requests_, tmp_path / "work")
+    _report("aux ids + 1", engine, ours)
+    failures = _parity_failures(engine, ours, requests_)
+    print(failures)
+    assert any(f.startswith("accepted per position") or f.startswith("drafts") for f in failures)
+
+
+def _causal_attend(q, k, v):
+    """Our decoder's block attention made causal inside the block (context keys stay visible)."""
+    b, t = q.shape[-2], k.shape[-2]
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[:, t - b:] = torch.tril(torch.ones(b, b, dtype=torch.bool))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def test_a_causal_block_does_not_separate_this_drafter(hf_target, drafter, zlab_dir, ours, requests_, tmp_path,
+                                                       monkeypatch):
+    """Not a working negative control on this drafter (measured): the folder marked causal (`dflash_config.causal`,
+    vLLM then serves the block causal) keeps the parity, and our own decoder with a causal block drafts exactly as
+    with a bidirectional one. The drafts of this drafter (block 4, trained on the continuations it is judged on) do
+    not depend on the later MASK slots, so a causal/bidirectional mix-up cannot show in its counts; a drafter that
+    uses them is needed for this control."""
+    from eagle3_zoo.drafters.dflash import decoding
+
+    def causal(cfg):
+        cfg["dflash_config"]["causal"] = True
+
+    engine = _in_vllm(_edited(zlab_dir, tmp_path / "causal", causal), requests_, tmp_path / "work")
+    _report("causal", engine, ours)
+    assert _parity_failures(engine, ours, requests_) == []
+    monkeypatch.setattr(decoding, "_attend", _causal_attend)
+    assert _our_counts(hf_target, drafter, requests_)["accepted_per_position"] == ours["accepted_per_position"]
+
+
+def test_control_labels_shifted_by_one_fails_the_parity(hf_target, requests_, tmp_path):
+    shifted = _train_dflash(hf_target, list(requests_.values()), label_shift=1)
+    engine = _in_vllm(shifted.save_pretrained(tmp_path / "shifted"), requests_, tmp_path / "work")
+    ours_shifted = _our_counts(hf_target, shifted, requests_)
+    _report("labels + 1", engine, ours_shifted)
+    failures = _parity_failures(engine, ours_shifted, requests_)
+    print(failures)
+    assert any(f.startswith("acceptance at position 1") for f in failures)
