@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
 TargetLoad = Literal["whole", "fsdp shard", "heads only"]
 Site = Literal["off", "in process", "vllm server", "server", "engine", "training step", "feature job"]
-_DRAFTER_OVERRIDES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 
 
 # device files of a GPU driver torch can use: NVIDIA (Linux), WSL2's GPU paravirtualisation, AMD ROCm (HIP)
@@ -211,20 +210,15 @@ def drafter_dtype_name(precision: str) -> str:
     return "float32"
 
 
-def drafter_config(recipe: Any, target_config: Any, aux_layer_ids: tuple[int, ...] | None) -> Eagle3Config:
-    """The config of a fresh drafter for the recipe: sized like the target, with the family's published-drafter
-    shape (`TargetAdapter.drafter_defaults`) and the recipe's overrides on top."""
+def drafter_config(recipe: Any, target_config: Any, aux_layer_ids: tuple[int, ...] | None) -> Any:
+    """The config of a fresh drafter of the recipe's `drafter.kind` (`DrafterKind.config_from`): sized like the target,
+    with the family's published-drafter shape (`TargetAdapter.drafter_defaults`) and the recipe's overrides on top."""
     from eagle3_zoo.adapters import adapter_for
-    from eagle3_zoo.modeling.config import Eagle3Config
+    from eagle3_zoo.drafters import get_kind
 
-    family = adapter_for(target_config).drafter_defaults
-    overrides = {k: family[k] for k in _DRAFTER_OVERRIDES if k in family}
-    overrides.update({k: getattr(recipe.drafter, k) for k in _DRAFTER_OVERRIDES
-                      if getattr(recipe.drafter, k) is not None})
-    return Eagle3Config.from_target_config(
-        target_config, draft_vocab_size=recipe.drafter.draft_vocab_size, aux_layer_ids=aux_layer_ids,
-        target_name_or_path=recipe.target.name_or_path, torch_dtype=drafter_dtype_name(recipe.trainer.precision),
-        fc_norm=recipe.drafter.fc_norm, norm_output=recipe.drafter.norm_output, **overrides)
+    return get_kind(recipe.drafter.kind).config_from(
+        recipe.drafter, target_config, aux_layer_ids=aux_layer_ids, defaults=adapter_for(target_config).drafter_defaults,
+        target_name=recipe.target.name_or_path, torch_dtype=drafter_dtype_name(recipe.trainer.precision))
 
 
 @dataclass(frozen=True)
