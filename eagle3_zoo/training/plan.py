@@ -297,8 +297,8 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     """
     from eagle3_zoo.adapters import get_adapter
     from eagle3_zoo.adapters.shipped import shipped_target_config
-    from eagle3_zoo.training.plan_phases import hidden_states_phase, regeneration_phase
     from eagle3_zoo.targets.loading import feature_layer_ids
+    from eagle3_zoo.training.plan_phases import hidden_states_phase, regeneration_phase
     from eagle3_zoo.training.run_plan import counted_devices, drafter_config, run_plan, trainer_device
 
     t, tr = recipe.target, recipe.trainer

@@ -29,7 +29,6 @@ from eagle3_zoo.recipe_engine import (
 if TYPE_CHECKING:
     import torch
 
-    from eagle3_zoo.modeling import Eagle3Config
 
 TargetLoad = Literal["whole", "fsdp shard", "heads only"]
 Site = Literal["off", "in process", "vllm server", "server", "engine", "training step", "feature job"]
@@ -216,8 +215,9 @@ def drafter_config(recipe: Any, target_config: Any, aux_layer_ids: tuple[int, ..
     from eagle3_zoo.adapters import adapter_for
     from eagle3_zoo.drafters import get_kind
 
+    defaults = adapter_for(target_config).drafter_defaults
     return get_kind(recipe.drafter.kind).config_from(
-        recipe.drafter, target_config, aux_layer_ids=aux_layer_ids, defaults=adapter_for(target_config).drafter_defaults,
+        recipe.drafter, target_config, aux_layer_ids=aux_layer_ids, defaults=defaults,
         target_name=recipe.target.name_or_path, torch_dtype=drafter_dtype_name(recipe.trainer.precision))
 
 
