@@ -128,6 +128,22 @@ def test_same_seed_rerun_is_bit_identical_and_resume_continues(files, trained):
         _fit(tmp, target, data, "resumed", "trainer.max_steps=40", "drafter.dflash.num_anchors=4")
 
 
+def test_check_folder_reports_a_broken_dflash_folder(files, trained, tmp_path):
+    import shutil
+
+    kind = get_kind("dflash")
+    broken = shutil.copytree(trained, tmp_path / "broken")
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    assert any("not a loadable DFlash drafter folder" in p for p in kind.check_folder(broken))
+    nan = shutil.copytree(trained, tmp_path / "nan")
+    state = load_file(nan / "model.safetensors")
+    state["fc.weight"][0, 0] = float("nan")
+    from safetensors.torch import save_file
+
+    save_file(state, nan / "model.safetensors")
+    assert any("non-finite" in p for p in kind.check_folder(nan))
+
+
 def test_consolidate_writes_the_same_dflash_folder(files, trained):
     from eagle3_zoo.training.outputs import consolidate_checkpoint
 

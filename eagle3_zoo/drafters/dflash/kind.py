@@ -166,10 +166,12 @@ class DFlashKind(DrafterKind):
         return DFlashDrafter.from_pretrained(folder)
 
     def check_folder(self, folder: Any) -> list[str]:
+        from safetensors import SafetensorError
+
         try:
             drafter = DFlashDrafter.from_pretrained(folder, dtype=torch.float32)
-        except (OSError, ValueError, RuntimeError, KeyError) as e:
-            return [str(e)]
+        except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as e:
+            return [f"{folder}: not a loadable DFlash drafter folder: {e}"]
         bad = [k for k, v in drafter.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
         problems = [f"{folder}: non-finite weights in {', '.join(bad[:4])}"] if bad else []
         if drafter.d2t is not None:
