@@ -89,6 +89,8 @@ def test_fit_trains_a_dflash_drafter_that_decodes_losslessly(files, trained):
     assert c.target_layer_ids == (0, 1, 2) and c.aux_layer_ids == (1, 2, 3) and c.block_size == 4
     assert c.num_hidden_layers == 1 and c.draft_vocab_size == 128 and c.mask_token_id == c.vocab_size - 1
     assert drafter.d2t is not None and get_kind("dflash").check_folder(trained) == []
+    tok_ids = set(drafter.to_target_ids(torch.arange(128)).tolist())  # the draft vocabulary holds the digits and " "
+    assert {22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 227} <= tok_ids
     prov = json.loads((trained / "provenance.json").read_text())
     assert prov["drafter"]["aux_layer_ids"] == [1, 2, 3] and prov["training"]["global_step"] == 30
     metrics = (tmp / "run/logs/version_0/metrics.csv").read_text().splitlines()[0].split(",")
