@@ -1,11 +1,13 @@
-"""DFlash as the second drafter kind, trained by `fit` on the tiny random Llama target: the loss falls, the folder
-loads with `DFlashDrafter.from_pretrained` and decodes losslessly with `DFlashGenerator`, a rerun with the same seed
-writes bit-identical weights, a resume continues, offline features train the same drafter, and bad `drafter.dflash`
-keys (or EAGLE-3 keys that would do nothing) are refused naming the key."""
+"""DFlash as the second drafter kind, trained by `fit` (in process) on the tiny random Llama target: the loss falls,
+the folder loads with `DFlashDrafter.from_pretrained` and decodes losslessly with `DFlashGenerator`, a rerun with the
+same seed writes bit-identical weights, a resume continues (another DFlash setting is refused), offline features train
+the same drafter, `consolidate` writes the same folder, and bad `drafter.dflash` keys (or EAGLE-3 keys that would do
+nothing) are refused naming the key."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,6 +130,20 @@ def test_same_seed_rerun_is_bit_identical_and_resume_continues(files, trained):
 
     with pytest.raises(ResumeError, match="drafter.dflash.num_anchors"):
         _fit(tmp, target, data, "resumed", "trainer.max_steps=40", "drafter.dflash.num_anchors=4")
+
+
+def test_offline_features_train_the_same_dflash_drafter(files, trained):
+    """The feature job stores exactly the layers the kind reads (1, 2, 3 = target_layer_ids + 1); fp32 features read
+    back from disk train the drafter the online run trained."""
+    tmp, target, data = files
+    torch.set_num_threads(1)
+    out = _fit(tmp, target, data, "offline", "data.mode=offline")
+    store = json.loads((out / "provenance.json").read_text())["data"]["features"]["features_dir"]
+    manifest = json.loads((Path(store) / "manifest.json").read_text())
+    assert manifest["aux_layer_ids"] == [1, 2, 3]
+    online, offline = load_file(trained / "model.safetensors"), load_file(out / "model.safetensors")
+    for k in online:
+        torch.testing.assert_close(offline[k], online[k], atol=1e-5, rtol=0)
 
 
 def test_check_folder_reports_a_broken_dflash_folder(files, trained, tmp_path):
