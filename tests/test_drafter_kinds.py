@@ -220,7 +220,7 @@ def test_a_toy_kind_trains_through_the_module_decodes_losslessly_and_writes_a_ch
             opt.zero_grad()
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
         assert losses[-1] < 0.2 * losses[0]
 
         out = DFlashGenerator(target, kind.proposer(drafter), adapter, layer_ids=config.aux_layer_ids).generate(
