@@ -76,6 +76,32 @@ class TargetConfig:
     trust_remote_code: bool = False  # passed to transformers; off: it executes code from the Hub
 
 
+def _target_layers_problem(ids: list[int]) -> str | None:
+    return next((msg for broken, msg in [
+        (not ids, "expected at least one decoder-layer id"),
+        (any(i < 0 for i in ids), "layer ids must be >= 0 (0-based target decoder layers whose output is read)"),
+        (any(b <= a for a, b in zip(ids, ids[1:])), "layer ids must be strictly increasing")] if broken), None)
+
+
+@dataclass
+class DFlashSection:
+    """The DFlash block drafter (`drafter.kind: dflash`; read only then): its shape and how it is trained. Defaults are
+    the DFlash paper's (block 16, 5 draft layers, 5 target features spread from layer 1 to N-3)."""
+    num_layers: int = ruled(5, GT0)  # draft decoder layers (Qwen3-style, at the target's width)
+    block_size: int = ruled(16, rule(lambda v: v >= 2, "must be >= 2 (the anchor and at least one drafted token)"))
+    num_anchors: int = ruled(512, GT0)  # blocks drawn per sequence each step (fewer where fewer positions qualify)
+    weighting: Literal["dpace", "decay"] = "dpace"  # D-PACE (expected accepted length) or exp(-(k-1)/gamma)
+    dpace_alpha: float = ruled(0.5, rule(lambda v: 0 < v <= 1, "must be in (0, 1]"))  # D-PACE smoothing
+    decay_gamma: float = ruled(4.0, GT0)  # the decay weighting's gamma
+    num_target_features: int = ruled(5, GT0)  # target layers read, evenly spread from layer 1 to N-3
+    # 0-based target decoder layers whose OUTPUT is read (z-lab's and vLLM's dflash_config.target_layer_ids; the hidden
+    # states HF numbers id + 1); null = num_target_features spread from layer 1 to N-3
+    target_layer_ids: list[int] | None = ruled(None, _target_layers_problem)
+    # the id embedded at the masked slots of a block; null = the target config's mask_token_id if it has one, else
+    # the last id of its vocabulary (recorded in the drafter's config.json either way)
+    mask_token_id: int | None = ruled(None, GE0)
+
+
 @dataclass
 class DrafterConfig:
     """The drafter: its kind, and the shape of an EAGLE-3 drafter (one Llama decoder layer); null fields follow the
@@ -97,6 +123,7 @@ class DrafterConfig:
     # to the next step; written as config.json's fc_norm / norm_output (vLLM serves them; see `eagle3-zoo check`)
     fc_norm: bool = False
     norm_output: bool = False
+    dflash: DFlashSection = field(default_factory=DFlashSection)  # drafter.kind = dflash only
 
 
 @dataclass
@@ -314,7 +341,43 @@ def _cross_field_rules(r: Recipe) -> list[tuple[str, bool, str, tuple[str, ...]]
          "(data.mode = offline) or set data.packing = false", ("data.features_backend", "data.mode")),
         ("optim.precondition_fc", r.optim.precondition_fc and d.fc_norm, "cannot be combined with drafter.fc_norm: "
          "its scale is measured on the raw features, which fc_norm normalises per aux layer first",
-         ("drafter.fc_norm",))]
+         ("drafter.fc_norm",))] + _dflash_rules(r)
+
+
+_DFLASH = "with drafter.kind = dflash"
+
+
+def _dflash_rules(r: Recipe) -> list[tuple[str, bool, str, tuple[str, ...]]]:
+    """EAGLE-3 settings that would silently do nothing (or something else) for a DFlash drafter."""
+    d, t = r.drafter, r.ttt
+    if d.kind != "dflash":
+        return []
+    kind = ("drafter.kind",)
+    return [
+        ("drafter.aux_layer_ids", d.aux_layer_ids is not None, f"is EAGLE-3's; {_DFLASH} set "
+         "drafter.dflash.target_layer_ids (0-based decoder layers whose output is read) or num_target_features", kind),
+        ("drafter.fc_norm", d.fc_norm, f"is an EAGLE-3.1 option; a DFlash drafter has none ({_DFLASH})", kind),
+        ("drafter.norm_output", d.norm_output, f"is an EAGLE-3.1 option; a DFlash drafter has none ({_DFLASH})",
+         kind),
+        ("drafter.init_head", d.init_head != "random", f"must be random {_DFLASH}: a full-vocabulary DFlash drafter "
+         "scores with the target's lm_head itself, a reduced one starts its own at random", kind),
+        ("drafter.init_from", d.init_from is not None, f"is not supported {_DFLASH} yet (train from scratch)", kind),
+        ("drafter.hidden_size", d.hidden_size is not None, f"must be null {_DFLASH}: a DFlash drafter has the "
+         "target's width", kind),
+        ("ttt.schedule", t.schedule != "constant", f"must be constant {_DFLASH}: a block is drafted in one pass, "
+         "nothing is unrolled (the ttt section is not read)", kind),
+        ("ttt.step_weights", t.step_weights is not None, f"must be null {_DFLASH}: position weights are "
+         "drafter.dflash.weighting's (dpace or decay)", kind),
+        ("loss.name", r.loss.name != "soft_ce", f"must be soft_ce (the default) {_DFLASH}: the DFlash loss is the "
+         "cross-entropy to the next tokens, weighted by drafter.dflash.weighting", kind),
+        ("optim.precondition_fc", r.optim.precondition_fc, f"is EAGLE-3's; not supported {_DFLASH}", kind),
+        ("trainer.tau_eval.every_n_steps", r.trainer.tau_eval.every_n_steps is not None, f"must be null {_DFLASH}: "
+         "the tau callback drives the tree decoder (EAGLE-3); measure a DFlash drafter's tau after training with "
+         "eagle3_zoo.speculative.dflash_decode (DFlashGenerator, measure)", kind),
+        ("drafter.dflash.target_layer_ids", d.dflash.target_layer_ids is not None
+         and len(d.dflash.target_layer_ids) != d.dflash.num_target_features and d.dflash.num_target_features != 5,
+         f"has {len(d.dflash.target_layer_ids or [])} ids but drafter.dflash.num_target_features = "
+         f"{d.dflash.num_target_features}: set one of them", ("drafter.dflash.num_target_features",))]
 
 
 def _secret_problems(r: Recipe) -> list[ConfigProblem]:
@@ -371,7 +434,11 @@ def validate_against_target(recipe: Recipe, num_layers: int, vocab_size: int, hi
          f"out of range for a {num_layers}-layer target (valid 0..{num_layers - 1})"),
         ("drafter.hidden_size", d.hidden_size, d.hidden_size not in (None, hidden_size),
          f"must equal the target hidden size ({hidden_size}) because the frozen target embedding is fed to the "
-         "drafter")] if broken]
+         "drafter"),
+        ("drafter.dflash.target_layer_ids", d.dflash.target_layer_ids, d.kind == "dflash"
+         and any(not 0 <= i < num_layers - 1 for i in d.dflash.target_layer_ids or []),
+         f"out of range for a {num_layers}-layer target (valid 0..{num_layers - 2}: the output of layer id is the "
+         "hidden state entering layer id + 1)")] if broken]
     if problems:
         raise RecipeError(problems)
 

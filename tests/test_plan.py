@@ -330,17 +330,20 @@ def test_drafter_shapes_without_a_build_equal_the_built_drafter(recipe):
     name, order and shape of every parameter equal the meta-device build, for each shipped recipe's drafter, also
     with the EAGLE-3.1 options (fails when the drafter gains, loses or reshapes a parameter)."""
     from eagle3_zoo.adapters.shipped import shipped_target_config
-    from eagle3_zoo.modeling import Eagle3Drafter
+    from eagle3_zoo.drafters import get_kind
+    from eagle3_zoo.targets.loading import feature_layer_ids
     from eagle3_zoo.training.run_plan import drafter_config
 
     r = load_recipe(recipe)
     target_config = shipped_target_config(r.target.name_or_path)
     adapter = get_adapter(target_config.model_type)
-    aux = tuple(r.drafter.aux_layer_ids or adapter.aux_layer_ids(target_config.num_hidden_layers))
-    base = drafter_config(r, target_config, aux)
-    for cfg in (base, base.__class__(**{**base.__dict__, "fc_norm": True, "norm_output": True})):
+    base = drafter_config(r, target_config, feature_layer_ids(r, target_config, adapter))
+    kind = get_kind(r.drafter.kind)
+    eagle31 = [base.__class__(**{**base.__dict__, "fc_norm": True, "norm_output": True})] if kind.name == "eagle3" \
+        else []
+    for cfg in (base, *eagle31):
         with torch.device("meta"):
-            built = Eagle3Drafter(cfg)
+            built = kind.drafter_class(cfg)
         assert [(n, tuple(p.shape)) for n, p in built.named_parameters()] == \
             [(n, shape) for n, (shape, _) in cfg.parameter_shapes().items()]
         linear = {f"{n}.weight" for n, m in built.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -358,7 +361,8 @@ def test_plan_from_the_resolved_table_equals_plan_through_transformers(recipe, m
     if not _shipped_table_is_current():
         pytest.skip("the shipped table was made with another transformers version")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    for overrides in ([], ["trainer.strategy=fsdp", "trainer.tau_eval.every_n_steps=100"], ["trainer.strategy=ddp"]):
+    tau = [] if load_recipe(recipe).drafter.kind == "dflash" else ["trainer.tau_eval.every_n_steps=100"]
+    for overrides in ([], ["trainer.strategy=fsdp", *tau], ["trainer.strategy=ddp"]):
         r = load_recipe(recipe, overrides)
         resolved = shipped_resolved_config(r.target.name_or_path)
         assert isinstance(resolved, ResolvedConfig)

@@ -112,11 +112,13 @@ def _save_recipe(recipe: Any, path: Path) -> None:
 
 
 def write_drafter_folder(drafter: Eagle3Drafter, out_dir: str | Path, recipe: Any,
-                         provenance: dict[str, Any]) -> Path:
+                         provenance: dict[str, Any], kind: Any = None) -> Path:
     """Stage `drafter` + recipe.yaml + provenance.json in a temp dir with the files of an existing `out_dir` that the
     project does not own, check it, then rename it to `out_dir` (replacing it).
 
-    `recipe`: a typed recipe (written resolved) or a plain dict read from a checkpoint (written as it is).
+    `recipe`: a typed recipe (written resolved) or a plain dict read from a checkpoint (written as it is). `kind`: the
+    drafter's `DrafterKind` (default EAGLE-3's path); a kind with no registered layout writes the folder with its
+    `save` and checks it with its `check_folder`.
 
     Raises:
         ValueError: `out_dir` may not be replaced (`drafter_out_dir`).
@@ -127,10 +129,16 @@ def write_drafter_folder(drafter: Eagle3Drafter, out_dir: str | Path, recipe: An
     out_dir = drafter_out_dir(out_dir)
     with staged_directory(out_dir) as tmp:
         recover_replaced_directory(out_dir)  # a replacement cut short: its user files are carried over below
-        drafter.save_pretrained(tmp)
+        own = kind is not None and not kind.layouts  # written and checked by its kind
+        kind.save(drafter, tmp) if own else drafter.save_pretrained(tmp)
         _save_recipe(recipe, tmp / "recipe.yaml")
         (tmp / "provenance.json").write_text(provenance_json(provenance))
-        require_valid_stage(tmp, out_dir)
+        if own:
+            problems = kind.check_folder(tmp)
+            if problems:
+                raise ValueError(f"{out_dir}: refusing to write an invalid {kind.name} drafter: {'; '.join(problems)}")
+        else:
+            require_valid_stage(tmp, out_dir)
         replace_with_stage(tmp, out_dir)
     return out_dir
 

@@ -21,7 +21,7 @@ from eagle3_zoo.drafters.base import (
 )
 
 DEFAULT_KIND = "eagle3"
-BUILTIN_KINDS = ("eagle3",)  # imported (and registered) on first use: `_load_builtin`
+BUILTIN_KINDS = ("eagle3", "dflash")  # imported (and registered) on first use: `_load_builtin`
 
 
 def kind_names() -> tuple[str, ...]:
@@ -37,6 +37,8 @@ def unknown_kind_message(name: Any) -> str:
 def _load_builtin(name: str) -> None:
     if name == "eagle3":
         from eagle3_zoo.drafters.eagle3 import kind  # noqa: F401 (registers the kind)
+    elif name == "dflash":
+        from eagle3_zoo.drafters.dflash import kind  # noqa: F401,F811 (registers the kind)
 
 
 def get_kind(name: str) -> DrafterKind:

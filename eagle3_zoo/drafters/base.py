@@ -159,9 +159,10 @@ class DrafterKind:
         return isinstance(drafter, self.drafter_class)
 
     # ------------------------------------------------------------------ training
-    def objective(self, drafter: nn.Module, loss: Any) -> nn.Module:
+    def objective(self, drafter: nn.Module, loss: Any, section: Any = None) -> nn.Module:
         """The trained unit: an `nn.Module` holding `drafter` (as `.drafter`) whose `forward` computes the loss,
-        so FSDP2 gathers the drafter's parameters around it. `loss` is the recipe's per-position `Loss`."""
+        so FSDP2 gathers the drafter's parameters around it. `loss` is the recipe's per-position `Loss`; `section`
+        the recipe's `drafter` section (the kind's training settings; None outside a recipe: the defaults)."""
         raise NotImplementedError
 
     def training_loss(self, module: TrainingContext, batch: dict[str, torch.Tensor], steps: int, *,
@@ -204,7 +205,9 @@ class DrafterKind:
 
     # ------------------------------------------------------------------ decoding
     def draft_model(self, drafter: nn.Module, embed_tokens: nn.Module) -> DraftModel:
-        """The drafter as the speculative decoder drives it, with the target's frozen input embedding."""
+        """The drafter as the tree speculative decoder drives it, with the target's frozen input embedding. A kind
+        whose drafter is decoded otherwise (a block drafter: `eagle3_zoo.speculative.dflash_decode`) raises
+        TypeError naming its decoder; `trainer.tau_eval` is refused for such a kind when the recipe is read."""
         raise NotImplementedError
 
     def target_mismatches(self, drafter: nn.Module, target_config: Any) -> list[str]:

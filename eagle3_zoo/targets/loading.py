@@ -88,10 +88,24 @@ def load_recipe_target(recipe: Any, source: str = "recipe", device: str | torch.
 
 
 def aux_layer_ids_for(recipe: Any, target: Any, adapter: Any) -> tuple[int, ...]:
-    """`drafter.aux_layer_ids`, or the adapter's default for the target's depth."""
+    """The hidden states the data stage produces for the recipe's drafter (`feature_layer_ids`)."""
+    return feature_layer_ids(recipe, target.config, adapter)
+
+
+def feature_layer_ids(recipe: Any, target_config: Any, adapter: Any) -> tuple[int, ...]:
+    """The target hidden states (HF `output_hidden_states` ids) the data stage produces for the recipe's drafter:
+    `drafter.aux_layer_ids`, else what the recipe's kind of drafter reads (`DrafterKind.features` of the config
+    `config_from` derives; EAGLE-3: the adapter's default three for the target's depth)."""
     if recipe.drafter.aux_layer_ids is not None:
         return tuple(int(i) for i in recipe.drafter.aux_layer_ids)
-    return tuple(adapter.aux_layer_ids(target.config.num_hidden_layers))
+    if recipe.drafter.kind == "eagle3":  # the adapter declares EAGLE-3's layers (no drafter config needed)
+        return tuple(adapter.aux_layer_ids(target_config.num_hidden_layers))
+    from eagle3_zoo.drafters import get_kind
+
+    kind = get_kind(recipe.drafter.kind)
+    config = kind.config_from(recipe.drafter, target_config, aux_layer_ids=None, defaults=adapter.drafter_defaults,
+                              target_name=recipe.target.name_or_path, torch_dtype="float32")
+    return tuple(kind.features(config).aux_layer_ids)
 
 
 def is_heads_only(model: Any) -> bool:

@@ -255,7 +255,7 @@ class RecipeModule(DrafterModule):
             step_weights=t.step_weights or [t.step_weight_decay**k for k in range(t.steps)], lr=o.lr,
             betas=tuple(o.betas), weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, decay=o.decay,
             min_lr_ratio=o.min_lr_ratio, loss=recipe.loss.build(),
-            shard_target=plan.target_sharded)
+            shard_target=plan.target_sharded, drafter_section=recipe.drafter)
         self.recipe, self.plan = recipe, plan
 
     @override

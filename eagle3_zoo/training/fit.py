@@ -319,7 +319,7 @@ def _fit(recipe: Any, source: str) -> Path:
         provenance = build_provenance(recipe_dict=recipe_to_dict(recipe), target=target_info, data=data_summary,
                                       training=training, git=git, drafter=drafter_summary(
                                           trained.config, sum(p.numel() for p in trained.parameters())))
-        write_drafter_folder(trained, out, recipe, provenance)
+        write_drafter_folder(trained, out, recipe, provenance, kind=module.kind)
         logger.info("drafter written to %s (step %d, %.0f s)", out, trainer.global_step, time.time() - start)
     trainer.strategy.barrier("drafter-written")
     return out

@@ -135,6 +135,8 @@ class DrafterModule(L.LightningModule):
             parameters; default EAGLE-3's soft cross-entropy).
         shard_target: FSDP shards the target too (default: in online mode; features streamed from an engine: for
             tau evaluation).
+        drafter_section: the recipe's `drafter` section, handed to the kind's `objective` (its training settings:
+            DFlash's anchors and position weights); None: the kind's defaults.
     """
 
     def __init__(self, drafter: nn.Module | None, adapter: Any = None, target: nn.Module | None = None, *,
@@ -143,7 +145,7 @@ class DrafterModule(L.LightningModule):
                  ttt_steps: int = 7, step_weights: list[float] | None = None, lr: float = 1e-4,
                  betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0, warmup_steps: int = 0,
                  decay: str = "cosine", min_lr_ratio: float = 0.0, logits_chunk_size: int = 1024,
-                 loss: Loss | str = "soft_ce", shard_target: bool | None = None):
+                 loss: Loss | str = "soft_ce", shard_target: bool | None = None, drafter_section: Any = None):
         super().__init__()
         if mode not in ("online", "offline"):
             raise ValueError(f"unknown data mode {mode!r}; valid: online, offline")
@@ -155,6 +157,7 @@ class DrafterModule(L.LightningModule):
         self.optim_args = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay)
         self.schedule_args = dict(warmup_steps=warmup_steps, decay=decay, min_lr_ratio=min_lr_ratio)
         self.logits_chunk_size = logits_chunk_size
+        self.drafter_section = drafter_section
         self.val_metrics = self.kind.validation_metrics(ttt_steps) if self.kind is not None else None
         # device values read with the next step's counts (`read_counts`): the non-finite check, the bar's metrics
         self._read_later: dict[str, torch.Tensor] = {}
@@ -186,7 +189,7 @@ class DrafterModule(L.LightningModule):
             self.val_metrics = self.kind.validation_metrics(self.ttt_steps)
         elif not self.kind.owns(drafter):
             raise TypeError(f"a {type(drafter).__name__} is not a drafter of the kind {self.kind.name!r}")
-        self.objective = self.kind.objective(drafter, self.position_loss)
+        self.objective = self.kind.objective(drafter, self.position_loss, self.drafter_section)
         self.adapter = adapter
         # a tuple keeps the frozen modules out of the module tree (see the module docstring)
         self._frozen = FrozenTarget(target, adapter.embed_tokens(target) if embed_tokens is None else embed_tokens,

@@ -87,6 +87,7 @@ def consolidate_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
         FileNotFoundError: `checkpoint` does not exist.
         ValueError: not a checkpoint written by `fit` (no drafter entry), or unreadable.
     """
+    from eagle3_zoo.drafters.dflash.config import ARCHITECTURE as DFLASH_ARCHITECTURE
     from eagle3_zoo.modeling import Eagle3Config
 
     checkpoint = Path(checkpoint)
@@ -101,12 +102,22 @@ def consolidate_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     if info is None:
         raise ValueError(f"{checkpoint} was not written by an eagle3-zoo fit that records its drafter "
                          f"({DRAFTER_INFO_KEY} is missing)")
-    config = Eagle3Config.from_json_dict(info_json(info, "config", checkpoint), source=f"{checkpoint} drafter config")
+    raw = info_json(info, "config", checkpoint)
+    kind = None
+    if DFLASH_ARCHITECTURE in (raw.get("architectures") or []):  # a DFlash drafter (its z-lab config.json)
+        from eagle3_zoo.drafters import get_kind
+        from eagle3_zoo.drafters.dflash.config import DFlashConfig
+
+        kind = get_kind("dflash")
+        config = DFlashConfig.from_json_dict(raw, source=f"{checkpoint} drafter config")
+    else:
+        config = Eagle3Config.from_json_dict(raw, source=f"{checkpoint} drafter config")
     state = sharded_state(checkpoint, _STATE_PREFIX) if checkpoint.is_dir() else {
         f"state_dict.{k}": v for k, v in (meta.get("state_dict") or {}).items()}
     state = {k.removeprefix(_STATE_PREFIX): v for k, v in state.items() if k.startswith(_STATE_PREFIX)}
     try:
-        drafter = drafter_from_state(config, state, info.get("fc_input_scale"))
+        drafter = kind.to_write(kind.drafter_class(config), state) if kind is not None else \
+            drafter_from_state(config, state, info.get("fc_input_scale"))
     except (RuntimeError, TypeError) as e:  # missing / unexpected keys, shapes that do not fit the config
         raise ValueError(f"{checkpoint}: its drafter weights do not fit its drafter config "
                          f"({str(e).strip().splitlines()[0]}...)") from None
@@ -116,4 +127,4 @@ def consolidate_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     record = meta.get(RECORD_KEY) if isinstance(meta.get(RECORD_KEY), dict) else {}  # wall time, epochs, metrics...
     provenance.setdefault("training", {}).update(record, global_step=meta.get("global_step"),
                                                  consolidated_from=str(checkpoint.resolve()))
-    return write_drafter_folder(drafter, out, info_json(info, "recipe", checkpoint), provenance)
+    return write_drafter_folder(drafter, out, info_json(info, "recipe", checkpoint), provenance, kind=kind)

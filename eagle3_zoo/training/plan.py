@@ -297,6 +297,7 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     """
     from eagle3_zoo.adapters import get_adapter
     from eagle3_zoo.adapters.shipped import shipped_target_config
+    from eagle3_zoo.targets.loading import feature_layer_ids
     from eagle3_zoo.training.plan_phases import hidden_states_phase, regeneration_phase
     from eagle3_zoo.training.run_plan import counted_devices, drafter_config, run_plan, trainer_device
 
@@ -310,8 +311,7 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     adapter = get_adapter(target_config.model_type)
     rp = run_plan(recipe)
     counts = target_parameter_counts(target_config, adapter)
-    aux = tuple(recipe.drafter.aux_layer_ids or adapter.aux_layer_ids(target_config.num_hidden_layers))
-    dcfg = drafter_config(recipe, target_config, aux)
+    dcfg = drafter_config(recipe, target_config, feature_layer_ids(recipe, target_config, adapter))
     quant = (getattr(target_config, "quantization_config", None) or {}).get("quant_method")
     dequant = f"; its {quant} checkpoint dequantised to {t.dtype}" if quant else ""
     counted, assumed = counted_devices(tr.devices, tr.accelerator)

@@ -48,7 +48,11 @@ RESUMABLE_KEYS = (
 
 # recipe keys added after identities were first saved, with the value every earlier run had: an identity without one
 # compares as that value (a resume with another value is refused like any other data setting)
-ADDED_KEYS = {"data.packing": repr(False), "drafter.kind": repr("eagle3")}
+ADDED_KEYS = {"data.packing": repr(False), "drafter.kind": repr("eagle3"),
+              **{f"drafter.dflash.{k}": repr(v) for k, v in {
+                  "num_layers": 5, "block_size": 16, "num_anchors": 512, "weighting": "dpace", "dpace_alpha": 0.5,
+                  "decay_gamma": 4.0, "num_target_features": 5, "target_layer_ids": None,
+                  "mask_token_id": None}.items()}}
 
 
 def _before_loss_params(saved: dict[str, str]) -> dict[str, str]:

@@ -29,11 +29,9 @@ from eagle3_zoo.recipe_engine import (
 if TYPE_CHECKING:
     import torch
 
-    from eagle3_zoo.modeling import Eagle3Config
 
 TargetLoad = Literal["whole", "fsdp shard", "heads only"]
 Site = Literal["off", "in process", "vllm server", "server", "engine", "training step", "feature job"]
-_DRAFTER_OVERRIDES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 
 
 # device files of a GPU driver torch can use: NVIDIA (Linux), WSL2's GPU paravirtualisation, AMD ROCm (HIP)
@@ -211,20 +209,32 @@ def drafter_dtype_name(precision: str) -> str:
     return "float32"
 
 
-def drafter_config(recipe: Any, target_config: Any, aux_layer_ids: tuple[int, ...] | None) -> Eagle3Config:
-    """The config of a fresh drafter for the recipe: sized like the target, with the family's published-drafter
-    shape (`TargetAdapter.drafter_defaults`) and the recipe's overrides on top."""
+def drafter_config(recipe: Any, target_config: Any, aux_layer_ids: tuple[int, ...] | None) -> Any:
+    """The config of a fresh drafter of the recipe's `drafter.kind` (`DrafterKind.config_from`): sized like the target,
+    with the family's published-drafter shape (`TargetAdapter.drafter_defaults`) and the recipe's overrides on top.
+    EAGLE-3's is built here from its torch-free config, as `Eagle3Kind.config_from` builds it: `plan` imports no
+    model code."""
     from eagle3_zoo.adapters import adapter_for
-    from eagle3_zoo.modeling.config import Eagle3Config
 
-    family = adapter_for(target_config).drafter_defaults
-    overrides = {k: family[k] for k in _DRAFTER_OVERRIDES if k in family}
-    overrides.update({k: getattr(recipe.drafter, k) for k in _DRAFTER_OVERRIDES
-                      if getattr(recipe.drafter, k) is not None})
-    return Eagle3Config.from_target_config(
-        target_config, draft_vocab_size=recipe.drafter.draft_vocab_size, aux_layer_ids=aux_layer_ids,
-        target_name_or_path=recipe.target.name_or_path, torch_dtype=drafter_dtype_name(recipe.trainer.precision),
-        fc_norm=recipe.drafter.fc_norm, norm_output=recipe.drafter.norm_output, **overrides)
+    defaults, dtype = adapter_for(target_config).drafter_defaults, drafter_dtype_name(recipe.trainer.precision)
+    if recipe.drafter.kind == "eagle3":
+        from eagle3_zoo.modeling.config import Eagle3Config
+
+        overrides = {k: defaults[k] for k in _EAGLE3_SHAPE if k in defaults}
+        overrides.update({k: v for k in _EAGLE3_SHAPE if (v := getattr(recipe.drafter, k)) is not None})
+        return Eagle3Config.from_target_config(
+            target_config, draft_vocab_size=recipe.drafter.draft_vocab_size, aux_layer_ids=aux_layer_ids,
+            target_name_or_path=recipe.target.name_or_path, torch_dtype=dtype, fc_norm=recipe.drafter.fc_norm,
+            norm_output=recipe.drafter.norm_output, **overrides)
+    from eagle3_zoo.drafters import get_kind
+
+    return get_kind(recipe.drafter.kind).config_from(
+        recipe.drafter, target_config, aux_layer_ids=aux_layer_ids, defaults=defaults,
+        target_name=recipe.target.name_or_path, torch_dtype=dtype)
+
+
+# Eagle3Kind's shape fields (eagle3_zoo.drafters.eagle3.kind.SHAPE_FIELDS, a module that imports torch)
+_EAGLE3_SHAPE = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ class Eagle3Kind(DrafterKind):
             drafter.init_head_from_target(*target_head)
         return drafter
 
-    def objective(self, drafter: Eagle3Drafter, loss: Any) -> DrafterObjective:
+    def objective(self, drafter: Eagle3Drafter, loss: Any, section: Any = None) -> DrafterObjective:
         return DrafterObjective(drafter, loss)
 
     def training_loss(self, module: TrainingContext, batch: dict[str, torch.Tensor], steps: int, *,

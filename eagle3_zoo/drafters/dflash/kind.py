@@ -1,0 +1,228 @@
+"""DFlash as a drafter kind (`drafter.kind: dflash`): a block drafter that drafts B-1 tokens in one forward pass.
+
+Its model and config are `model.DFlashDrafter` and `config.DFlashConfig` (sized like the target; the recipe's
+`drafter.dflash` section sets the draft layers, the block size and the feature layers). It reads the outputs of the
+target decoder layers `target_layer_ids` (the data stage's `aux_layer_ids` = those ids + 1) and never the target's
+last hidden state or logits (its labels are the next tokens themselves). It is trained with `loss.dflash_loss`
+behind `DFlashObjective`: anchors drawn afresh each optimizer step from a generator seeded by the run's seed and the
+global step (a rerun draws the same anchors), D-PACE or decay position weights, the vocabulary projection in chunks.
+It is written as the z-lab folder vLLM 0.32 loads (`DFlashDrafter.save_pretrained`) and decoded by
+`eagle3_zoo.speculative.dflash_decode.DFlashGenerator` (a block drafter: it has no tree `DraftModel`).
+
+The mask token: the `drafter.dflash.mask_token_id` of the recipe, else the target config's `mask_token_id` when it has
+one, else the last id of the target's vocabulary (`vocab_size - 1`); whichever it is, config.json records it
+(`dflash_config.mask_token_id`), and the drafter learns what that frozen embedding row means in a masked slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torchmetrics import Metric
+
+from eagle3_zoo.drafters.base import DrafterKind, DraftModel, FeatureNeeds, TrainingContext, register_kind
+from eagle3_zoo.drafters.dflash.config import DFlashConfig
+from eagle3_zoo.drafters.dflash.loss import DFlashLossOutput, dflash_loss, select_anchors
+from eagle3_zoo.drafters.dflash.model import DFlashDrafter
+
+# the recipe's `drafter` shape fields a DFlash drafter takes as overrides of the target's (hidden_size must equal it)
+SHAPE_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+@dataclass(frozen=True)
+class DFlashTraining:
+    """How a DFlash drafter is trained (the recipe's `drafter.dflash` section; not part of the saved config)."""
+
+    num_anchors: int = 512  # blocks drawn per sequence each step
+    weighting: str = "dpace"  # "dpace" | "decay"
+    dpace_alpha: float = 0.5
+    decay_gamma: float = 4.0
+
+
+def training_settings(section: Any) -> DFlashTraining:
+    """`DFlashTraining` from the recipe's `drafter` section (its `dflash` subsection; defaults without one)."""
+    d = getattr(section, "dflash", None)
+    if d is None:
+        return DFlashTraining()
+    return DFlashTraining(num_anchors=d.num_anchors, weighting=d.weighting, dpace_alpha=d.dpace_alpha,
+                          decay_gamma=d.decay_gamma)
+
+
+def mask_token_for(target_config: Any, wanted: int | None) -> int:
+    """The mask token id (see the module docstring): `wanted`, else the target config's `mask_token_id`, else
+    `vocab_size - 1`."""
+    if wanted is not None:
+        return int(wanted)
+    own = getattr(target_config, "mask_token_id", None)
+    return int(own) if isinstance(own, int) and not isinstance(own, bool) else int(target_config.vocab_size) - 1
+
+
+class DFlashObjective(nn.Module):
+    """The trained unit: the drafter (as `.drafter`, so FSDP2 gathers its parameters around `forward`) and the DFlash
+    loss of one batch given its anchors."""
+
+    def __init__(self, drafter: DFlashDrafter, settings: DFlashTraining, seed: int):
+        super().__init__()
+        self.drafter, self.settings, self.seed = drafter, settings, seed
+
+    def anchor_generator(self, step: int, training: bool) -> torch.Generator:
+        """The generator a step draws its anchors from: seeded by the run's seed and the global step (validation
+        draws from its own stream), so a rerun, or a resumed run, draws the same anchors at the same step."""
+        return torch.Generator().manual_seed((self.seed * 1_000_003 + 2 * step + (0 if training else 1)) % 2**63)
+
+    def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                embed_weight: torch.Tensor, head_weight: torch.Tensor | None, generator: torch.Generator,
+                chunk: int, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> DFlashLossOutput:
+        s = self.settings
+        anchors, valid = select_anchors(loss_mask, s.num_anchors, generator, document_ids)
+        return dflash_loss(self.drafter, aux_hidden.to(self.drafter.fc.weight.dtype), input_ids, loss_mask, anchors,
+                           valid, embed_weight, head_weight, weighting=s.weighting, alpha=s.dpace_alpha,
+                           gamma=s.decay_gamma, chunk=chunk, attention="flex" if input_ids.is_cuda else "dense",
+                           position_ids=position_ids, document_ids=document_ids)
+
+
+class DFlashKind(DrafterKind):
+    name = "dflash"
+    config_class = DFlashConfig
+    drafter_class = DFlashDrafter
+    layouts = ()  # the z-lab folder vLLM loads; checked by loading it (`check_folder`)
+    card_tags = ("dflash", "speculative-decoding")
+
+    def config_from(self, section: Any, target_config: Any, *, aux_layer_ids: tuple[int, ...] | None,
+                    defaults: dict[str, Any], target_name: str, torch_dtype: str) -> DFlashConfig:
+        d = section.dflash
+        overrides = {k: getattr(section, k) for k in SHAPE_FIELDS if getattr(section, k, None) is not None}
+        if aux_layer_ids is not None:  # the data stage's convention: target_layer_id + 1
+            ids: Any = tuple(i - 1 for i in aux_layer_ids)
+        else:
+            ids = tuple(d.target_layer_ids) if d.target_layer_ids is not None else None
+        vocab = int(target_config.vocab_size)
+        return DFlashConfig.from_target_config(
+            target_config, mask_token_id=mask_token_for(target_config, d.mask_token_id),
+            num_hidden_layers=d.num_layers, num_features=d.num_target_features, target_layer_ids=ids,
+            block_size=d.block_size, draft_vocab_size=min(section.draft_vocab_size, vocab),
+            target_name_or_path=target_name, torch_dtype=torch_dtype, **overrides)
+
+    def features(self, config: DFlashConfig) -> FeatureNeeds:
+        return FeatureNeeds(aux_layer_ids=config.aux_layer_ids, final_hidden=False)
+
+    def build(self, config: DFlashConfig, *, d2t: torch.Tensor, t2d: torch.Tensor,
+              target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> DFlashDrafter:
+        if target_head is not None:
+            raise ValueError("a DFlash drafter does not start from the target's head (drafter.init_head = 'target'): "
+                             "a full-vocabulary one scores with the target's lm_head itself")
+        drafter = DFlashDrafter(config)
+        if drafter.d2t is not None:
+            drafter.d2t.copy_(d2t.to(torch.long))
+        return drafter
+
+    def objective(self, drafter: DFlashDrafter, loss: Any, section: Any = None) -> DFlashObjective:
+        # the seed the run's generator was last seeded with (`RecipeModule.build_drafter` seeds it just before)
+        return DFlashObjective(drafter, training_settings(section), torch.initial_seed())
+
+    def training_loss(self, module: TrainingContext, batch: dict[str, torch.Tensor], steps: int, *,
+                      global_norm: bool = False, read_along: bool = False,
+                      with_alpha: bool = True) -> DFlashLossOutput:
+        """The DFlash loss of one batch (`steps` is unused: a block is drafted in one pass, nothing is unrolled).
+        Each rank averages over its own supervised slots; the step waits for the device once, to read their
+        count (and, with `read_along`, what the previous step left to read)."""
+        embed, lm_head = module.frozen_heads
+        aux_hidden, _ = module.target_features(batch)
+        drafter = module.objective.drafter
+        head = None if drafter.config.reduced_vocab else lm_head.weight
+        step = int(getattr(module, "global_step", 0))
+        generator = module.objective.anchor_generator(step, bool(getattr(module, "training", True)))
+        out = module.objective(aux_hidden, batch["input_ids"], batch["loss_mask"], embed.weight, head, generator,
+                               module.logits_chunk_size, batch.get("position_ids"), batch.get("document_ids"))
+        module.read_counts(out.num_supervised.reshape(1), read_along)
+        return out
+
+    def train_metrics(self, out: DFlashLossOutput,
+                      with_alpha: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        metrics = {f"train/acc_{k + 1}": v for k, v in enumerate(out.position_acc)}  # slot k+1 of each block
+        metrics["train/tau_est"] = out.acceptance_length.detach()  # simulated greedy acceptance per block
+        metrics["train/supervised_tokens"] = out.num_supervised.float()
+        return metrics, {"train/acc_1": out.position_acc[0], "train/tau_est": metrics["train/tau_est"]}
+
+    def validation_metrics(self, steps: int) -> Metric:
+        return DFlashMetrics()
+
+    def validation_loss(self, metrics: dict[str, torch.Tensor], step_weights: list[float]) -> torch.Tensor | None:
+        return metrics.get("val/weighted_ce")  # the training loss on the validation set
+
+    def to_write(self, trained: DFlashDrafter, state: dict[str, torch.Tensor]) -> DFlashDrafter:
+        drafter = DFlashDrafter(trained.config)
+        drafter.load_state_dict(state)
+        return drafter.to(torch.float32)
+
+    def save(self, drafter: DFlashDrafter, folder: Any) -> None:
+        drafter.save_pretrained(folder)
+
+    def load(self, folder: Any) -> DFlashDrafter:
+        return DFlashDrafter.from_pretrained(folder)
+
+    def check_folder(self, folder: Any) -> list[str]:
+        from safetensors import SafetensorError
+
+        try:
+            drafter = DFlashDrafter.from_pretrained(folder, dtype=torch.float32)
+        except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as e:
+            return [f"{folder}: not a loadable DFlash drafter folder: {e}"]
+        bad = [k for k, v in drafter.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        problems = [f"{folder}: non-finite weights in {', '.join(bad[:4])}"] if bad else []
+        if drafter.d2t is not None:
+            ids = torch.arange(drafter.config.draft_vocab_size) + drafter.d2t
+            if not ((ids >= 0) & (ids < drafter.config.vocab_size)).all() or ids.unique().numel() != ids.numel():
+                problems.append(f"{folder}: d2t maps draft ids outside the target vocabulary or onto one id twice")
+        return problems
+
+    def draft_model(self, drafter: nn.Module, embed_tokens: nn.Module) -> DraftModel:
+        raise TypeError("a DFlash drafter is a block drafter, not a tree DraftModel: decode it with "
+                        "eagle3_zoo.speculative.dflash_decode.DFlashGenerator")
+
+    def target_mismatches(self, drafter: DFlashDrafter, target_config: Any) -> list[str]:
+        c, tc = drafter.config, target_config
+        problems = []
+        if c.num_target_layers != tc.num_hidden_layers:
+            problems.append(f"num_target_layers={c.num_target_layers} but the target has {tc.num_hidden_layers}")
+        if c.target_hidden_size != tc.hidden_size:
+            problems.append(f"target_hidden_size={c.target_hidden_size} but the target's is {tc.hidden_size}")
+        if c.vocab_size != tc.vocab_size:
+            problems.append(f"vocab_size={c.vocab_size} but the target's is {tc.vocab_size}")
+        return problems
+
+
+class DFlashMetrics(Metric):
+    """Supervised-slot-weighted means over validation batches of the loss (`weighted_ce`: the module logs it as
+    `val/loss` too), the per-position accuracy and the
+    simulated acceptance length (weighted by supervised slots too: an approximation of the per-block mean)."""
+
+    full_state_update = False
+
+    def __init__(self):
+        super().__init__()
+        for name in ("loss", "tau", "weight"):
+            self.add_state(name, default=torch.zeros(()), dist_reduce_fx="sum")
+        self.add_state("acc", default=torch.zeros(0), dist_reduce_fx="sum")
+
+    def update(self, out: DFlashLossOutput) -> None:  # type: ignore[override]
+        n = out.num_supervised.detach().to(self.weight)
+        self.loss += out.loss.detach().to(self.loss) * n
+        self.tau += out.acceptance_length.detach().to(self.tau) * n
+        acc = out.position_acc.detach().to(self.loss) * n
+        self.acc = acc if self.acc.numel() == 0 else self.acc + acc
+        self.weight += n
+
+    def compute(self, prefix: str = "val") -> dict[str, torch.Tensor]:  # type: ignore[override]
+        if not float(self.weight) > 0:
+            return {}
+        out = {f"{prefix}/weighted_ce": self.loss / self.weight, f"{prefix}/tau_est": self.tau / self.weight}
+        out.update({f"{prefix}/acc_{k + 1}": v / self.weight for k, v in enumerate(self.acc)})
+        return out
+
+
+DFLASH = register_kind(DFlashKind())
