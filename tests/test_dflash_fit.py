@@ -73,7 +73,7 @@ def trained(files):
 def test_dflash_is_a_builtin_kind():
     assert "dflash" in kind_names()
     kind = get_kind("dflash")
-    assert kind.drafter_class is DFlashDrafter and kind.layouts == ()
+    assert kind.drafter_class is DFlashDrafter and kind.layouts == ("dflash", "speculators-dflash")
 
 
 def test_fit_trains_a_dflash_drafter_that_decodes_losslessly(files, trained):

@@ -27,6 +27,7 @@ from eagle3_zoo.drafters.base import DrafterKind, DraftModel, FeatureNeeds, Trai
 from eagle3_zoo.drafters.dflash.config import DFlashConfig
 from eagle3_zoo.drafters.dflash.loss import DFlashLossOutput, dflash_loss, select_anchors
 from eagle3_zoo.drafters.dflash.model import DFlashDrafter
+from eagle3_zoo.layout_names import DFLASH_BUILT_IN
 
 # the recipe's `drafter` shape fields a DFlash drafter takes as overrides of the target's (hidden_size must equal it)
 SHAPE_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
@@ -89,7 +90,7 @@ class DFlashKind(DrafterKind):
     name = "dflash"
     config_class = DFlashConfig
     drafter_class = DFlashDrafter
-    layouts = ()  # the z-lab folder vLLM loads; checked by loading it (`check_folder`)
+    layouts = DFLASH_BUILT_IN  # z-lab (what `save` writes; vLLM and SGLang load it) and speculators
     card_tags = ("dflash", "speculative-decoding")
 
     def config_from(self, section: Any, target_config: Any, *, aux_layer_ids: tuple[int, ...] | None,
