@@ -26,6 +26,10 @@ class LayoutInfo:
         engines: the serving engines that load a folder of this layout as shipped (card snippets and tags; vLLM is
             given such a folder as it is by `eval --engine vllm`).
         card_tags: Hub tags a card of this layout adds besides the engines.
+        kind: the drafter kind whose folders it holds ("eagle3", "dflash"); a folder is written only in a layout of
+            its own kind.
+        kind_aliases: names of a layout of another kind that mean this layout for a drafter of this kind
+            (`export --format speculators` of a DFlash folder writes `speculators-dflash`).
     """
 
     name: str
@@ -34,6 +38,8 @@ class LayoutInfo:
     description: str | None = None
     engines: tuple[str, ...] = ()
     card_tags: tuple[str, ...] = ()
+    kind: str = "eagle3"
+    kind_aliases: tuple[str, ...] = ()
 
 
 SGLANG = LayoutInfo(
@@ -47,8 +53,20 @@ SPECULATORS = LayoutInfo(
     description="vLLM speculators format (`Eagle3Speculator`, `speculators_model_type: eagle3`)",
     engines=("vllm",), card_tags=("speculators",))
 
+DFLASH = LayoutInfo(
+    "dflash", aliases=("z-lab", "zlab"), writable=True,
+    description="z-lab DFlash layout (`DFlashDraftModel`, `dflash_config` with 0-based target-layer-output ids)",
+    engines=("vllm", "sglang"), kind="dflash")
+SPECULATORS_DFLASH = LayoutInfo(
+    "speculators-dflash", aliases=("dflash-speculators",), writable=True,
+    description="vLLM speculators DFlash format (`speculators_model_type: dflash`, `aux_hidden_state_layer_ids` = "
+                "target layer id + 1, `sliding_window_non_causal: true`)",
+    engines=("vllm",), card_tags=("speculators",), kind="dflash", kind_aliases=("speculators",))
+
 _INFOS: dict[str, LayoutInfo] = {info.name: info for info in (SGLANG, OFFICIAL, SPECULATORS)}
-BUILT_IN = tuple(_INFOS)  # ("sglang", "official", "speculators"): the layouts this package reads
+BUILT_IN = tuple(_INFOS)  # ("sglang", "official", "speculators"): the EAGLE-3 layouts this package reads
+_INFOS.update({info.name: info for info in (DFLASH, SPECULATORS_DFLASH)})
+DFLASH_BUILT_IN = (DFLASH.name, SPECULATORS_DFLASH.name)  # the DFlash layouts this package reads and writes
 
 
 def register_info(info: LayoutInfo) -> None:
@@ -67,19 +85,29 @@ def register_info(info: LayoutInfo) -> None:
 
 def unregister_info(name: str) -> None:
     """Remove a layout added by `register_info` (the built-in ones stay)."""
-    if name in BUILT_IN:
+    if name in BUILT_IN or name in DFLASH_BUILT_IN:
         raise ValueError(f"{name!r} is a built-in layout; it cannot be removed")
     _INFOS.pop(name, None)
 
 
-def layout_names() -> tuple[str, ...]:
-    """Every layout read, built-in first."""
-    return tuple(_INFOS)
+def layout_names(kind: str | None = None) -> tuple[str, ...]:
+    """Every layout read (with `kind`: those of that drafter kind), built-in first."""
+    return tuple(n for n, i in _INFOS.items() if kind is None or i.kind == kind)
 
 
-def export_names() -> dict[str, str]:
-    """Name or alias -> layout name, for every layout that is written (`export --format` and the like)."""
-    return {n: i.name for i in _INFOS.values() if i.writable for n in (i.name, *i.aliases)}
+def export_names(kind: str | None = None) -> dict[str, str]:
+    """Name or alias -> layout name, for every layout that is written (`export --format` and the like); with `kind`,
+    the names a drafter of that kind is written under (its layouts' names, aliases and `kind_aliases`)."""
+    if kind is None:
+        return {n: i.name for i in _INFOS.values() if i.writable for n in (i.name, *i.aliases)}
+    return {n: i.name for i in _INFOS.values() if i.writable and i.kind == kind
+            for n in (i.name, *i.aliases, *i.kind_aliases)}
+
+
+def default_layout(kind: str | None) -> str:
+    """The layout a drafter of `kind` is written in when no format is named: the canonical one for EAGLE-3 (and an
+    unknown kind), the first written layout of another kind (`dflash` for DFlash)."""
+    return next((i.name for i in _INFOS.values() if i.writable and i.kind == kind and kind != "eagle3"), CANONICAL)
 
 
 def export_choices() -> list[str]:

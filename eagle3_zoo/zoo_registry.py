@@ -16,7 +16,8 @@ from eagle3_zoo import layout_names, schema
 from eagle3_zoo.locations import looks_like_hub_id
 
 STATUSES = ("published", "not-yet-published", "recipe-only")
-FORMATS = layout_names.BUILT_IN  # the drafter-folder layouts a zoo entry's `format` may name
+FORMATS = (*layout_names.BUILT_IN, *layout_names.DFLASH_BUILT_IN)  # the layouts a zoo entry's `format` may name
+KINDS = ("eagle3", "dflash")  # the drafter kinds a zoo entry's `kind` may name (its format is a layout of that kind)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class ZooEntry:
     verified: bool  # the repo name was confirmed in the cited source
     source: str
     notes: str = ""
+    kind: Literal[KINDS] = "eagle3"  # the drafter kind; `pull` refuses a download whose layout is of another kind
 
 
 @dataclass
@@ -56,6 +58,13 @@ def read_registry(text: str, source: str = "zoo.yaml") -> dict[str, Any]:
     names = [e.get("name") for e in (data or {}).get("drafters") or [] if isinstance(e, dict)] if not problems else []
     problems += [schema.ConfigProblem(f"drafters[{i}].name", "used by an earlier entry too", name)
                  for i, name in enumerate(names) if name in names[:i]]
+    if not problems:
+        for i, e in enumerate(data.get("drafters") or []):
+            layout, kind = layout_names.info(e["format"]), e.get("kind", "eagle3")
+            if layout is not None and layout.kind != kind:
+                problems.append(schema.ConfigProblem(
+                    f"drafters[{i}].kind", f"format {e['format']!r} is a layout of {layout.kind} drafters; formats of "
+                    f"{kind} drafters: {', '.join(layout_names.layout_names(kind))}", kind))
     for p in problems:
         p.source = source
     if problems:

@@ -71,8 +71,9 @@ def test_a_bad_registry_names_every_problem_by_entry():
         "zoo.yaml: drafters[0].status = 'publishd': expected one of published, not-yet-published, recipe-only; "
         "did you mean 'published'?",
         "zoo.yaml: drafters[0].extra: unknown key; valid keys here: name, repo_id, target, family, format, recipe, "
-        "status, verified, source, notes",
-        "zoo.yaml: drafters[1].format = 'sglng': expected one of sglang, official, speculators; did you mean 'sglang'?",
+        "status, verified, source, notes, kind",
+        "zoo.yaml: drafters[1].format = 'sglng': expected one of sglang, official, speculators, dflash, "
+        "speculators-dflash; did you mean 'sglang'?",
         "zoo.yaml: drafters[2].verified = 1: expected true or false",
         "zoo.yaml: drafters[2].source = None: expected a string",
         "zoo.yaml: drafters[3].source: required key missing (expected a string)"]
@@ -163,7 +164,8 @@ def test_zoo_list_filters_by_family_and_target(capsys):
     assert list_zoo(target="smollm2-135m-instruct") == list_zoo(target="HuggingFaceTB/SmolLM2-135M-Instruct") != []
     both = list_zoo(family="qwen3", target="Qwen/Qwen3-8B")  # (no MoE drafter for this target)
     assert {e.repo_id for e in both} == {"RedHatAI/Qwen3-8B-speculator.eagle3", "AngelSlim/Qwen3-8B_eagle3",
-                                         "Tengyunw/qwen3_8b_eagle3", None}  # None: our recipe-only entry
+                                         "Tengyunw/qwen3_8b_eagle3", None,  # None: our recipe-only entry
+                                         "z-lab/Qwen3-8B-DFlash-b16"}  # a DFlash drafter (kind dflash)
     assert cli(["zoo", "list", "--family", "gpt_oss"]) == 0
     out = capsys.readouterr().out
     assert "RedHatAI/gpt-oss-20b-speculator.eagle3" in out and "Qwen3" not in out

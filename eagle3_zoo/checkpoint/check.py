@@ -16,6 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle3_zoo.checkpoint.check_report import CheckReport, InvalidDrafterError, Problem
+from eagle3_zoo.checkpoint.dflash_check import (
+    dflash_config_problems,
+    dflash_d2t_problems,
+    dflash_target_problems,
+    dflash_weight_problems,
+)
 from eagle3_zoo.checkpoint.formats import (
     NonCanonicalDrafterError,
     canonical_keys,
@@ -117,18 +123,20 @@ def vocab_mapping_problems(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int
     return out
 
 
-def check_drafter(path_or_dir: str | Path, target_config: Any = None) -> CheckReport:
+def check_drafter(path_or_dir: str | Path, target_config: Any = None, *, config_only: bool = False) -> CheckReport:
     """Check a drafter folder (any supported format) for problems SGLang, vLLM or eagle3-zoo would hit.
 
     Args:
         path_or_dir: the drafter folder, or a file inside it.
         target_config: optional target config (a transformers `PretrainedConfig`, a dict, a local folder or a Hub id;
             see `resolve_target_config`) to check hidden/vocab sizes, aux layers and RoPE against.
+        config_only: check config.json alone, no weights (a published drafter's config before its download, an
+            offline fixture); a folder whose layout is told by its weights alone still needs them.
 
     Returns:
         A `CheckReport`; `report.ok` is False when any error was found. Never raises for a broken checkpoint.
     """
-    return check_folder(folder_of(path_or_dir)).against(target_config)
+    return check_folder(folder_of(path_or_dir), config_only=config_only).against(target_config)
 
 
 def folder_of(path_or_dir: str | Path) -> Path:
@@ -160,22 +168,27 @@ class FolderCheck:
         from eagle3_zoo.checkpoint.check_target import resolve_target_config, target_problems
 
         report = replace(self.report, problems=list(self.report.problems))
-        target_problems(self.raw, self.layout, self.cfg, resolve_target_config(target_config), report)
+        if self.layout is not None and self.layout.kind == "dflash":
+            dflash_target_problems(self.cfg, resolve_target_config(target_config), report)
+        else:
+            target_problems(self.raw, self.layout, self.cfg, resolve_target_config(target_config), report)
         return report
 
 
-def check_folder(folder: Path, tensors: TensorReader | None = None) -> FolderCheck:
+def check_folder(folder: Path, tensors: TensorReader | None = None, config_only: bool = False) -> FolderCheck:
     """The checks of `check_drafter` that need no target config, on `folder`.
 
     `tensors`: returns the weights' infos and, when already in memory, their tensors (keyed by the names in the
     files); it raises `CheckpointError` for unreadable weights. Default: the safetensors headers (tensors read
-    one at a time where a check needs them) or the pickle loaded once.
+    one at a time where a check needs them) or the pickle loaded once. `config_only`: no weight is read.
     """
     report = CheckReport(str(folder))
     try:
         raw = read_config(folder)
         layout = detect_layout(folder)
         report.format = fmt = layout.name
+        if layout.kind == "dflash":
+            return _dflash_folder(folder, raw, layout, report, tensors or (lambda: _tensor_infos(folder)), config_only)
         layout.architecture_problems(raw, report)  # reported even when the config cannot be translated
         report.config = cfg = drafter_config(raw, fmt, source=str(folder / "config.json"))
     except FileNotFoundError as e:
@@ -196,8 +209,38 @@ def check_folder(folder: Path, tensors: TensorReader | None = None) -> FolderChe
     layout.config_problems(raw, report)
     _folder_file_problems(folder, report)
     _eagle31_problems(raw, layout, cfg, report)
-    _weight_problems(folder, layout, cfg, report, tensors or (lambda: _tensor_infos(folder)))
+    if not config_only:
+        _weight_problems(folder, layout, cfg, report, tensors or (lambda: _tensor_infos(folder)))
     return FolderCheck(report, raw, fmt, cfg, layout)
+
+
+def _dflash_folder(folder: Path, raw: dict[str, Any], layout: Layout, report: CheckReport, tensors: TensorReader,
+                   config_only: bool) -> FolderCheck:
+    """`check_folder` of a DFlash folder (`eagle3_zoo.checkpoint.dflash_check`)."""
+    cfg = dflash_config_problems(raw, layout, str(folder / "config.json"), report)
+    if cfg is None:
+        return FolderCheck(report)
+    report.config = cfg
+    _folder_file_problems(folder, report)
+    if config_only:
+        return FolderCheck(report, raw, layout.name, cfg, layout)
+    try:
+        kind = find_weight_files(folder)[0]
+        infos, state = tensors()
+    except UnsafeCheckpointError as e:
+        report.add("UNSAFE_PICKLE", str(e), "use a safetensors copy from a trusted source; never unpickle it")
+        return FolderCheck(report, raw, layout.name, cfg, layout)
+    except CheckpointError as e:
+        report.add("WEIGHTS_MISSING", str(e), "download the weights too (model.safetensors), or check config.json "
+                   "alone with `eagle3-zoo check DIR --config-only`")
+        return FolderCheck(report, raw, layout.name, cfg, layout)
+    before = len(report.errors)
+    dflash_weight_problems(folder, cfg, infos, kind, report)
+    if len(report.errors) == before:
+        if cfg.reduced_vocab:
+            dflash_d2t_problems(cfg, lambda n: state[n] if state is not None else load_weights(folder, [n])[n], report)
+        _finite_problems(folder, infos, report, state)
+    return FolderCheck(report, raw, layout.name, cfg, layout)
 
 
 _OUTSIDE_FIX = "copy the file into the folder instead of linking to it (or remove the link)"

@@ -22,7 +22,7 @@ from eagle3_zoo.checkpoint.folder import drafter_out_dir, replace_with_stage
 from eagle3_zoo.checkpoint.formats import CANONICAL_KEYS, extra_candidates, read_config
 from eagle3_zoo.checkpoint.layouts import detect_layout, drafter_config, export_layout, get_layout, is_canonical
 from eagle3_zoo.checkpoint.variants import SGLANG_RISK, eagle31_options
-from eagle3_zoo.checkpoint.weights import inside_folder, load_weights
+from eagle3_zoo.checkpoint.weights import CheckpointError, inside_folder, load_weights
 from eagle3_zoo.dtypes import torch_dtype
 from eagle3_zoo.fileio import recover_replaced_directory, staged_directory
 from eagle3_zoo.modeling import CONFIG_NAME, WEIGHTS_NAME, Eagle3Config, Eagle3Drafter, identity_vocab
@@ -134,6 +134,9 @@ def drafter_from_state(cfg: Eagle3Config, fmt: str, state: dict[str, torch.Tenso
     Raises:
         ValueError: unknown keys, wrong shapes or an invalid vocab mapping.
     """
+    layout = get_layout(fmt)
+    if layout.kind == "dflash":  # its own tensor names and vocabulary map (`dflash_layouts`)
+        return layout.drafter_from_state(cfg, state, folder, dtype, device)
     state = canonical_state(state, fmt, str(folder))
     _vocab_tensors(state, cfg, str(folder))
     model = Eagle3Drafter(cfg)
@@ -166,9 +169,9 @@ def _copy_extra(src: Path, dest: Path) -> None:
 
 def export_drafter(
     drafter_dir: str | Path,
-    fmt: str,
+    fmt: str | None,
     out_dir: str | Path,
-    num_speculative_tokens: int = 3,
+    num_speculative_tokens: int | None = 3,
     verifier_architectures: list[str] | None = None,
     verifier: str | None = None,
     force: bool = False,
@@ -181,10 +184,13 @@ def export_drafter(
 
     Args:
         drafter_dir: drafter folder in any supported format (usually what training wrote).
-        fmt: a written layout's name or alias: "sglang" (alias "canonical"), "speculators", or a registered one.
+        fmt: a written layout's name or alias: "sglang" (alias "canonical"), "speculators", or a registered one; for
+            a DFlash folder "dflash" (alias "z-lab") or "speculators" (= "speculators-dflash"); None: "sglang" for
+            EAGLE-3, "dflash" for DFlash.
         out_dir: output folder (created; in an existing drafter folder, files with the same names are replaced and
             the others kept).
-        num_speculative_tokens: speculators only: the greedy proposal length vLLM uses by default.
+        num_speculative_tokens: speculators only: the greedy proposal length vLLM uses by default (None: 3 for
+            EAGLE-3, block_size - 1 for DFlash).
         verifier_architectures: speculators only: the target's HF classes (default: from its model_type).
         verifier: speculators only: the target's Hub id or local folder (default: the drafter's target, a zoo
             alias mapped to its Hub id).
@@ -234,17 +240,22 @@ class _FolderSource:
         return import_drafter(self.path)
 
 
-def export_source(src: ExportSource, fmt: str, out_dir: str | Path, num_speculative_tokens: int = 3,
+def export_source(src: ExportSource, fmt: str | None, out_dir: str | Path, num_speculative_tokens: int | None = 3,
                   verifier_architectures: list[str] | None = None, verifier: str | None = None,
                   force: bool = False) -> Path:
-    """`export_drafter` of a drafter folder given as an `ExportSource`."""
-    layout = export_layout(fmt)
+    """`export_drafter` of a drafter folder given as an `ExportSource`. `fmt` None: the default layout of the folder's
+    drafter kind (`layout_names.default_layout`); a name is resolved for that kind (`export_layout`)."""
+    kind = _source_kind(src.path)
+    layout = export_layout(fmt or layout_names.default_layout(kind), kind)
+    if num_speculative_tokens is None and layout.kind == "eagle3":
+        num_speculative_tokens = 3  # a DFlash layout's default is one block (`speculators_dflash_config`)
     out = Path(out_dir)
     if out.resolve() == src.path.resolve():
         raise ValueError(f"export target {out} is the drafter folder itself; choose another --out")
     out = drafter_out_dir(out, force=force, force_option="--force")
     report = src.require_valid(purpose="export")
-    sglang_risk = "sglang" in layout.info.engines and report.config is not None and report.config.eagle31
+    sglang_risk = "sglang" in layout.info.engines and layout.kind == "eagle3" and report.config is not None \
+        and report.config.eagle31
     for problem in report.warnings:
         if not (sglang_risk and problem.code == "EAGLE31_ENGINES"):  # said once, below, for this export
             log.warning("%s: %s", src.path, problem)
@@ -266,6 +277,14 @@ def export_source(src: ExportSource, fmt: str, out_dir: str | Path, num_speculat
         replace_with_stage(tmp, out)
     log.debug("exported %s -> %s (%s format)", src.path, out, layout.name)  # the CLI prints it
     return out
+
+
+def _source_kind(path: Path) -> str | None:
+    """The drafter kind of a folder's layout (None: its layout cannot be told; the check then says why)."""
+    try:
+        return detect_layout(path).kind
+    except (OSError, ValueError, CheckpointError):
+        return None
 
 
 def convert_to_canonical(path: str | Path, out_dir: str | Path) -> Path:

@@ -26,7 +26,7 @@ from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint.weights import inside_folder
 from eagle3_zoo.modeling import Eagle3Config
 
-FORMATS = layout_names.BUILT_IN  # the built-in layouts (`layout_names.layout_names()`: registered ones too)
+FORMATS = (*layout_names.BUILT_IN, *layout_names.DFLASH_BUILT_IN)  # the built-in layouts, EAGLE-3 then DFlash
 EXPORT_FORMATS = layout_names.export_names()  # name or alias -> built-in layout written (`layout_names.export_names()`)
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 

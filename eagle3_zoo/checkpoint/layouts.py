@@ -21,153 +21,24 @@ from typing import TYPE_CHECKING, Any
 
 from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint.check_report import CheckReport
+from eagle3_zoo.checkpoint.dflash_layouts import SpeculatorsDFlashLayout, ZLabDFlashLayout
 from eagle3_zoo.checkpoint.formats import (
-    DROPPED_KEYS,
     EAGLE31_FLAGS,
     LAYER_CONFIG_KEYS,
     SPECULATORS_ARCHITECTURE,
-    STRIPPED_PREFIXES,
     canonical_keys,
     read_config,
     refuse_unsupported_variants,
     speculators_config,
     verifier_resolvable,
 )
+from eagle3_zoo.checkpoint.layout_base import Layout
 from eagle3_zoo.checkpoint.weights import CheckpointError, find_weight_files
-from eagle3_zoo.layout_names import LayoutInfo
 from eagle3_zoo.modeling import Eagle3Config
 from eagle3_zoo.modeling.config import ARCHITECTURE
 
 if TYPE_CHECKING:
     from eagle3_zoo.modeling import Eagle3Drafter
-
-# architectures some loaders accept besides the canonical one (official releases; vLLM's own class name)
-_TOLERATED_ARCHITECTURES = {
-    "LlamaForCausalLM": "the official releases' name; serving engines map it to their EAGLE-3 class only when told "
-                        "the method (some SGLang versions need LlamaForCausalLMEagle3)",
-    "Eagle3LlamaForCausalLM": "vLLM's class name; SGLang registers LlamaForCausalLMEagle3",
-}
-
-
-class Layout:
-    """One drafter-folder layout. The defaults are the canonical layout's; a layout overrides what differs.
-
-    Attributes:
-        info: its names, aliases, card text, engines and card tags (torch-free, `eagle3_zoo.layout_names`).
-        weight_kind: the weight-file kind (`find_weight_files`: "safetensors", "pickle") by which a folder no layout
-            `claims` by its config is this layout; None: recognised by its config only.
-        key_prefixes: canonical key prefix -> the prefix this layout stores it under (inverted on import).
-        copies_canonical_bytes: exporting an exactly canonical folder (`is_canonical`) to this layout copies its
-            config.json and weights byte for byte instead of rewriting them.
-        norm_output_ambiguous: `norm_output` in a folder of this layout that eagle3-zoo did not write may carry
-            SpecForge's older meaning (the check warns).
-    """
-
-    info: LayoutInfo
-    weight_kind: str | None = None
-    key_prefixes: dict[str, str] = {}
-    copies_canonical_bytes = False
-    norm_output_ambiguous = True
-
-    @property
-    def name(self) -> str:
-        return self.info.name
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name!r}>"
-
-    def claims(self, raw: dict[str, Any], source: str) -> bool:
-        """Whether config.json `raw` marks its folder as this layout (whatever its weight files).
-
-        Raises:
-            ValueError: the config marks this layout but in a variant it cannot read (`source` names the file).
-        """
-        return False
-
-    def read_config(self, raw: dict[str, Any], source: str) -> Eagle3Config:
-        """The `Eagle3Config` of this layout's config.json `raw` (unsupported variants are refused before: see
-        `drafter_config`)."""
-        return Eagle3Config.from_json_dict(raw, source=source)
-
-    def write(self, drafter: Eagle3Drafter, out: Path, **options: Any) -> None:
-        """Write `drafter` into the folder `out` in this layout (config.json and weights). `options`: those of
-        `export_drafter` (num_speculative_tokens, verifier_architectures, verifier); a layout ignores the others."""
-        raise ValueError(f"the {self.name} layout is read, not written; write one of "
-                         f"{', '.join(layout_names.export_names())}")
-
-    def canonical_name(self, key: str) -> str | None:
-        """A key of this layout -> its canonical key, or None for tensors that are not part of the drafter."""
-        for prefix in STRIPPED_PREFIXES:
-            if key.startswith(prefix):
-                key = key[len(prefix):]
-        if key in DROPPED_KEYS:
-            return None
-        for canon, theirs in self.key_prefixes.items():
-            if key.startswith(theirs):
-                return canon + key[len(theirs):]
-        return key
-
-    def stored_name(self, key: str) -> str:
-        """A canonical key -> the key this layout stores it under."""
-        for canon, theirs in self.key_prefixes.items():
-            if key.startswith(canon):
-                return theirs + key[len(canon):]
-        return key
-
-    def stored_aux_ids(self, raw: dict[str, Any]) -> Any:
-        """The aux layer ids as config.json `raw` stores them (this layout's field and convention)."""
-        return (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-
-    def aux_convention_problems(self, raw: dict[str, Any], ids: tuple[int, ...], default: tuple[int, ...],
-                                report: CheckReport) -> None:
-        """Warn when aux ids `ids` (internal: HF hidden-state indices) look stored in another convention than this
-        layout's, or where an engine does not read them. SGLang's `eagle_config` field stores `id - 1`."""
-        if tuple(i - 1 for i in ids) == default:
-            report.add("AUX_LAYER_CONVENTION", f"eagle_config.eagle_aux_hidden_state_layer_ids = {list(default)} "
-                       f"equals the default in HF hidden-state indices, but SGLang reads this field as output-layer "
-                       f"indices (adds 1): it will capture {[i + 1 for i in default]}, one layer off the default. The "
-                       "ids look like HF indices stored in SGLang's field",
-                       f"if the drafter was trained on the default layers, store {[i - 1 for i in default]} in "
-                       "eagle_config (SGLang field = HF index - 1)", "warning")
-        elif ids != default and not raw.get("eagle_aux_hidden_state_layer_ids"):
-            report.add("VLLM_AUX_IDS_IGNORED", f"aux layers {list(ids)} differ from the default {list(default)} and "
-                       "are stored only in eagle_config, which upstream vLLM does not read: vLLM feeds the default "
-                       "layers", "for vLLM, use `eagle3-zoo export DIR --format speculators` (writes the top-level "
-                       "field)", "warning")
-
-    def architecture_problems(self, raw: dict[str, Any], report: CheckReport) -> None:
-        """The config's `architectures` against what the engines build for this layout."""
-        arch = raw.get("architectures")
-        if arch == [ARCHITECTURE]:
-            return
-        name = arch[0] if isinstance(arch, list) and len(arch) == 1 else None
-        if name in _TOLERATED_ARCHITECTURES:
-            report.add("ARCHITECTURE_NONCANONICAL", f"architectures=['{name}']: {_TOLERATED_ARCHITECTURES[name]}",
-                       f"export with `eagle3-zoo export DIR --format sglang` (writes ['{ARCHITECTURE}'])", "warning")
-        else:
-            report.add("ARCHITECTURE", f"architectures={arch}: not an EAGLE-3 drafter class; SGLang and vLLM would "
-                       "build a different model (or refuse) from this config", f"set architectures to "
-                       f"['{ARCHITECTURE}'] if this really is an EAGLE-3 drafter; otherwise this is the wrong "
-                       "checkpoint")
-
-    def config_problems(self, raw: dict[str, Any], report: CheckReport) -> None:
-        """Fields of this layout's config.json the engines misread or miss."""
-        if raw.get("tie_word_embeddings"):
-            report.add("TIED_EMBEDDINGS", "tie_word_embeddings=true: SGLang then uses the embedding as lm_head and "
-                       "ignores the drafter's own lm_head.weight", "set tie_word_embeddings to false")
-        if "draft_vocab_size" not in raw:
-            report.add("DRAFT_VOCAB_MISSING", "config has no draft_vocab_size: SGLang and vLLM then assume the full "
-                       "target vocab (SGLang even loads lm_head from the target)",
-                       "add draft_vocab_size = rows of lm_head.weight", "warning")
-
-    def served_as_is(self, folder: Path) -> bool:
-        """Whether the engines of `info.engines` load this folder as it is (else it is exported to the canonical
-        layout first)."""
-        return False
-
-    def served_draft_tokens(self, folder: Path) -> int | None:
-        """The draft length an engine given this folder alone serves with (None: the folder does not say)."""
-        return None
 
 
 class CanonicalLayout(Layout):
@@ -198,14 +69,19 @@ class SpeculatorsLayout(Layout):
     info = layout_names.SPECULATORS
     key_prefixes = {"midlayer.": "layers.0."}
     norm_output_ambiguous = False
+    speculators_model_type = "eagle3"
 
     def claims(self, raw: dict[str, Any], source: str) -> bool:
         if "speculators_model_type" not in raw:
             return False
-        if raw["speculators_model_type"] != "eagle3":
-            raise ValueError(f"{source}: speculators_model_type={raw['speculators_model_type']!r}; only 'eagle3' "
-                             "checkpoints are EAGLE-3 drafters")
-        return True
+        model_type = raw["speculators_model_type"]
+        if model_type == self.speculators_model_type:
+            return True
+        known = [t for t in (layout.speculators_model_type for layout in _LAYOUTS.values()) if t]
+        if model_type in known:
+            return False  # another registered layout's (speculators-dflash)
+        raise ValueError(f"{source}: speculators_model_type={model_type!r}; only {', '.join(map(repr, known))} "
+                         "checkpoints (EAGLE-3 and DFlash drafters) are read here")
 
     def read_config(self, raw: dict[str, Any], source: str) -> Eagle3Config:
         layer = raw.get("transformer_layer_config") or raw.get("transformer_config")
@@ -315,7 +191,8 @@ def unregister(name: str) -> None:
     _LAYOUTS.pop(name, None)
 
 
-for _layout in (CanonicalLayout(), OfficialLayout(), SpeculatorsLayout()):
+for _layout in (CanonicalLayout(), OfficialLayout(), SpeculatorsLayout(), ZLabDFlashLayout(),
+                SpeculatorsDFlashLayout()):
     register(_layout)
 
 
@@ -342,16 +219,23 @@ def get_layout(name: str) -> Layout:
     return found
 
 
-def export_layout(fmt: str) -> Layout:
-    """The layout `export --format fmt` writes (a name or alias of a writable layout).
+def export_layout(fmt: str, kind: str | None = None) -> Layout:
+    """The layout `export --format fmt` writes (a name or alias of a writable layout); with `kind`, for a drafter of
+    that kind (`speculators` of a DFlash drafter is `speculators-dflash`).
 
     Raises:
-        ValueError: `fmt` names no writable layout (the message lists the valid names).
+        ValueError: `fmt` names no writable layout, or none of the drafter's kind (the message lists the valid names).
     """
     names = layout_names.export_names()
     if fmt not in names:
         raise ValueError(f"unknown export format {fmt!r}; valid: {', '.join(names)}")
-    return _LAYOUTS[names[fmt]]
+    if kind is None:
+        return _LAYOUTS[names[fmt]]
+    own = layout_names.export_names(kind)
+    if fmt not in own:
+        raise ValueError(f"export format {fmt!r} is a layout of {_LAYOUTS[names[fmt]].kind} drafters; a {kind} "
+                         f"drafter is written as one of: {', '.join(own)}")
+    return _LAYOUTS[own[fmt]]
 
 
 def detect_layout(path: str | Path) -> Layout:
@@ -397,8 +281,10 @@ def drafter_config(raw: dict[str, Any], fmt: str, source: str = "config.json") -
     Raises:
         ValueError: missing fields, or a checkpoint using a non-canonical training variant (`NonCanonicalDrafterError`).
     """
-    refuse_unsupported_variants(raw, fmt, source)
-    return get_layout(fmt).read_config(raw, source)
+    layout = get_layout(fmt)
+    if layout.kind == "eagle3":
+        refuse_unsupported_variants(raw, fmt, source)
+    return layout.read_config(raw, source)
 
 
 def load_drafter_config(folder: str | Path) -> tuple[Eagle3Config, str]:

@@ -147,11 +147,11 @@ class OpenedDrafter:
         """Write the weight file's bytes as `open` read them (a canonical folder has one file)."""
         Path(dest).write_bytes(self.weights().data[0])
 
-    def export(self, out: str | Path, fmt: str = "sglang", *, num_speculative_tokens: int = 3,
+    def export(self, out: str | Path, fmt: str | None = None, *, num_speculative_tokens: int | None = None,
                verifier_architectures: list[str] | None = None, verifier: str | None = None,
                force: bool = False) -> Path:
-        """`eagle3-zoo export`: the drafter in the SGLang (canonical) or speculators layout in `out`, from what `open`
-        read (arguments and errors as `export_drafter`).
+        """`eagle3-zoo export`: the drafter in a layout of its kind in `out` (None: SGLang/canonical for EAGLE-3,
+        dflash for DFlash), from what `open` read (arguments and errors as `export_drafter`).
 
         Returns:
             `out`, as an absolute path."""

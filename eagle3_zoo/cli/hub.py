@@ -19,17 +19,24 @@ log = logging.getLogger(__name__)
 
 def cmd_export(args: argparse.Namespace) -> int:
     from eagle3_zoo.api import DrafterFolder
+    from eagle3_zoo.checkpoint.layouts import detect_format
 
     out = DrafterFolder.open(args.drafter_dir).export(args.out, args.format, force=args.force, verifier=args.verifier,
                                                       num_speculative_tokens=args.num_speculative_tokens)
-    print(f"exported {args.drafter_dir} -> {out} ({args.format} format)")  # the name asked for: canonical = sglang
+    # the name asked for (canonical = sglang), else the layout written (the drafter kind's default)
+    print(f"exported {args.drafter_dir} -> {out} ({args.format or detect_format(out)} format)")
     return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     from eagle3_zoo.api import DrafterFolder
 
-    report = DrafterFolder.open(args.path).check(target=args.target)
+    if args.config_only:
+        from eagle3_zoo.checkpoint.check import check_drafter
+
+        report = check_drafter(args.path, args.target, config_only=True)
+    else:
+        report = DrafterFolder.open(args.path).check(target=args.target)
     if args.json:
         print(json.dumps({"path": report.path, "format": report.format, "ok": report.ok,
                           "problems": [asdict(p) for p in report.problems]}, indent=2))
@@ -101,16 +108,18 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p = subparsers.add_parser("export", help="write a drafter in the SGLang (canonical) or speculators layout",
                               parents=[common])
     p.add_argument("drafter_dir", help="drafter folder (any supported format)")
-    p.add_argument("--format", choices=layouts, default=layout_names.CANONICAL,
-                   help="sglang or canonical (two names of one format, the same files byte for byte: SGLang, vLLM "
-                   "and the official loaders read it) or speculators (vLLM's own format); default: sglang")
+    p.add_argument("--format", choices=layouts, default=None,
+                   help="EAGLE-3: sglang or canonical (two names of one format, the same files byte for byte: SGLang, "
+                   "vLLM and the official loaders read it) or speculators (vLLM's own format); DFlash: dflash (z-lab) "
+                   "or speculators; default: sglang for EAGLE-3, dflash for DFlash")
     p.add_argument("--out", required=True, help="output folder (replaced in one rename; in an existing drafter "
                    "folder, files of other names are kept)")
     p.add_argument("--force", action="store_true", help="write into an existing --out that is not a drafter folder "
                    "(files of the names export writes are replaced, the others kept)")
     p.add_argument("--verifier", help="speculators: the target as speculators resolves it, a Hub id or a local folder "
                    "(default: the drafter's target, mapped to its Hub id when it is a zoo alias)")
-    p.add_argument("--num-speculative-tokens", type=int, default=3, help="speculators: vLLM's default draft length")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="speculators: vLLM's default draft length (default: 3 for EAGLE-3, block_size - 1 for DFlash)")
     p.set_defaults(func=cmd_export)
 
     p = subparsers.add_parser("check", help="check a drafter folder for loader/target incompatibilities",
@@ -118,6 +127,8 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("path", help="drafter folder")
     p.add_argument("--target", help="target Hub id or local folder to check against (config.json only)")
     p.add_argument("--strict", action="store_true", help="warnings fail too")
+    p.add_argument("--config-only", action="store_true", help="check config.json alone, no weights (a published "
+                   "drafter's config before downloading it)")
     p.add_argument("--json", action="store_true", help="machine-readable report")
     p.add_argument("--engine", choices=["vllm"], default=None,
                    help="also load the drafter in vLLM with the target and decode two short prompts: fails if it "
@@ -128,8 +139,8 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
                               parents=[common])
     p.add_argument("drafter_dir", help="drafter folder to publish (e.g. runs/NAME/drafter)")
     p.add_argument("--repo-id", required=True, help="ORG/NAME on the Hub")
-    p.add_argument("--format", choices=layouts, default=layout_names.CANONICAL,
-                   help="layout of the uploaded weights (see export)")
+    p.add_argument("--format", choices=layouts, default=None,
+                   help="layout of the uploaded weights (see export; default: sglang for EAGLE-3, dflash for DFlash)")
     p.add_argument("--private", action="store_true", help="create the repository as private")
     p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing to main")
     p.add_argument("--dry-run", action="store_true", help="stage the folder only; no network request")

@@ -181,6 +181,38 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
     return {k: v for k, v in variables.items() if v is not None}
 
 
+def shared_variables(folder: Path, repo_id: str | None, published: bool) -> dict[str, Any]:
+    """The variables every kind's card shows alike: names, snippet target, the evaluation rows measured on these very
+    weights, the training and provenance records and the recipe (another kind's card module adds its own)."""
+    from eagle3_zoo.checkpoint.check import recipe_file_problem
+
+    if problem := recipe_file_problem(folder):
+        raise ValueError(f"{problem}: the model card shows the recipe; fix or remove recipe.yaml")
+    infos, _, _ = read_infos(folder)
+    recipe_path = folder / "recipe.yaml"
+    recipe_text = recipe_path.read_text(encoding="utf-8").strip() if recipe_path.is_file() else ""
+    recipe_text = redact_document(recipe_text, ".yaml").strip() if recipe_text else ""  # the card shows it
+    recipe = (yaml.safe_load(recipe_text) if recipe_text else None) or {}
+    prov_json = redact_data(_read_json(folder / "provenance.json"))
+    prov = parse_training_record({} if prov_json is None else prov_json, folder / "provenance.json")
+    evals = {p.stem: r for p in sorted(folder.glob("eval_results*.json")) if (r := _eval_results(p, _Weights(folder)))}
+    rows, _ = card_rows.evaluation_rows(evals)
+    first = next(iter(evals.values()), None)
+    return {
+        "model_name": (repo_id or folder.name).split("/")[-1], "repo_id": repo_id or "ORG/NAME",
+        "draft_model": repo_id if published and repo_id else str(folder),
+        "hub_note": None if published and repo_id else _hub_note(folder, repo_id),
+        "recipe_target": (recipe.get("target") or {}).get("name_or_path"),
+        "eagle3_zoo_version": eagle3_zoo.__version__,
+        "num_parameters": _count(sum(_numel(i.shape) for i in infos.values() if i.dtype in FLOAT_DTYPES)),
+        "benchmarks": rows, "decoding": card_rows.decoding(first.settings.temperature if first else None),
+        "machines": card_rows.machines(evals) or None,
+        "training": card_rows.training_rows(recipe, prov), "provenance": card_rows.provenance_rows(prov),
+        "recipe_yaml": recipe_text, "datasets_note": card_rows.data_line(recipe),
+        "demo_note": _demo_note(recipe, prov),
+    }
+
+
 def _hub_note(folder: Path, repo_id: str | None) -> str:
     """What a card that is not (yet) on the Hub says above its snippets, which load the drafter from its folder."""
     planned = f", so `{repo_id}`, the repo id it was rendered for, may not exist" if repo_id else ""
@@ -241,6 +273,12 @@ def render_card(
         A `huggingface_hub.ModelCard`; `card.save(path)` writes README.md, `ModelCard.load(path)` parses it back.
     """
     fmt = fmt or load_drafter_config(drafter_dir)[1]
+    layout = find_layout(fmt)
+    if layout is not None and layout.kind == "dflash":
+        from eagle3_zoo.hub.card_dflash import render_dflash_card
+
+        shared = shared_variables(Path(drafter_dir), repo_id, published)
+        return render_dflash_card(drafter_dir, fmt, shared, license, tags, **overrides)
     variables = {**card_variables(drafter_dir, repo_id, fmt, published), **overrides}
     data = card_metadata(variables.get("recipe_yaml", ""), variables.get("target"), variables.get("target_family"),
                          fmt, license, tags, eagle31=bool(variables.get("eagle31_options")))

@@ -18,7 +18,7 @@ import torch
 from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint.check_report import CheckReport
 from eagle3_zoo.checkpoint.convert import import_drafter
-from eagle3_zoo.checkpoint.layouts import detect_format
+from eagle3_zoo.checkpoint.layouts import detect_layout
 from eagle3_zoo.checkpoint.opened import OpenedDrafter
 from eagle3_zoo.hub.endpoint import HubUnreachableError, hub_url, require_reachable, resolve_endpoint, unreachable_error
 from eagle3_zoo.hub.zoo import find_zoo, resolve_repo_id, zoo_hint
@@ -81,18 +81,27 @@ def pull(
     path = _download(repo_id_or_zoo_name, repo_id, revision=revision, endpoint=endpoint, token=token,
                      local_dir=str(out_dir) if out_dir is not None else None,
                      cache_dir=str(cache_dir) if cache_dir is not None else None)
-    fmt = detect_format(path)
+    layout = detect_layout(path)
+    fmt = layout.name
     folder = OpenedDrafter.open(path)  # the weights read once for the check and the conversion
     report = folder.check(target)
+    entry = find_zoo(repo_id_or_zoo_name)
+    if entry is not None and entry.kind != layout.kind:
+        report.add("ZOO_KIND_MISMATCH", f"{path}: the zoo lists {entry.name} as a {entry.kind} drafter ({entry.format} "
+                   f"layout), but the download is a {layout.kind} drafter folder ({fmt} layout)",
+                   "check the repository (it may have been replaced), or fix the zoo entry's kind and format")
     log.info("pulled %s (%s format) into %s: %d error(s), %d warning(s)", repo_id, fmt, path, len(report.errors),
              len(report.warnings))
     converted = None
     if convert_to is not None and not report.ok:
         log.warning("%s: not converted to %s: the check found errors (see the report)", path, convert_to)
     elif convert_to is not None:
-        name = f"{repo_id.split('/')[-1]}-{written[convert_to]}"
-        dest = Path(out_dir) / written[convert_to] if out_dir is not None else Path.cwd() / name
-        converted = folder.export(dest, convert_to)
+        written_as = layout_names.export_names(layout.kind).get(convert_to, written[convert_to])  # of this kind
+        name = f"{repo_id.split('/')[-1]}-{written_as}"
+        dest = Path(out_dir) / written_as if out_dir is not None else Path.cwd() / name
+        # a zoo entry names the target, which the speculators layout records (z-lab's DFlash configs do not)
+        verifier = entry.target if entry is not None and layout.kind == "dflash" else None
+        converted = folder.export(dest, convert_to, verifier=verifier)
     return PullResult(repo_id, path, fmt, report, converted)
 
 

@@ -25,12 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import eagle3_zoo
-from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint.check import require_valid_drafter
 from eagle3_zoo.checkpoint.check_report import CheckReport
 from eagle3_zoo.checkpoint.folder import drafter_out_dir, is_drafter_folder
 from eagle3_zoo.checkpoint.formats import extra_candidates
-from eagle3_zoo.checkpoint.layouts import load_drafter_config
+from eagle3_zoo.checkpoint.layouts import detect_format, load_drafter_config
 from eagle3_zoo.checkpoint.opened import OpenedDrafter
 from eagle3_zoo.fileio import atomic_write
 from eagle3_zoo.hub.card import render_card
@@ -77,7 +76,7 @@ def check_repo_id(repo_id: str) -> None:
 
 
 def stage(drafter_dir: str | Path | OpenedDrafter, stage_dir: str | Path, repo_id: str | None = None,
-          fmt: str = layout_names.CANONICAL, published: bool = False, force: bool = False,
+          fmt: str | None = None, published: bool = False, force: bool = False,
           **card_overrides) -> list[str]:
     """Write the folder to upload: weights + config in `fmt`, README.md card, plots, recipe, results, provenance.
 
@@ -94,7 +93,7 @@ def stage(drafter_dir: str | Path | OpenedDrafter, stage_dir: str | Path, repo_i
         raise ValueError(f"stage folder {out} is not empty; pass an empty or new folder")
     source = drafter_dir if isinstance(drafter_dir, OpenedDrafter) else OpenedDrafter.open(drafter_dir)
     source.export(out, fmt, force=force)
-    layout = layout_names.export_names()[fmt]
+    layout = detect_format(out)  # the layout written: `fmt` of the drafter's kind (`speculators` of DFlash, ...)
     card = render_card(out, repo_id=repo_id, fmt=layout, published=published, **card_overrides)
     atomic_write(out / "README.md", card.save)  # a killed stage never leaves a truncated card
     return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
@@ -171,7 +170,7 @@ def publish(
     token: str | None = None,
     endpoint: str | None = None,
     stage_dir: str | Path | None = None,
-    fmt: str = layout_names.CANONICAL,
+    fmt: str | None = None,
     commit_message: str | None = None,
     force: bool = False,
     **card_overrides,
@@ -189,7 +188,8 @@ def publish(
         stage_dir: where to stage (default: a new temporary folder, removed after a successful upload): a new or
             empty folder, or one an earlier publish staged (replaced); `stage_destination`.
         fmt: "sglang" (canonical; SGLang and vLLM load it), "speculators" (vLLM's format) or another written layout
-            (`eagle3_zoo.layout_names.export_choices()`).
+            (`eagle3_zoo.layout_names.export_choices()`); None: the drafter kind's default ("sglang" for EAGLE-3,
+            "dflash" for DFlash; `speculators` of a DFlash drafter is `speculators-dflash`).
         commit_message: default names the target and the eagle3-zoo version.
         force: stage into a non-empty `stage_dir` that no publish staged (its files of other names are kept and
             uploaded too).

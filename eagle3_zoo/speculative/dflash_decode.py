@@ -122,6 +122,9 @@ class DFlashGenerator:
     def __init__(self, target: nn.Module, drafter: DFlashDrafter | BlockProposer,
                  adapter: TargetAdapter | None = None, layer_ids: Sequence[int] | None = None):
         adapter = adapter or adapter_for(target)
+        if isinstance(drafter, DFlashDrafter) and drafter.sample_from_anchor:
+            raise ValueError(f"{type(drafter).__name__} predicts from the anchor slot (sample_from_anchor): wrap it in "
+                             "its own BlockProposer (a DSpark drafter: eagle3_zoo.speculative.dspark_decode)")
         if isinstance(drafter, DFlashDrafter):
             _check_fits(drafter, target, adapter)
             layer_ids = layer_ids or drafter.config.aux_layer_ids

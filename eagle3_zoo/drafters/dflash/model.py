@@ -231,6 +231,9 @@ class DFlashDrafter(nn.Module):
     """The DFlash drafter. `embed_weight` (the target's input embedding, `[V, H]`) is passed to every forward and
     never stored; so is the target's lm_head weight for a full-vocabulary drafter (`head_weight`)."""
 
+    config_class = DFlashConfig  # what `from_pretrained` reads config.json with (a subclass may declare its own)
+    sample_from_anchor = False  # slot 0 (the anchor) predicts nothing; slots 1..B-1 predict positions a+1..a+B-1
+
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config = config
@@ -347,7 +350,7 @@ class DFlashDrafter(nn.Module):
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from e
-        config = DFlashConfig.from_json_dict(raw, source=str(path))
+        config = cls.config_class.from_json_dict(raw, source=str(path))
         state = load_file(str(load_dir / WEIGHTS_NAME), device=str(device))
         model = cls(config)
         expected = set(model.state_dict())
