@@ -70,7 +70,8 @@ def _json_object(text: str) -> dict[str, Any]:
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `eval` options to `parser`."""
     parser.add_argument("drafter", help="drafter folder in any format `eagle3-zoo check` reads (canonical/SGLang, "
-                        "official EAGLE-3, speculators)")
+                        "official EAGLE-3, speculators; a DFlash folder: one block per cycle, greedy, no tree "
+                        "options)")
     parser.add_argument("--target", default=None,
                         help="target hub id / folder / 'smollm2-135m-instruct' (default: the drafter's "
                              "target_name_or_path)")
