@@ -258,8 +258,9 @@ def evaluate(
 
     A drafter whose kind decodes in blocks (`DrafterKind.decoding` "block": DFlash, DSpark) is decoded by
     `BlockDecoder`: one block of draft tokens per cycle, verified as a chain, greedy only; ``settings`` records
-    ``mode: block``, the draft tokens per block as ``depth``, and the drafter's ``block_size``. Its tree options do not apply: a
-    `settings` whose ``mode, depth, top_k, total_tokens, min_prob`` differ from `EvalSettings`'s defaults is refused.
+    ``mode: block``, the draft tokens per block as ``depth``, and the drafter's ``block_size``. Its tree options do
+    not apply: a `settings` whose ``mode, depth, top_k, total_tokens, min_prob`` differ from `EvalSettings`'s
+    defaults is refused.
 
     Returns:
         `EvalResults`. A request whose prompt plus ``max_new_tokens`` exceeds the target's context is not decoded: it
