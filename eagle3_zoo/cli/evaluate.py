@@ -70,7 +70,8 @@ def _json_object(text: str) -> dict[str, Any]:
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `eval` options to `parser`."""
     parser.add_argument("drafter", help="drafter folder in any format `eagle3-zoo check` reads (canonical/SGLang, "
-                        "official EAGLE-3, speculators)")
+                        "official EAGLE-3, speculators; a DFlash folder: one block per cycle, greedy, no tree "
+                        "options)")
     parser.add_argument("--target", default=None,
                         help="target hub id / folder / 'smollm2-135m-instruct' (default: the drafter's "
                              "target_name_or_path)")
@@ -213,7 +214,11 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     # failing deep in decoding: before the (possibly large) target loads, against its shipped config if any
     folder = DrafterFolder.open(args.drafter)
     target_name = folder.eval_target(args.target)
-    _log_plan(args, s, device)
+    kind = get_kind_of_folder(folder)
+    if kind.decoding == "block":
+        s = block_eval_settings(args, kind.name, s, device)
+    else:
+        _log_plan(args, s, device)
     settings = EvalSettings(
         benches=tuple(benches), mode=s["mode"], depth=s["depth"], top_k=s["top_k"], total_tokens=s["total_tokens"],
         min_prob=s["min_prob"], temperature=args.temperature, sample_top_k=args.sample_top_k,
@@ -224,6 +229,41 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     print(format_shapes_table(results) if args.shapes else format_table(results))
     print(f"wrote {args.out} and {args.plot or Path(args.out).with_suffix('.png')}")
     return results
+
+
+def get_kind_of_folder(folder: Any) -> Any:
+    """The drafter kind (`eagle3_zoo.drafters.DrafterKind`) of an opened drafter folder, from its config."""
+    from eagle3_zoo.drafters import kind_of_config
+
+    return kind_of_config(folder.config)
+
+
+def block_eval_settings(args: argparse.Namespace, kind: str, s: dict[str, Any], device: str) -> dict[str, Any]:
+    """`s` for a drafter of a block kind (DFlash): it drafts one block of its own size per cycle, verified as a chain,
+    greedily; the tree options are refused when given and left at `EvalSettings`'s defaults (unused) otherwise.
+
+    Raises:
+        ValueError: a tree option (--shapes, --mode, --depth, --top-k, --total-tokens, --min-prob) or a
+            temperature above 0.
+    """
+    from eagle3_zoo.speculative.evaluation import EvalSettings
+
+    given = [f"--{k.replace('_', '-')}" for k in _SHAPE_FLAGS if getattr(args, k) is not None]
+    given += ["--shapes"] if args.shapes else []
+    if given:
+        raise ValueError(f"{args.drafter} is a {kind} drafter: it drafts one block of its own size per cycle, so the "
+                         f"tree options {', '.join(given)} do not apply; drop them")
+    if args.temperature != 0:
+        raise ValueError(f"{args.drafter} is a {kind} drafter, decoded greedily only: drop --temperature "
+                         f"{args.temperature} (or pass 0)")
+    default = EvalSettings()
+    out = {**s, **{k: getattr(default, k) for k in _SHAPE_FLAGS}}
+    prompts = f"{s['limit']} prompts{' spread' if s['spread'] else ''} of each benchmark" if s["limit"] else \
+        "every prompt of each benchmark"
+    log.info("eval on %s: %s drafter, one block per cycle verified as a chain (the tree options do not apply), %s, "
+             "up to %d new tokens per request%s", device, kind, prompts, s["max_new_tokens"],
+             "" if args.no_baseline else ", then plain decoding of each request")
+    return out
 
 
 def _log_plan(args: argparse.Namespace, s: dict[str, Any], device: str) -> None:

@@ -2,8 +2,8 @@
 `kind_names`).
 
 `get_kind(name)` returns the registered `DrafterKind` (`eagle3_zoo.drafters.base`); a built-in kind registers itself
-when first asked for. `kind_of(drafter)` finds the kind of a built drafter. The DFlash model (`dflash/`) is not a
-registered kind yet.
+when first asked for. `kind_of(drafter)` finds the kind of a built drafter, `kind_of_config(config)` the kind a
+drafter config is of.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 
 from eagle3_zoo.drafters.base import (
     GUIDE,
+    BlockProposer,
     DrafterKind,
     DraftModel,
     FeatureNeeds,
@@ -71,8 +72,24 @@ def kind_of(drafter: Any) -> DrafterKind:
                     f"({', '.join(kind_names())}); see {GUIDE}")
 
 
+def kind_of_config(config: Any) -> DrafterKind:
+    """The kind whose drafters `config` configures (an instance of its `config_class`).
+
+    Raises:
+        TypeError: `config` belongs to no registered kind.
+    """
+    for name in BUILTIN_KINDS:
+        get_kind(name)
+    for kind in registered().values():
+        if isinstance(config, kind.config_class):
+            return kind
+    raise TypeError(f"{type(config).__name__} is the config of no registered drafter kind "
+                    f"({', '.join(kind_names())}); see {GUIDE}")
+
+
 __all__ = [
     "BUILTIN_KINDS",
+    "BlockProposer",
     "DEFAULT_KIND",
     "DraftModel",
     "DrafterKind",
@@ -80,6 +97,7 @@ __all__ = [
     "get_kind",
     "kind_names",
     "kind_of",
+    "kind_of_config",
     "register_kind",
     "unknown_kind_message",
     "unregister_kind",

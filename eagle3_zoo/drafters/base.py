@@ -83,6 +83,24 @@ class DraftModel(Protocol):
         """
 
 
+@runtime_checkable
+class BlockProposer(Protocol):
+    """What the block speculative decoder (`eagle3_zoo.speculative.dflash_decode.DFlashGenerator`) needs from a block
+    drafter (batch size 1): the context it has seen is the features of positions 0..P-1; `propose` drafts the tokens
+    at P+1 .. P+num_draft after the anchor at position P."""
+
+    num_draft: int  # draft tokens per block (B-1 for a DFlash drafter)
+
+    def reset(self) -> None:
+        """Forget all context (start of a request)."""
+
+    def extend(self, aux_hidden: torch.Tensor) -> None:
+        """Append the target features `[1, m, F]` of the next `m` verified positions."""
+
+    def propose(self, anchor_id: int) -> list[int]:
+        """`num_draft` target token ids following `anchor_id`, which sits right after the context."""
+
+
 class TrainingContext(Protocol):
     """What a kind's `training_loss` may ask of the LightningModule that trains it
     (`eagle3_zoo.training.module.DrafterModule`), besides its `kind`, `drafter` and `objective`."""
@@ -119,6 +137,9 @@ class DrafterKind:
         layouts: the names of the drafter-folder layouts the kind is written in (`eagle3_zoo.layout_names`; empty:
             none yet).
         card_tags: the Hub tags of its model card.
+        decoding: how speculative decoding drives a trained drafter: "tree" (a `DraftModel` expanded into a draft
+            tree, `draft_model`) or "block" (a `BlockProposer` drafting a chain of tokens in one pass,
+            `block_proposer`); `eagle3-zoo eval` picks its decoder by it.
     """
 
     name: ClassVar[str]
@@ -126,6 +147,7 @@ class DrafterKind:
     drafter_class: ClassVar[type]
     layouts: ClassVar[tuple[str, ...]] = ()
     card_tags: ClassVar[tuple[str, ...]] = ()
+    decoding: ClassVar[str] = "tree"
 
     # ------------------------------------------------------------------ the data stage and the drafter
     def config_from(self, section: Any, target_config: Any, *, aux_layer_ids: tuple[int, ...] | None,
@@ -206,8 +228,14 @@ class DrafterKind:
     # ------------------------------------------------------------------ decoding
     def draft_model(self, drafter: nn.Module, embed_tokens: nn.Module) -> DraftModel:
         """The drafter as the tree speculative decoder drives it, with the target's frozen input embedding. A kind
-        whose drafter is decoded otherwise (a block drafter: `eagle3_zoo.speculative.dflash_decode`) raises
-        TypeError naming its decoder; `trainer.tau_eval` is refused for such a kind when the recipe is read."""
+        whose drafter is decoded otherwise (`decoding` "block": `block_proposer`) raises TypeError naming its
+        decoder; `trainer.tau_eval` is refused for such a kind when the recipe is read."""
+        raise NotImplementedError
+
+    def block_proposer(self, drafter: nn.Module, embed_weight: torch.Tensor,
+                       lm_head_weight: torch.Tensor) -> BlockProposer:
+        """The drafter as the block speculative decoder drives it (a kind whose `decoding` is "block"), with the
+        target's frozen input embedding and lm_head weights."""
         raise NotImplementedError
 
     def target_mismatches(self, drafter: nn.Module, target_config: Any) -> list[str]:

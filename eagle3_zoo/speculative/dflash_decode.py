@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import nn
 
 from eagle3_zoo.adapters import TargetAdapter, adapter_for
-from eagle3_zoo.drafters.dflash.decoding import DFlashContextCache
+from eagle3_zoo.drafters.base import BlockProposer
+from eagle3_zoo.drafters.dflash.decoding import DFlashProposer
 from eagle3_zoo.drafters.dflash.model import DFlashDrafter
 from eagle3_zoo.speculative.acceptance import SamplingParams, accept
 from eagle3_zoo.speculative.generate import GenerationOutput, _emit, eos_ids, plain_generate
@@ -39,46 +40,9 @@ from eagle3_zoo.speculative.metrics import BenchStats
 from eagle3_zoo.speculative.target import TargetRunner
 from eagle3_zoo.speculative.tree import DraftTree
 
+__all__ = ["BlockProposer", "DFlashGenerator", "DFlashProposer", "chain_tree", "measure"]
+
 _GREEDY = SamplingParams()
-
-
-@runtime_checkable
-class BlockProposer(Protocol):
-    """What `DFlashGenerator` needs from a block drafter (batch size 1): the context it has seen is the features of
-    positions 0..P-1; `propose` drafts the tokens at P+1 .. P+num_draft after the anchor at position P."""
-
-    num_draft: int  # draft tokens per block (B-1 for a DFlash drafter)
-
-    def reset(self) -> None:
-        """Forget all context (start of a request)."""
-
-    def extend(self, aux_hidden: torch.Tensor) -> None:
-        """Append the target features `[1, m, F]` of the next `m` verified positions."""
-
-    def propose(self, anchor_id: int) -> list[int]:
-        """`num_draft` target token ids following `anchor_id`, which sits right after the context."""
-
-
-class DFlashProposer:
-    """`BlockProposer` over a `DFlashDrafter`, the target's input embedding and (full draft vocabulary) the target's
-    lm_head weight, with a persistent draft KV cache of the context (`DFlashContextCache`)."""
-
-    def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor,
-                 target_lm_head_weight: torch.Tensor | None = None):
-        self.drafter = drafter
-        self.embed_weight = embed_weight
-        self.head = drafter.head_weight(target_lm_head_weight)  # raises for a full vocabulary without the target's
-        self.num_draft = drafter.config.block_size - 1
-        self.cache = DFlashContextCache(drafter)
-
-    def reset(self) -> None:
-        self.cache.reset()
-
-    def extend(self, aux_hidden: torch.Tensor) -> None:
-        self.cache.extend(aux_hidden)
-
-    def propose(self, anchor_id: int) -> list[int]:
-        return self.cache.draft(anchor_id, self.embed_weight, self.head)
 
 
 def chain_tree(tokens: Sequence[int]) -> DraftTree:

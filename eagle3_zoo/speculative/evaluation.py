@@ -14,10 +14,11 @@ from typing import Any, TypedDict
 import torch
 from torch import nn
 
-from eagle3_zoo.adapters import TargetAdapter
+from eagle3_zoo.adapters import TargetAdapter, adapter_for
 from eagle3_zoo.adapters.chat import ChatFormat
 from eagle3_zoo.adapters.conversation import Message
 from eagle3_zoo.draft_shapes import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, TreeSpec, shape_problem
+from eagle3_zoo.drafters import kind_of
 from eagle3_zoo.progress import Progress
 from eagle3_zoo.provenance import load_average, machine_info, versions
 from eagle3_zoo.speculative.acceptance import SamplingParams
@@ -29,8 +30,15 @@ from eagle3_zoo.speculative.benchmarks import (
     load_benchmark,
     prompt_chat_format,
 )
+from eagle3_zoo.speculative.dflash_decode import DFlashGenerator
 from eagle3_zoo.speculative.draft import DraftModel
-from eagle3_zoo.speculative.generate import SpeculativeGenerator, eos_ids, plain_generate, tree_spec
+from eagle3_zoo.speculative.generate import (
+    GenerationOutput,
+    SpeculativeGenerator,
+    eos_ids,
+    plain_generate,
+    tree_spec,
+)
 from eagle3_zoo.speculative.metrics import PROTOCOL, BenchStats
 from eagle3_zoo.speculative.report import (  # noqa: F401 (format_* and write_results: the package's public API)
     format_shapes_table,
@@ -116,6 +124,72 @@ class EvalSettings:
         return SamplingParams(temperature=self.temperature, top_k=self.sample_top_k, top_p=self.sample_top_p)
 
 
+class BlockDecoder:
+    """A drafter whose kind decodes in blocks (`DrafterKind.decoding` "block", e.g. DFlash), driven by
+    `DFlashGenerator` with the kind's `block_proposer`, behind the decoder interface the evaluation calls
+    (`generate(ids, max_new_tokens, sampling, stop, rng)`, `runner`, `tree`). Greedy only.
+
+    `tree` is the chain of `num_draft` tokens one cycle verifies (what `shape_problem` checks against the target's
+    context); the tree options of `EvalSettings` do not apply.
+    """
+
+    def __init__(self, target: nn.Module, drafter: nn.Module, adapter: TargetAdapter | None = None):
+        kind = kind_of(drafter)
+        problems = kind.target_mismatches(drafter, target.config)
+        if problems:
+            raise ValueError(f"{kind.name} drafter does not fit the target: " + "; ".join(problems))
+        adapter = adapter or adapter_for(target)
+        proposer = kind.block_proposer(drafter, adapter.embed_tokens(target).weight, adapter.lm_head(target).weight)
+        self.kind = kind.name
+        self.generator = DFlashGenerator(target, proposer, adapter, kind.features(drafter.config).aux_layer_ids)
+        self.runner = self.generator.runner
+        self.num_draft = proposer.num_draft
+        self.block_size = getattr(drafter.config, "block_size", self.num_draft + 1)
+        self.tree = TreeSpec.chain(self.num_draft)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, sampling: SamplingParams | None = None,
+                 eos_token_id: int | Iterable[int] | None = None,
+                 generator: torch.Generator | None = None) -> GenerationOutput:
+        if sampling is not None and not sampling.greedy:
+            raise ValueError(f"a {self.kind} drafter is decoded greedily only (temperature 0), got {sampling}")
+        return self.generator.generate(input_ids, max_new_tokens, eos_token_id)
+
+
+def decoder_for(target: nn.Module, drafter: nn.Module | DraftModel, tree: TreeSpec,
+                adapter: TargetAdapter | None = None) -> SpeculativeGenerator | BlockDecoder:
+    """The speculative decoder of `drafter`, as its kind decodes (`DrafterKind.decoding`): a `BlockDecoder` for a
+    block kind, else a `SpeculativeGenerator` drafting `tree` (a `DraftModel` is always drafted as a tree)."""
+    if not isinstance(drafter, DraftModel) and kind_of(drafter).decoding == "block":
+        return BlockDecoder(target, drafter, adapter)
+    return SpeculativeGenerator(target, drafter, tree, adapter)
+
+
+TREE_FIELDS = ("mode", "depth", "top_k", "total_tokens", "min_prob")
+
+
+def block_settings_check(kind: str, settings: EvalSettings) -> None:
+    """Refuse `settings` that a block drafter of kind `kind` cannot honour: tree options other than the defaults
+    (a block drafter drafts its own block size) and sampling (it is decoded greedily only).
+
+    Raises:
+        ValueError: naming the fields and what to do.
+    """
+    default = EvalSettings()
+    given = [f"{k}={getattr(settings, k)!r}" for k in TREE_FIELDS if getattr(settings, k) != getattr(default, k)]
+    if given:
+        raise ValueError(f"a {kind} drafter drafts one block of its own size per cycle; the tree options "
+                         f"{', '.join(given)} do not apply to it: leave mode, depth, top_k, total_tokens and min_prob "
+                         "at their defaults")
+    if not settings.sampling.greedy:
+        raise ValueError(f"a {kind} drafter is decoded greedily only: temperature must be 0, got "
+                         f"{settings.temperature}")
+
+
+def is_block_drafter(drafter: nn.Module | DraftModel) -> bool:
+    """Whether `drafter`'s kind drafts blocks (the tree options of `EvalSettings` do not apply to it)."""
+    return not isinstance(drafter, DraftModel) and kind_of(drafter).decoding == "block"
+
+
 class EvalResults(TypedDict):
     """What `evaluate` returns and writes as JSON (see `metrics.PROTOCOL` for what each figure means)."""
 
@@ -182,25 +256,37 @@ def evaluate(
         progress: Show a progress bar over prompts.
         extra_settings: Merged into ``results["settings"]`` (e.g. the drafter path).
 
+    A drafter whose kind decodes in blocks (`DrafterKind.decoding` "block": DFlash, DSpark) is decoded by
+    `BlockDecoder`: one block of draft tokens per cycle, verified as a chain, greedy only; ``settings`` records
+    ``mode: block``, the draft tokens per block as ``depth``, and the drafter's ``block_size``. Its tree options do
+    not apply: a `settings` whose ``mode, depth, top_k, total_tokens, min_prob`` differ from `EvalSettings`'s
+    defaults is refused.
+
     Returns:
         `EvalResults`. A request whose prompt plus ``max_new_tokens`` exceeds the target's context is not decoded: it
         is logged, counted (``skipped`` of its benchmark and of ``overall``) and listed with its reason in
         ``skipped``.
 
     Raises:
-        ValueError: bad benchmark names or files, or no request fits the target's context.
+        ValueError: bad benchmark names or files, or no request fits the target's context; for a block drafter,
+            tree options or a temperature above 0.
     """
     loaded = _load_benches(settings)
-    spec = settings.tree
-    generator = SpeculativeGenerator(target, drafter, spec, adapter)
+    if is_block_drafter(drafter):
+        block_settings_check(kind_of(drafter).name, settings)
+    generator = decoder_for(target, drafter, settings.tree, adapter)
+    spec = generator.tree
     stop = _stop_ids(target, tokenizer, settings.eos_token_id)
     load = load_average()
     (found,) = _decode([generator], target, tokenizer, loaded, settings, stop, progress=progress)
     results: dict[str, Any] = {"protocol": PROTOCOL, **found}
-    results["settings"] = {
-        "mode": settings.mode, "depth": spec.depth, "top_k": spec.top_k, "total_tokens": spec.total_tokens,
-        "min_prob": spec.min_prob, **_common_settings(target, generator, settings, stop, extra_settings),
-    }
+    if isinstance(generator, BlockDecoder):  # one chain of num_draft tokens per cycle; no tree options
+        shape = {"mode": "block", "drafter_kind": generator.kind, "depth": spec.depth, "top_k": 1,
+                 "total_tokens": spec.total_tokens, "min_prob": 0.0, "block_size": generator.block_size}
+    else:
+        shape = {"mode": settings.mode, "depth": spec.depth, "top_k": spec.top_k, "total_tokens": spec.total_tokens,
+                 "min_prob": spec.min_prob}
+    results["settings"] = {**shape, **_common_settings(target, generator, settings, stop, extra_settings)}
     results["machine"] = machine_info(generator.runner.device, load)
     results["versions"] = versions()
     return _save(results, out, plot, plot_acceptance)
@@ -237,6 +323,9 @@ def evaluate_shapes(
     labels = [s.label for s in specs]
     if not specs or len(set(labels)) != len(labels):
         raise ValueError(f"evaluate_shapes needs distinct draft shapes, got {labels}")
+    if is_block_drafter(drafter):
+        raise ValueError(f"a {kind_of(drafter).name} drafter drafts one block per cycle, not a tree: there are no "
+                         "draft shapes to compare (evaluate it with `evaluate`, without shapes)")
     loaded = _load_benches(settings)
     generators = [SpeculativeGenerator(target, drafter, spec, adapter) for spec in specs]
     stop = _stop_ids(target, tokenizer, settings.eos_token_id)
@@ -293,8 +382,9 @@ def _stop_ids(target: nn.Module, tokenizer: Any, eos_token_id: int | Iterable[in
     return stop
 
 
-def _decode(generators: Sequence[SpeculativeGenerator], target: nn.Module, tokenizer: Any, loaded: Sequence[Benchmark],
-            settings: EvalSettings, stop: set[int], *, progress: bool) -> list[dict[str, Any]]:
+def _decode(generators: Sequence[SpeculativeGenerator | BlockDecoder], target: nn.Module, tokenizer: Any,
+            loaded: Sequence[Benchmark], settings: EvalSettings, stop: set[int], *,
+            progress: bool) -> list[dict[str, Any]]:
     """Decode every request with each generator, then (optionally) plain decoding; per generator its
     ``benchmarks, overall, lossless, requests``. Chat prompts are rendered with the settings' template kwargs."""
     s = settings
@@ -397,8 +487,8 @@ def context_length(target: nn.Module) -> int | None:
     return None
 
 
-def _common_settings(target: nn.Module, generator: SpeculativeGenerator, settings: EvalSettings, stop: set[int],
-                     extra_settings: dict[str, Any] | None) -> dict[str, Any]:
+def _common_settings(target: nn.Module, generator: SpeculativeGenerator | BlockDecoder, settings: EvalSettings,
+                     stop: set[int], extra_settings: dict[str, Any] | None) -> dict[str, Any]:
     s = settings
     return {
         "temperature": s.temperature, "sample_top_k": s.sample_top_k, "sample_top_p": s.sample_top_p,

@@ -93,3 +93,26 @@ class DFlashContextCache:
         head = d.head_weight(target_lm_head_weight).to(device=hidden.device)
         draft_ids = (hidden.to(head.dtype) @ head.T).argmax(-1)
         return d.to_target_ids(draft_ids).tolist()
+
+
+class DFlashProposer:
+    """`BlockProposer` (`eagle3_zoo.drafters.base`) over a `DFlashDrafter`, the target's input embedding and (full
+    draft vocabulary) the target's lm_head weight, with a persistent draft KV cache of the context
+    (`DFlashContextCache`)."""
+
+    def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor,
+                 target_lm_head_weight: torch.Tensor | None = None):
+        self.drafter = drafter
+        self.embed_weight = embed_weight
+        self.head = drafter.head_weight(target_lm_head_weight)  # raises for a full vocabulary without the target's
+        self.num_draft = drafter.config.block_size - 1
+        self.cache = DFlashContextCache(drafter)
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def extend(self, aux_hidden: torch.Tensor) -> None:
+        self.cache.extend(aux_hidden)
+
+    def propose(self, anchor_id: int) -> list[int]:
+        return self.cache.draft(anchor_id, self.embed_weight, self.head)

@@ -7,7 +7,8 @@ last hidden state or logits (its labels are the next tokens themselves). It is t
 behind `DFlashObjective`: anchors drawn afresh each optimizer step from a generator seeded by the run's seed and the
 global step (a rerun draws the same anchors), D-PACE or decay position weights, the vocabulary projection in chunks.
 It is written as the z-lab folder vLLM 0.32 loads (`DFlashDrafter.save_pretrained`) and decoded by
-`eagle3_zoo.speculative.dflash_decode.DFlashGenerator` (a block drafter: it has no tree `DraftModel`).
+`eagle3_zoo.speculative.dflash_decode.DFlashGenerator` (`decoding = "block"`: its `block_proposer`, no tree
+`DraftModel`).
 
 The mask token: the `drafter.dflash.mask_token_id` of the recipe, else the target config's `mask_token_id` when it has
 one, else the last id of the target's vocabulary (`vocab_size - 1`); whichever it is, config.json records it
@@ -23,8 +24,16 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from eagle3_zoo.drafters.base import DrafterKind, DraftModel, FeatureNeeds, TrainingContext, register_kind
+from eagle3_zoo.drafters.base import (
+    BlockProposer,
+    DrafterKind,
+    DraftModel,
+    FeatureNeeds,
+    TrainingContext,
+    register_kind,
+)
 from eagle3_zoo.drafters.dflash.config import DFlashConfig
+from eagle3_zoo.drafters.dflash.decoding import DFlashProposer
 from eagle3_zoo.drafters.dflash.loss import DFlashLossOutput, dflash_loss, select_anchors
 from eagle3_zoo.drafters.dflash.model import DFlashDrafter
 from eagle3_zoo.layout_names import DFLASH_BUILT_IN
@@ -92,6 +101,7 @@ class DFlashKind(DrafterKind):
     drafter_class = DFlashDrafter
     layouts = DFLASH_BUILT_IN  # z-lab (what `save` writes; vLLM and SGLang load it) and speculators
     card_tags = ("dflash", "speculative-decoding")
+    decoding = "block"
 
     def config_from(self, section: Any, target_config: Any, *, aux_layer_ids: tuple[int, ...] | None,
                     defaults: dict[str, Any], target_name: str, torch_dtype: str) -> DFlashConfig:
@@ -184,6 +194,17 @@ class DFlashKind(DrafterKind):
     def draft_model(self, drafter: nn.Module, embed_tokens: nn.Module) -> DraftModel:
         raise TypeError("a DFlash drafter is a block drafter, not a tree DraftModel: decode it with "
                         "eagle3_zoo.speculative.dflash_decode.DFlashGenerator")
+
+    def block_proposer(self, drafter: DFlashDrafter, embed_weight: torch.Tensor,
+                       lm_head_weight: torch.Tensor) -> BlockProposer:
+        """A `DFlashProposer`; for a DSpark drafter (the DFlash backbone predicting from the anchor slot, with a
+        Markov head) a `DSparkProposer`. The target's lm_head is used only by a full-vocabulary drafter."""
+        head = None if drafter.config.reduced_vocab else lm_head_weight
+        if drafter.sample_from_anchor:
+            from eagle3_zoo.drafters.dspark.decoding import DSparkProposer
+
+            return DSparkProposer(drafter, embed_weight, head)
+        return DFlashProposer(drafter, embed_weight, head)
 
     def target_mismatches(self, drafter: DFlashDrafter, target_config: Any) -> list[str]:
         c, tc = drafter.config, target_config
