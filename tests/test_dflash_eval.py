@@ -85,6 +85,11 @@ def test_eval_cli_of_a_fitted_dflash_folder_reports_what_dflash_generator_measur
     direct = _direct(target_dir, folder, bench)
     _same_as_direct(saved, direct, block_size=4)
     assert saved["settings"]["drafter_tensors_sha256"] and out.with_suffix(".png").is_file()
+    # a model card labels these figures by the block, not as a tree of the stored depth/top_k/total_tokens
+    from eagle3_zoo.hub.card_rows import draft_shape
+    from eagle3_zoo.hub.records import read_eval_record
+
+    assert draft_shape(read_eval_record(out)) == "block of 3 drafted tokens"
 
 
 def test_drafter_folder_evaluate_of_a_dflash_folder(fitted):

@@ -32,7 +32,8 @@ def _num(value: float | None, fmt: str = "{:.2f}", suffix: str = "") -> str:
 
 
 def draft_shape(results: EvalRecord) -> str | None:
-    """"tree 8/10/60" or "chain 7" from an eval results' settings (None if they do not say)."""
+    """"tree 8/10/60", "chain 7" or "block of 15 drafted tokens" from an eval results' settings (None if they do not
+    say)."""
     s = results.settings
     if s.engine:  # `eval --engine`: measured by the serving engine's own counters
         return f"{s.engine} engine, chain {s.num_speculative_tokens}"
@@ -41,6 +42,8 @@ def draft_shape(results: EvalRecord) -> str | None:
         return f"chain {s.depth}{cut}"
     if s.mode == "tree":
         return f"tree {s.depth}/{s.top_k}/{s.total_tokens}{cut}"
+    if s.mode == "block":  # a block drafter (DFlash): `depth` tokens drafted per block, in one forward
+        return f"block of {s.depth} drafted tokens"
     return None
 
 
