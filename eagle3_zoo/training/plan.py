@@ -496,12 +496,15 @@ def dflash_step_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any) -> li
         lines.append(PlanLine("target forward", tokens * (6 * h + 3 * inter) * tbytes,
                               "one layer's activations (no grad), up to the last feature layer", train))
     fc_in = dcfg.num_features * dcfg.target_hidden_size
-    feats = tokens * fc_in * (tbytes + (sbytes if sbytes != tbytes else 0))
+    # the target's dtype when the step runs it, else the feature store's (offline) or the engine's stream
+    fdt = rp.target_dtype if rp.target_in_step else torch_dtype(recipe.data.features_dtype)
+    fbytes = fdt.itemsize
+    feats = tokens * fc_in * (fbytes + (sbytes if sbytes != fbytes else 0))
     lines.append(PlanLine("target features", feats,
                           f"{dcfg.num_features} layers x {dcfg.target_hidden_size} over {tokens} tokens, "
-                          f"{str(rp.target_dtype).removeprefix('torch.')}"
+                          f"{str(fdt).removeprefix('torch.')}"
                           + (f" and cast to the drafter's {str(rp.drafter_dtype).removeprefix('torch.')}"
-                             if sbytes != tbytes else ""), train))
+                             if sbytes != fbytes else ""), train))
     mask = "dense [Q, context+Q] mask (CPU)" if attention == "dense" else "FlexAttention (no score matrix)"
     lines.append(PlanLine("DFlash block activations", saved["context"] + saved["blocks"] + saved["mask"],
                           f"{tokens} context tokens (batch {batch} x {length}) -> K/V in {dcfg.num_hidden_layers} "
@@ -512,8 +515,8 @@ def dflash_step_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any) -> li
     own_head = vd * dcfg.hidden_size * c if dcfg.reduced_vocab and tr.precision.endswith("-mixed") else 0
     lines.append(PlanLine("loss chunk", saved["loss_rows"] + chunk * vd * (2 * c + 12) + own_head,
                           f"{batch * blocks * (dcfg.block_size - 1)} supervised rows at most (hidden, indices, labels, "
-                          f"weights) + one checkpointed [{chunk}, {vd}] logits chunk ({compute_name} and fp32, "
-                          "log-softmax and gradient)", train))
+                          f"weights) + one checkpointed [{chunk}, {vd}] logits chunk ({compute_name} logits, their "
+                          "fp32 copy, log-softmax and gradient)", train))
     copies = saved["autocast_weights"] if tr.precision.endswith("-mixed") and not (
         tr.strategy == "fsdp" and fsdp_drafter_dtypes(tr.precision) is not None) else 0
     if copies:
