@@ -17,6 +17,7 @@ from eagle3_zoo.cli import main
 from eagle3_zoo.drafters.eagle3.ttt import ttt_loss
 from eagle3_zoo.recipe import load_recipe
 from eagle3_zoo.training.plan import (
+    dflash_saved_bytes,
     drafter_parameter_count,
     fsdp_drafter_lines,
     kv_elements_per_token,
@@ -35,7 +36,10 @@ def test_every_shipped_recipe_is_planned_offline_and_fits(recipe, monkeypatch):
     r = load_recipe(recipe)
     plan = plan_recipe(r, source=str(recipe))
     names = [line.what for line in plan.lines]
-    assert "drafter weights+grads+AdamW" in names and "TTT activations" in names and names[-1] == "reserve"
+    step = "DFlash block activations" if r.drafter.kind == "dflash" else "TTT activations"
+    assert "drafter weights+grads+AdamW" in names and step in names and names[-1] == "reserve"
+    if r.drafter.kind == "dflash":  # sized from the DFlash step, none of EAGLE-3's lines
+        assert "loss chunk" in names and "TTT activations" not in names and "loss buffers" not in names
     assert all(line.bytes > 0 for line in plan.lines)
     if r.trainer.accelerator == "gpu":  # GPU recipes declare their GPU memory and must fit it
         assert r.trainer.gpu_memory_gb and plan.fits, plan.table()
@@ -120,6 +124,68 @@ def test_ttt_activation_estimate_matches_saved_tensors(t, steps, amp):
     estimate = sum(est.values())
     assert 0.98 < measured / estimate < 1.02, (measured, estimate, est)
     assert head_buffers == drafter.config.draft_vocab_size * drafter.config.hidden_size * 4  # one buffer, all steps
+
+
+def _dflash_saved_bytes(amp: torch.dtype | None, batch: int, t: int, anchors: int) -> tuple[int, int, object]:
+    """Bytes a tiny DFlash drafter's `dflash_loss` (dense mask) keeps for backward, each storage once, under CPU
+    autocast in `amp` (None: fp32), parameters and the frozen embedding/lm_head excluded; the supervised rows."""
+    from eagle3_zoo.drafters.dflash.config import DFlashConfig
+    from eagle3_zoo.drafters.dflash.loss import dflash_loss, select_anchors
+    from eagle3_zoo.drafters.dflash.model import DFlashDrafter
+
+    # widths that differ from each other, so that no saved tensor is mistaken for another
+    cfg = DFlashConfig(hidden_size=40, num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=104,
+                       vocab_size=300, num_target_layers=8, target_layer_ids=(1, 3, 5), mask_token_id=299,
+                       num_hidden_layers=2, block_size=4, rope_theta=10000.0, target_hidden_size=56)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg)
+    aux = torch.randn(batch, t, cfg.num_features * cfg.target_hidden_size)
+    ids = torch.randint(0, cfg.vocab_size - 1, (batch, t))
+    loss_mask = torch.ones(batch, t)
+    loss_mask[:, : t // 4] = 0  # a prompt: fewer supervised rows than slots
+    embed, head = torch.randn(cfg.vocab_size, cfg.hidden_size), torch.randn(cfg.vocab_size, cfg.hidden_size)
+    picked, valid = select_anchors(loss_mask, anchors, torch.Generator().manual_seed(0))
+    params = {p.untyped_storage().data_ptr() for p in [*drafter.parameters(), embed, head]}
+    seen: dict[int, int] = {}
+
+    def pack(x):
+        ptr = x.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = dflash_loss(drafter, aux, ids, loss_mask, picked, valid, embed, head, chunk=16, attention="dense")
+    return sum(seen.values()), int(out.num_supervised), cfg
+
+
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("batch, t, anchors", [(2, 64, 8), (1, 48, 6)])
+def test_dflash_activation_estimate_matches_saved_tensors(batch, t, anchors, amp):
+    """fp32, and bf16 autocast over fp32 weights (DDP/auto under bf16-mixed), where the residual stream and the
+    norms' statistics stay fp32 and every projection's input is cast on its own. The estimate counts every saved
+    tensor, so it is held to 0.01%: its smallest terms (the row indices, 0.1% here) are above that. A torch that
+    saves other tensors (a new SDPA path) shows here first."""
+    measured, rows, cfg = _dflash_saved_bytes(amp, batch, t, anchors)
+    est = dflash_saved_bytes(cfg, batch, t, anchors, amp or torch.float32, "dense", supervised=rows)
+    estimate = sum(est.values())
+    assert measured == pytest.approx(estimate, rel=1e-4), (measured, estimate, est)
+    assert (est["autocast_weights"] > 0) == (amp is not None)
+    flex = dflash_saved_bytes(cfg, batch, t, anchors, amp or torch.float32, "flex", supervised=rows)
+    assert flex["mask"] == 0 and est["mask"] > 0 and flex["blocks"] == est["blocks"]
+
+
+def test_dflash_plan_lines_follow_the_run():
+    """A DFlash recipe is planned from the DFlash step (no TTT, no target probabilities); the dense mask is planned
+    on a CPU run, FlexAttention on a GPU run; the query slots follow num_anchors, capped by the sequence length."""
+    gpu = _by_name(plan_recipe(load_recipe("recipes/qwen3_8b_dflash.yaml")))
+    assert "TTT activations" not in gpu and "loss buffers" not in gpu
+    assert "FlexAttention" in gpu["DFlash block activations"].note and gpu["loss chunk"].phase == "training step"
+    fewer = _by_name(plan_recipe(load_recipe("recipes/qwen3_8b_dflash.yaml", ["drafter.dflash.num_anchors=256"])))
+    assert fewer["DFlash block activations"].bytes < 0.6 * gpu["DFlash block activations"].bytes
+    cpu = _by_name(plan_recipe(load_recipe("recipes/smollm2_135m_dflash.yaml", ["trainer.accelerator=cpu"])))
+    assert "dense" in cpu["DFlash block activations"].note
 
 
 def _tiny_plan(*overrides: str):
