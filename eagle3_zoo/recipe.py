@@ -373,7 +373,9 @@ def _dflash_rules(r: Recipe) -> list[tuple[str, bool, str, tuple[str, ...]]]:
         ("optim.precondition_fc", r.optim.precondition_fc, f"is EAGLE-3's; not supported {_DFLASH}", kind),
         ("trainer.tau_eval.every_n_steps", r.trainer.tau_eval.every_n_steps is not None, f"must be null {_DFLASH}: "
          "the tau callback drives the tree decoder (EAGLE-3); measure a DFlash drafter's tau after training with "
-         "eagle3_zoo.speculative.dflash_decode (DFlashGenerator, measure)", kind),
+         "`eagle3-zoo eval DRAFTER_DIR` (our block decoder) or `eval --engine vllm`", kind),
+        ("trainer.activation_checkpointing", r.trainer.activation_checkpointing, f"is not supported {_DFLASH} yet "
+         "(it recomputes EAGLE-3's single MLP; `eagle3-zoo plan` sizes a DFlash step without it)", kind),
         ("drafter.dflash.target_layer_ids", d.dflash.target_layer_ids is not None
          and len(d.dflash.target_layer_ids) != d.dflash.num_target_features and d.dflash.num_target_features != 5,
          f"has {len(d.dflash.target_layer_ids or [])} ids but drafter.dflash.num_target_features = "

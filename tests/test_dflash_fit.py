@@ -186,6 +186,7 @@ def test_consolidate_writes_the_same_dflash_folder(files, trained):
     ("loss.name=tv", "loss.name"),
     ("optim.precondition_fc=true", "optim.precondition_fc"),
     ("trainer.tau_eval.every_n_steps=5", "trainer.tau_eval.every_n_steps"),
+    ("trainer.activation_checkpointing=true", "trainer.activation_checkpointing"),
 ])
 def test_bad_dflash_keys_are_refused_naming_the_key(files, override, key):
     from eagle3_zoo.recipe import RecipeError, load_recipe
