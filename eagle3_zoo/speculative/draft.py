@@ -8,6 +8,5 @@ The protocol is declared with the drafter kinds (`eagle3_zoo.drafters.base`), wh
 from __future__ import annotations
 
 from eagle3_zoo.drafters import DraftModel
-from eagle3_zoo.drafters.eagle3.decode import Eagle3DraftModel
 
-__all__ = ["DraftModel", "Eagle3DraftModel"]
+__all__ = ["DraftModel"]

@@ -18,7 +18,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from eagle3_zoo.data.datamodule import Eagle3DataModule
+from eagle3_zoo.data.datamodule import FeatureDataModule
 from eagle3_zoo.data.engine_stream import StreamingDataModule
 from eagle3_zoo.drafters import DrafterKind, get_kind
 from eagle3_zoo.modeling import Eagle3Drafter, build_draft_vocab
@@ -135,7 +135,7 @@ def without_validation(trainer: L.Trainer) -> None:
     trainer.limit_val_batches, trainer.val_check_interval, trainer.check_val_every_n_epoch = 0, 1.0, 1
 
 
-class RunDataModule(Eagle3DataModule):
+class RunDataModule(FeatureDataModule):
     """A recipe's data, prepared in Lightning's `setup` hook: `fit` hands this to `trainer.fit`, which starts the
     run's processes and its process group (Lightning's own launcher, or the processes torchrun or SLURM started) and
     then calls `setup` on every rank. There, before anything is placed on a device, this rank's target device is made

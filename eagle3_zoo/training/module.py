@@ -382,5 +382,3 @@ class DrafterModule(L.LightningModule):
             optimizer, lambda step: lr_lambda(step, total_steps=total, **self.schedule_args))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-
-Eagle3Module = DrafterModule  # the name tests and scripts knew it by

@@ -47,7 +47,7 @@ from eagle3_zoo.training.run_plan import compute_dtype, stored_dtype  # noqa: F4
 
 logger = logging.getLogger(__name__)
 
-LOGITS_CHUNK = 1024  # rows per chunk of the frozen lm_head product (Eagle3Module.logits_chunk_size)
+LOGITS_CHUNK = 1024  # rows per chunk of the frozen lm_head product (DrafterModule.logits_chunk_size)
 
 
 def _meta_model(config: Any) -> torch.nn.Module:
