@@ -2,7 +2,7 @@
 that proposes tokens (a registered drafter kind's draft model, an oracle built in a test) plugs in.
 
 The protocol is declared with the drafter kinds (`eagle3_zoo.drafters.base`), which each give theirs
-(`DrafterKind.draft_model`); EAGLE-3's is `eagle3_zoo.drafters.eagle3.decode.Eagle3DraftModel`.
+(`DrafterKind.draft_model`); EAGLE-3's is in `eagle3_zoo.drafters.eagle3.decode`.
 """
 
 from __future__ import annotations

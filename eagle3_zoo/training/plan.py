@@ -161,7 +161,7 @@ def write_shipped_counts() -> Path:
 
 
 def drafter_parameter_count(config: Any) -> int:
-    """Parameters of a drafter with this `Eagle3Config` (all trainable), from its shapes (no model built)."""
+    """Parameters of a drafter with this config (all trainable), from its `parameter_shapes` (no model built)."""
     return sum(math.prod(shape) for shape, _ in config.parameter_shapes().values())
 
 
