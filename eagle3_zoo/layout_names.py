@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CANONICAL = "sglang"  # the layout eagle3-zoo writes, SGLang and vLLM load, and `Eagle3Drafter.from_pretrained` reads
+CANONICAL = "sglang"  # the EAGLE-3 layout eagle3-zoo writes, SGLang and vLLM load, `from_pretrained` reads
 
 
 @dataclass(frozen=True)

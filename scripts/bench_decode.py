@@ -23,8 +23,8 @@ import time
 import torch
 
 from eagle3_zoo.adapters import load_target
+from eagle3_zoo.drafters.eagle3.decode import Eagle3DraftModel
 from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter
-from eagle3_zoo.speculative.draft import Eagle3DraftModel
 from eagle3_zoo.speculative.generate import plain_generate
 from eagle3_zoo.speculative.target import TargetRunner
 from eagle3_zoo.speculative.tree import DraftTree

@@ -315,16 +315,16 @@ def test_a_data_parallel_step_reduces_without_barriers(monkeypatch):
     from transformers import LlamaForCausalLM
 
     from eagle3_zoo.adapters import get_adapter
-    from eagle3_zoo.data.datamodule import Eagle3DataModule, ExampleDataset
+    from eagle3_zoo.data.datamodule import ExampleDataset, FeatureDataModule
     from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab
-    from eagle3_zoo.training.module import Eagle3Module
+    from eagle3_zoo.training.module import DrafterModule
 
     adapter = get_adapter("llama")
     target = LlamaForCausalLM(adapter.tiny_config()).eval().requires_grad_(False)
     cfg = Eagle3Config.from_target_config(target.config, draft_vocab_size=64, aux_layer_ids=(1, 2, 3))
     drafter = Eagle3Drafter(cfg)
     drafter.set_vocab(*build_draft_vocab(torch.arange(512) % 7, 64))
-    module = Eagle3Module(drafter, adapter, target, ttt_steps=3, lr=1e-3)
+    module = DrafterModule(drafter, adapter, target, ttt_steps=3, lr=1e-3)
     g = torch.Generator().manual_seed(1)
     examples = [{"input_ids": torch.randint(512, (int(n),), generator=g), "loss_mask": torch.ones(int(n)).long()}
                 for n in torch.randint(8, 20, (6,), generator=g)]
@@ -357,7 +357,7 @@ def test_a_data_parallel_step_reduces_without_barriers(monkeypatch):
                         enable_model_summary=False, callbacks=[Window()], limit_val_batches=0, accelerator="cpu",
                         devices=1, strategy="ddp", use_distributed_sampler=False)
     try:
-        trainer.fit(module, datamodule=Eagle3DataModule(ExampleDataset(examples), ExampleDataset([]), batch_size=2))
+        trainer.fit(module, datamodule=FeatureDataModule(ExampleDataset(examples), ExampleDataset([]), batch_size=2))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -237,3 +237,31 @@ def test_a_toy_kind_trains_through_the_module_decodes_losslessly_and_writes_a_ch
         assert kind.check_folder(folder)
     finally:
         unregister_kind("toy_e2e")
+
+
+def test_plan_builds_an_eagle3_config_without_importing_the_kind():
+    """`drafters.config_from` answers EAGLE-3 from its torch-free sizing, the same config the kind builds."""
+    code = (
+        "import sys, json; from types import SimpleNamespace\n"
+        "from eagle3_zoo.adapters.shipped import shipped_target_config\n"
+        "from eagle3_zoo.drafters import config_from\n"
+        "section = SimpleNamespace(draft_vocab_size=4096, fc_norm=True, norm_output=False, hidden_size=None,\n"
+        "    intermediate_size=1024, num_attention_heads=None, num_key_value_heads=None, head_dim=None)\n"
+        "cfg = config_from('eagle3', section, shipped_target_config('HuggingFaceTB/SmolLM2-135M-Instruct'),\n"
+        "    aux_layer_ids=(1, 2, 3), defaults={'head_dim': 64}, target_name='t', torch_dtype='bfloat16')\n"
+        "loaded = [m for m in ('eagle3_zoo.drafters.eagle3.kind', 'eagle3_zoo.modeling.drafter') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+        "print(json.dumps(cfg.to_json_dict(), sort_keys=True))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    import json
+    from types import SimpleNamespace
+
+    from eagle3_zoo.adapters.shipped import shipped_target_config
+
+    section = SimpleNamespace(draft_vocab_size=4096, fc_norm=True, norm_output=False, hidden_size=None,
+                              intermediate_size=1024, num_attention_heads=None, num_key_value_heads=None, head_dim=None)
+    want = get_kind("eagle3").config_from(
+        section, shipped_target_config("HuggingFaceTB/SmolLM2-135M-Instruct"), aux_layer_ids=(1, 2, 3),
+        defaults={"head_dim": 64}, target_name="t", torch_dtype="bfloat16")
+    assert json.loads(out) == json.loads(json.dumps(want.to_json_dict(), sort_keys=True))
+    assert want.intermediate_size == 1024 and want.fc_norm and want.draft_vocab_size == 4096

@@ -10,19 +10,19 @@ import pytest
 from training_fixtures import tiny_run_files
 
 from eagle3_zoo.cli import main
-from eagle3_zoo.training.module import Eagle3Module
+from eagle3_zoo.training.module import DrafterModule
 
 
 def _interrupt_at(monkeypatch, step: int) -> None:
     """Raise KeyboardInterrupt in the training step at global step `step` (what Ctrl-C raises in the main thread)."""
-    real = Eagle3Module.training_step
+    real = DrafterModule.training_step
 
     def training_step(self, batch, batch_idx):
         if self.trainer.global_step == step:
             raise KeyboardInterrupt
         return real(self, batch, batch_idx)
 
-    monkeypatch.setattr(Eagle3Module, "training_step", training_step)
+    monkeypatch.setattr(DrafterModule, "training_step", training_step)
 
 
 def _interrupted_line(err: str) -> str:
@@ -76,7 +76,7 @@ def test_other_exits_inside_fit_are_not_taken_for_an_interrupt(recipe, monkeypat
     def training_step(self, batch, batch_idx):
         raise SystemExit(3)
 
-    monkeypatch.setattr(Eagle3Module, "training_step", training_step)
+    monkeypatch.setattr(DrafterModule, "training_step", training_step)
     with pytest.raises(SystemExit) as exit_:
         fit_main(recipe)
     assert exit_.value.code == 3
@@ -87,14 +87,14 @@ def test_a_sigterm_stops_fit_with_exit_143_naming_what_it_kept(recipe, tmp_path,
     that the CLI took for success (exit 0) before."""
     import os
 
-    real = Eagle3Module.training_step
+    real = DrafterModule.training_step
 
     def training_step(self, batch, batch_idx):
         if self.trainer.global_step == 3 and not self.trainer.received_sigterm:
             os.kill(os.getpid(), signal.SIGTERM)  # Lightning's handler notes it; the step ends, then the run stops
         return real(self, batch, batch_idx)
 
-    monkeypatch.setattr(Eagle3Module, "training_step", training_step)
+    monkeypatch.setattr(DrafterModule, "training_step", training_step)
     assert main(["fit", str(recipe), "trainer.max_steps=8"]) == 143
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.startswith(("terminated", "error:"))]

@@ -107,14 +107,14 @@ def test_a_validation_batch_waits_for_the_device_once():
     from eagle3_zoo.adapters import get_adapter
     from eagle3_zoo.data.datamodule import collate_right_padded
     from eagle3_zoo.modeling import Eagle3Config, build_draft_vocab
-    from eagle3_zoo.training.module import Eagle3Module, with_host_counts
+    from eagle3_zoo.training.module import DrafterModule, with_host_counts
 
     adapter = get_adapter("llama")
     target = LlamaForCausalLM(adapter.tiny_config()).eval().requires_grad_(False)
     cfg = Eagle3Config.from_target_config(target.config, draft_vocab_size=64, aux_layer_ids=(1, 2, 3))
     drafter = Eagle3Drafter(cfg)
     drafter.set_vocab(*build_draft_vocab(torch.arange(512) % 7, 64))
-    module = Eagle3Module(drafter, adapter, target, ttt_steps=3)
+    module = DrafterModule(drafter, adapter, target, ttt_steps=3)
     g = torch.Generator().manual_seed(1)
     batches = [with_host_counts(collate_right_padded([{"input_ids": torch.randint(512, (n,), generator=g),
                                                         "loss_mask": torch.ones(n, dtype=torch.long)} for n in sizes]))

@@ -10,7 +10,7 @@ import torch
 from training_fixtures import REPO, tiny_llama_target
 
 import eagle3_zoo.modeling.attention as attention
-from eagle3_zoo.data.datamodule import Eagle3DataModule, collate_right_padded
+from eagle3_zoo.data.datamodule import FeatureDataModule, collate_right_padded
 from eagle3_zoo.data.packing import PackedDataset, concat_documents, pack_lengths, padding_fraction
 from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab
 from eagle3_zoo.modeling.attention import (
@@ -19,7 +19,7 @@ from eagle3_zoo.modeling.attention import (
     ttt_attention,
     ttt_attention_reference,
 )
-from eagle3_zoo.training.module import Eagle3Module
+from eagle3_zoo.training.module import DrafterModule
 
 
 def test_pack_lengths_fills_rows_best_fit_and_keeps_every_example():
@@ -149,7 +149,7 @@ def _module(model, adapter, mode, counts):
     drafter.reset_parameters(std=0.2)  # attention patterns matter
     drafter.set_vocab(*build_draft_vocab(counts, 64))
     target = model if mode == "online" else None
-    return Eagle3Module(drafter, adapter, target, embed_tokens=adapter.embed_tokens(model),
+    return DrafterModule(drafter, adapter, target, embed_tokens=adapter.embed_tokens(model),
                         lm_head=adapter.lm_head(model), mode=mode, ttt_steps=3)
 
 
@@ -196,12 +196,12 @@ def test_packed_loss_and_gradients_equal_unpacked(tiny, mode, steps, backend, mo
 
 def test_datamodule_packs_rows_up_to_the_capacity(tiny):
     examples = tiny[2]
-    dm = Eagle3DataModule(_Examples(examples, ["input_ids", "loss_mask"]), None, batch_size=2, pack_length=24)
+    dm = FeatureDataModule(_Examples(examples, ["input_ids", "loss_mask"]), None, batch_size=2, pack_length=24)
     batches = list(dm.train_dataloader())
     assert len(batches) == 1  # 3 rows, batch 2, the incomplete last batch dropped as unpacked
     assert batches[0]["document_ids"].shape[1] <= 24 and batches[0]["position_ids"].shape == (2, 24)
     with pytest.raises(ValueError, match=r"3 training rows \(6 examples packed\) cannot fill one batch of 4"):
-        Eagle3DataModule(_Examples(examples, ["input_ids"]), None, batch_size=4, pack_length=24).train_dataloader()
+        FeatureDataModule(_Examples(examples, ["input_ids"]), None, batch_size=4, pack_length=24).train_dataloader()
 
 
 # ------------------------------------------------------------------------------ recipe key and run identity

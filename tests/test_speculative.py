@@ -9,10 +9,10 @@ import torch
 
 from eagle3_zoo.adapters import capture_aux_hidden, get_adapter
 from eagle3_zoo.draft_shapes import TreeSpec
+from eagle3_zoo.drafters.eagle3.decode import Eagle3DraftModel
 from eagle3_zoo.modeling import DraftStepOutput
 from eagle3_zoo.speculative import (
     DraftTree,
-    Eagle3DraftModel,
     SpeculativeGenerator,
     TargetRunner,
     build_tree,

@@ -277,7 +277,7 @@ class _Module(L.LightningModule):
     def __init__(self, target, drafter, tokenizer):
         super().__init__()
         self.drafter = drafter.requires_grad_(True).train()
-        self._frozen = (target,)  # like Eagle3Module: the frozen target is not a submodule
+        self._frozen = (target,)  # like DrafterModule: the frozen target is not a submodule
         self.tokenizer = tokenizer
 
     @property

@@ -22,7 +22,7 @@ from eagle3_zoo.drafters.eagle3.objective import (
 from eagle3_zoo.drafters.eagle3.ttt import ttt_loss
 from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter, build_draft_vocab
 from eagle3_zoo.training.callbacks import TTTScheduleCallback, ttt_steps_at
-from eagle3_zoo.training.module import Eagle3Module, lr_lambda
+from eagle3_zoo.training.module import DrafterModule, lr_lambda
 from eagle3_zoo.training.strategies import build_strategy, enable_activation_checkpointing
 
 
@@ -156,7 +156,7 @@ def _module(model, adapter, **kw):
     cfg = Eagle3Config.from_target_config(model.config, draft_vocab_size=64, aux_layer_ids=(1, 2, 3))
     drafter = Eagle3Drafter(cfg)
     drafter.set_vocab(*build_draft_vocab(torch.arange(512) % 7, 64))
-    return Eagle3Module(drafter, adapter, model, ttt_steps=3, lr=1e-3, warmup_steps=1, **kw)
+    return DrafterModule(drafter, adapter, model, ttt_steps=3, lr=1e-3, warmup_steps=1, **kw)
 
 
 def test_module_excludes_target_from_state_dict(tiny_target):
@@ -172,7 +172,7 @@ def test_module_excludes_target_from_state_dict(tiny_target):
 def test_module_trains_and_logs_every_step_metric(tiny_target, tmp_path, loss):
     from lightning.pytorch.loggers import CSVLogger
 
-    from eagle3_zoo.data.datamodule import Eagle3DataModule, ExampleDataset
+    from eagle3_zoo.data.datamodule import ExampleDataset, FeatureDataModule
 
     model, adapter = tiny_target
     g = torch.Generator().manual_seed(1)
@@ -180,7 +180,7 @@ def test_module_trains_and_logs_every_step_metric(tiny_target, tmp_path, loss):
                 for n in torch.randint(8, 20, (10,), generator=g)]
     module = _module(model, adapter, weight_decay=0.1, loss=loss)
     assert module.objective.loss.name == loss
-    dm = Eagle3DataModule(ExampleDataset(examples[:8]), ExampleDataset(examples[8:]), batch_size=2)
+    dm = FeatureDataModule(ExampleDataset(examples[:8]), ExampleDataset(examples[8:]), batch_size=2)
     trainer = L.Trainer(max_steps=3, logger=CSVLogger(tmp_path), enable_checkpointing=False, enable_progress_bar=False,
                         callbacks=[TTTScheduleCallback(3, "ramp", 0.5)], val_check_interval=3,
                         check_val_every_n_epoch=None, num_sanity_val_steps=0, log_every_n_steps=1,
@@ -235,7 +235,7 @@ def test_a_module_given_its_parts_later_equals_the_module_built_with_them(tiny_t
     and it takes them once."""
     model, adapter = tiny_target
     built = _module(model, adapter)
-    later = Eagle3Module(None, ttt_steps=3, lr=1e-3, warmup_steps=1)
+    later = DrafterModule(None, ttt_steps=3, lr=1e-3, warmup_steps=1)
     assert not later.has_parts and not list(later.parameters())
     later.set_parts(built.drafter, adapter, model)
     assert later.has_parts and later.state_dict().keys() == built.state_dict().keys()
@@ -244,7 +244,7 @@ def test_a_module_given_its_parts_later_equals_the_module_built_with_them(tiny_t
     with pytest.raises(RuntimeError, match="already has its drafter"):
         later.set_parts(built.drafter, adapter, model)
     with pytest.raises(ValueError, match="online mode needs the target model"):
-        Eagle3Module(None).set_parts(built.drafter, adapter, None)
+        DrafterModule(None).set_parts(built.drafter, adapter, None)
 
 
 @pytest.mark.parametrize("val_check_interval", [None, 3])
@@ -271,7 +271,7 @@ def test_a_trainer_told_in_setup_that_there_is_no_validation_equals_one_built_wi
 def test_offline_module_reads_bf16_features(tiny_target):
     model, adapter = tiny_target
     online = _module(model, adapter)
-    offline = Eagle3Module(online.drafter, adapter, None, embed_tokens=adapter.embed_tokens(model),
+    offline = DrafterModule(online.drafter, adapter, None, embed_tokens=adapter.embed_tokens(model),
                            lm_head=adapter.lm_head(model), mode="offline", ttt_steps=3)
     assert offline.target is None
     g = torch.Generator().manual_seed(2)
@@ -291,5 +291,5 @@ def test_offline_module_reads_bf16_features(tiny_target):
         assert (out.num_supervised - ref.num_supervised).abs().max() <= (0 if dtype == torch.float32 else 2)
         torch.testing.assert_close(out.loss, ref.loss, atol=tol, rtol=tol)
     with pytest.raises(ValueError, match="online mode needs the target"):
-        Eagle3Module(online.drafter, adapter, None, embed_tokens=adapter.embed_tokens(model),
+        DrafterModule(online.drafter, adapter, None, embed_tokens=adapter.embed_tokens(model),
                      lm_head=adapter.lm_head(model), mode="online")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 
-from eagle3_zoo.data.datamodule import Eagle3DataModule, ExampleDataset
+from eagle3_zoo.data.datamodule import ExampleDataset, FeatureDataModule
 from eagle3_zoo.drafters.eagle3.ttt import ttt_loss
 from eagle3_zoo.losses.chunk import ALPHA_BLOCK, reference_objective
 from tests.test_training import _module, tiny_target  # noqa: F401 (the fixture)
@@ -62,7 +62,7 @@ def test_fit_forms_alpha_on_logging_steps_only(tiny_target, tmp_path):  # noqa: 
     module.loss = recording_loss
     trainer = L.Trainer(max_steps=4, logger=CSVLogger(tmp_path), log_every_n_steps=2, enable_checkpointing=False,
                         enable_progress_bar=False, limit_val_batches=0, enable_model_summary=False)
-    trainer.fit(module, datamodule=Eagle3DataModule(ExampleDataset(examples), ExampleDataset(examples[:2]),
+    trainer.fit(module, datamodule=FeatureDataModule(ExampleDataset(examples), ExampleDataset(examples[:2]),
                                                     batch_size=2))
     assert asked == [False, True, False, True]  # Lightning records the 2nd and 4th batch's metrics
     rows = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()

@@ -237,7 +237,7 @@ def tau_eval_rank(rank: int, world_size: int, init_file: str, dirs: list[str]) -
 def fsdp_tau_eval_rank(rank: int, world_size: int, init_file: str, diverge: bool = False,
                        shard_target: bool = True) -> dict[str, Any]:
     """Rank `rank` of a `world_size`-process gloo group (1 = one process, nothing sharded): the tau-eval summary over
-    `TAU_PROMPTS` of an online `Eagle3Module` whose drafter and target decoder layers are FSDP2-sharded (bf16-mixed
+    `TAU_PROMPTS` of an online `DrafterModule` whose drafter and target decoder layers are FSDP2-sharded (bf16-mixed
     policy on the drafter), and the drafter it decoded with (weights, fc preconditioning). Vocabulary 24, so the
     random drafter (fc preconditioned, a real 12-token draft vocab) accepts some drafts. Before measuring: one
     training forward/backward and a validation forward, after which the FSDP root holds its gathered bf16
@@ -250,7 +250,7 @@ def fsdp_tau_eval_rank(rank: int, world_size: int, init_file: str, diverge: bool
 
     from eagle3_zoo.adapters import get_adapter
     from eagle3_zoo.speculative import TauEvalCallback, callback
-    from eagle3_zoo.training.module import Eagle3Module
+    from eagle3_zoo.training.module import DrafterModule
     from eagle3_zoo.training.strategies import shard_fsdp2
 
     decoded_with: dict[str, Any] = {}
@@ -271,7 +271,7 @@ def fsdp_tau_eval_rank(rank: int, world_size: int, init_file: str, diverge: bool
         drafter = random_drafter(target, seed=2, draft_vocab_size=12).requires_grad_(True)
         hidden = target.config.hidden_size
         drafter.set_fc_input_scale(torch.rand(3 * hidden, generator=torch.Generator().manual_seed(3)) + 0.5)
-        module = Eagle3Module(drafter, adapter, target, ttt_steps=2)
+        module = DrafterModule(drafter, adapter, target, ttt_steps=2)
         if world_size > 1:
             from torch.distributed.device_mesh import init_device_mesh
 

@@ -57,8 +57,8 @@ class TargetAdapter:
         quantized_formats: Checkpoint ``quantization_config.quant_method`` values `load_target` dequantises on load
             (anything else quantised is refused with what to do instead).
         drafter_defaults: Drafter shape fields the engines' published drafters of this family use where they differ
-            from "sized like the target" (keys of `Eagle3Config` / the recipe's ``drafter`` section); a recipe's own
-            value wins.
+            from "sized like the target" (shape keys of the drafter's config / the recipe's ``drafter`` section); a
+            recipe's own value wins.
     """
 
     model_type: ClassVar[str] = ""

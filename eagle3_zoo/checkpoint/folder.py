@@ -1,6 +1,6 @@
 """The canonical drafter folder a run (or `eagle3-zoo consolidate`) leaves behind, written safely.
 
-    output_dir/drafter/config.json          # canonical SGLang/official layout (Eagle3Drafter.save_pretrained)
+    output_dir/drafter/config.json          # the kind's own layout (EAGLE-3: canonical SGLang/official)
     output_dir/drafter/model.safetensors
     output_dir/drafter/recipe.yaml          # the recipe (overrides applied; `${oc.env:...}` as text, secrets redacted)
     output_dir/drafter/provenance.json      # git SHA, package versions, target, data summary, training summary
@@ -22,7 +22,6 @@ from typing import Any
 
 from eagle3_zoo.checkpoint.check import require_valid_stage
 from eagle3_zoo.fileio import atomic_write_text, recover_replaced_directory, replace_directory, staged_directory
-from eagle3_zoo.modeling import Eagle3Drafter
 from eagle3_zoo.modeling.config import ARCHITECTURE
 from eagle3_zoo.provenance import provenance_json
 from eagle3_zoo.redaction import redact_data
@@ -111,7 +110,7 @@ def _save_recipe(recipe: Any, path: Path) -> None:
         save_resolved_recipe(recipe, path)
 
 
-def write_drafter_folder(drafter: Eagle3Drafter, out_dir: str | Path, recipe: Any,
+def write_drafter_folder(drafter: Any, out_dir: str | Path, recipe: Any,
                          provenance: dict[str, Any], kind: Any = None) -> Path:
     """Stage `drafter` + recipe.yaml + provenance.json in a temp dir with the files of an existing `out_dir` that the
     project does not own, check it, then rename it to `out_dir` (replacing it).

@@ -221,7 +221,7 @@ def _rows(dataset: Dataset) -> str:
     return "examples" if examples is None else f"rows ({examples} examples packed)"
 
 
-class Eagle3DataModule(L.LightningDataModule):
+class FeatureDataModule(L.LightningDataModule):
     """Train/val loaders over token examples (online) or feature-store samples (offline).
 
     Args:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from eagle3_zoo.data.datamodule import Eagle3DataModule, ResumableDataLoader
+from eagle3_zoo.data.datamodule import FeatureDataModule, ResumableDataLoader
 from eagle3_zoo.data.engine_feed import final_norm_on_cpu
 from eagle3_zoo.data.hybrid_store import HybridStore
 
@@ -208,8 +208,8 @@ class StreamingLoader(ResumableDataLoader):
         self.dataset.begin_pass(batches, self.batch_sampler.epoch, self.training)
 
 
-class StreamingDataModule(Eagle3DataModule):
-    """`Eagle3DataModule` over `StreamedFeatureDataset`s: the engine feed starts in `setup` and stops in `teardown`
+class StreamingDataModule(FeatureDataModule):
+    """`FeatureDataModule` over `StreamedFeatureDataset`s: the engine feed starts in `setup` and stops in `teardown`
     (or `on_exception`), when Lightning runs them on every rank. `feed` may come later, with the datasets (the run's
     DataModule learns them in its `setup`, `eagle3_zoo.training.build`); until then the hooks have nothing to do."""
 

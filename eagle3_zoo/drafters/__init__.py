@@ -8,6 +8,7 @@ drafter config is of.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from eagle3_zoo.drafters.base import (
@@ -57,6 +58,29 @@ def get_kind(name: str) -> DrafterKind:
     return kinds[name]
 
 
+# built-in kinds whose `config_from` is a torch-free function of their own (module:function): answered without
+# importing the kind, whose module imports torch (`plan` imports no model code)
+_TORCH_FREE_CONFIG = {"eagle3": "eagle3_zoo.drafters.eagle3.sizing:config_from"}
+
+
+def config_from(name: str, section: Any, target_config: Any, *, aux_layer_ids: tuple[int, ...] | None,
+                defaults: dict[str, Any], target_name: str, torch_dtype: str) -> Any:
+    """`DrafterKind.config_from` of the kind registered as `name`: the config of a fresh drafter sized like the
+    target. A built-in kind not imported yet that builds its config without torch is not imported.
+
+    Raises:
+        ValueError: no such kind (`get_kind`).
+    """
+    light = _TORCH_FREE_CONFIG.get(name)
+    if light is not None and name not in registered():
+        module, function = light.split(":")
+        build = getattr(importlib.import_module(module), function)
+    else:
+        build = get_kind(name).config_from
+    return build(section, target_config, aux_layer_ids=aux_layer_ids, defaults=defaults, target_name=target_name,
+                 torch_dtype=torch_dtype)
+
+
 def kind_of(drafter: Any) -> DrafterKind:
     """The kind whose drafter `drafter` is.
 
@@ -94,6 +118,7 @@ __all__ = [
     "DraftModel",
     "DrafterKind",
     "FeatureNeeds",
+    "config_from",
     "get_kind",
     "kind_names",
     "kind_of",

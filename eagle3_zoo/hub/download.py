@@ -22,7 +22,6 @@ from eagle3_zoo.checkpoint.layouts import detect_layout
 from eagle3_zoo.checkpoint.opened import OpenedDrafter
 from eagle3_zoo.hub.endpoint import HubUnreachableError, hub_url, require_reachable, resolve_endpoint, unreachable_error
 from eagle3_zoo.hub.zoo import find_zoo, resolve_repo_id, zoo_hint
-from eagle3_zoo.modeling import Eagle3Drafter
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +147,9 @@ def _download(name: str, repo_id: str, *, revision: str | None, endpoint: str | 
 
 def load_any_drafter(
     path_or_repo: str | Path, revision: str | None = None, endpoint: str | None = None, dtype: torch.dtype | None = None
-) -> Eagle3Drafter:
-    """A drafter from a local folder (any format), a Hub repo id or a zoo name; for `drafter.init_from`.
+) -> torch.nn.Module:
+    """A drafter of any registered kind (`import_drafter`) from a local folder (any layout), a Hub repo id or a zoo
+    name; for `drafter.init_from`.
 
     Hub repos are downloaded with `pull` (snapshot_download) and imported; nothing is executed from them.
     """

@@ -16,7 +16,7 @@ _EXPORTS = {
     "Acceptance": "acceptance", "SamplingParams": "acceptance", "accept": "acceptance", "next_token": "acceptance",
     "BenchPrompt": "benchmarks", "Benchmark": "benchmarks", "load_benchmark": "benchmarks",
     "TauEvalCallback": "callback",
-    "DraftModel": "draft", "Eagle3DraftModel": "draft",
+    "DraftModel": "draft",
     "EvalResults": "evaluation", "EvalSettings": "evaluation", "evaluate": "evaluation",
     "format_table": "evaluation", "plot_acceptance": "evaluation",
     "write_results": "evaluation",
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from eagle3_zoo.speculative.acceptance import Acceptance, SamplingParams, accept, next_token
     from eagle3_zoo.speculative.benchmarks import Benchmark, BenchPrompt, load_benchmark
     from eagle3_zoo.speculative.callback import TauEvalCallback
-    from eagle3_zoo.speculative.draft import DraftModel, Eagle3DraftModel
+    from eagle3_zoo.speculative.draft import DraftModel
     from eagle3_zoo.speculative.evaluation import (
         EvalResults,
         EvalSettings,
@@ -66,7 +66,6 @@ __all__ = [
     "Benchmark",
     "DraftModel",
     "DraftTree",
-    "Eagle3DraftModel",
     "EvalResults",
     "EvalSettings",
     "GenerationOutput",

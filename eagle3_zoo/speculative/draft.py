@@ -2,12 +2,11 @@
 that proposes tokens (a registered drafter kind's draft model, an oracle built in a test) plugs in.
 
 The protocol is declared with the drafter kinds (`eagle3_zoo.drafters.base`), which each give theirs
-(`DrafterKind.draft_model`); EAGLE-3's is `eagle3_zoo.drafters.eagle3.decode.Eagle3DraftModel`.
+(`DrafterKind.draft_model`); EAGLE-3's is in `eagle3_zoo.drafters.eagle3.decode`.
 """
 
 from __future__ import annotations
 
 from eagle3_zoo.drafters import DraftModel
-from eagle3_zoo.drafters.eagle3.decode import Eagle3DraftModel
 
-__all__ = ["DraftModel", "Eagle3DraftModel"]
+__all__ = ["DraftModel"]

@@ -18,10 +18,10 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from eagle3_zoo.data.datamodule import Eagle3DataModule
+from eagle3_zoo.data.datamodule import FeatureDataModule
 from eagle3_zoo.data.engine_stream import StreamingDataModule
 from eagle3_zoo.drafters import DrafterKind, get_kind
-from eagle3_zoo.modeling import Eagle3Drafter, build_draft_vocab
+from eagle3_zoo.modeling import build_draft_vocab
 from eagle3_zoo.targets.loading import aux_layer_ids_for, load_recipe_target
 from eagle3_zoo.training.module import DrafterModule, with_host_counts
 from eagle3_zoo.training.run_plan import drafter_config, run_plan
@@ -38,12 +38,12 @@ class DrafterStart:
     exists."""
 
     kind: DrafterKind
-    config: Any  # the kind's config class (EAGLE-3: Eagle3Config)
+    config: Any  # an instance of the kind's `config_class`
     d2t: torch.Tensor
     t2d: torch.Tensor
     target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None
     fc_input_scale: torch.Tensor | None = None
-    init: Eagle3Drafter | None = None
+    init: Any = None  # the `drafter.init_from` drafter (a drafter of the kind)
 
     def build(self) -> Any:
         """The drafter (fresh: its random initialisation draws from the global generator, seeded by the caller)."""
@@ -68,7 +68,7 @@ def drafter_start(recipe: Any, target_config: Any, counts: torch.Tensor, aux_lay
     `drafter.init_from` drafter, checked against the target.
 
     `target_head` = the target's (lm_head weight, final norm weight): with `drafter.init_head = "target"` a fresh
-    drafter's lm_head and norm start from them (`Eagle3Drafter.init_head_from_target`).
+    drafter's lm_head and norm start from them (the kind's `build`).
 
     Raises:
         ValueError: an `init_from` drafter that does not fit the target (vocab, hidden size, aux layers).
@@ -89,7 +89,7 @@ def drafter_start(recipe: Any, target_config: Any, counts: torch.Tensor, aux_lay
                         target_head=target_head if recipe.drafter.init_head == "target" else None)
 
 
-def _load_init(path: str, target_config: Any, aux_layer_ids: tuple[int, ...], wanted: Any = None) -> Eagle3Drafter:
+def _load_init(path: str, target_config: Any, aux_layer_ids: tuple[int, ...], wanted: Any = None) -> Any:
     from eagle3_zoo.hub.download import load_any_drafter
 
     drafter = load_any_drafter(path)
@@ -135,7 +135,7 @@ def without_validation(trainer: L.Trainer) -> None:
     trainer.limit_val_batches, trainer.val_check_interval, trainer.check_val_every_n_epoch = 0, 1.0, 1
 
 
-class RunDataModule(Eagle3DataModule):
+class RunDataModule(FeatureDataModule):
     """A recipe's data, prepared in Lightning's `setup` hook: `fit` hands this to `trainer.fit`, which starts the
     run's processes and its process group (Lightning's own launcher, or the processes torchrun or SLURM started) and
     then calls `setup` on every rank. There, before anything is placed on a device, this rank's target device is made

@@ -163,7 +163,7 @@ def _host_values(values: list[Any]) -> list[float]:
 
 def batch_tokens(batch: Any) -> int:
     """Input tokens of a right-padded batch (padding excluded): the count taken on the host before the batch moved
-    to the device (`Eagle3Module.on_before_batch_transfer`), else counted from the batch."""
+    to the device (`DrafterModule.on_before_batch_transfer`), else counted from the batch."""
     if not isinstance(batch, dict):
         return 0
     if isinstance(batch.get(NUM_TOKENS), int):

@@ -17,10 +17,10 @@ on lightning 2.6.0 (the low stack of `scripts/test_low_stack.sh`, which runs the
 - `ModelCheckpoint._last_global_step_saved`: the step the callback last saved at (no public counterpart); the
   end-of-training save is skipped when it already saved this step and this start trained nothing.
 - `LightningModule._trainer`: the Trainer a module is attached to, or None. The public `trainer` property raises
-  when there is none; `Eagle3Module` runs outside a Trainer too (tests, evaluation), where its steps skip the
+  when there is none; `DrafterModule` runs outside a Trainer too (tests, evaluation), where its steps skip the
   cross-rank reductions.
 - `Trainer._logger_connector.should_update_logs`: whether the loggers record the metrics of the training step about
-  to run (every `log_every_n_steps`-th batch, and the last); `Eagle3Module.training_step` computes its metric-only
+  to run (every `log_every_n_steps`-th batch, and the last); `DrafterModule.training_step` computes its metric-only
   per-step acceptance (alpha) on those steps only. No public property says it, and a copy of the rule would drift
   from Lightning's own count of batches.
 - `torch.distributed.tensor._utils.compute_local_shape_and_global_offset(shape, mesh, placements)`: the rows of a

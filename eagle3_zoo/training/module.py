@@ -266,7 +266,7 @@ class DrafterModule(L.LightningModule):
     def loss(self, batch: dict[str, torch.Tensor], steps: int, global_norm: bool = False,
              read_along: bool = False, with_alpha: bool = True) -> Any:
         """The kind's loss of one batch (`DrafterKind.training_loss`; EAGLE-3's: the TTT loss with `steps` unrolled
-        steps, `eagle3_zoo.drafters.eagle3.kind.Eagle3Kind.training_loss`)."""
+        steps, `eagle3_zoo.drafters.eagle3.ttt`)."""
         return self.kind.training_loss(self, batch, steps, global_norm=global_norm, read_along=read_along,
                                        with_alpha=with_alpha)
 
@@ -382,5 +382,3 @@ class DrafterModule(L.LightningModule):
             optimizer, lambda step: lr_lambda(step, total_steps=total, **self.schedule_args))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-
-Eagle3Module = DrafterModule  # the name tests and scripts knew it by

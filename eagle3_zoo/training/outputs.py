@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from eagle3_zoo.checkpoint.folder import drafter_out_dir, write_drafter_folder
+from eagle3_zoo.checkpoint.layouts import layouts
+from eagle3_zoo.drafters import DEFAULT_KIND, get_kind
 from eagle3_zoo.drafters.eagle3.kind import drafter_from_state
 from eagle3_zoo.provenance import git_info, package_versions, provenance_json
 from eagle3_zoo.training.checkpoint_io import DRAFTER_INFO_KEY, info_json, read_checkpoint_header, sharded_state
@@ -77,6 +79,13 @@ def drafter_info(config: Any, fc_input_scale: torch.Tensor | None, recipe_dict: 
             "fc_input_scale": None if fc_input_scale is None else fc_input_scale.detach().cpu().float()}
 
 
+def recorded_kind(raw: dict[str, Any], source: str) -> Any:
+    """The `DrafterKind` of a drafter config.json `raw` that `fit` recorded (its kind's own config.json): the kind of
+    the first registered layout that claims it (`Layout.claims`), else the default kind (EAGLE-3's canonical config
+    is claimed by no layout: its folders are told by their weight files)."""
+    return get_kind(next((layout.kind for layout in layouts() if layout.claims(raw, source)), DEFAULT_KIND))
+
+
 def consolidate_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     """Write the canonical drafter folder (`write_drafter_folder`: the same files a finished run writes) from a
     checkpoint of `fit`: a sharded (DCP) `last.ckpt` directory of an FSDP run, or a single-file checkpoint.
@@ -87,9 +96,6 @@ def consolidate_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
         FileNotFoundError: `checkpoint` does not exist.
         ValueError: not a checkpoint written by `fit` (no drafter entry), or unreadable.
     """
-    from eagle3_zoo.drafters.dflash.config import ARCHITECTURE as DFLASH_ARCHITECTURE
-    from eagle3_zoo.modeling import Eagle3Config
-
     checkpoint = Path(checkpoint)
     if not checkpoint.exists():
         raise FileNotFoundError(f"checkpoint {checkpoint} does not exist (pass a run's checkpoints/last.ckpt)")
@@ -103,15 +109,11 @@ def consolidate_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
         raise ValueError(f"{checkpoint} was not written by an eagle3-zoo fit that records its drafter "
                          f"({DRAFTER_INFO_KEY} is missing)")
     raw = info_json(info, "config", checkpoint)
-    kind = None
-    if DFLASH_ARCHITECTURE in (raw.get("architectures") or []):  # a DFlash drafter (its z-lab config.json)
-        from eagle3_zoo.drafters import get_kind
-        from eagle3_zoo.drafters.dflash.config import DFlashConfig
-
-        kind = get_kind("dflash")
-        config = DFlashConfig.from_json_dict(raw, source=f"{checkpoint} drafter config")
-    else:
-        config = Eagle3Config.from_json_dict(raw, source=f"{checkpoint} drafter config")
+    source = f"{checkpoint} drafter config"
+    kind = recorded_kind(raw, source)
+    config = kind.config_class.from_json_dict(raw, source=source)
+    if kind.name == DEFAULT_KIND:
+        kind = None  # EAGLE-3: its fc preconditioning scale is recorded beside the weights (`drafter_info`)
     state = sharded_state(checkpoint, _STATE_PREFIX) if checkpoint.is_dir() else {
         f"state_dict.{k}": v for k, v in (meta.get("state_dict") or {}).items()}
     state = {k.removeprefix(_STATE_PREFIX): v for k, v in state.items() if k.startswith(_STATE_PREFIX)}

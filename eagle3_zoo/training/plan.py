@@ -47,7 +47,7 @@ from eagle3_zoo.training.run_plan import compute_dtype, stored_dtype  # noqa: F4
 
 logger = logging.getLogger(__name__)
 
-LOGITS_CHUNK = 1024  # rows per chunk of the frozen lm_head product (Eagle3Module.logits_chunk_size)
+LOGITS_CHUNK = 1024  # rows per chunk of the frozen lm_head product (DrafterModule.logits_chunk_size)
 
 
 def _meta_model(config: Any) -> torch.nn.Module:
@@ -161,7 +161,7 @@ def write_shipped_counts() -> Path:
 
 
 def drafter_parameter_count(config: Any) -> int:
-    """Parameters of a drafter with this `Eagle3Config` (all trainable), from its shapes (no model built)."""
+    """Parameters of a drafter with this config (all trainable), from its `parameter_shapes` (no model built)."""
     return sum(math.prod(shape) for shape, _ in config.parameter_shapes().values())
 
 

@@ -212,29 +212,14 @@ def drafter_dtype_name(precision: str) -> str:
 def drafter_config(recipe: Any, target_config: Any, aux_layer_ids: tuple[int, ...] | None) -> Any:
     """The config of a fresh drafter of the recipe's `drafter.kind` (`DrafterKind.config_from`): sized like the target,
     with the family's published-drafter shape (`TargetAdapter.drafter_defaults`) and the recipe's overrides on top.
-    EAGLE-3's is built here from its torch-free config, as `Eagle3Kind.config_from` builds it: `plan` imports no
-    model code."""
+    A built-in kind that builds its config without torch is not imported (`eagle3_zoo.drafters.config_from`): `plan`
+    imports no model code."""
     from eagle3_zoo.adapters import adapter_for
+    from eagle3_zoo.drafters import config_from
 
     defaults, dtype = adapter_for(target_config).drafter_defaults, drafter_dtype_name(recipe.trainer.precision)
-    if recipe.drafter.kind == "eagle3":
-        from eagle3_zoo.modeling.config import Eagle3Config
-
-        overrides = {k: defaults[k] for k in _EAGLE3_SHAPE if k in defaults}
-        overrides.update({k: v for k in _EAGLE3_SHAPE if (v := getattr(recipe.drafter, k)) is not None})
-        return Eagle3Config.from_target_config(
-            target_config, draft_vocab_size=recipe.drafter.draft_vocab_size, aux_layer_ids=aux_layer_ids,
-            target_name_or_path=recipe.target.name_or_path, torch_dtype=dtype, fc_norm=recipe.drafter.fc_norm,
-            norm_output=recipe.drafter.norm_output, **overrides)
-    from eagle3_zoo.drafters import get_kind
-
-    return get_kind(recipe.drafter.kind).config_from(
-        recipe.drafter, target_config, aux_layer_ids=aux_layer_ids, defaults=defaults,
-        target_name=recipe.target.name_or_path, torch_dtype=dtype)
-
-
-# Eagle3Kind's shape fields (eagle3_zoo.drafters.eagle3.kind.SHAPE_FIELDS, a module that imports torch)
-_EAGLE3_SHAPE = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    return config_from(recipe.drafter.kind, recipe.drafter, target_config, aux_layer_ids=aux_layer_ids,
+                       defaults=defaults, target_name=recipe.target.name_or_path, torch_dtype=dtype)
 
 
 @dataclass(frozen=True)

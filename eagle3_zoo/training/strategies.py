@@ -1,6 +1,6 @@
 """All parallelism in one place: the strategy builder, FSDP2 sharding and activation checkpointing.
 
-The drafter and adapter files import nothing distributed; `Eagle3Module.configure_model` calls `shard_fsdp2`
+The drafter and adapter files import nothing distributed; `DrafterModule.configure_model` calls `shard_fsdp2`
 here when the strategy is FSDP.
 
 FSDP = FSDP2 (`torch.distributed.fsdp.fully_shard`) under Lightning's `ModelParallelStrategy`

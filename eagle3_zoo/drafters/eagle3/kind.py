@@ -25,12 +25,10 @@ from eagle3_zoo.drafters.eagle3.objective import (
     rank_step_weights,
     supervised_positions,
 )
+from eagle3_zoo.drafters.eagle3.sizing import config_from
 from eagle3_zoo.drafters.eagle3.ttt import TTTLossOutput
 from eagle3_zoo.layout_names import BUILT_IN
 from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter
-
-# the recipe's drafter-shape fields (null: the target family's published-drafter shape, else the target's)
-SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 
 
 class Eagle3Kind(DrafterKind):
@@ -42,12 +40,8 @@ class Eagle3Kind(DrafterKind):
 
     def config_from(self, section: Any, target_config: Any, *, aux_layer_ids: tuple[int, ...] | None,
                     defaults: dict[str, Any], target_name: str, torch_dtype: str) -> Eagle3Config:
-        overrides = {k: defaults[k] for k in SHAPE_FIELDS if k in defaults}
-        overrides.update({k: getattr(section, k) for k in SHAPE_FIELDS if getattr(section, k) is not None})
-        return Eagle3Config.from_target_config(
-            target_config, draft_vocab_size=section.draft_vocab_size, aux_layer_ids=aux_layer_ids,
-            target_name_or_path=target_name, torch_dtype=torch_dtype, fc_norm=section.fc_norm,
-            norm_output=section.norm_output, **overrides)
+        return config_from(section, target_config, aux_layer_ids=aux_layer_ids, defaults=defaults,
+                           target_name=target_name, torch_dtype=torch_dtype)
 
     def features(self, config: Eagle3Config) -> FeatureNeeds:
         return FeatureNeeds(aux_layer_ids=tuple(config.aux_layer_ids), final_hidden=True)

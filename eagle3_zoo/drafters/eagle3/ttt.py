@@ -256,7 +256,7 @@ def ttt_loss(
         target_mass: `[B, T]` the target's probability mass on the draft vocabulary, for the reported acceptance
             (default: from full-vocab `target_logits`, else 1).
         counts: the supervised positions of each step (`num_supervised`) already read on the host by the caller
-            (`Eagle3Module` reads them with other values in one transfer); default: read here.
+            (`DrafterModule` reads them with other values in one transfer); default: read here.
         position_ids: `[B, T]` RoPE positions (packed rows: restarting at 0 per document; default 0..T-1).
         document_ids: `[B, T]` packed rows: the document of each position, never decreasing along a row. Attention
             stays inside a document and no position is trained on a token of the next one (`step_masks`), so the
