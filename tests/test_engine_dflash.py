@@ -268,6 +268,21 @@ def test_control_aux_ids_off_by_one_fails_the_parity(zlab_dir, ours, requests_, 
     assert any(f.startswith("accepted per position") or f.startswith("drafts") for f in failures)
 
 
+def test_the_data_file_holds_the_requests_token_for_token(hf_target, requests_, data_file):
+    """The conversations `fit` reads tokenise (as the data stage does: `build_example`) to rows that start with each
+    request's prompt ids followed by the target's greedy continuation, the continuation supervised."""
+    _, tok, adapter = hf_target
+    rows = {}
+    for line in data_file.read_text().splitlines():
+        c = json.loads(line)
+        rows[c["id"]] = adapter.build_example(tok, c["messages"], 512)
+    for rid, (prompt, continuation, _) in requests_.items():
+        ex = rows[rid.split("/")[0].replace(":", "-")]
+        end = len(prompt) + len(continuation)
+        assert ex["input_ids"][:end].tolist() == prompt + continuation, rid
+        assert bool(ex["loss_mask"][len(prompt):end].all()), rid
+
+
 def _causal_attend(q, k, v):
     """Our decoder's block attention made causal inside the block (context keys stay visible)."""
     b, t = q.shape[-2], k.shape[-2]
