@@ -39,6 +39,12 @@ class FeatureNeeds:
     final_hidden: bool = True
 
 
+def starts_from_target_layers(section: Any, kind: str) -> bool:
+    """Whether the recipe's `drafter` section starts a fresh drafter of `kind` from the target's decoder layers: the
+    kind's own subsection (`drafter.<kind>`) says `init_layers: target` (torch-free: `plan` asks it too)."""
+    return getattr(getattr(section, kind, None), "init_layers", "random") == "target"
+
+
 @dataclass(frozen=True)
 class TargetLayers:
     """The target's decoder layers and final norm, for a drafter whose own layers start from them
@@ -165,8 +171,9 @@ class DrafterKind:
 
     def starts_from_target_layers(self, section: Any) -> bool:
         """Whether a fresh drafter of the recipe's `drafter` section starts its layers from the target's decoder
-        layers (`build` then gets `target_layers`, and the run loads the whole target). Default: never."""
-        return False
+        layers (`build` then gets `target_layers`, and the run loads the whole target): `starts_from_target_layers`
+        (the kind's own subsection says `init_layers: target`)."""
+        return starts_from_target_layers(section, self.name)
 
     def num_parameters(self, config: Any) -> int:
         """The parameter count of a drafter of `config` (default: `drafter_class(config)` built on the meta device,

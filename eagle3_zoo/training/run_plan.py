@@ -181,9 +181,9 @@ def target_load(recipe: Any) -> tuple[TargetLoad, str]:
 
 
 def _drafter_starts_from_target_layers(recipe: Any) -> bool:
-    from eagle3_zoo.drafters import get_kind
+    from eagle3_zoo.drafters.base import starts_from_target_layers  # torch-free: the kind's module is not imported
 
-    return not recipe.drafter.init_from and get_kind(recipe.drafter.kind).starts_from_target_layers(recipe.drafter)
+    return not recipe.drafter.init_from and starts_from_target_layers(recipe.drafter, recipe.drafter.kind)
 
 
 def stored_dtype(precision: str) -> torch.dtype:

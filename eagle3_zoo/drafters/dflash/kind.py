@@ -163,10 +163,6 @@ class DFlashKind(DrafterKind):
             init_layers_from_target(drafter, target_layers)
         return drafter
 
-    def starts_from_target_layers(self, section: Any) -> bool:
-        d = getattr(section, "dflash", None)
-        return d is not None and d.init_layers == "target"
-
     def objective(self, drafter: DFlashDrafter, loss: Any, section: Any = None) -> DFlashObjective:
         # the seed the run's generator was last seeded with (`RecipeModule.build_drafter` seeds it just before)
         return DFlashObjective(drafter, training_settings(section), torch.initial_seed())
