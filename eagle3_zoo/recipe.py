@@ -100,6 +100,10 @@ class DFlashSection:
     # the id embedded at the masked slots of a block; null = the target config's mask_token_id if it has one, else
     # the last id of its vocabulary (recorded in the drafter's config.json either way)
     mask_token_id: int | None = ruled(None, GE0)
+    # random = the model's initialisation; target = the draft layers start as copies of the target's last num_layers
+    # decoder layers (parameters whose names and shapes match; the rest, e.g. q/k norms a Llama target lacks, keep
+    # their initialisation) and the final norm as the target's
+    init_layers: Literal["random", "target"] = "random"
 
 
 @dataclass

@@ -3,15 +3,17 @@
     bash scripts/test.sh -m engine          # installs .venv-vllm first (scripts/setup_engine.sh), then these tests
 
 The target is SmolLM2-135M-Instruct (CPU, fp32, the HF folder the other engine tests serve). A one-layer DFlash
-drafter (block size 4: vLLM drafts 3 tokens per block) is trained here with `dflash_loss` on the target's own greedy
-continuations of the MT-bench requests it is judged on (`_train_dflash`, a stand-in for `fit` with
-`drafter.kind=dflash`), written in the z-lab layout, and in the speculators layout with the minimal config this test
-writes itself (`_speculators_folder`). The parity (`_parity_failures`): vLLM's greedy output equals the target's plain
-greedy decoding, vLLM's own spec-decode counters equal our `DFlashGenerator`'s on the same token-id prompts (the
-same number of drafts and, at every block position, the same number of accepted tokens) and acceptance is clearly
-above zero. Negative controls each make it fail: the folder's `target_layer_ids` off by one, a drafter trained with
-its labels shifted by one. A causal block does not: this drafter's drafts do not depend on it (measured, both in vLLM
-and in our decoder; `test_a_causal_block_does_not_separate_this_drafter`).
+drafter (block size 4: vLLM drafts 3 tokens per block; mask id 16; the full vocabulary) is trained by `fit`
+(`drafter.kind: dflash`, `drafter.dflash.init_layers: target`: its layer starts as a copy of the target's last decoder
+layer, its final norm as the target's; offline features; `STEPS` steps) on a data file of the conversations the
+requests it is judged on come from, each reply being the target's own greedy continuation (regeneration off). `fit`
+writes the z-lab layout; the speculators layout is what `eagle3-zoo export --format speculators` writes from it. The
+parity (`_parity_failures`): vLLM's greedy output equals the target's plain greedy decoding, vLLM's own spec-decode
+counters equal our `DFlashGenerator`'s on the same token-id prompts (the same number of drafts and, at every block
+position, the same number of accepted tokens) and acceptance is clearly above zero. Negative controls each make it
+fail: the folder's `target_layer_ids` off by one, a drafter `fit` with its labels shifted by one (the DFlash loss's
+`block_labels` patched inside the run). A causal block does not: this drafter's drafts do not depend on it (measured,
+both in vLLM and in our decoder; `test_a_causal_block_does_not_separate_this_drafter`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ BLOCK = 4  # the anchor + 3 masked slots: vLLM's num_speculative_tokens = 3
 # `<empty_output>` (id 16): a reserved token of SmolLM2's tokenizer that its chat template never writes
 MASK_ID = 16
 MAX_NEW, PROMPTS, STEPS = 48, 3, 300
+VOCAB = 49152  # the full vocabulary: the drafter scores with the target's frozen lm_head
 MIN_ACCEPT_RATE = 0.2  # "clearly above zero": accepted / drafted at block position 1
 
 
@@ -57,7 +60,8 @@ def hf_target():
 @pytest.fixture(scope="module")
 def requests_(hf_target):
     """The first `PROMPTS` MT-bench prompts, both turns (turn 2 after the target's own greedy answer, rendered as
-    `eval` renders it): request id -> (prompt token ids, the target's plain greedy continuation without EOS)."""
+    `eval` renders it): request id -> (prompt token ids, the target's plain greedy continuation without EOS, the
+    conversation up to and including that continuation, decoded)."""
     from eagle3_zoo.adapters.conversation import Message
     from eagle3_zoo.speculative.benchmarks import load_benchmark
     from eagle3_zoo.speculative.evaluation import turn_input_ids
@@ -73,71 +77,93 @@ def requests_(hf_target):
             tokens = plain_generate(model, ids, MAX_NEW).tokens
             while tokens and tokens[-1] in stop:
                 tokens = tokens[:-1]
-            out[f"mtbench:{prompt.id}/turn{turn + 1}"] = (ids.tolist(), tokens)
             history.append(Message("assistant", tok.decode(tokens, skip_special_tokens=True)))
+            out[f"mtbench:{prompt.id}/turn{turn + 1}"] = (ids.tolist(), tokens, list(history))
     return out
 
 
-def _train_dflash(hf_target, sequences, steps=STEPS, label_shift=0, seed=0):
-    """A DFlash drafter (1 layer, block `BLOCK`, 5 feature layers) trained with `dflash_loss` for `steps` steps on
-    `sequences` [(prompt ids, continuation ids)], the continuations supervised; features from the HF target. The
-    draft layer starts as a copy of the target's last decoder layer, the final norm as the target's. `label_shift`
-    1 trains slot k towards x_{a+k+1} instead of x_{a+k} (a negative control)."""
-    from eagle3_zoo.drafters.dflash import loss as dflash_loss_module
-    from eagle3_zoo.drafters.dflash.config import DFlashConfig
-    from eagle3_zoo.drafters.dflash.loss import dflash_loss, select_anchors
-    from eagle3_zoo.drafters.dflash.model import DFlashDrafter
+def _conversations(requests_) -> list[dict]:
+    """The requests as the conversations they came from, one per MT-bench question: each turn's prompt and the
+    target's greedy continuation of it (decoded) as the assistant's reply; the data file the drafter is fit on."""
+    rows: dict[str, list[dict]] = {}
+    for rid, (_, _, history) in requests_.items():
+        rows[rid.split("/")[0]] = [{"role": m.role, "content": m.content} for m in history]
+    return [{"id": qid.replace(":", "-"), "messages": messages} for qid, messages in rows.items()]
 
-    model, _, adapter = hf_target
-    config = DFlashConfig.from_target_config(model.config, mask_token_id=MASK_ID, num_hidden_layers=1,
-                                             block_size=BLOCK, target_name_or_path=TARGET)
-    torch.manual_seed(seed)
-    drafter = DFlashDrafter(config).float()
-    target_layers = adapter.decoder_layers(model)
-    with torch.no_grad():
-        drafter.norm.weight.copy_(model.model.norm.weight)
-        for layer, src in zip(drafter.layers, target_layers[-len(drafter.layers):]):
-            ref = dict(src.named_parameters())
-            for name, t in layer.named_parameters():
-                if name in ref and ref[name].shape == t.shape:
-                    t.copy_(ref[name])
-    rows = []
-    for prompt, continuation in sequences:
-        ids = torch.tensor([prompt + continuation])
-        mask = torch.zeros_like(ids, dtype=torch.bool)
-        mask[:, len(prompt):] = True
-        with torch.no_grad():
-            hidden = model(ids, output_hidden_states=True).hidden_states
-        rows.append((ids, mask, torch.cat([hidden[k] for k in config.aux_layer_ids], dim=-1)))
-    embed, head = adapter.embed_tokens(model).weight.detach(), adapter.lm_head(model).weight.detach()
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(seed)
+
+def _recipe(tmp: Path, data: Path, name: str) -> Path:
+    """`fit`'s recipe: the drafter of the module docstring on `data` (regeneration off: the replies are the target's
+    own greedy continuations already), offline features, every conversation a training one, `STEPS` steps."""
+    import yaml
+
+    recipe = {
+        "target": {"name_or_path": TARGET, "family": "llama", "dtype": "float32"},
+        "drafter": {"kind": "dflash", "draft_vocab_size": VOCAB, "aux_layer_ids": None,
+                    "dflash": {"num_layers": 1, "block_size": BLOCK, "num_anchors": 16, "mask_token_id": MASK_ID,
+                               "init_layers": "target"}},
+        "data": {"sources": [{"path": str(data)}], "max_length": 512, "num_workers": 0, "val_fraction": 0.0,
+                 "mode": "offline", "features_dtype": "float32", "cache_dir": str(tmp / "cache"),
+                 "regenerate": {"enabled": False}},
+        "ttt": {"steps": 1, "schedule": "constant"},
+        "optim": {"lr": 3e-3, "warmup_steps": 1, "decay": "constant"},
+        "trainer": {"max_steps": STEPS, "max_epochs": None, "precision": "32-true", "devices": 1, "batch_size": 1,
+                    "checkpoint_every_n_steps": STEPS, "log_every_n_steps": 10, "logger": ["csv"]},
+        "output_dir": str(tmp / name),
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def _fit(tmp: Path, data: Path, name: str, label_shift: int = 0) -> Path:
+    """The drafter folder `fit` writes (z-lab layout). `label_shift` 1 patches the DFlash loss's `block_labels` so
+    slot k is trained towards x_{a+k+1} instead of x_{a+k} (a negative control)."""
+    from eagle3_zoo.drafters.dflash import loss as dflash_loss_module
+    from eagle3_zoo.training.fit import fit_main
+
     labels = dflash_loss_module.block_labels
 
     def shifted_labels(input_ids, loss_mask, anchors, anchor_valid, block_size, document_ids=None):
         return labels(input_ids, loss_mask, anchors + label_shift, anchor_valid, block_size, document_ids)
 
+    start = time.monotonic()
     with unittest.mock.patch.object(dflash_loss_module, "block_labels", shifted_labels):
-        for step in range(steps):
-            ids, mask, aux = rows[step % len(rows)]
-            anchors, valid = select_anchors(mask[:, :mask.shape[1] - label_shift], 16, generator)
-            out = dflash_loss(drafter, aux, ids, mask, anchors, valid, embed, head)
-            optimizer.zero_grad()
-            out.loss.backward()
-            optimizer.step()
-    print(f"trained {steps} steps (label shift {label_shift}): last loss {out.loss.item():.3f}, position accuracy "
-          f"{[round(a, 3) for a in out.position_acc.tolist()]}")
-    return drafter.eval()
+        folder = fit_main(_recipe(tmp, data, name))
+    rows = (tmp / name / "logs/version_0/metrics.csv").read_text().splitlines()
+    header, last = rows[0].split(","), [r.split(",") for r in rows[1:] if r.split(",")[rows[0].split(",").index(
+        "train/loss")]][-1]
+    acc = [round(float(last[header.index(f"train/acc_{k}")]), 3) for k in range(1, BLOCK)]
+    print(f"fit {name} (label shift {label_shift}): {STEPS} steps in {time.monotonic() - start:.0f} s, last logged "
+          f"loss {float(last[header.index('train/loss')]):.3f}, position accuracy {acc}")
+    return Path(folder)
+
+
+def _export(folder: Path, fmt: str, out: Path) -> Path:
+    """`eagle3-zoo export FOLDER --format FMT --out OUT` (the CLI, in a subprocess)."""
+    import sys
+
+    subprocess.run([sys.executable, "-m", "eagle3_zoo.cli", "export", str(folder), "--format", fmt, "--out",
+                    str(out)], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return out
 
 
 @pytest.fixture(scope="module")
-def drafter(hf_target, requests_):
-    return _train_dflash(hf_target, list(requests_.values()))
+def data_file(requests_, tmp_path_factory):
+    path = tmp_path_factory.mktemp("dflash_data") / "continuations.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in _conversations(requests_)))
+    return path
 
 
 @pytest.fixture(scope="module")
-def zlab_dir(drafter, tmp_path_factory):
-    return drafter.save_pretrained(tmp_path_factory.mktemp("dflash") / "zlab")
+def zlab_dir(data_file, tmp_path_factory):
+    return _fit(tmp_path_factory.mktemp("dflash_fit"), data_file, "run")
+
+
+@pytest.fixture(scope="module")
+def drafter(zlab_dir):
+    from eagle3_zoo.drafters.dflash.model import DFlashDrafter
+
+    return DFlashDrafter.from_pretrained(zlab_dir, dtype=torch.float32).eval()
 
 
 def _edited(folder: Path, out: Path, edit) -> Path:
@@ -145,32 +171,6 @@ def _edited(folder: Path, out: Path, edit) -> Path:
     shutil.copytree(folder, out)
     cfg = json.loads((out / "config.json").read_text())
     edit(cfg)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out
-
-
-def _speculators_folder(zlab: Path, out: Path) -> Path:
-    """The speculators layout of a z-lab folder, minimal: the same weights; `speculators_model_type: dflash`,
-    `aux_hidden_state_layer_ids` (HF hidden-state indices = target_layer_ids + 1), `mask_token_id`, `block_size`,
-    `sliding_window_non_causal: true` (bidirectional block), the draft layers' Qwen3 config and the proposal
-    method vLLM reads its num_speculative_tokens from."""
-    z = json.loads((zlab / "config.json").read_text())
-    layer = {k: z[k] for k in ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
-                                "num_key_value_heads", "head_dim", "intermediate_size", "hidden_act", "vocab_size",
-                                "rope_theta", "rope_parameters", "rms_norm_eps", "max_position_embeddings",
-                                "attention_bias", "tie_word_embeddings", "torch_dtype", "layer_types")}
-    cfg = {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"],
-           "transformer_layer_config": layer, "draft_vocab_size": z["draft_vocab_size"],
-           "target_hidden_size": z["target_hidden_size"], "block_size": z["block_size"],
-           "mask_token_id": z["dflash_config"]["mask_token_id"],
-           "aux_hidden_state_layer_ids": [i + 1 for i in z["dflash_config"]["target_layer_ids"]],
-           "sliding_window_non_causal": True,
-           "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy",
-                                  "proposal_methods": [{"proposal_type": "greedy",
-                                                        "speculative_tokens": z["block_size"] - 1}],
-                                  "verifier": {"name_or_path": TARGET, "architectures": ["LlamaForCausalLM"]}}}
-    out.mkdir(parents=True)
-    shutil.copy(zlab / "model.safetensors", out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 
@@ -188,7 +188,7 @@ def _our_counts(hf_target, drafter, requests_):
     generator = DFlashGenerator(model, drafter, adapter)
     k = drafter.config.block_size - 1
     cycles, accepted, tokens, seconds = 0, [0] * k, {}, 0.0
-    for rid, (prompt, _) in requests_.items():
+    for rid, (prompt, *_) in requests_.items():
         out = generator.generate(torch.tensor(prompt), MAX_NEW)
         cycles += len(out.accept_lengths)
         for a in out.accept_lengths:
@@ -205,7 +205,7 @@ def _in_vllm(folder: Path, requests_, work: Path) -> dict:
 
     start = time.monotonic()
     res = evaluate_in_vllm(folder, TARGET, max_new_tokens=MAX_NEW, baseline=False, work_dir=work,
-                           prompts={rid: prompt for rid, (prompt, _) in requests_.items()})
+                           prompts={rid: prompt for rid, (prompt, *_) in requests_.items()})
     res["wall_s"] = time.monotonic() - start
     return res
 
@@ -215,7 +215,7 @@ def _parity_failures(engine: dict, ours: dict, requests_) -> list[str]:
     parity holds)."""
     o, failures = engine["overall"], []
     served = {r["id"]: r["token_ids"] for r in engine["requests"]}
-    plain = {rid: cont for rid, (_, cont) in requests_.items()}
+    plain = {rid: cont for rid, (_, cont, _) in requests_.items()}
     if served != plain:
         differ = sorted(k for k in plain if served.get(k) != plain[k])
         failures.append(f"greedy output differs from plain decoding on {differ}")
@@ -249,9 +249,10 @@ def test_vllm_serves_the_zlab_folder_as_our_decoder_predicts(zlab_dir, ours, req
 
 
 def test_vllm_serves_the_speculators_folder_as_our_decoder_predicts(zlab_dir, ours, requests_, tmp_path):
-    folder = _speculators_folder(zlab_dir, tmp_path / "speculators")
+    folder = _export(zlab_dir, "speculators", tmp_path / "speculators")
     engine = _in_vllm(folder, requests_, tmp_path / "work")
     _report("speculators", engine, ours)
+    assert json.loads((folder / "config.json").read_text())["sliding_window_non_causal"] is True
     assert engine["settings"]["drafter_format_served"] == "dflash-speculators"
     assert _parity_failures(engine, ours, requests_) == []
 
@@ -265,6 +266,21 @@ def test_control_aux_ids_off_by_one_fails_the_parity(zlab_dir, ours, requests_, 
     failures = _parity_failures(engine, ours, requests_)
     print(failures)
     assert any(f.startswith("accepted per position") or f.startswith("drafts") for f in failures)
+
+
+def test_the_data_file_holds_the_requests_token_for_token(hf_target, requests_, data_file):
+    """The conversations `fit` reads tokenise (as the data stage does: `build_example`) to rows that start with each
+    request's prompt ids followed by the target's greedy continuation, the continuation supervised."""
+    _, tok, adapter = hf_target
+    rows = {}
+    for line in data_file.read_text().splitlines():
+        c = json.loads(line)
+        rows[c["id"]] = adapter.build_example(tok, c["messages"], 512)
+    for rid, (prompt, continuation, _) in requests_.items():
+        ex = rows[rid.split("/")[0].replace(":", "-")]
+        end = len(prompt) + len(continuation)
+        assert ex["input_ids"][:end].tolist() == prompt + continuation, rid
+        assert bool(ex["loss_mask"][len(prompt):end].all()), rid
 
 
 def _causal_attend(q, k, v):
@@ -294,9 +310,12 @@ def test_a_causal_block_does_not_separate_this_drafter(hf_target, drafter, zlab_
     assert _our_counts(hf_target, drafter, requests_)["accepted_per_position"] == ours["accepted_per_position"]
 
 
-def test_control_labels_shifted_by_one_fails_the_parity(hf_target, requests_, tmp_path):
-    shifted = _train_dflash(hf_target, list(requests_.values()), label_shift=1)
-    engine = _in_vllm(shifted.save_pretrained(tmp_path / "shifted"), requests_, tmp_path / "work")
+def test_control_labels_shifted_by_one_fails_the_parity(hf_target, data_file, requests_, tmp_path):
+    from eagle3_zoo.drafters.dflash.model import DFlashDrafter
+
+    folder = _fit(tmp_path, data_file, "shifted", label_shift=1)
+    shifted = DFlashDrafter.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = _in_vllm(folder, requests_, tmp_path / "work")
     ours_shifted = _our_counts(hf_target, shifted, requests_)
     _report("labels + 1", engine, ours_shifted)
     failures = _parity_failures(engine, ours_shifted, requests_)

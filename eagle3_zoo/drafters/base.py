@@ -39,6 +39,27 @@ class FeatureNeeds:
     final_hidden: bool = True
 
 
+def starts_from_target_layers(section: Any, kind: str) -> bool:
+    """Whether the recipe's `drafter` section starts a fresh drafter of `kind` from the target's decoder layers: the
+    kind's own subsection (`drafter.<kind>`) says `init_layers: target` (torch-free: `plan` asks it too)."""
+    return getattr(getattr(section, kind, None), "init_layers", "random") == "target"
+
+
+@dataclass(frozen=True)
+class TargetLayers:
+    """The target's decoder layers and final norm, for a drafter whose own layers start from them
+    (`DrafterKind.starts_from_target_layers`).
+
+    Attributes:
+        layers: each decoder layer's parameters, first to last, by their names inside the layer (`self_attn.q_proj
+            .weight`, ...): the target's own tensors, not copies.
+        norm: the target's final norm weight (None: a norm without one).
+    """
+
+    layers: tuple[dict[str, torch.Tensor], ...]
+    norm: torch.Tensor | None = None
+
+
 @runtime_checkable
 class DraftModel(Protocol):
     """What `eagle3_zoo.speculative.SpeculativeGenerator` needs from a drafter (batch size 1).
@@ -162,11 +183,19 @@ class DrafterKind:
         raise NotImplementedError
 
     def build(self, config: Any, *, d2t: torch.Tensor, t2d: torch.Tensor,
-              target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> nn.Module:
+              target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+              target_layers: TargetLayers | None = None) -> nn.Module:
         """A fresh drafter (its random initialisation draws from the global generator) with its draft vocabulary
         (`d2t`, `t2d`: `eagle3_zoo.modeling.build_draft_vocab`), started from the target's (lm_head, final norm)
-        weights when `target_head` is given."""
+        weights when `target_head` is given and from the target's decoder layers when `target_layers` is given
+        (only where `starts_from_target_layers` said so)."""
         raise NotImplementedError
+
+    def starts_from_target_layers(self, section: Any) -> bool:
+        """Whether a fresh drafter of the recipe's `drafter` section starts its layers from the target's decoder
+        layers (`build` then gets `target_layers`, and the run loads the whole target): `starts_from_target_layers`
+        (the kind's own subsection says `init_layers: target`)."""
+        return starts_from_target_layers(section, self.name)
 
     def num_parameters(self, config: Any) -> int:
         """The parameter count of a drafter of `config` (default: `drafter_class(config)` built on the meta device,

@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from eagle3_zoo.data.datamodule import FeatureDataModule
 from eagle3_zoo.data.engine_stream import StreamingDataModule
-from eagle3_zoo.drafters import DrafterKind, get_kind
+from eagle3_zoo.drafters import DrafterKind, TargetLayers, get_kind
 from eagle3_zoo.modeling import build_draft_vocab
 from eagle3_zoo.targets.loading import aux_layer_ids_for, load_recipe_target
 from eagle3_zoo.training.module import DrafterModule, with_host_counts
@@ -42,6 +42,7 @@ class DrafterStart:
     d2t: torch.Tensor
     t2d: torch.Tensor
     target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    target_layers: TargetLayers | None = None  # the kind's `starts_from_target_layers` only
     fc_input_scale: torch.Tensor | None = None
     init: Any = None  # the `drafter.init_from` drafter (a drafter of the kind)
 
@@ -50,7 +51,9 @@ class DrafterStart:
         if self.init is not None:
             drafter = self.init
         else:
-            drafter = self.kind.build(self.config, d2t=self.d2t, t2d=self.t2d, target_head=self.target_head)
+            extra = {} if self.target_layers is None else {"target_layers": self.target_layers}
+            drafter = self.kind.build(self.config, d2t=self.d2t, t2d=self.t2d, target_head=self.target_head,
+                                      **extra)
         if self.fc_input_scale is not None:
             drafter.set_fc_input_scale(self.fc_input_scale)
         return drafter
@@ -63,12 +66,15 @@ class DrafterStart:
 
 
 def drafter_start(recipe: Any, target_config: Any, counts: torch.Tensor, aux_layer_ids: tuple[int, ...],
-                  target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> DrafterStart:
+                  target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                  target_layers: TargetLayers | None = None) -> DrafterStart:
     """A fresh drafter sized like the target (recipe overrides applied) with the draft vocab from `counts`, or the
     `drafter.init_from` drafter, checked against the target.
 
     `target_head` = the target's (lm_head weight, final norm weight): with `drafter.init_head = "target"` a fresh
-    drafter's lm_head and norm start from them (the kind's `build`).
+    drafter's lm_head and norm start from them (the kind's `build`). `target_layers` = the target's decoder layers
+    and final norm: a fresh drafter of a kind whose `starts_from_target_layers` says so for the recipe's `drafter`
+    section starts its layers from them.
 
     Raises:
         ValueError: an `init_from` drafter that does not fit the target (vocab, hidden size, aux layers).
@@ -85,8 +91,13 @@ def drafter_start(recipe: Any, target_config: Any, counts: torch.Tensor, aux_lay
     d2t, t2d = build_draft_vocab(counts, config.draft_vocab_size)
     if recipe.drafter.init_head == "target" and target_head is None:
         raise ValueError("drafter.init_head = 'target' needs the target's lm_head (and final norm) weights")
+    from_layers = kind.starts_from_target_layers(recipe.drafter)
+    if from_layers and target_layers is None:
+        raise ValueError(f"drafter.kind = {kind.name!r} starts its layers from the target's: it needs the target's "
+                         "decoder layers")
     return DrafterStart(kind, config, d2t.to(torch.int64), t2d.to(torch.bool),
-                        target_head=target_head if recipe.drafter.init_head == "target" else None)
+                        target_head=target_head if recipe.drafter.init_head == "target" else None,
+                        target_layers=target_layers if from_layers else None)
 
 
 def _load_init(path: str, target_config: Any, aux_layer_ids: tuple[int, ...], wanted: Any = None) -> Any:
@@ -202,8 +213,11 @@ class RunDataModule(FeatureDataModule):
                                         target_id=recipe.target.name_or_path, vocab_size=target.config.vocab_size)
         aux_ids = self.aux_layer_ids = aux_layer_ids_for(recipe, target, adapter)
         norm = adapter.final_norm(target)
+        layers = TargetLayers(tuple(dict(layer.named_parameters()) for layer in adapter.decoder_layers(target)),
+                              getattr(norm, "weight", None))  # references: a kind that starts from them copies
         start = drafter_start(recipe, target.config, data.counts, aux_ids,
-                              target_head=(adapter.lm_head(target).weight, getattr(norm, "weight", None)))
+                              target_head=(adapter.lm_head(target).weight, getattr(norm, "weight", None)),
+                              target_layers=layers)
         self.pad_id = tokenizer.pad_token_id or 0
         if plan.streams:  # hidden states streamed from the engine (online, or hybrid's first pass)
             from eagle3_zoo.data.engine_stream import streamed_datasets

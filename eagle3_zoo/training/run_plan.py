@@ -136,6 +136,8 @@ def target_skeleton_reason(recipe: Any) -> str | None:
         return "data.regenerate runs the target in this process (backend hf) before training"
     if recipe.optim.precondition_fc and not recipe.drafter.init_from:
         return "optim.precondition_fc runs the target on training samples before training"
+    if _drafter_starts_from_target_layers(recipe):
+        return "the drafter's layers are copied from the target's decoder layers before training"
     return None
 
 
@@ -162,7 +164,8 @@ def target_load(recipe: Any) -> tuple[TargetLoad, str]:
     slice by slice after sharding) or only its embedding, final norm and lm_head (features from a store or the
     engine, no tau evaluation, nothing else running the target in this process)."""
     tau = bool(recipe.trainer.tau_eval.every_n_steps)
-    if not (target_in_training_step(recipe) or tau or recipe.target.lora_path
+    layers = _drafter_starts_from_target_layers(recipe)
+    if not (target_in_training_step(recipe) or tau or recipe.target.lora_path or layers
             or regeneration_site(recipe) == "in process"):
         return "heads only", "features come from " + ("the engine" if features_from_engine(recipe) else "the store")
     reason = target_skeleton_reason(recipe)
@@ -172,8 +175,15 @@ def target_load(recipe: Any) -> tuple[TargetLoad, str]:
         return "whole", reason  # loaded whole on every rank, then sharded
     why = [w for w, on in (("online features", target_in_training_step(recipe)), ("tau evaluation during training",
            tau), ("data.regenerate in process", regeneration_site(recipe) == "in process"),
-           ("target.lora_path merged", bool(recipe.target.lora_path))) if on]
+           ("target.lora_path merged", bool(recipe.target.lora_path)),
+           ("the drafter's layers start from the target's", layers)) if on]
     return "whole", ", ".join(why)
+
+
+def _drafter_starts_from_target_layers(recipe: Any) -> bool:
+    from eagle3_zoo.drafters.base import starts_from_target_layers  # torch-free: the kind's module is not imported
+
+    return not recipe.drafter.init_from and starts_from_target_layers(recipe.drafter, recipe.drafter.kind)
 
 
 def stored_dtype(precision: str) -> torch.dtype:

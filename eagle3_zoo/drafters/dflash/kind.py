@@ -29,6 +29,7 @@ from eagle3_zoo.drafters.base import (
     DrafterKind,
     DraftModel,
     FeatureNeeds,
+    TargetLayers,
     TrainingContext,
     register_kind,
 )
@@ -68,6 +69,38 @@ def mask_token_for(target_config: Any, wanted: int | None) -> int:
         return int(wanted)
     own = getattr(target_config, "mask_token_id", None)
     return int(own) if isinstance(own, int) and not isinstance(own, bool) else int(target_config.vocab_size) - 1
+
+
+def init_layers_from_target(drafter: DFlashDrafter, target: TargetLayers) -> list[str]:
+    """Start the draft layers as copies of the target's last `len(drafter.layers)` decoder layers (draft layer i from
+    target layer N - Ld + i), parameter by parameter where the names and shapes match (`drafter.dflash.init_layers =
+    target`), and the final norm from the target's. Parameters the target layer lacks or shapes differently (the
+    per-head q/k norms of a Llama target) keep their initialisation. Returns the names of the draft layers'
+    parameters copied (prefixed `layers.i.`).
+
+    Raises:
+        ValueError: the target has fewer decoder layers than the drafter, or its tensors are not materialised (a
+            target loaded without its layers).
+    """
+    ld = len(drafter.layers)
+    if len(target.layers) < ld:
+        raise ValueError(f"drafter.dflash.init_layers = target: the drafter has {ld} layers but the target only "
+                         f"{len(target.layers)} decoder layers")
+    copied = []
+    with torch.no_grad():
+        for i, (layer, source) in enumerate(zip(drafter.layers, target.layers[len(target.layers) - ld:])):
+            for name, param in layer.named_parameters():
+                src = source.get(name)
+                if src is None or tuple(src.shape) != tuple(param.shape):
+                    continue
+                if src.is_meta:
+                    raise ValueError("drafter.dflash.init_layers = target: the target's decoder layers are not "
+                                     "loaded (meta tensors)")
+                param.copy_(src.detach().to(param.dtype))
+                copied.append(f"layers.{i}.{name}")
+        if target.norm is not None and tuple(target.norm.shape) == tuple(drafter.norm.weight.shape):
+            drafter.norm.weight.copy_(target.norm.detach().to(drafter.norm.weight.dtype))
+    return copied
 
 
 class DFlashObjective(nn.Module):
@@ -122,13 +155,16 @@ class DFlashKind(DrafterKind):
         return FeatureNeeds(aux_layer_ids=config.aux_layer_ids, final_hidden=False)
 
     def build(self, config: DFlashConfig, *, d2t: torch.Tensor, t2d: torch.Tensor,
-              target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> DFlashDrafter:
+              target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+              target_layers: TargetLayers | None = None) -> DFlashDrafter:
         if target_head is not None:
             raise ValueError("a DFlash drafter does not start from the target's head (drafter.init_head = 'target'): "
                              "a full-vocabulary one scores with the target's lm_head itself")
         drafter = DFlashDrafter(config)
         if drafter.d2t is not None:
             drafter.d2t.copy_(d2t.to(torch.long))
+        if target_layers is not None:
+            init_layers_from_target(drafter, target_layers)
         return drafter
 
     def objective(self, drafter: DFlashDrafter, loss: Any, section: Any = None) -> DFlashObjective:

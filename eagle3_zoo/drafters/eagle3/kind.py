@@ -47,7 +47,10 @@ class Eagle3Kind(DrafterKind):
         return FeatureNeeds(aux_layer_ids=tuple(config.aux_layer_ids), final_hidden=True)
 
     def build(self, config: Eagle3Config, *, d2t: torch.Tensor, t2d: torch.Tensor,
-              target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> Eagle3Drafter:
+              target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+              target_layers: Any = None) -> Eagle3Drafter:
+        if target_layers is not None:
+            raise ValueError("an EAGLE-3 drafter does not start its layer from the target's decoder layers")
         drafter = Eagle3Drafter(config)
         drafter.set_vocab(d2t, t2d)
         if target_head is not None:
