@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tests.test_engine_vllm import engine_venv  # noqa: F401 (the module's autouse fixture: the engine venv)
+from engine_fixtures import engine_venv  # noqa: F401 (the module's autouse fixture: the engine venv)
 
 pytestmark = pytest.mark.engine
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_fixtures import engine_venv  # noqa: F401 (the module's autouse fixture: the engine venv)
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,23 +39,6 @@ MASK_ID = 16
 MAX_NEW, PROMPTS, STEPS = 48, 3, 300
 VOCAB = 49152  # the full vocabulary: the drafter scores with the target's frozen lm_head
 MIN_ACCEPT_RATE = 0.2  # "clearly above zero": accepted / drafted at block position 1
-
-
-@pytest.fixture(scope="module", autouse=True)
-def engine_venv():
-    if not os.environ.get("EAGLE3_ZOO_VLLM_PYTHON"):
-        start = time.monotonic()
-        subprocess.run(["bash", str(ROOT / "scripts" / "setup_engine.sh")], check=True)
-        print(f"engine venv ready ({time.monotonic() - start:.0f} s)")
-        os.environ["EAGLE3_ZOO_VLLM_PYTHON"] = str(ROOT / ".venv-vllm" / "bin" / "python")
-    yield
-
-
-@pytest.fixture(scope="module")
-def hf_target():
-    from eagle3_zoo.adapters import load_target
-
-    return load_target(TARGET, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_fixtures import engine_venv  # noqa: F401 (the module's autouse fixture: the engine venv)
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.engine
@@ -41,13 +42,6 @@ def _env() -> dict[str, str]:
     env.setdefault("EAGLE3_ZOO_VLLM_PYTHON", os.environ.get("EAGLE3_ZOO_VLLM_PYTHON",
                                                            str(ROOT / ".venv-vllm" / "bin" / "python")))
     return env
-
-
-@pytest.fixture(scope="module", autouse=True)
-def engine_venv():
-    if not os.environ.get("EAGLE3_ZOO_VLLM_PYTHON"):
-        subprocess.run(["bash", str(ROOT / "scripts" / "setup_engine.sh")], check=True)
-        os.environ["EAGLE3_ZOO_VLLM_PYTHON"] = str(ROOT / ".venv-vllm" / "bin" / "python")
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from engine_fixtures import engine_venv  # noqa: F401 (the module's autouse fixture: the engine venv)
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,23 +32,6 @@ TARGET = "smollm2-135m-instruct"
 # fp32 on both sides; the only differences are kernel summation orders. Position 0 (the attention sink) holds
 # activations of ~2.5e4 in SmolLM2's middle layers, so the bound is relative to each position's scale.
 RTOL, ATOL = 1e-4, 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def engine_venv():
-    if not os.environ.get("EAGLE3_ZOO_VLLM_PYTHON"):
-        start = time.monotonic()
-        subprocess.run(["bash", str(ROOT / "scripts" / "setup_engine.sh")], check=True)
-        print(f"engine venv ready ({time.monotonic() - start:.0f} s)")
-        os.environ["EAGLE3_ZOO_VLLM_PYTHON"] = str(ROOT / ".venv-vllm" / "bin" / "python")
-    yield
-
-
-@pytest.fixture(scope="module")
-def hf_target():
-    from eagle3_zoo.adapters import load_target
-
-    return load_target(TARGET, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -82,19 +82,22 @@ def config_from(name: str, section: Any, target_config: Any, *, aux_layer_ids: t
                  torch_dtype=torch_dtype)
 
 
+def _find_kind(owns: Any, what: str) -> DrafterKind:
+    for name in BUILTIN_KINDS:
+        get_kind(name)
+    for kind in registered().values():
+        if owns(kind):
+            return kind
+    raise TypeError(f"{what} of no registered drafter kind ({', '.join(kind_names())}); see {GUIDE}")
+
+
 def kind_of(drafter: Any) -> DrafterKind:
     """The kind whose drafter `drafter` is.
 
     Raises:
         TypeError: `drafter` belongs to no registered kind.
     """
-    for name in BUILTIN_KINDS:
-        get_kind(name)
-    for kind in registered().values():
-        if kind.owns(drafter):
-            return kind
-    raise TypeError(f"{type(drafter).__name__} is the drafter of no registered drafter kind "
-                    f"({', '.join(kind_names())}); see {GUIDE}")
+    return _find_kind(lambda kind: kind.owns(drafter), f"{type(drafter).__name__} is the drafter")
 
 
 def kind_of_config(config: Any) -> DrafterKind:
@@ -103,13 +106,7 @@ def kind_of_config(config: Any) -> DrafterKind:
     Raises:
         TypeError: `config` belongs to no registered kind.
     """
-    for name in BUILTIN_KINDS:
-        get_kind(name)
-    for kind in registered().values():
-        if isinstance(config, kind.config_class):
-            return kind
-    raise TypeError(f"{type(config).__name__} is the config of no registered drafter kind "
-                    f"({', '.join(kind_names())}); see {GUIDE}")
+    return _find_kind(lambda kind: isinstance(config, kind.config_class), f"{type(config).__name__} is the config")
 
 
 __all__ = [
