@@ -132,3 +132,20 @@ def test_the_cli_choices_need_no_torch():
             "print('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           cwd=Path(__file__).parents[1]).stdout.strip() == "False"
+
+
+def test_a_layouts_weights_load_only_with_exactly_the_models_keys_and_shapes():
+    """Both kinds' readers (`convert.load_drafter_from_state` and the DFlash layouts) refuse a state dict that is not
+    exactly the model's, naming each missing, unexpected and misshapen tensor and the folder's layout."""
+    import torch
+
+    from eagle3_zoo.checkpoint.layout_base import load_exact_state
+
+    model = torch.nn.Linear(2, 3)
+    with pytest.raises(ValueError) as e:
+        load_exact_state(model, {"weight": torch.zeros(3, 3), "extra": torch.zeros(1)}, "DIR", "sglang format")
+    msg = str(e.value)
+    assert "DIR (sglang format)" in msg and "missing keys ['bias']" in msg and "unexpected keys ['extra']" in msg
+    assert "weight: (3, 3) (expected (3, 2))" in msg and "eagle3-zoo check DIR" in msg
+    state = {"weight": torch.ones(3, 2), "bias": torch.ones(3)}
+    assert load_exact_state(model, state, "DIR", "x") is model and torch.equal(model.weight, state["weight"])

@@ -20,6 +20,7 @@ from eagle3_zoo.checkpoint.check import require_valid_drafter, require_valid_sta
 from eagle3_zoo.checkpoint.check_report import CheckReport
 from eagle3_zoo.checkpoint.folder import drafter_out_dir, replace_with_stage
 from eagle3_zoo.checkpoint.formats import CANONICAL_KEYS, extra_candidates, read_config
+from eagle3_zoo.checkpoint.layout_base import load_exact_state
 from eagle3_zoo.checkpoint.layouts import detect_layout, drafter_config, export_layout, get_layout, is_canonical
 from eagle3_zoo.checkpoint.variants import SGLANG_RISK, eagle31_options
 from eagle3_zoo.checkpoint.weights import CheckpointError, inside_folder, load_weights
@@ -139,15 +140,7 @@ def drafter_from_state(cfg: Eagle3Config, fmt: str, state: dict[str, torch.Tenso
         return layout.drafter_from_state(cfg, state, folder, dtype, device)
     state = canonical_state(state, fmt, str(folder))
     _vocab_tensors(state, cfg, str(folder))
-    model = Eagle3Drafter(cfg)
-    expected = model.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    wrong = [f"{k}: {tuple(state[k].shape)} (expected {tuple(expected[k].shape)})"
-             for k in expected if k in state and state[k].shape != expected[k].shape]
-    if missing or unexpected or wrong:
-        raise ValueError(f"{folder} ({fmt} format): missing keys {missing}, unexpected keys {unexpected}, "
-                         f"wrong shapes {wrong}; run `eagle3-zoo check {folder}` for details")
-    model.load_state_dict(state)
+    model = load_exact_state(Eagle3Drafter(cfg), state, folder, f"{fmt} format")
     model.to(device=device, dtype=dtype or torch_dtype(cfg.torch_dtype))
     return model
 

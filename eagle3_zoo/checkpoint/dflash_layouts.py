@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from eagle3_zoo.checkpoint.check_report import CheckReport
 from eagle3_zoo.checkpoint.formats import read_config, target_architectures, verifier_resolvable
-from eagle3_zoo.checkpoint.layout_base import Layout
+from eagle3_zoo.checkpoint.layout_base import Layout, load_exact_state
 from eagle3_zoo.drafters.dflash.config import ARCHITECTURE, DFlashConfig
 from eagle3_zoo.layout_names import DFLASH, SPECULATORS_DFLASH
 
@@ -108,15 +108,7 @@ class DFlashLayout(Layout):
         from eagle3_zoo.drafters.dflash.model import DFlashDrafter
         from eagle3_zoo.dtypes import torch_dtype
 
-        model = DFlashDrafter(cfg)
-        expected = model.state_dict()
-        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-        wrong = [f"{k}: {tuple(state[k].shape)} (expected {tuple(expected[k].shape)})"
-                 for k in expected if k in state and state[k].shape != expected[k].shape]
-        if missing or unexpected or wrong:
-            raise ValueError(f"{folder} ({self.name} layout): missing keys {missing}, unexpected keys {unexpected}, "
-                             f"wrong shapes {wrong}; run `eagle3-zoo check {folder}` for details")
-        model.load_state_dict(state)
+        model = load_exact_state(DFlashDrafter(cfg), state, folder, f"{self.name} layout")
         return model.to(device=device, dtype=dtype or torch_dtype(cfg.torch_dtype))
 
     def _write_weights(self, drafter: DFlashDrafter, out: Path) -> None:

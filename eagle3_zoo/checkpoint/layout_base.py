@@ -148,3 +148,19 @@ class Layout:
     def served_draft_tokens(self, folder: Path) -> int | None:
         """The draft length an engine given this folder alone serves with (None: the folder does not say)."""
         return None
+
+
+def load_exact_state(model: Any, state: dict[str, Any], folder: Any, label: str) -> Any:
+    """Load `state` into `model` when its keys and shapes are exactly the model's; returns `model`.
+
+    Raises:
+        ValueError: missing, unexpected or misshapen tensors, named with the folder and `label` (its layout)."""
+    expected = model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    wrong = [f"{k}: {tuple(state[k].shape)} (expected {tuple(expected[k].shape)})"
+             for k in expected if k in state and state[k].shape != expected[k].shape]
+    if missing or unexpected or wrong:
+        raise ValueError(f"{folder} ({label}): missing keys {missing}, unexpected keys {unexpected}, "
+                         f"wrong shapes {wrong}; run `eagle3-zoo check {folder}` for details")
+    model.load_state_dict(state)
+    return model
