@@ -7,6 +7,7 @@ sizes and dtypes equal the buffers FSDP2 allocates for a real sharded drafter.""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -86,15 +87,11 @@ def test_parameter_counts_equal_the_built_models():
     assert drafter_parameter_count(drafter.config) == sum(p.numel() for p in drafter.parameters() if p.requires_grad)
 
 
-def _saved_bytes(drafter, embed, t: int, steps: int, amp: torch.dtype | None) -> tuple[int, int, int]:
-    """Bytes the TTT loss keeps for backward, each storage once (activations, autocast's weight copies), under CPU
-    autocast in `amp` (None: fp32), parameters excluded; the lm_head gradient buffers apart; the supervised rows."""
-    cfg = drafter.config
-    torch.manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (1, t))
-    aux = torch.randn(1, t, 3 * cfg.target_hidden_size)
-    logits = torch.randn(1, t, cfg.vocab_size)
-    params = {p.untyped_storage().data_ptr() for p in [*drafter.parameters(), *embed.parameters()]}
+@contextlib.contextmanager
+def _saving(amp: torch.dtype | None, excluded):
+    """Under CPU autocast in `amp` (None: fp32): a dict, filled on exit of the block, of the bytes of each storage
+    autograd saves for backward (each storage once), the storages of `excluded` tensors (parameters) left out."""
+    params = {p.untyped_storage().data_ptr() for p in excluded}
     seen: dict[int, int] = {}
 
     def pack(x):
@@ -105,6 +102,18 @@ def _saved_bytes(drafter, embed, t: int, steps: int, amp: torch.dtype | None) ->
 
     with torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        yield seen
+
+
+def _saved_bytes(drafter, embed, t: int, steps: int, amp: torch.dtype | None) -> tuple[int, int, int]:
+    """Bytes the TTT loss keeps for backward, each storage once (activations, autocast's weight copies), under CPU
+    autocast in `amp` (None: fp32), parameters excluded; the lm_head gradient buffers apart; the supervised rows."""
+    cfg = drafter.config
+    torch.manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (1, t))
+    aux = torch.randn(1, t, 3 * cfg.target_hidden_size)
+    logits = torch.randn(1, t, cfg.vocab_size)
+    with _saving(amp, [*drafter.parameters(), *embed.parameters()]) as seen:
         out = ttt_loss(drafter, embed, ids, aux, logits, torch.ones(1, t), steps=steps, target_valid=None)
     head = cfg.draft_vocab_size * cfg.hidden_size * 4
     heads = sum(n for n in seen.values() if n == head)
@@ -145,17 +154,7 @@ def _dflash_saved_bytes(amp: torch.dtype | None, batch: int, t: int, anchors: in
     loss_mask[:, : t // 4] = 0  # a prompt: fewer supervised rows than slots
     embed, head = torch.randn(cfg.vocab_size, cfg.hidden_size), torch.randn(cfg.vocab_size, cfg.hidden_size)
     picked, valid = select_anchors(loss_mask, anchors, torch.Generator().manual_seed(0))
-    params = {p.untyped_storage().data_ptr() for p in [*drafter.parameters(), embed, head]}
-    seen: dict[int, int] = {}
-
-    def pack(x):
-        ptr = x.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = x.untyped_storage().nbytes()
-        return x
-
-    with torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None), \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+    with _saving(amp, [*drafter.parameters(), embed, head]) as seen:
         out = dflash_loss(drafter, aux, ids, loss_mask, picked, valid, embed, head, chunk=16, attention="dense")
     return sum(seen.values()), int(out.num_supervised), cfg
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle3_zoo.checkpoint.check_report import CheckReport
-from eagle3_zoo.checkpoint.formats import read_config, target_architectures, verifier_resolvable
+from eagle3_zoo.checkpoint.formats import read_config, speculators_verifier, target_architectures
 from eagle3_zoo.checkpoint.layout_base import Layout, load_exact_state
 from eagle3_zoo.drafters.dflash.config import ARCHITECTURE, DFlashConfig
 from eagle3_zoo.layout_names import DFLASH, SPECULATORS_DFLASH
@@ -239,15 +239,7 @@ def speculators_dflash_config(cfg: DFlashConfig, num_speculative_tokens: int | N
             verifier speculators cannot resolve, config keys this package does not know the meaning of (`extra`),
             or more speculative tokens than a block drafts.
     """
-    from eagle3_zoo.zoo_registry import target_hub_id
-
-    name = verifier or target_hub_id(cfg.target_name_or_path) or cfg.target_name_or_path
-    if not name:
-        raise ValueError("the speculators layout names the target (speculators_config.verifier.name_or_path), but "
-                         "this drafter's config has no target_name_or_path; pass --verifier HUB_ID_OR_FOLDER")
-    if not verifier_resolvable(name):
-        raise ValueError(f"speculators could not resolve the verifier {name!r} (neither a Hub id ORG/NAME nor a local "
-                         "folder here); pass --verifier with the target's Hub id or its local folder")
+    name = speculators_verifier(cfg.target_name_or_path, verifier, "layout")
     unknown = sorted(set(cfg.extra) - set(_BOOKKEEPING))
     if unknown:
         raise ValueError(f"config.json keys {unknown} have no place in the speculators layout (their meaning to the "

@@ -151,6 +151,27 @@ def verifier_resolvable(name: str) -> bool:
     return Path(name).is_dir() or bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name))
 
 
+def speculators_verifier(target_name_or_path: str | None, verifier: str | None, what: str) -> str:
+    """The `speculators_config.verifier.name_or_path` of a speculators config.json: `verifier`, else the drafter's
+    target (a zoo alias such as "smollm2-135m-instruct" mapped to its Hub id). `what`: "format" or "layout", for the
+    message.
+
+    Raises:
+        ValueError: no target recorded and no `verifier`, or a name speculators cannot resolve (neither a Hub id nor
+            a local folder).
+    """
+    from eagle3_zoo.zoo_registry import target_hub_id
+
+    name = verifier or target_hub_id(target_name_or_path) or target_name_or_path
+    if not name:
+        raise ValueError(f"the speculators {what} names the target (speculators_config.verifier.name_or_path), but "
+                         "this drafter's config has no target_name_or_path; pass --verifier HUB_ID_OR_FOLDER")
+    if not verifier_resolvable(name):
+        raise ValueError(f"speculators could not resolve the verifier {name!r} (neither a Hub id ORG/NAME nor a local "
+                         "folder here); pass --verifier with the target's Hub id or its local folder")
+    return name
+
+
 def speculators_config(
     cfg: Eagle3Config, num_speculative_tokens: int = 3, verifier_architectures: list[str] | None = None,
     verifier: str | None = None,
@@ -163,15 +184,7 @@ def speculators_config(
     Raises:
         ValueError: the drafter does not record its target, or the verifier is neither a Hub id nor a local folder.
     """
-    from eagle3_zoo.zoo_registry import target_hub_id
-
-    name = verifier or target_hub_id(cfg.target_name_or_path) or cfg.target_name_or_path
-    if not name:
-        raise ValueError("the speculators format names the target (speculators_config.verifier.name_or_path), but "
-                         "this drafter's config has no target_name_or_path; pass --verifier HUB_ID_OR_FOLDER")
-    if not verifier_resolvable(name):
-        raise ValueError(f"speculators could not resolve the verifier {name!r} (neither a Hub id ORG/NAME nor a local "
-                         "folder here); pass --verifier with the target's Hub id or its local folder")
+    name = speculators_verifier(cfg.target_name_or_path, verifier, "format")
     canon = cfg.to_json_dict()
     layer = {k: canon[k] for k in (*LAYER_CONFIG_KEYS, "attention_bias", "tie_word_embeddings", "torch_dtype")}
     layer.update(model_type="llama", num_hidden_layers=1, mlp_bias=False)
