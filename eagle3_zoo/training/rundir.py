@@ -83,12 +83,12 @@ def hold_run_directory(output_dir: str | Path) -> Iterator[None]:
                 f"{output_dir} is in use by another run ({_holder(output_dir)}); two runs on one output_dir would "
                 "share its checkpoint, logs and drafter folder: wait for that run to finish, or set another "
                 "output_dir") from None
+        remove_leftovers(output_dir)  # before the holder file: once it is there, the folder is clean
         command = [os.path.basename(sys.argv[0]), *map(redact, sys.argv[1:])]  # keys given on the command line
         atomic_write_text(output_dir / RUN_HOLDER, json.dumps({
             "pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
             "command": command}) + "\n")
         held.callback((output_dir / RUN_HOLDER).unlink, missing_ok=True)
-        remove_leftovers(output_dir)
         yield
 
 
