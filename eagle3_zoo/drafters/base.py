@@ -161,6 +161,9 @@ class DrafterKind:
         decoding: how speculative decoding drives a trained drafter: "tree" (a `DraftModel` expanded into a draft
             tree, `draft_model`) or "block" (a `BlockProposer` drafting a chain of tokens in one pass,
             `block_proposer`); `eagle3-zoo eval` picks its decoder by it.
+        unrolls: `training_loss` unrolls `steps` steps (the recipe's `ttt` section): the run schedules them
+            (`TTTScheduleCallback`, logged and shown as `train/ttt_steps`). False: nothing is unrolled, the run has
+            no schedule and logs no `ttt_steps`.
     """
 
     name: ClassVar[str]
@@ -169,6 +172,7 @@ class DrafterKind:
     layouts: ClassVar[tuple[str, ...]] = ()
     card_tags: ClassVar[tuple[str, ...]] = ()
     decoding: ClassVar[str] = "tree"
+    unrolls: ClassVar[bool] = True
 
     # ------------------------------------------------------------------ the data stage and the drafter
     def config_from(self, section: Any, target_config: Any, *, aux_layer_ids: tuple[int, ...] | None,

@@ -135,6 +135,7 @@ class DFlashKind(DrafterKind):
     layouts = DFLASH_BUILT_IN  # z-lab (what `save` writes; vLLM and SGLang load it) and speculators
     card_tags = ("dflash", "speculative-decoding")
     decoding = "block"
+    unrolls = False  # a block is drafted in one pass: no TTT schedule
 
     def config_from(self, section: Any, target_config: Any, *, aux_layer_ids: tuple[int, ...] | None,
                     defaults: dict[str, Any], target_name: str, torch_dtype: str) -> DFlashConfig:
