@@ -4,8 +4,9 @@ Its model and config are `model.DFlashDrafter` and `config.DFlashConfig` (sized 
 `drafter.dflash` section sets the draft layers, the block size and the feature layers). It reads the outputs of the
 target decoder layers `target_layer_ids` (the data stage's `aux_layer_ids` = those ids + 1) and never the target's
 last hidden state or logits (its labels are the next tokens themselves). It is trained with `loss.dflash_loss`
-behind `DFlashObjective`: anchors drawn afresh each optimizer step from a generator seeded by the run's seed and the
-global step (a rerun draws the same anchors), D-PACE or decay position weights, the vocabulary projection in chunks.
+behind `DFlashObjective`: anchors drawn afresh each batch from a generator seeded by the run's seed, the global step
+and the micro-batch's index within it (a rerun draws the same anchors), D-PACE or decay position weights, the
+vocabulary projection in chunks, normalised over the global batch's supervised slots under data parallelism.
 It is written as the z-lab folder vLLM 0.32 loads (`DFlashDrafter.save_pretrained`) and decoded by
 `eagle3_zoo.speculative.dflash_decode.DFlashGenerator` (`decoding = "block"`: its `block_proposer`, no tree
 `DraftModel`).
@@ -39,6 +40,7 @@ from eagle3_zoo.drafters.dflash.loss import DFlashLossOutput, dflash_loss, selec
 from eagle3_zoo.drafters.dflash.model import DFlashDrafter
 from eagle3_zoo.layout_names import DFLASH_BUILT_IN
 
+MICRO_BATCH_STRIDE = 2_654_435_761  # seed offset per micro-batch of a step (odd: see `anchor_generator`)
 # the recipe's `drafter` shape fields a DFlash drafter takes as overrides of the target's (hidden_size must equal it)
 SHAPE_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 
@@ -110,11 +112,23 @@ class DFlashObjective(nn.Module):
     def __init__(self, drafter: DFlashDrafter, settings: DFlashTraining, seed: int):
         super().__init__()
         self.drafter, self.settings, self.seed = drafter, settings, seed
+        self._micro_step, self._micro = -1, 0  # the optimizer step of the last training micro-batch, its index
 
-    def anchor_generator(self, step: int, training: bool) -> torch.Generator:
-        """The generator a step draws its anchors from: seeded by the run's seed and the global step (validation
-        draws from its own stream), so a rerun, or a resumed run, draws the same anchors at the same step."""
-        return torch.Generator().manual_seed((self.seed * 1_000_003 + 2 * step + (0 if training else 1)) % 2**63)
+    def anchor_generator(self, step: int, training: bool, micro_batch: int = 0) -> torch.Generator:
+        """The generator a batch draws its anchors from: seeded by the run's seed, the global step and, under
+        gradient accumulation, the micro-batch's index within the step (validation draws from its own stream), so a
+        rerun, or a resumed run, draws the same anchors at the same step and the micro-batches of one step draw
+        different ones. Micro-batch 0 draws what a run without accumulation draws."""
+        base = self.seed * 1_000_003 + 2 * step + (0 if training else 1)
+        # an odd multiplier: the CPU generator keeps the low 32 bits of its seed, which the index must change
+        return torch.Generator().manual_seed((base + micro_batch * MICRO_BATCH_STRIDE) % 2**63)
+
+    def micro_batch(self, step: int) -> int:
+        """The index of this training batch among those of optimizer step `step` (0 for the first): counted from the
+        step's first batch, which a resumed run starts from (checkpoints are written between optimizer steps)."""
+        self._micro = self._micro + 1 if step == self._micro_step else 0
+        self._micro_step = step
+        return self._micro
 
     def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 embed_weight: torch.Tensor, head_weight: torch.Tensor | None, generator: torch.Generator,
@@ -175,17 +189,29 @@ class DFlashKind(DrafterKind):
     def training_loss(self, module: TrainingContext, batch: dict[str, torch.Tensor], steps: int, *,
                       global_norm: bool = False, read_along: bool = False,
                       with_alpha: bool = True) -> DFlashLossOutput:
-        """The DFlash loss of one batch (`steps` is unused: a block is drafted in one pass, nothing is unrolled).
-        Each rank averages over its own supervised slots; the step waits for the device once, to read their
-        count (and, with `read_along`, what the previous step left to read)."""
+        """The DFlash loss of one batch (`steps` is unused: a block is drafted in one pass, nothing is unrolled),
+        averaged over its supervised slots; the step waits for the device once, to read their count (and, with
+        `read_along`, what the previous step left to read).
+
+        With `global_norm` (training under a data-parallel strategy) this rank's loss is scaled by
+        `world * n(rank) / N(all ranks)` (supervised slots): the gradient averaged over the ranks is then the gradient
+        of the loss averaged over the supervised slots of the *global* batch (what one process with the whole batch
+        computes, given the same anchors), and the rank-mean of the returned loss is that global loss. A training
+        batch draws its anchors by its optimizer step and its index among that step's micro-batches
+        (`DFlashObjective.anchor_generator`)."""
         embed, lm_head = module.frozen_heads
         aux_hidden, _ = module.target_features(batch)
-        drafter = module.objective.drafter
-        head = None if drafter.config.reduced_vocab else lm_head.weight
-        step = int(getattr(module, "global_step", 0))
-        generator = module.objective.anchor_generator(step, bool(getattr(module, "training", True)))
-        out = module.objective(aux_hidden, batch["input_ids"], batch["loss_mask"], embed.weight, head, generator,
-                               module.logits_chunk_size, batch.get("position_ids"), batch.get("document_ids"))
+        objective = module.objective
+        head = None if objective.drafter.config.reduced_vocab else lm_head.weight
+        step, training = int(getattr(module, "global_step", 0)), bool(getattr(module, "training", True))
+        generator = objective.anchor_generator(step, training, objective.micro_batch(step) if training else 0)
+        out = objective(aux_hidden, batch["input_ids"], batch["loss_mask"], embed.weight, head, generator,
+                        module.logits_chunk_size, batch.get("position_ids"), batch.get("document_ids"))
+        world = module.data_parallel_ranks() if global_norm else 1
+        if world > 1:  # queued with the loss (no wait): the count of every rank's supervised slots
+            local = out.num_supervised.reshape(1)
+            total = module.sum_over_ranks(local.clone())
+            out.loss = out.loss * (local.float() * world / total.float().clamp(min=1.0)).to(out.loss.dtype)[0]
         module.read_counts(out.num_supervised.reshape(1), read_along)
         return out
 
