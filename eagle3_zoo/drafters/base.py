@@ -11,7 +11,7 @@ trained drafter in the kind's `DraftModel` (`draft_model`). How to add one: docs
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +37,42 @@ class FeatureNeeds:
 
     aux_layer_ids: tuple[int, ...]
     final_hidden: bool = True
+
+
+class StepLine(NamedTuple):
+    """One buffer of a training step, as `plan` prints it (`DrafterKind.step_lines`)."""
+
+    what: str
+    bytes: float
+    note: str
+
+
+@dataclass(frozen=True)
+class StepSizing:
+    """What `plan` decided of a run's training step, for `DrafterKind.step_lines` (the recipe and the drafter's config
+    say the rest). The dtypes are torch dtypes; a sizing reads only their `itemsize` and `str`.
+
+    Attributes:
+        compute_dtype: the matmuls' dtype (autocast's under `*-mixed`, the weights' under `*-true`).
+        drafter_dtype: the dtype the drafter's parameters are stored in.
+        target_dtype: the target's weights' dtype.
+        feature_dtype: the dtype the step receives the target's features in (the target's when the step runs it;
+            else the feature store's or the engine stream's).
+        target_in_step: the target runs in the training step (online, in process).
+        on_gpu: the trainer runs on GPUs.
+        autocast_copies: autocast keeps a compute-dtype copy of each fp32 matmul weight for backward (`*-mixed`
+            outside FSDP's bf16 policy).
+        logits_chunk: rows per chunk of a product with the frozen lm_head.
+    """
+
+    compute_dtype: Any
+    drafter_dtype: Any
+    target_dtype: Any
+    feature_dtype: Any
+    target_in_step: bool
+    on_gpu: bool
+    autocast_copies: bool
+    logits_chunk: int
 
 
 def starts_from_target_layers(section: Any, kind: str) -> bool:
@@ -200,6 +236,14 @@ class DrafterKind:
         layers (`build` then gets `target_layers`, and the run loads the whole target): `starts_from_target_layers`
         (the kind's own subsection says `init_layers: target`)."""
         return starts_from_target_layers(section, self.name)
+
+    def step_lines(self, recipe: Any, config: Any, target_config: Any, sizing: StepSizing) -> list[StepLine]:
+        """The buffers one training step of a drafter of `config` holds besides its weights, gradients and optimizer
+        state (`plan`'s training step: what the step reads of the target, what the loss keeps for backward, autocast's
+        weight copies), estimated from the recipe, the shapes and `sizing`, with nothing allocated. `plan` asks it
+        through `eagle3_zoo.drafters.step_lines` (a built-in kind answers from a torch-free module of its own)."""
+        raise NotImplementedError(f"the {self.name!r} drafter kind does not size its training step "
+                                  f"(DrafterKind.step_lines; see {GUIDE})")
 
     def num_parameters(self, config: Any) -> int:
         """The parameter count of a drafter of `config` (default: `drafter_class(config)` built on the meta device,

@@ -30,10 +30,13 @@ from eagle3_zoo.drafters.base import (
     DrafterKind,
     DraftModel,
     FeatureNeeds,
+    StepLine,
+    StepSizing,
     TargetLayers,
     TrainingContext,
     register_kind,
 )
+from eagle3_zoo.drafters.dflash import sizing as dflash_sizing
 from eagle3_zoo.drafters.dflash.config import DFlashConfig
 from eagle3_zoo.drafters.dflash.decoding import DFlashProposer
 from eagle3_zoo.drafters.dflash.loss import DFlashLossOutput, dflash_loss, select_anchors
@@ -41,8 +44,6 @@ from eagle3_zoo.drafters.dflash.model import DFlashDrafter
 from eagle3_zoo.layout_names import DFLASH_BUILT_IN
 
 MICRO_BATCH_STRIDE = 2_654_435_761  # seed offset per micro-batch of a step (odd: see `anchor_generator`)
-# the recipe's `drafter` shape fields a DFlash drafter takes as overrides of the target's (hidden_size must equal it)
-SHAPE_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 
 
 @dataclass(frozen=True)
@@ -62,15 +63,6 @@ def training_settings(section: Any) -> DFlashTraining:
         return DFlashTraining()
     return DFlashTraining(num_anchors=d.num_anchors, weighting=d.weighting, dpace_alpha=d.dpace_alpha,
                           decay_gamma=d.decay_gamma)
-
-
-def mask_token_for(target_config: Any, wanted: int | None) -> int:
-    """The mask token id (see the module docstring): `wanted`, else the target config's `mask_token_id`, else
-    `vocab_size - 1`."""
-    if wanted is not None:
-        return int(wanted)
-    own = getattr(target_config, "mask_token_id", None)
-    return int(own) if isinstance(own, int) and not isinstance(own, bool) else int(target_config.vocab_size) - 1
 
 
 def init_layers_from_target(drafter: DFlashDrafter, target: TargetLayers) -> list[str]:
@@ -153,18 +145,12 @@ class DFlashKind(DrafterKind):
 
     def config_from(self, section: Any, target_config: Any, *, aux_layer_ids: tuple[int, ...] | None,
                     defaults: dict[str, Any], target_name: str, torch_dtype: str) -> DFlashConfig:
-        d = section.dflash
-        overrides = {k: getattr(section, k) for k in SHAPE_FIELDS if getattr(section, k, None) is not None}
-        if aux_layer_ids is not None:  # the data stage's convention: target_layer_id + 1
-            ids: Any = tuple(i - 1 for i in aux_layer_ids)
-        else:
-            ids = tuple(d.target_layer_ids) if d.target_layer_ids is not None else None
-        vocab = int(target_config.vocab_size)
-        return DFlashConfig.from_target_config(
-            target_config, mask_token_id=mask_token_for(target_config, d.mask_token_id),
-            num_hidden_layers=d.num_layers, num_features=d.num_target_features, target_layer_ids=ids,
-            block_size=d.block_size, draft_vocab_size=min(section.draft_vocab_size, vocab),
-            target_name_or_path=target_name, torch_dtype=torch_dtype, **overrides)
+        return dflash_sizing.config_from(section, target_config, aux_layer_ids=aux_layer_ids, defaults=defaults,
+                                         target_name=target_name, torch_dtype=torch_dtype)
+
+    def step_lines(self, recipe: Any, config: DFlashConfig, target_config: Any,
+                   sizing: StepSizing) -> list[StepLine]:
+        return dflash_sizing.step_lines(recipe, config, target_config, sizing)
 
     def features(self, config: DFlashConfig) -> FeatureNeeds:
         return FeatureNeeds(aux_layer_ids=config.aux_layer_ids, final_hidden=False)

@@ -15,7 +15,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from eagle3_zoo.drafters.base import DrafterKind, DraftModel, FeatureNeeds, TrainingContext, register_kind
+from eagle3_zoo.drafters.base import (
+    DrafterKind,
+    DraftModel,
+    FeatureNeeds,
+    StepLine,
+    StepSizing,
+    TrainingContext,
+    register_kind,
+)
+from eagle3_zoo.drafters.eagle3 import sizing as eagle3_sizing
 from eagle3_zoo.drafters.eagle3.decode import Eagle3DraftModel
 from eagle3_zoo.drafters.eagle3.metrics import StepMetrics, acceptance_length_tensor
 from eagle3_zoo.drafters.eagle3.objective import (
@@ -25,7 +34,6 @@ from eagle3_zoo.drafters.eagle3.objective import (
     rank_step_weights,
     supervised_positions,
 )
-from eagle3_zoo.drafters.eagle3.sizing import config_from
 from eagle3_zoo.drafters.eagle3.ttt import TTTLossOutput
 from eagle3_zoo.layout_names import BUILT_IN
 from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter
@@ -40,8 +48,12 @@ class Eagle3Kind(DrafterKind):
 
     def config_from(self, section: Any, target_config: Any, *, aux_layer_ids: tuple[int, ...] | None,
                     defaults: dict[str, Any], target_name: str, torch_dtype: str) -> Eagle3Config:
-        return config_from(section, target_config, aux_layer_ids=aux_layer_ids, defaults=defaults,
-                           target_name=target_name, torch_dtype=torch_dtype)
+        return eagle3_sizing.config_from(section, target_config, aux_layer_ids=aux_layer_ids, defaults=defaults,
+                                         target_name=target_name, torch_dtype=torch_dtype)
+
+    def step_lines(self, recipe: Any, config: Eagle3Config, target_config: Any,
+                   sizing: StepSizing) -> list[StepLine]:
+        return eagle3_sizing.step_lines(recipe, config, target_config, sizing)
 
     def features(self, config: Eagle3Config) -> FeatureNeeds:
         return FeatureNeeds(aux_layer_ids=tuple(config.aux_layer_ids), final_hidden=True)
