@@ -319,6 +319,27 @@ class DrafterKind:
         """Why `drafter` cannot draft for a target of `target_config` (empty: it can)."""
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ a run started from a drafter (`init_from`)
+    def init_mismatches(self, drafter: nn.Module, section: Any, aux_layer_ids: tuple[int, ...]) -> list[str]:
+        """Why a run whose recipe's `drafter` section is `section` and whose data stage reads `aux_layer_ids` cannot
+        continue training `drafter` (`drafter.init_from`): the features it reads, and the recipe settings that change
+        its forward pass but that the drafter's own config fixes (empty: it can). Default: the aux layers."""
+        ids = drafter.config.aux_layer_ids
+        if ids is not None and tuple(ids) != tuple(aux_layer_ids):
+            return [f"aux_layer_ids {list(ids)} != the run's {list(aux_layer_ids)} (set drafter.aux_layer_ids to the "
+                    "drafter's)"]
+        return []
+
+    def draft_vocab(self, drafter: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """`drafter`'s draft vocabulary as `build` takes it: (`d2t` int64 offsets `[draft_vocab_size]`, `t2d` bool
+        `[vocab_size]`). Default: its `d2t` and `t2d` buffers."""
+        return drafter.d2t, drafter.t2d
+
+    def fc_input_scale(self, drafter: nn.Module) -> torch.Tensor | None:
+        """The training-time scale `drafter`'s feature projection is preconditioned with (`optim.precondition_fc`),
+        kept when a run continues it (None: none; the default)."""
+        return None
+
 
 def register_kind(kind: DrafterKind, *, replace: bool = False) -> DrafterKind:
     """Register `kind` under `kind.name`; a second kind of the same name is refused unless `replace`."""

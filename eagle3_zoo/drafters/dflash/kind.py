@@ -267,6 +267,34 @@ class DFlashKind(DrafterKind):
         return problems
 
 
+    def init_mismatches(self, drafter: DFlashDrafter, section: Any, aux_layer_ids: tuple[int, ...]) -> list[str]:
+        c = drafter.config
+        problems = []
+        if tuple(c.aux_layer_ids) != tuple(aux_layer_ids):  # the data stage's ids: target_layer_id + 1
+            problems.append(f"target_layer_ids {list(c.target_layer_ids)} != the run's "
+                            f"{[i - 1 for i in aux_layer_ids]} (set drafter.dflash.target_layer_ids to the drafter's)")
+        d = getattr(section, "dflash", None)
+        if d is None:
+            return problems
+        # the drafter's forward pass: a recipe cannot switch it silently
+        for key, ours in (("num_layers", c.num_hidden_layers), ("block_size", c.block_size)):
+            if getattr(d, key) != ours:
+                problems.append(f"the drafter has {key} = {ours} but drafter.dflash.{key} = {getattr(d, key)} in the "
+                                "recipe (set it to the drafter's)")
+        if d.mask_token_id is not None and d.mask_token_id != c.mask_token_id:
+            problems.append(f"the drafter's mask_token_id is {c.mask_token_id} but drafter.dflash.mask_token_id = "
+                            f"{d.mask_token_id} in the recipe (set it to the drafter's, or leave it null)")
+        return problems
+
+    def draft_vocab(self, drafter: DFlashDrafter) -> tuple[torch.Tensor, torch.Tensor]:
+        c = drafter.config
+        draft_ids = torch.arange(c.draft_vocab_size)
+        target_ids = drafter.to_target_ids(draft_ids).cpu()
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+        t2d[target_ids] = True
+        return (target_ids - draft_ids).to(torch.int64), t2d
+
+
 class DFlashMetrics(Metric):
     """Supervised-slot-weighted means over validation batches of the loss (`weighted_ce`: the module logs it as
     `val/loss` too), the per-position accuracy and the

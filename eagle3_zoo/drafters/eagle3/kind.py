@@ -141,6 +141,18 @@ class Eagle3Kind(DrafterKind):
     def target_mismatches(self, drafter: Eagle3Drafter, target_config: Any) -> list[str]:
         return drafter.config.target_mismatches(target_config)
 
+    def init_mismatches(self, drafter: Eagle3Drafter, section: Any, aux_layer_ids: tuple[int, ...]) -> list[str]:
+        problems = super().init_mismatches(drafter, section, aux_layer_ids)
+        cfg = drafter.config
+        for flag in ("fc_norm", "norm_output"):  # the forward pass is the drafter's: a recipe cannot switch it silently
+            if section is not None and bool(getattr(section, flag)) != getattr(cfg, flag):
+                problems.append(f"{flag} is {getattr(cfg, flag)} in the drafter but drafter.{flag} = "
+                                f"{getattr(section, flag)} in the recipe (set it to the drafter's)")
+        return problems
+
+    def fc_input_scale(self, drafter: Eagle3Drafter) -> torch.Tensor | None:
+        return drafter.fc_input_scale if drafter._fc_scaled else None
+
 
 def drafter_from_state(config: Eagle3Config, state: dict[str, torch.Tensor],
                        fc_input_scale: torch.Tensor | None = None) -> Eagle3Drafter:
