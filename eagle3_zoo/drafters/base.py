@@ -289,6 +289,12 @@ class DrafterKind:
         full state dict of its weights (gathered on this rank)."""
         raise NotImplementedError
 
+    def from_checkpoint(self, config: Any, state: dict[str, torch.Tensor], recorded: dict[str, Any]) -> nn.Module:
+        """The drafter to write from a checkpoint of `fit` (`eagle3-zoo consolidate`): its config, the full state dict
+        of its weights, and what the run recorded of it beside them (`eagle3_zoo.training.outputs.drafter_info`).
+        Default: `to_write` of a fresh drafter of `config`."""
+        return self.to_write(self.drafter_class(config), state)
+
     def save(self, drafter: nn.Module, folder: Any) -> None:
         """Write `drafter`'s weights and config.json into `folder` (in the first of `layouts` when it has some)."""
         raise NotImplementedError

@@ -129,6 +129,11 @@ class Eagle3Kind(DrafterKind):
     def to_write(self, trained: Eagle3Drafter, state: dict[str, torch.Tensor]) -> Eagle3Drafter:
         return drafter_from_state(trained.config, state, trained.fc_input_scale if trained._fc_scaled else None)
 
+    def from_checkpoint(self, config: Eagle3Config, state: dict[str, torch.Tensor],
+                        recorded: dict[str, Any]) -> Eagle3Drafter:
+        """The run's fc preconditioning scale (recorded beside the weights) is folded into fc.weight."""
+        return drafter_from_state(config, state, recorded.get("fc_input_scale"))
+
     def save(self, drafter: Eagle3Drafter, folder: Any) -> None:
         drafter.save_pretrained(folder)
 
