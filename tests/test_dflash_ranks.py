@@ -148,7 +148,7 @@ def test_micro_batches_of_one_step_draw_their_own_anchors():
         out = []
         for step in steps:
             ctx.global_step = step
-            out.append(float(kind.training_loss(ctx, batch, 1).loss))
+            out.append(float(kind.training_loss(ctx, batch, 1).loss.detach()))
         return out
 
     first = losses(context, [4, 4, 4, 5])
