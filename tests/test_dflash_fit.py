@@ -241,3 +241,15 @@ def test_plan_sizes_a_dflash_drafter(files):
     dcfg = drafter_config(recipe, cfg, None)
     assert get_kind("dflash").num_parameters(dcfg) == sum(
         p.numel() for p in DFlashDrafter(dcfg).parameters())
+
+
+def test_a_dflash_run_continues_a_trained_dflash_folder(files, trained):
+    """`drafter.init_from` = the trained folder: the run starts from its weights (its first loss is the trained run's
+    late loss, not a fresh drafter's) and writes a DFlash folder of the same shape."""
+    tmp, target, data = files
+    torch.set_num_threads(1)
+    warm = _fit(tmp, target, data, "warm", "trainer.max_steps=2", f"drafter.init_from={trained}")
+    fresh, warmed = _losses(tmp / "run"), _losses(tmp / "warm")
+    assert warmed[0] < 0.8 * fresh[0] and warmed[0] < 1.2 * sum(fresh[-5:]) / 5, (warmed, fresh)
+    assert DFlashDrafter.from_pretrained(warm).config.to_json_dict().keys() == \
+        DFlashDrafter.from_pretrained(trained).config.to_json_dict().keys()
