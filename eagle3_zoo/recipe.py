@@ -365,7 +365,6 @@ def _dflash_rules(r: Recipe) -> list[tuple[str, bool, str, tuple[str, ...]]]:
          kind),
         ("drafter.init_head", d.init_head != "random", f"must be random {_DFLASH}: a full-vocabulary DFlash drafter "
          "scores with the target's lm_head itself, a reduced one starts its own at random", kind),
-        ("drafter.init_from", d.init_from is not None, f"is not supported {_DFLASH} yet (train from scratch)", kind),
         ("drafter.hidden_size", d.hidden_size is not None, f"must be null {_DFLASH}: a DFlash drafter has the "
          "target's width", kind),
         ("ttt.schedule", t.schedule != "constant", f"must be constant {_DFLASH}: a block is drafted in one pass, "

@@ -74,3 +74,32 @@ def test_unreadable_or_foreign_checkpoint_is_refused_in_one_line(tmp_path, kind)
                                    f"({DRAFTER_INFO_KEY} is missing)")
         assert resume_msg.startswith(f"{checkpoint} was not written by an eagle3-zoo fit (it has no run identity). "
                                      f"{hint}")
+
+
+def test_consolidate_asks_the_kind_for_the_drafter_it_writes(tmp_path, monkeypatch):
+    """`consolidate` hands the checkpoint's config, weights and recorded entry to the drafter's kind
+    (`DrafterKind.from_checkpoint`): EAGLE-3's folds the run's recorded fc preconditioning scale into fc.weight, as
+    the folder `fit` writes has it."""
+    from eagle3_zoo.drafters import get_kind
+    from eagle3_zoo.drafters.eagle3.kind import drafter_from_state
+
+    drafter, _ = tiny_drafter()
+    scale = torch.linspace(0.5, 2.0, drafter.fc.weight.shape[1])
+    info = drafter_info(drafter.config, scale, {"output_dir": "run"}, {"training": {}})
+    state = {f"objective.drafter.{k}": v for k, v in drafter.state_dict().items()}
+    torch.save({"global_step": 3, DRAFTER_INFO_KEY: info, IDENTITY_KEY: dict(IDENTITY), "state_dict": state},
+               tmp_path / "last.ckpt")
+    kind, asked = get_kind("eagle3"), []
+    real = type(kind).from_checkpoint
+
+    def spy(self, config, weights, recorded):
+        asked.append(recorded)
+        return real(self, config, weights, recorded)
+
+    monkeypatch.setattr(type(kind), "from_checkpoint", spy)
+    out = consolidate_checkpoint(tmp_path / "last.ckpt", tmp_path / "drafter")
+    assert len(asked) == 1 and torch.equal(asked[0]["fc_input_scale"], scale)
+    folded = drafter_from_state(drafter.config, drafter.state_dict(), scale)
+    assert not torch.equal(folded.fc.weight, drafter.fc.weight.float())  # else the fold is not tested
+    folded.save_pretrained(tmp_path / "reference")
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "reference" / "model.safetensors").read_bytes()

@@ -76,6 +76,21 @@ def test_dflash_is_a_builtin_kind():
     assert kind.drafter_class is DFlashDrafter and kind.layouts == ("dflash", "speculators-dflash")
 
 
+def test_only_a_kind_that_unrolls_gets_the_ttt_schedule(files):
+    """The Trainer of a DFlash run has no TTT schedule (nothing logs or shows `ttt_steps`); an EAGLE-3 run's has."""
+    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.training.callbacks import TTTScheduleCallback
+    from eagle3_zoo.training.fit import build_trainer
+
+    tmp, target, data = files
+    dflash = load_recipe(write_recipe(tmp / "unrolls_dflash.yaml", _recipe(tmp, target, data)))
+    eagle3 = load_recipe(write_recipe(tmp / "unrolls_eagle3.yaml", tiny_recipe(tmp, target, data)))
+    schedules = [[c for c in build_trainer(r, logger=False).callbacks if isinstance(c, TTTScheduleCallback)]
+                 for r in (dflash, eagle3)]
+    assert [len(s) for s in schedules] == [0, 1]
+    assert get_kind("dflash").unrolls is False and get_kind("eagle3").unrolls is True
+
+
 def test_fit_trains_a_dflash_drafter_that_decodes_losslessly(files, trained):
     from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -97,6 +112,7 @@ def test_fit_trains_a_dflash_drafter_that_decodes_losslessly(files, trained):
     assert prov["drafter"]["aux_layer_ids"] == [1, 2, 3] and prov["training"]["global_step"] == 30
     metrics = (tmp / "run/logs/version_0/metrics.csv").read_text().splitlines()[0].split(",")
     assert {"train/tau_est", "train/acc_1", "train/acc_3", "val/loss", "val/tau_est"} <= set(metrics)
+    assert "train/ttt_steps" not in metrics  # nothing is unrolled: no TTT schedule (`DrafterKind.unrolls`)
 
     target = LlamaForCausalLM.from_pretrained(target_dir).eval()
     tok = AutoTokenizer.from_pretrained(target_dir)
@@ -225,3 +241,15 @@ def test_plan_sizes_a_dflash_drafter(files):
     dcfg = drafter_config(recipe, cfg, None)
     assert get_kind("dflash").num_parameters(dcfg) == sum(
         p.numel() for p in DFlashDrafter(dcfg).parameters())
+
+
+def test_a_dflash_run_continues_a_trained_dflash_folder(files, trained):
+    """`drafter.init_from` = the trained folder: the run starts from its weights (its first loss is the trained run's
+    late loss, not a fresh drafter's) and writes a DFlash folder of the same shape."""
+    tmp, target, data = files
+    torch.set_num_threads(1)
+    warm = _fit(tmp, target, data, "warm", "trainer.max_steps=2", f"drafter.init_from={trained}")
+    fresh, warmed = _losses(tmp / "run"), _losses(tmp / "warm")
+    assert warmed[0] < 0.8 * fresh[0] and warmed[0] < 1.2 * sum(fresh[-5:]) / 5, (warmed, fresh)
+    assert DFlashDrafter.from_pretrained(warm).config.to_json_dict().keys() == \
+        DFlashDrafter.from_pretrained(trained).config.to_json_dict().keys()

@@ -35,24 +35,38 @@ def _write(folder, cfg):
     return folder
 
 
-def test_dflash_folders_are_recognised_by_their_config(tmp_path):
-    assert dflash_layout(_zlab(tmp_path, block_size=6)) == {"layout": "z-lab", "block_size": 6, "target": TARGET}
-    spec = {"speculators_model_type": "dflash", "block_size": 8,
-            "speculators_config": {"proposal_methods": [{"speculative_tokens": 7}],
-                                   "verifier": {"name_or_path": "Qwen/Qwen3-8B"}}}
-    assert dflash_layout(_write(tmp_path / "spec", spec)) == {"layout": "speculators", "block_size": 8,
-                                                              "target": "Qwen/Qwen3-8B"}
-    del spec["block_size"]  # the proposal's speculative_tokens + 1
-    assert dflash_layout(_write(tmp_path / "spec2", spec))["block_size"] == 8
-    only_cfg = {"architectures": ["Qwen3ForCausalLM"], "block_size": 16,
-                "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1]}}
-    assert dflash_layout(_write(tmp_path / "cfg", only_cfg))["layout"] == "z-lab"
+def _speculators(zlab, out, **changes):
+    """The speculators-layout export of the z-lab folder `zlab`, its config.json edited by `changes`."""
+    from eagle3_zoo.checkpoint.layouts import get_layout
+    from eagle3_zoo.drafters.dflash.model import DFlashDrafter
+
+    out.mkdir(parents=True)
+    get_layout("speculators-dflash").write(DFlashDrafter.from_pretrained(zlab), out, verifier="Qwen/Qwen3-8B")
+    cfg = json.loads((out / "config.json").read_text())
+    return _write(out, {**cfg, **changes})
+
+
+def test_dflash_folders_are_recognised_by_the_layout_registry(tmp_path):
+    zlab = _zlab(tmp_path, block_size=6)
+    assert dflash_layout(zlab) == {"layout": "z-lab", "block_size": 6, "target": TARGET}
+    assert dflash_layout(_speculators(zlab, tmp_path / "spec")) == {"layout": "speculators", "block_size": 6,
+                                                                    "target": TARGET}
+    # a speculators folder this package did not write: the target is its verifier
+    assert dflash_layout(_speculators(zlab, tmp_path / "theirs", eagle3_zoo={"num_target_layers": 8}))["target"] \
+        == "Qwen/Qwen3-8B"
     eagle3 = {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 32000}
     assert dflash_layout(_write(tmp_path / "eagle3", eagle3)) is None
-    with pytest.raises(ValueError, match=r"block_size = None.*block_size >= 2"):
-        dflash_layout(_write(tmp_path / "bad", {"architectures": ["DFlashDraftModel"]}))
     with pytest.raises(FileNotFoundError, match="no config.json"):
         dflash_layout(tmp_path / "missing")
+    # what the layouts refuse to read is not served either: a causal speculators drafter, a config without the
+    # DFlash fields, sliding-window draft layers (vLLM would serve each as something this package never trained)
+    with pytest.raises(ValueError, match=r"sliding_window_non_causal = False"):
+        dflash_layout(_speculators(zlab, tmp_path / "causal", sliding_window_non_causal=False))
+    with pytest.raises(ValueError, match=r"dflash_config = None; expected an object"):
+        dflash_layout(_write(tmp_path / "bad", {"architectures": ["DFlashDraftModel"]}))
+    raw = json.loads((zlab / "config.json").read_text())
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        dflash_layout(_write(tmp_path / "swa", {**raw, "use_sliding_window": True, "sliding_window": 4}))
 
 
 @pytest.fixture

@@ -172,3 +172,16 @@ def test_zoo_list_filters_by_family_and_target(capsys):
     assert cli(["zoo", "list", "--family", "qwen"]) == 2
     err = capsys.readouterr().err
     assert "no zoo entry has family 'qwen'; did you mean" in err and "qwen3" in err
+
+
+def test_zoo_list_has_a_kind_column(capsys):
+    """`zoo list` names each entry's drafter kind (eagle3 / dflash), in the column headed `kind`."""
+    assert cli(["zoo", "list", "--target", "Qwen/Qwen3-8B"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    names = header.split()
+    assert names == ["name", "repo", "target", "family", "kind", "format", "status", "recipe"]
+    at = header.index("kind")
+    kinds = {row.split()[0]: row[at:].split()[0] for row in rows}
+    entries = {e.name: e.kind for e in list_zoo(target="Qwen/Qwen3-8B")}
+    assert kinds == entries and set(kinds.values()) == {"eagle3", "dflash"}
+    assert kinds["dflash-qwen3-8b-b16"] == "dflash"

@@ -452,3 +452,29 @@ def test_plan_of_a_shipped_recipe_imports_no_transformers():
                        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout[-2000:]
+
+
+def test_a_kind_sizes_its_own_training_step():
+    """`plan` asks the recipe's kind for its training step's buffers (`DrafterKind.step_lines`, with the run plan's
+    decisions in `StepSizing`): a kind registered beside the built-in ones gets its own lines in the training step and
+    none of another kind's (fails when `plan` sizes a step by the kind's name)."""
+    from eagle3_zoo.drafters import StepLine, get_kind, register_kind, unregister_kind
+
+    class Sized(type(get_kind("eagle3"))):
+        name = "sized_toy"
+
+        def step_lines(self, recipe, config, target_config, sizing):
+            return [StepLine("toy step", 3.0 * 2**30, f"batch {recipe.trainer.batch_size}, {sizing.compute_dtype}, "
+                             f"chunk {sizing.logits_chunk}, target in step: {sizing.target_in_step}")]
+
+    register_kind(Sized())
+    try:
+        plan = plan_recipe(load_recipe("recipes/smollm2_135m.yaml", ["drafter.kind=sized_toy"]))
+    finally:
+        unregister_kind("sized_toy")
+    step = [line for line in plan.lines if line.phase == "training step"]
+    assert [(line.what, line.bytes) for line in step] == [("toy step", 3.0 * 2**30)]
+    assert step[0].note.startswith("batch ") and "chunk 1024" in step[0].note
+    eagle3 = [line.what for line in plan_recipe(load_recipe("recipes/smollm2_135m.yaml")).lines
+              if line.phase == "training step"]
+    assert "TTT activations" in eagle3 and "toy step" not in eagle3

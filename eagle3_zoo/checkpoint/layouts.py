@@ -238,6 +238,22 @@ def export_layout(fmt: str, kind: str | None = None) -> Layout:
     return _LAYOUTS[own[fmt]]
 
 
+def claimed_layout(path: str | Path) -> Layout | None:
+    """The layout whose `claims` marks a drafter folder's config.json as its own (None: no layout claims it; its
+    weight files then decide, `detect_layout`). Reads config.json only.
+
+    Raises:
+        FileNotFoundError / ValueError: no config.json, unreadable config, or a config that marks a layout in a variant
+            it cannot read (a speculators model type no layout reads).
+    """
+    raw = read_config(path)
+    source = str(Path(path) / "config.json")
+    for layout in _LAYOUTS.values():
+        if layout.claims(raw, source):
+            return layout
+    return None
+
+
 def detect_layout(path: str | Path) -> Layout:
     """The layout of a drafter folder: the first that `claims` its config.json, else the one whose `weight_kind` its
     weight files are (safetensors -> sglang, pytorch_model.bin -> official).
@@ -246,11 +262,9 @@ def detect_layout(path: str | Path) -> Layout:
         FileNotFoundError / ValueError / CheckpointError: no config.json, unreadable config, no weights, or a config
             that marks a layout in a variant it cannot read (a speculators model type other than eagle3).
     """
-    raw = read_config(path)
-    source = str(Path(path) / "config.json")
-    for layout in _LAYOUTS.values():
-        if layout.claims(raw, source):
-            return layout
+    claimed = claimed_layout(path)
+    if claimed is not None:
+        return claimed
     kind, files = find_weight_files(path)
     for layout in _LAYOUTS.values():
         if layout.weight_kind == kind:

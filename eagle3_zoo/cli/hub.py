@@ -94,8 +94,9 @@ def cmd_zoo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([asdict(e) for e in entries], indent=2))
         return 0
-    header = ("name", "repo", "target", "family", "format", "status", "recipe")
-    rows = [(e.name, e.repo_id or "-", e.target, e.family, e.format, e.status, e.recipe or "-") for e in entries]
+    header = ("name", "repo", "target", "family", "kind", "format", "status", "recipe")
+    rows = [(e.name, e.repo_id or "-", e.target, e.family, e.kind, e.format, e.status, e.recipe or "-")
+            for e in entries]
     widths = [max(len(r[i]) for r in [*rows, header]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())

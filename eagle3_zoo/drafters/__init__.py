@@ -17,6 +17,8 @@ from eagle3_zoo.drafters.base import (
     DrafterKind,
     DraftModel,
     FeatureNeeds,
+    StepLine,
+    StepSizing,
     TargetLayers,
     register_kind,
     registered,
@@ -59,9 +61,18 @@ def get_kind(name: str) -> DrafterKind:
     return kinds[name]
 
 
-# built-in kinds whose `config_from` is a torch-free function of their own (module:function): answered without
-# importing the kind, whose module imports torch (`plan` imports no model code)
-_TORCH_FREE_CONFIG = {"eagle3": "eagle3_zoo.drafters.eagle3.sizing:config_from"}
+# built-in kinds whose `config_from` and `step_lines` are torch-free functions of a module of their own: answered
+# without importing the kind, whose module imports torch and its model code (`plan` imports no model code)
+_TORCH_FREE_SIZING = {"eagle3": "eagle3_zoo.drafters.eagle3.sizing", "dflash": "eagle3_zoo.drafters.dflash.sizing"}
+
+
+def _sized_by(name: str, function: str) -> Any:
+    """The kind's `function` (`config_from`, `step_lines`): the torch-free module's for a built-in kind not imported
+    yet, else the registered kind's method."""
+    light = _TORCH_FREE_SIZING.get(name)
+    if light is not None and name not in registered():
+        return getattr(importlib.import_module(light), function)
+    return getattr(get_kind(name), function)
 
 
 def config_from(name: str, section: Any, target_config: Any, *, aux_layer_ids: tuple[int, ...] | None,
@@ -72,14 +83,18 @@ def config_from(name: str, section: Any, target_config: Any, *, aux_layer_ids: t
     Raises:
         ValueError: no such kind (`get_kind`).
     """
-    light = _TORCH_FREE_CONFIG.get(name)
-    if light is not None and name not in registered():
-        module, function = light.split(":")
-        build = getattr(importlib.import_module(module), function)
-    else:
-        build = get_kind(name).config_from
-    return build(section, target_config, aux_layer_ids=aux_layer_ids, defaults=defaults, target_name=target_name,
-                 torch_dtype=torch_dtype)
+    return _sized_by(name, "config_from")(section, target_config, aux_layer_ids=aux_layer_ids, defaults=defaults,
+                                          target_name=target_name, torch_dtype=torch_dtype)
+
+
+def step_lines(name: str, recipe: Any, config: Any, target_config: Any, sizing: StepSizing) -> list[StepLine]:
+    """`DrafterKind.step_lines` of the kind registered as `name`: the buffers of its training step, for `plan`. A
+    built-in kind not imported yet is not imported.
+
+    Raises:
+        ValueError: no such kind (`get_kind`); NotImplementedError: a kind that does not size its step.
+    """
+    return _sized_by(name, "step_lines")(recipe, config, target_config, sizing)
 
 
 def _find_kind(owns: Any, what: str) -> DrafterKind:
@@ -116,6 +131,8 @@ __all__ = [
     "DraftModel",
     "DrafterKind",
     "FeatureNeeds",
+    "StepLine",
+    "StepSizing",
     "TargetLayers",
     "config_from",
     "get_kind",
@@ -123,6 +140,7 @@ __all__ = [
     "kind_of",
     "kind_of_config",
     "register_kind",
+    "step_lines",
     "unknown_kind_message",
     "unregister_kind",
 ]

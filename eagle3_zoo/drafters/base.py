@@ -11,7 +11,7 @@ trained drafter in the kind's `DraftModel` (`draft_model`). How to add one: docs
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +37,42 @@ class FeatureNeeds:
 
     aux_layer_ids: tuple[int, ...]
     final_hidden: bool = True
+
+
+class StepLine(NamedTuple):
+    """One buffer of a training step, as `plan` prints it (`DrafterKind.step_lines`)."""
+
+    what: str
+    bytes: float
+    note: str
+
+
+@dataclass(frozen=True)
+class StepSizing:
+    """What `plan` decided of a run's training step, for `DrafterKind.step_lines` (the recipe and the drafter's config
+    say the rest). The dtypes are torch dtypes; a sizing reads only their `itemsize` and `str`.
+
+    Attributes:
+        compute_dtype: the matmuls' dtype (autocast's under `*-mixed`, the weights' under `*-true`).
+        drafter_dtype: the dtype the drafter's parameters are stored in.
+        target_dtype: the target's weights' dtype.
+        feature_dtype: the dtype the step receives the target's features in (the target's when the step runs it;
+            else the feature store's or the engine stream's).
+        target_in_step: the target runs in the training step (online, in process).
+        on_gpu: the trainer runs on GPUs.
+        autocast_copies: autocast keeps a compute-dtype copy of each fp32 matmul weight for backward (`*-mixed`
+            outside FSDP's bf16 policy).
+        logits_chunk: rows per chunk of a product with the frozen lm_head.
+    """
+
+    compute_dtype: Any
+    drafter_dtype: Any
+    target_dtype: Any
+    feature_dtype: Any
+    target_in_step: bool
+    on_gpu: bool
+    autocast_copies: bool
+    logits_chunk: int
 
 
 def starts_from_target_layers(section: Any, kind: str) -> bool:
@@ -161,6 +197,9 @@ class DrafterKind:
         decoding: how speculative decoding drives a trained drafter: "tree" (a `DraftModel` expanded into a draft
             tree, `draft_model`) or "block" (a `BlockProposer` drafting a chain of tokens in one pass,
             `block_proposer`); `eagle3-zoo eval` picks its decoder by it.
+        unrolls: `training_loss` unrolls `steps` steps (the recipe's `ttt` section): the run schedules them
+            (`TTTScheduleCallback`, logged and shown as `train/ttt_steps`). False: nothing is unrolled, the run has
+            no schedule and logs no `ttt_steps`.
     """
 
     name: ClassVar[str]
@@ -169,6 +208,7 @@ class DrafterKind:
     layouts: ClassVar[tuple[str, ...]] = ()
     card_tags: ClassVar[tuple[str, ...]] = ()
     decoding: ClassVar[str] = "tree"
+    unrolls: ClassVar[bool] = True
 
     # ------------------------------------------------------------------ the data stage and the drafter
     def config_from(self, section: Any, target_config: Any, *, aux_layer_ids: tuple[int, ...] | None,
@@ -196,6 +236,14 @@ class DrafterKind:
         layers (`build` then gets `target_layers`, and the run loads the whole target): `starts_from_target_layers`
         (the kind's own subsection says `init_layers: target`)."""
         return starts_from_target_layers(section, self.name)
+
+    def step_lines(self, recipe: Any, config: Any, target_config: Any, sizing: StepSizing) -> list[StepLine]:
+        """The buffers one training step of a drafter of `config` holds besides its weights, gradients and optimizer
+        state (`plan`'s training step: what the step reads of the target, what the loss keeps for backward, autocast's
+        weight copies), estimated from the recipe, the shapes and `sizing`, with nothing allocated. `plan` asks it
+        through `eagle3_zoo.drafters.step_lines` (a built-in kind answers from a torch-free module of its own)."""
+        raise NotImplementedError(f"the {self.name!r} drafter kind does not size its training step "
+                                  f"(DrafterKind.step_lines; see {GUIDE})")
 
     def num_parameters(self, config: Any) -> int:
         """The parameter count of a drafter of `config` (default: `drafter_class(config)` built on the meta device,
@@ -241,6 +289,12 @@ class DrafterKind:
         full state dict of its weights (gathered on this rank)."""
         raise NotImplementedError
 
+    def from_checkpoint(self, config: Any, state: dict[str, torch.Tensor], recorded: dict[str, Any]) -> nn.Module:
+        """The drafter to write from a checkpoint of `fit` (`eagle3-zoo consolidate`): its config, the full state dict
+        of its weights, and what the run recorded of it beside them (`eagle3_zoo.training.outputs.drafter_info`).
+        Default: `to_write` of a fresh drafter of `config`."""
+        return self.to_write(self.drafter_class(config), state)
+
     def save(self, drafter: nn.Module, folder: Any) -> None:
         """Write `drafter`'s weights and config.json into `folder` (in the first of `layouts` when it has some)."""
         raise NotImplementedError
@@ -270,6 +324,27 @@ class DrafterKind:
     def target_mismatches(self, drafter: nn.Module, target_config: Any) -> list[str]:
         """Why `drafter` cannot draft for a target of `target_config` (empty: it can)."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ a run started from a drafter (`init_from`)
+    def init_mismatches(self, drafter: nn.Module, section: Any, aux_layer_ids: tuple[int, ...]) -> list[str]:
+        """Why a run whose recipe's `drafter` section is `section` and whose data stage reads `aux_layer_ids` cannot
+        continue training `drafter` (`drafter.init_from`): the features it reads, and the recipe settings that change
+        its forward pass but that the drafter's own config fixes (empty: it can). Default: the aux layers."""
+        ids = drafter.config.aux_layer_ids
+        if ids is not None and tuple(ids) != tuple(aux_layer_ids):
+            return [f"aux_layer_ids {list(ids)} != the run's {list(aux_layer_ids)} (set drafter.aux_layer_ids to the "
+                    "drafter's)"]
+        return []
+
+    def draft_vocab(self, drafter: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """`drafter`'s draft vocabulary as `build` takes it: (`d2t` int64 offsets `[draft_vocab_size]`, `t2d` bool
+        `[vocab_size]`). Default: its `d2t` and `t2d` buffers."""
+        return drafter.d2t, drafter.t2d
+
+    def fc_input_scale(self, drafter: nn.Module) -> torch.Tensor | None:
+        """The training-time scale `drafter`'s feature projection is preconditioned with (`optim.precondition_fc`),
+        kept when a run continues it (None: none; the default)."""
+        return None
 
 
 def register_kind(kind: DrafterKind, *, replace: bool = False) -> DrafterKind:

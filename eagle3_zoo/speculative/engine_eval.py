@@ -90,50 +90,28 @@ def spec_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
     }
 
 
-DFLASH_ARCHITECTURE = "DFlashDraftModel"
-
-
 def dflash_layout(drafter: str | Path) -> dict[str, Any] | None:
-    """What vLLM needs to serve `drafter` as a DFlash drafter, or None when its `config.json` is not a DFlash one.
+    """What vLLM needs to serve `drafter` as a DFlash drafter, or None when its config.json is claimed by no layout
+    of DFlash drafters (`eagle3_zoo.checkpoint.layouts.claimed_layout`: the z-lab and the speculators-dflash layout).
 
-    A z-lab folder has ``architectures`` with ``DFlashDraftModel`` or a ``dflash_config`` object and a top-level
-    ``block_size``; a speculators folder has ``speculators_model_type: dflash`` and ``block_size`` (else its first
-    proposal method's ``speculative_tokens`` + 1).
+    The block size and the target are those of the drafter's config as its layout reads it (`Layout.read_config`).
 
     Returns:
         ``{"layout": "z-lab" | "speculators", "block_size": B, "target": name or None}``.
 
     Raises:
-        FileNotFoundError: no config.json; ValueError: a DFlash config without a usable block size.
+        FileNotFoundError: no config.json; ValueError: unreadable, or a DFlash config its layout refuses (the
+            message names the file and the key).
     """
-    import json
+    from eagle3_zoo.checkpoint.formats import read_config
+    from eagle3_zoo.checkpoint.layouts import claimed_layout
 
-    path = Path(drafter) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{drafter}: no config.json; pass a drafter folder")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from e
-    if not isinstance(raw, dict):
+    layout = claimed_layout(drafter)
+    if layout is None or layout.kind != "dflash":
         return None
-    spec = raw.get("speculators_config") if isinstance(raw.get("speculators_config"), dict) else {}
-    if raw.get("speculators_model_type") == "dflash":
-        layout = "speculators"
-        methods = spec.get("proposal_methods") or [{}]
-        tokens = methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
-        block = raw.get("block_size", tokens + 1 if isinstance(tokens, int) else None)
-        target = (spec.get("verifier") or {}).get("name_or_path")
-    elif DFLASH_ARCHITECTURE in (raw.get("architectures") or []) or isinstance(raw.get("dflash_config"), dict):
-        layout = "z-lab"
-        block = raw.get("block_size")
-        target = (raw.get("eagle3_zoo") or {}).get("target_name_or_path")
-    else:
-        return None
-    if not isinstance(block, int) or isinstance(block, bool) or block < 2:
-        raise ValueError(f"{path}: block_size = {block!r}; a DFlash drafter ({layout} layout) needs an integer "
-                         "block_size >= 2 (the anchor and the drafted slots; vLLM drafts block_size - 1 tokens)")
-    return {"layout": layout, "block_size": block, "target": target}
+    config = layout.read_config(read_config(drafter), str(Path(drafter) / "config.json"))
+    return {"layout": "z-lab" if layout.speculators_model_type is None else "speculators",
+            "block_size": config.block_size, "target": config.target_name_or_path}
 
 
 def served_drafter_dir(drafter: str | Path, export_dir: str | Path) -> Path:

@@ -81,12 +81,9 @@ def drafter_start(recipe: Any, target_config: Any, counts: torch.Tensor, aux_lay
     """
     kind = get_kind(recipe.drafter.kind)
     if recipe.drafter.init_from:
-        init = _load_init(recipe.drafter.init_from, target_config, aux_layer_ids, recipe.drafter)
-        if not kind.owns(init):
-            raise ValueError(f"drafter.init_from = {recipe.drafter.init_from!r} is a {type(init).__name__}, not a "
-                             f"drafter of drafter.kind = {kind.name!r}")
-        return DrafterStart(kind, init.config, init.d2t, init.t2d, init=init,
-                            fc_input_scale=init.fc_input_scale if init._fc_scaled else None)
+        init = _load_init(recipe.drafter.init_from, target_config, aux_layer_ids, recipe.drafter, kind)
+        d2t, t2d = kind.draft_vocab(init)
+        return DrafterStart(kind, init.config, d2t, t2d, init=init, fc_input_scale=kind.fc_input_scale(init))
     config = drafter_config(recipe, target_config, aux_layer_ids)
     d2t, t2d = build_draft_vocab(counts, config.draft_vocab_size)
     if recipe.drafter.init_head == "target" and target_head is None:
@@ -100,20 +97,27 @@ def drafter_start(recipe: Any, target_config: Any, counts: torch.Tensor, aux_lay
                         target_layers=target_layers if from_layers else None)
 
 
-def _load_init(path: str, target_config: Any, aux_layer_ids: tuple[int, ...], wanted: Any = None) -> Any:
+def _load_init(path: str, target_config: Any, aux_layer_ids: tuple[int, ...], wanted: Any = None,
+               kind: DrafterKind | None = None) -> Any:
+    """The `drafter.init_from` drafter (any layout of its kind), checked: of the run's `kind` (None: any), fitting the
+    target (`DrafterKind.target_mismatches`) and the run (`DrafterKind.init_mismatches`: the features it reads and
+    the recipe settings of `wanted`, the recipe's `drafter` section, that its forward pass fixes).
+
+    Raises:
+        ValueError: a drafter of another kind, or one that does not fit (every problem named at once).
+    """
+    from eagle3_zoo.drafters import kind_of
     from eagle3_zoo.hub.download import load_any_drafter
 
     drafter = load_any_drafter(path)
+    owner = kind_of(drafter)
+    if kind is not None and owner is not kind:
+        raise ValueError(f"drafter.init_from = {path!r} is a {type(drafter).__name__} (drafter kind {owner.name!r}), "
+                         f"not a drafter of drafter.kind = {kind.name!r}; start from a {kind.name} drafter or set "
+                         f"drafter.kind = {owner.name}")
     drafter = drafter.float()  # trained in fp32 master weights; saved back in its config dtype
     cfg = drafter.config
-    problems = cfg.target_mismatches(target_config)
-    if cfg.aux_layer_ids is not None and tuple(cfg.aux_layer_ids) != tuple(aux_layer_ids):
-        problems.append(f"aux_layer_ids {list(cfg.aux_layer_ids)} != the run's {list(aux_layer_ids)} (set "
-                        "drafter.aux_layer_ids to the drafter's)")
-    for flag in ("fc_norm", "norm_output"):  # the forward pass is the drafter's: a recipe cannot switch it silently
-        if wanted is not None and bool(getattr(wanted, flag)) != getattr(cfg, flag):
-            problems.append(f"{flag} is {getattr(cfg, flag)} in the drafter but drafter.{flag} = "
-                            f"{getattr(wanted, flag)} in the recipe (set it to the drafter's)")
+    problems = owner.target_mismatches(drafter, target_config) + owner.init_mismatches(drafter, wanted, aux_layer_ids)
     if problems:
         raise ValueError(f"drafter.init_from = {path!r} does not fit the target: " + "; ".join(problems))
     logger.info("initialised the drafter from %s (its draft vocabulary of %d tokens is kept)", path,

@@ -37,6 +37,7 @@ from typing_extensions import override
 from eagle3_zoo.checkpoint.folder import write_drafter_folder
 from eagle3_zoo.data.engine_feed import EngineFeedError
 from eagle3_zoo.data.tokenize import draft_vocab_coverage
+from eagle3_zoo.drafters import get_kind
 from eagle3_zoo.fileio import atomic_write, recover_replaced_directory
 from eagle3_zoo.progress import use_bar
 from eagle3_zoo.provenance import git_info
@@ -168,13 +169,15 @@ def _tau_eval_callbacks(recipe: Any, tokenizer: Any = None) -> list[L.Callback]:
 
 def build_trainer(recipe: Any, callbacks: Sequence[L.Callback] = (), has_val: bool = True,
                   **overrides: Any) -> L.Trainer:
-    """The Lightning Trainer of a recipe (strategy, precision, loggers, checkpoints, TTT schedule). `has_val=False`:
-    no validation (`eagle3_zoo.training.build.without_validation` gives a Trainer built with validation the same
-    settings)."""
+    """The Lightning Trainer of a recipe (strategy, precision, loggers, checkpoints, the TTT schedule of a kind that
+    unrolls). `has_val=False`: no validation (`eagle3_zoo.training.build.without_validation` gives a Trainer built with
+    validation the same settings)."""
     t, output_dir = recipe.trainer, Path(recipe.output_dir)
     checkpoint = LastCheckpoint(dirpath=output_dir / CHECKPOINT_DIR, every_n_train_steps=t.checkpoint_every_n_steps,
                                 save_last=True, save_top_k=0, enable_version_counter=False)
-    schedule = TTTScheduleCallback(recipe.ttt.steps, recipe.ttt.schedule, recipe.ttt.ramp_fraction)
+    # the unrolled steps' schedule, for a kind that unrolls (its `train/ttt_steps` is logged and shown)
+    schedule = [TTTScheduleCallback(recipe.ttt.steps, recipe.ttt.schedule, recipe.ttt.ramp_fraction)] if get_kind(
+        recipe.drafter.kind).unrolls else []
     bar = use_bar()
     progress = ProgressLogCallback(bar=bar)
     kwargs: dict[str, Any] = dict(
@@ -184,7 +187,7 @@ def build_trainer(recipe: Any, callbacks: Sequence[L.Callback] = (), has_val: bo
         accumulate_grad_batches=t.accumulate_grad_batches, gradient_clip_val=recipe.optim.grad_clip,
         gradient_clip_algorithm="norm", val_check_interval=t.val_check_interval,
         check_val_every_n_epoch=None if t.val_check_interval else 1, log_every_n_steps=t.log_every_n_steps,
-        logger=_loggers(recipe, output_dir) or False, callbacks=[schedule, checkpoint, progress, *callbacks],
+        logger=_loggers(recipe, output_dir) or False, callbacks=[*schedule, checkpoint, progress, *callbacks],
         default_root_dir=output_dir, use_distributed_sampler=False,  # the batch sampler shards by rank itself
         num_sanity_val_steps=0, plugins=[AtomicCheckpointIO()],
         # a live bar on a terminal; in a log file (CI, batch jobs) the progress callback's lines say the same, and

@@ -17,7 +17,6 @@ import torch
 from eagle3_zoo.checkpoint.folder import drafter_out_dir, write_drafter_folder
 from eagle3_zoo.checkpoint.layouts import layouts
 from eagle3_zoo.drafters import DEFAULT_KIND, get_kind
-from eagle3_zoo.drafters.eagle3.kind import drafter_from_state
 from eagle3_zoo.provenance import git_info, package_versions, provenance_json
 from eagle3_zoo.training.checkpoint_io import DRAFTER_INFO_KEY, info_json, read_checkpoint_header, sharded_state
 
@@ -112,14 +111,11 @@ def consolidate_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     source = f"{checkpoint} drafter config"
     kind = recorded_kind(raw, source)
     config = kind.config_class.from_json_dict(raw, source=source)
-    if kind.name == DEFAULT_KIND:
-        kind = None  # EAGLE-3: its fc preconditioning scale is recorded beside the weights (`drafter_info`)
     state = sharded_state(checkpoint, _STATE_PREFIX) if checkpoint.is_dir() else {
         f"state_dict.{k}": v for k, v in (meta.get("state_dict") or {}).items()}
     state = {k.removeprefix(_STATE_PREFIX): v for k, v in state.items() if k.startswith(_STATE_PREFIX)}
     try:
-        drafter = kind.to_write(kind.drafter_class(config), state) if kind is not None else \
-            drafter_from_state(config, state, info.get("fc_input_scale"))
+        drafter = kind.from_checkpoint(config, state, info)  # EAGLE-3 folds its recorded fc preconditioning scale
     except (RuntimeError, TypeError) as e:  # missing / unexpected keys, shapes that do not fit the config
         raise ValueError(f"{checkpoint}: its drafter weights do not fit its drafter config "
                          f"({str(e).strip().splitlines()[0]}...)") from None

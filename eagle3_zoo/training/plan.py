@@ -13,11 +13,11 @@ buffers, which `TauEvalCallback` allocates between training steps, after the ste
 count for the phase that needs more: the peak is the persistent part plus the larger phase.
 Parameter counts come from the models themselves, built on the meta device from the target's config (shipped in
 the package for every zoo/recipe target, so this runs offline): no arithmetic per family (but the KV cache width of
-MLA targets, for the tau evaluation). Activation sizes are an
-estimate from the drafter's shapes (what the TTT rollout saves for backward per token and step, per dtype: under
-autocast the norms' inputs and the attention's merge stay fp32, and autocast keeps a copy of each matmul weight),
-checked in the tests against the tensors a real TTT loss saves, in fp32 and under CPU bf16 autocast. Nothing is
-allocated.
+MLA targets, for the tau evaluation). The training step's buffers are the drafter kind's
+estimate from its shapes (`DrafterKind.step_lines`, asked through `eagle3_zoo.drafters.step_lines` with the run plan's
+decisions: EAGLE-3's is what the TTT rollout saves for backward per token and step, per dtype, `ttt_saved_bytes`;
+DFlash's what one forward over all its blocks saves, `dflash_saved_bytes`), checked in the tests against the tensors
+a real loss saves, in fp32 and under CPU bf16 autocast. Nothing is allocated.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ from typing import Any
 
 import torch
 
+from eagle3_zoo.drafters import StepSizing, step_lines
+from eagle3_zoo.drafters.dflash.sizing import dflash_saved_bytes  # noqa: F401  (re-exported: the DFlash step's sizing)
+from eagle3_zoo.drafters.eagle3.sizing import ttt_saved_bytes
 from eagle3_zoo.dtypes import torch_dtype
 from eagle3_zoo.training.plan_report import (  # noqa: F401  (re-exported: the plan's API)
     RESERVE_FIXED_GIB,
@@ -199,98 +202,6 @@ def fsdp_drafter_lines(config: Any, precision: str, shard: int) -> list[PlanLine
                      "counted with the activations)", train)]
 
 
-def ttt_saved_bytes(config: Any, tokens: int, steps: int, compute: torch.dtype = torch.float32,
-                    supervised: float | None = None) -> dict[str, float]:
-    """Bytes the TTT rollout and loss keep for backward (an estimate from the drafter's shapes, per dtype).
-
-    `compute` is the matmuls' dtype (autocast's under `*-mixed`, the weights' under `*-true`). Per token and TTT
-    step k, in `compute`: the norm outputs, the one cast attention input (2H) and MLP input, i.e. 6H; q and the
-    attention output (2 q-widths); the MLP gate, activation, up and product (4I); the keys and values the attention
-    reads, k0 and v0 at step 0, the stacked diagonal keys/values (2k kv-widths) and, below fp32, k0 cast again. In
-    fp32 whatever the compute dtype: the two norm inputs that need a gradient (2H) and their scales, RoPE's cos/sin
-    and the log-sum-exp and diagonal weights (heads x (k + 1)). Per supervised row and step: the gathered hidden and
-    the final norm's output (fp32 input below fp32), the fused loss's hidden gradient (fp32) and the row indices.
-    Step 0 adds the fc input; under autocast with fp32 weights, autocast's copy of each matmul weight but fc's and
-    the lm_head's (`autocast_weights`). Checked against the tensors a real TTT loss saves (fp32 and bf16 autocast) in
-    tests/test_plan.py.
-
-    Returns:
-        `{"activations", "loss_rows", "fc_input", "autocast_weights"}` in bytes.
-    """
-    h, inter, d, heads = config.hidden_size, config.intermediate_size, config.head_dim, config.num_attention_heads
-    q, kv = heads * d, config.num_key_value_heads * d
-    sup = tokens if supervised is None else supervised
-    c = compute.itemsize
-    low = c < 4
-    # sum over k of the keys/values: 2 kv at step 0, then 2k kv (+ kv for the recast k0 below fp32)
-    keys = kv * (2 + sum(2 * k + low for k in range(1, steps)))
-    per_token = steps * (6 * h + 2 * q + 4 * inter) * c + keys * c
-    per_token += (steps * (2 * h + 2 + 2 * d) + heads * steps * (steps + 1) // 2) * (4 if low else c)
-    rows = sup * steps * ((h * (c + 4) + 4 if low else 2 * h * c + 4) + 4 * h + 16)
-    n_aux = len(config.aux_layer_ids or (0, 0, 0))
-    weights = 0
-    if low:  # not fc's: the features need no gradient, so its backward needs only its input
-        weights = sum(math.prod(shape) for name, (shape, kind) in config.parameter_shapes().items()
-                      if kind == "linear" and name not in ("lm_head.weight", "fc.weight")) * c
-    return {"activations": per_token * tokens, "loss_rows": rows, "fc_input": n_aux * config.target_hidden_size
-            * tokens * c, "autocast_weights": weights}
-
-
-def dflash_saved_bytes(config: Any, batch: int, max_length: int, num_anchors: int,
-                       compute: torch.dtype = torch.float32, attention: str = "dense",
-                       supervised: float | None = None) -> dict[str, float]:
-    """Bytes a DFlash training step (`dflash_loss`, all blocks in one forward) keeps for backward, from the drafter's
-    shapes (`DFlashConfig`), per dtype.
-
-    T = batch x max_length context positions, Q = batch x min(num_anchors, max_length) x block_size query slots.
-    `compute` is the matmuls' dtype (autocast's under `*-mixed`; the parts called fp32 below are the stored dtype
-    under `*-true`). Context: fc's input (cast), the hidden norm's fp32 input, normalised output (cast) and scale,
-    its output as k_proj's and v_proj's input (cast again by every layer's two projections under autocast, one fp32
-    tensor otherwise), the context RoPE cos/sin (fp32), and per layer the context keys before and after k_norm
-    (fp32, cast) and their scales. Query slots, per layer: the residual and normalised states of both norms (fp32;
-    layer 0's input needs no gradient) and their outputs (fp32, or the q/k/v and gate/up casts under autocast); q
-    before and after q_norm, after RoPE (cast for the kernel) and the attention output (o_proj's input); the
-    block's keys before and after k_norm; the keys and values the attention reads (context + block, T + Q rows);
-    the norms' scales and the attention's log-sum-exp; the MLP's gate, activation, up and product (4I); on the
-    dense path (`attention="dense"`, CPU) the `[Q, max_length + block]` mask converted to an additive mask in
-    `compute` (FlexAttention saves none). The final norm's input and normalised output. Loss rows (at most
-    `supervised` = batch x min(num_anchors, max_length) x (block_size - 1)): the gathered hidden rows the checkpointed
-    chunks read, their row indices, labels, weights and mask; the `[chunk, V]` logits are recomputed in backward,
-    not saved. Under autocast with fp32 weights, autocast's copy of each matmul weight but fc's (its input needs no
-    gradient) and the lm_head's (the chunks recompute it). Checked against the tensors a real `dflash_loss` saves
-    (fp32 and bf16 autocast, dense mask) in tests/test_plan.py.
-
-    Returns:
-        `{"context", "blocks", "mask", "loss_rows", "autocast_weights"}` in bytes.
-    """
-    if attention not in ("dense", "flex"):
-        raise ValueError(f"attention={attention!r}; expected 'dense' or 'flex'")
-    h, inter, d = config.hidden_size, config.intermediate_size, config.head_dim
-    heads, kvh, n_layers, bsz = config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers, \
-        config.block_size
-    qw, kw = heads * d, kvh * d
-    c = compute.itemsize
-    low = c < 4
-    f = 4 if low else c  # the fp32 parts (the residual stream, the norms' statistics, RoPE)
-    blocks = min(num_anchors, max_length)
-    t, q = batch * max_length, batch * blocks * bsz
-    fc_in = config.num_features * config.target_hidden_size
-    context = t * fc_in * c + t * h * (f + c + (2 * n_layers if low else 1) * c) + t * f + 2 * t * d * f
-    context += n_layers * (t * kw * (f + c) + t * kvh * f)
-    states = (4 * n_layers + 1) * f + (5 * n_layers * c if low else 2 * n_layers * f)
-    per_layer = (qw * (f + 3 * c) + 2 * heads * f + kw * (f + c) + kvh * f + 4 * inter * c) * q
-    per_layer += 2 * (t + q) * kw * c
-    block = q * h * states + 2 * n_layers * q * f + 2 * q * d * f + n_layers * per_layer
-    mask = n_layers * q * (max_length + blocks * bsz) * c if attention == "dense" else 0
-    sup = batch * blocks * (bsz - 1) if supervised is None else supervised
-    rows = sup * (h * f + 3 * 8 + 8 + 4 + 1) + 8
-    weights = 0
-    if low:
-        weights = sum(math.prod(shape) for name, (shape, kind) in config.parameter_shapes().items()
-                      if kind == "linear" and name not in ("lm_head.weight", "fc.weight")) * c
-    return {"context": context, "blocks": block, "mask": mask, "loss_rows": rows, "autocast_weights": weights}
-
-
 def kv_elements_per_token(config: Any) -> int:
     """Elements a transformers `DynamicCache` keeps per token over all layers of a target with this config (keys
     and values; MLA models (transformers 5.x DeepSeek-V3) cache the compressed latent and the shared RoPE key).
@@ -398,15 +309,12 @@ def _training_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any, counts:
                     dequant: str) -> list[PlanLine]:
     """Per trainer GPU during training: the target (as `rp.target_load` says), the drafter and its optimizer, the
     training step's buffers and the tau evaluation's transient."""
-    from eagle3_zoo.training.run_plan import fsdp_drafter_dtypes
+    from eagle3_zoo.training.run_plan import fsdp_drafter_dtypes, trainer_device
 
     t, tr = recipe.target, recipe.trainer
-    tbytes, compute = rp.target_dtype.itemsize, rp.compute_dtype
-    compute_name = str(compute).removeprefix("torch.")
+    tbytes = rp.target_dtype.itemsize
     fsdp, shard, world = tr.strategy == "fsdp", rp.shard, rp.world_size
     n_drafter = drafter_parameter_count(dcfg)
-    tokens, steps = tr.batch_size * recipe.data.max_length, recipe.ttt.steps
-    train = "training step"
     lines = []
     if rp.target_kept:
         why = "online features" if rp.target_in_step else "tau evaluation during training"
@@ -432,34 +340,18 @@ def _training_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any, counts:
     state = 4 * rp.drafter_dtype.itemsize  # weights + grads + AdamW (m, v), all in the stored dtype
     lines.append(PlanLine("drafter weights+grads+AdamW", n_drafter * state / shard,
                           f"{n_drafter / 1e6:.0f}M params x {state} B{f' / {shard}' if fsdp else ''}"))
-    if recipe.drafter.kind == "dflash":  # one forward over every block: no TTT unroll, no target probabilities
-        lines += dflash_step_lines(recipe, rp, target_config, dcfg)
-    elif rp.target_in_step:
-        h, inter = target_config.hidden_size, target_config.intermediate_size
-        lines.append(PlanLine("target forward", tokens * (6 * h + 3 * inter) * tbytes
-                              + LOGITS_CHUNK * target_config.vocab_size * 4,
-                              "one layer's activations (no grad) + a chunk of fp32 logits", train))
-    else:
-        lines.append(PlanLine("target logits chunk", LOGITS_CHUNK * target_config.vocab_size * 4,
-                              "fp32 lm_head logits of the stored final hidden, a chunk at a time", train))
-    if recipe.drafter.kind == "dflash":
-        return _step_and_tau(lines, recipe, rp, target_config, dcfg, n_drafter)
-    saved = ttt_saved_bytes(dcfg, tokens, steps, compute)
-    act = saved["activations"]
-    note = f"{steps} TTT steps x {tokens} tokens (batch {tr.batch_size} x {recipe.data.max_length}), {compute_name}"
-    if tr.activation_checkpointing:  # the MLP's 4 [T, I] tensors are recomputed in backward, one step at a time
-        act -= (steps - 1) * 4 * dcfg.intermediate_size * tokens * compute.itemsize
-        note += "; MLP activations recomputed (activation checkpointing)"
-    lines.append(PlanLine("TTT activations", act + saved["loss_rows"] + saved["fc_input"], note, train))
-    # autocast keeps a compute-dtype copy of each fp32 matmul weight for backward (FSDP's bf16 policy has none)
-    copies = saved["autocast_weights"] if tr.precision.endswith("-mixed") and not (
-        fsdp and fsdp_drafter_dtypes(tr.precision) is not None) else 0
-    if copies:
-        lines.append(PlanLine("autocast weight copies", copies,
-                              f"{compute_name} copies of the drafter's fp32 matmul weights (kept for backward)", train))
-    vd = dcfg.draft_vocab_size
-    lines.append(PlanLine("loss buffers", tokens * vd * 4 + vd * dcfg.hidden_size * 4,
-                          f"target probabilities over {vd} draft tokens + one lm_head gradient buffer (fp32)", train))
+    # the step's own buffers, as the kind sizes them (EAGLE-3: the TTT rollout; DFlash: all blocks in one forward)
+    sizing = StepSizing(
+        compute_dtype=rp.compute_dtype, drafter_dtype=rp.drafter_dtype, target_dtype=rp.target_dtype,
+        # the target's dtype when the step runs it, else the feature store's (offline) or the engine's stream
+        feature_dtype=rp.target_dtype if rp.target_in_step else torch_dtype(recipe.data.features_dtype),
+        target_in_step=rp.target_in_step, on_gpu=trainer_device(tr.accelerator) == "GPU",
+        # autocast keeps a compute-dtype copy of each fp32 matmul weight for backward (FSDP's bf16 policy has none)
+        autocast_copies=tr.precision.endswith("-mixed") and not (fsdp and fsdp_drafter_dtypes(tr.precision)
+                                                                 is not None),
+        logits_chunk=LOGITS_CHUNK)
+    lines += [PlanLine(line.what, line.bytes, line.note, "training step")
+              for line in step_lines(recipe.drafter.kind, recipe, dcfg, target_config, sizing)]
     return _step_and_tau(lines, recipe, rp, target_config, dcfg, n_drafter)
 
 
@@ -472,54 +364,3 @@ def _step_and_tau(lines: list[PlanLine], recipe: Any, rp: Any, target_config: An
     if rp.tau:
         lines += tau_eval_lines(recipe, target_config, dcfg, n_drafter, gathers=fsdp)
     return [*lines, reserve_line(lines)]
-
-
-def dflash_step_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any) -> list[PlanLine]:
-    """The buffers of one DFlash training step (`DFlashKind.training_loss`): the target's forward to the feature
-    layers when the step runs it, the features (the target's dtype, and the drafter's stored dtype they are cast to),
-    what `dflash_loss` keeps for backward (`dflash_saved_bytes`: FlexAttention on a GPU, the dense mask on a CPU, as
-    `DFlashObjective` picks), one checkpointed `[chunk, V]` logits chunk (forward, then its recomputation in backward
-    with the logits' gradient) and, under `*-mixed` outside FSDP's bf16 policy, autocast's weight copies."""
-    from eagle3_zoo.training.run_plan import fsdp_drafter_dtypes, trainer_device
-
-    tr, d = recipe.trainer, recipe.drafter.dflash
-    compute, sbytes = rp.compute_dtype, rp.drafter_dtype.itemsize
-    tbytes, compute_name = rp.target_dtype.itemsize, str(rp.compute_dtype).removeprefix("torch.")
-    batch, length = tr.batch_size, recipe.data.max_length
-    tokens, blocks = batch * length, min(d.num_anchors, length)
-    attention = "flex" if trainer_device(tr.accelerator) == "GPU" else "dense"
-    saved = dflash_saved_bytes(dcfg, batch, length, d.num_anchors, compute, attention)
-    train = "training step"
-    lines = []
-    if rp.target_in_step:
-        h, inter = target_config.hidden_size, target_config.intermediate_size
-        lines.append(PlanLine("target forward", tokens * (6 * h + 3 * inter) * tbytes,
-                              "one layer's activations (no grad), up to the last feature layer", train))
-    fc_in = dcfg.num_features * dcfg.target_hidden_size
-    # the target's dtype when the step runs it, else the feature store's (offline) or the engine's stream
-    fdt = rp.target_dtype if rp.target_in_step else torch_dtype(recipe.data.features_dtype)
-    fbytes = fdt.itemsize
-    feats = tokens * fc_in * (fbytes + (sbytes if sbytes != fbytes else 0))
-    lines.append(PlanLine("target features", feats,
-                          f"{dcfg.num_features} layers x {dcfg.target_hidden_size} over {tokens} tokens, "
-                          f"{str(fdt).removeprefix('torch.')}"
-                          + (f" and cast to the drafter's {str(rp.drafter_dtype).removeprefix('torch.')}"
-                             if sbytes != fbytes else ""), train))
-    mask = "dense [Q, context+Q] mask (CPU)" if attention == "dense" else "FlexAttention (no score matrix)"
-    lines.append(PlanLine("DFlash block activations", saved["context"] + saved["blocks"] + saved["mask"],
-                          f"{tokens} context tokens (batch {batch} x {length}) -> K/V in {dcfg.num_hidden_layers} "
-                          f"layers; {batch * blocks * dcfg.block_size} query slots ({blocks} blocks x "
-                          f"{dcfg.block_size} per row) through every layer, {compute_name}; {mask}", train))
-    chunk, vd = LOGITS_CHUNK, dcfg.draft_vocab_size
-    c = compute.itemsize
-    own_head = vd * dcfg.hidden_size * c if dcfg.reduced_vocab and tr.precision.endswith("-mixed") else 0
-    lines.append(PlanLine("loss chunk", saved["loss_rows"] + chunk * vd * (2 * c + 12) + own_head,
-                          f"{batch * blocks * (dcfg.block_size - 1)} supervised rows at most (hidden, indices, labels, "
-                          f"weights) + one checkpointed [{chunk}, {vd}] logits chunk ({compute_name} logits, their "
-                          "fp32 copy, log-softmax and gradient)", train))
-    copies = saved["autocast_weights"] if tr.precision.endswith("-mixed") and not (
-        tr.strategy == "fsdp" and fsdp_drafter_dtypes(tr.precision) is not None) else 0
-    if copies:
-        lines.append(PlanLine("autocast weight copies", copies,
-                              f"{compute_name} copies of the drafter's fp32 matmul weights (kept for backward)", train))
-    return lines

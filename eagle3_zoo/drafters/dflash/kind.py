@@ -4,8 +4,9 @@ Its model and config are `model.DFlashDrafter` and `config.DFlashConfig` (sized 
 `drafter.dflash` section sets the draft layers, the block size and the feature layers). It reads the outputs of the
 target decoder layers `target_layer_ids` (the data stage's `aux_layer_ids` = those ids + 1) and never the target's
 last hidden state or logits (its labels are the next tokens themselves). It is trained with `loss.dflash_loss`
-behind `DFlashObjective`: anchors drawn afresh each optimizer step from a generator seeded by the run's seed and the
-global step (a rerun draws the same anchors), D-PACE or decay position weights, the vocabulary projection in chunks.
+behind `DFlashObjective`: anchors drawn afresh each batch from a generator seeded by the run's seed, the global step
+and the micro-batch's index within it (a rerun draws the same anchors), D-PACE or decay position weights, the
+vocabulary projection in chunks, normalised over the global batch's supervised slots under data parallelism.
 It is written as the z-lab folder vLLM 0.32 loads (`DFlashDrafter.save_pretrained`) and decoded by
 `eagle3_zoo.speculative.dflash_decode.DFlashGenerator` (`decoding = "block"`: its `block_proposer`, no tree
 `DraftModel`).
@@ -29,18 +30,20 @@ from eagle3_zoo.drafters.base import (
     DrafterKind,
     DraftModel,
     FeatureNeeds,
+    StepLine,
+    StepSizing,
     TargetLayers,
     TrainingContext,
     register_kind,
 )
+from eagle3_zoo.drafters.dflash import sizing as dflash_sizing
 from eagle3_zoo.drafters.dflash.config import DFlashConfig
 from eagle3_zoo.drafters.dflash.decoding import DFlashProposer
 from eagle3_zoo.drafters.dflash.loss import DFlashLossOutput, dflash_loss, select_anchors
 from eagle3_zoo.drafters.dflash.model import DFlashDrafter
 from eagle3_zoo.layout_names import DFLASH_BUILT_IN
 
-# the recipe's `drafter` shape fields a DFlash drafter takes as overrides of the target's (hidden_size must equal it)
-SHAPE_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+MICRO_BATCH_STRIDE = 2_654_435_761  # seed offset per micro-batch of a step (odd: see `anchor_generator`)
 
 
 @dataclass(frozen=True)
@@ -60,15 +63,6 @@ def training_settings(section: Any) -> DFlashTraining:
         return DFlashTraining()
     return DFlashTraining(num_anchors=d.num_anchors, weighting=d.weighting, dpace_alpha=d.dpace_alpha,
                           decay_gamma=d.decay_gamma)
-
-
-def mask_token_for(target_config: Any, wanted: int | None) -> int:
-    """The mask token id (see the module docstring): `wanted`, else the target config's `mask_token_id`, else
-    `vocab_size - 1`."""
-    if wanted is not None:
-        return int(wanted)
-    own = getattr(target_config, "mask_token_id", None)
-    return int(own) if isinstance(own, int) and not isinstance(own, bool) else int(target_config.vocab_size) - 1
 
 
 def init_layers_from_target(drafter: DFlashDrafter, target: TargetLayers) -> list[str]:
@@ -110,11 +104,23 @@ class DFlashObjective(nn.Module):
     def __init__(self, drafter: DFlashDrafter, settings: DFlashTraining, seed: int):
         super().__init__()
         self.drafter, self.settings, self.seed = drafter, settings, seed
+        self._micro_step, self._micro = -1, 0  # the optimizer step of the last training micro-batch, its index
 
-    def anchor_generator(self, step: int, training: bool) -> torch.Generator:
-        """The generator a step draws its anchors from: seeded by the run's seed and the global step (validation
-        draws from its own stream), so a rerun, or a resumed run, draws the same anchors at the same step."""
-        return torch.Generator().manual_seed((self.seed * 1_000_003 + 2 * step + (0 if training else 1)) % 2**63)
+    def anchor_generator(self, step: int, training: bool, micro_batch: int = 0) -> torch.Generator:
+        """The generator a batch draws its anchors from: seeded by the run's seed, the global step and, under
+        gradient accumulation, the micro-batch's index within the step (validation draws from its own stream), so a
+        rerun, or a resumed run, draws the same anchors at the same step and the micro-batches of one step draw
+        different ones. Micro-batch 0 draws what a run without accumulation draws."""
+        base = self.seed * 1_000_003 + 2 * step + (0 if training else 1)
+        # an odd multiplier: the CPU generator keeps the low 32 bits of its seed, which the index must change
+        return torch.Generator().manual_seed((base + micro_batch * MICRO_BATCH_STRIDE) % 2**63)
+
+    def micro_batch(self, step: int) -> int:
+        """The index of this training batch among those of optimizer step `step` (0 for the first): counted from the
+        step's first batch, which a resumed run starts from (checkpoints are written between optimizer steps)."""
+        self._micro = self._micro + 1 if step == self._micro_step else 0
+        self._micro_step = step
+        return self._micro
 
     def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 embed_weight: torch.Tensor, head_weight: torch.Tensor | None, generator: torch.Generator,
@@ -135,21 +141,16 @@ class DFlashKind(DrafterKind):
     layouts = DFLASH_BUILT_IN  # z-lab (what `save` writes; vLLM and SGLang load it) and speculators
     card_tags = ("dflash", "speculative-decoding")
     decoding = "block"
+    unrolls = False  # a block is drafted in one pass: no TTT schedule
 
     def config_from(self, section: Any, target_config: Any, *, aux_layer_ids: tuple[int, ...] | None,
                     defaults: dict[str, Any], target_name: str, torch_dtype: str) -> DFlashConfig:
-        d = section.dflash
-        overrides = {k: getattr(section, k) for k in SHAPE_FIELDS if getattr(section, k, None) is not None}
-        if aux_layer_ids is not None:  # the data stage's convention: target_layer_id + 1
-            ids: Any = tuple(i - 1 for i in aux_layer_ids)
-        else:
-            ids = tuple(d.target_layer_ids) if d.target_layer_ids is not None else None
-        vocab = int(target_config.vocab_size)
-        return DFlashConfig.from_target_config(
-            target_config, mask_token_id=mask_token_for(target_config, d.mask_token_id),
-            num_hidden_layers=d.num_layers, num_features=d.num_target_features, target_layer_ids=ids,
-            block_size=d.block_size, draft_vocab_size=min(section.draft_vocab_size, vocab),
-            target_name_or_path=target_name, torch_dtype=torch_dtype, **overrides)
+        return dflash_sizing.config_from(section, target_config, aux_layer_ids=aux_layer_ids, defaults=defaults,
+                                         target_name=target_name, torch_dtype=torch_dtype)
+
+    def step_lines(self, recipe: Any, config: DFlashConfig, target_config: Any,
+                   sizing: StepSizing) -> list[StepLine]:
+        return dflash_sizing.step_lines(recipe, config, target_config, sizing)
 
     def features(self, config: DFlashConfig) -> FeatureNeeds:
         return FeatureNeeds(aux_layer_ids=config.aux_layer_ids, final_hidden=False)
@@ -174,17 +175,29 @@ class DFlashKind(DrafterKind):
     def training_loss(self, module: TrainingContext, batch: dict[str, torch.Tensor], steps: int, *,
                       global_norm: bool = False, read_along: bool = False,
                       with_alpha: bool = True) -> DFlashLossOutput:
-        """The DFlash loss of one batch (`steps` is unused: a block is drafted in one pass, nothing is unrolled).
-        Each rank averages over its own supervised slots; the step waits for the device once, to read their
-        count (and, with `read_along`, what the previous step left to read)."""
+        """The DFlash loss of one batch (`steps` is unused: a block is drafted in one pass, nothing is unrolled),
+        averaged over its supervised slots; the step waits for the device once, to read their count (and, with
+        `read_along`, what the previous step left to read).
+
+        With `global_norm` (training under a data-parallel strategy) this rank's loss is scaled by
+        `world * n(rank) / N(all ranks)` (supervised slots): the gradient averaged over the ranks is then the gradient
+        of the loss averaged over the supervised slots of the *global* batch (what one process with the whole batch
+        computes, given the same anchors), and the rank-mean of the returned loss is that global loss. A training
+        batch draws its anchors by its optimizer step and its index among that step's micro-batches
+        (`DFlashObjective.anchor_generator`)."""
         embed, lm_head = module.frozen_heads
         aux_hidden, _ = module.target_features(batch)
-        drafter = module.objective.drafter
-        head = None if drafter.config.reduced_vocab else lm_head.weight
-        step = int(getattr(module, "global_step", 0))
-        generator = module.objective.anchor_generator(step, bool(getattr(module, "training", True)))
-        out = module.objective(aux_hidden, batch["input_ids"], batch["loss_mask"], embed.weight, head, generator,
-                               module.logits_chunk_size, batch.get("position_ids"), batch.get("document_ids"))
+        objective = module.objective
+        head = None if objective.drafter.config.reduced_vocab else lm_head.weight
+        step, training = int(getattr(module, "global_step", 0)), bool(getattr(module, "training", True))
+        generator = objective.anchor_generator(step, training, objective.micro_batch(step) if training else 0)
+        out = objective(aux_hidden, batch["input_ids"], batch["loss_mask"], embed.weight, head, generator,
+                        module.logits_chunk_size, batch.get("position_ids"), batch.get("document_ids"))
+        world = module.data_parallel_ranks() if global_norm else 1
+        if world > 1:  # queued with the loss (no wait): the count of every rank's supervised slots
+            local = out.num_supervised.reshape(1)
+            total = module.sum_over_ranks(local.clone())
+            out.loss = out.loss * (local.float() * world / total.float().clamp(min=1.0)).to(out.loss.dtype)[0]
         module.read_counts(out.num_supervised.reshape(1), read_along)
         return out
 
@@ -252,6 +265,34 @@ class DFlashKind(DrafterKind):
         if c.vocab_size != tc.vocab_size:
             problems.append(f"vocab_size={c.vocab_size} but the target's is {tc.vocab_size}")
         return problems
+
+
+    def init_mismatches(self, drafter: DFlashDrafter, section: Any, aux_layer_ids: tuple[int, ...]) -> list[str]:
+        c = drafter.config
+        problems = []
+        if tuple(c.aux_layer_ids) != tuple(aux_layer_ids):  # the data stage's ids: target_layer_id + 1
+            problems.append(f"target_layer_ids {list(c.target_layer_ids)} != the run's "
+                            f"{[i - 1 for i in aux_layer_ids]} (set drafter.dflash.target_layer_ids to the drafter's)")
+        d = getattr(section, "dflash", None)
+        if d is None:
+            return problems
+        # the drafter's forward pass: a recipe cannot switch it silently
+        for key, ours in (("num_layers", c.num_hidden_layers), ("block_size", c.block_size)):
+            if getattr(d, key) != ours:
+                problems.append(f"the drafter has {key} = {ours} but drafter.dflash.{key} = {getattr(d, key)} in the "
+                                "recipe (set it to the drafter's)")
+        if d.mask_token_id is not None and d.mask_token_id != c.mask_token_id:
+            problems.append(f"the drafter's mask_token_id is {c.mask_token_id} but drafter.dflash.mask_token_id = "
+                            f"{d.mask_token_id} in the recipe (set it to the drafter's, or leave it null)")
+        return problems
+
+    def draft_vocab(self, drafter: DFlashDrafter) -> tuple[torch.Tensor, torch.Tensor]:
+        c = drafter.config
+        draft_ids = torch.arange(c.draft_vocab_size)
+        target_ids = drafter.to_target_ids(draft_ids).cpu()
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+        t2d[target_ids] = True
+        return (target_ids - draft_ids).to(torch.int64), t2d
 
 
 class DFlashMetrics(Metric):

@@ -15,7 +15,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from eagle3_zoo.drafters.base import DrafterKind, DraftModel, FeatureNeeds, TrainingContext, register_kind
+from eagle3_zoo.drafters.base import (
+    DrafterKind,
+    DraftModel,
+    FeatureNeeds,
+    StepLine,
+    StepSizing,
+    TrainingContext,
+    register_kind,
+)
+from eagle3_zoo.drafters.eagle3 import sizing as eagle3_sizing
 from eagle3_zoo.drafters.eagle3.decode import Eagle3DraftModel
 from eagle3_zoo.drafters.eagle3.metrics import StepMetrics, acceptance_length_tensor
 from eagle3_zoo.drafters.eagle3.objective import (
@@ -25,7 +34,6 @@ from eagle3_zoo.drafters.eagle3.objective import (
     rank_step_weights,
     supervised_positions,
 )
-from eagle3_zoo.drafters.eagle3.sizing import config_from
 from eagle3_zoo.drafters.eagle3.ttt import TTTLossOutput
 from eagle3_zoo.layout_names import BUILT_IN
 from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter
@@ -40,8 +48,12 @@ class Eagle3Kind(DrafterKind):
 
     def config_from(self, section: Any, target_config: Any, *, aux_layer_ids: tuple[int, ...] | None,
                     defaults: dict[str, Any], target_name: str, torch_dtype: str) -> Eagle3Config:
-        return config_from(section, target_config, aux_layer_ids=aux_layer_ids, defaults=defaults,
-                           target_name=target_name, torch_dtype=torch_dtype)
+        return eagle3_sizing.config_from(section, target_config, aux_layer_ids=aux_layer_ids, defaults=defaults,
+                                         target_name=target_name, torch_dtype=torch_dtype)
+
+    def step_lines(self, recipe: Any, config: Eagle3Config, target_config: Any,
+                   sizing: StepSizing) -> list[StepLine]:
+        return eagle3_sizing.step_lines(recipe, config, target_config, sizing)
 
     def features(self, config: Eagle3Config) -> FeatureNeeds:
         return FeatureNeeds(aux_layer_ids=tuple(config.aux_layer_ids), final_hidden=True)
@@ -117,6 +129,11 @@ class Eagle3Kind(DrafterKind):
     def to_write(self, trained: Eagle3Drafter, state: dict[str, torch.Tensor]) -> Eagle3Drafter:
         return drafter_from_state(trained.config, state, trained.fc_input_scale if trained._fc_scaled else None)
 
+    def from_checkpoint(self, config: Eagle3Config, state: dict[str, torch.Tensor],
+                        recorded: dict[str, Any]) -> Eagle3Drafter:
+        """The run's fc preconditioning scale (recorded beside the weights) is folded into fc.weight."""
+        return drafter_from_state(config, state, recorded.get("fc_input_scale"))
+
     def save(self, drafter: Eagle3Drafter, folder: Any) -> None:
         drafter.save_pretrained(folder)
 
@@ -128,6 +145,18 @@ class Eagle3Kind(DrafterKind):
 
     def target_mismatches(self, drafter: Eagle3Drafter, target_config: Any) -> list[str]:
         return drafter.config.target_mismatches(target_config)
+
+    def init_mismatches(self, drafter: Eagle3Drafter, section: Any, aux_layer_ids: tuple[int, ...]) -> list[str]:
+        problems = super().init_mismatches(drafter, section, aux_layer_ids)
+        cfg = drafter.config
+        for flag in ("fc_norm", "norm_output"):  # the forward pass is the drafter's: a recipe cannot switch it silently
+            if section is not None and bool(getattr(section, flag)) != getattr(cfg, flag):
+                problems.append(f"{flag} is {getattr(cfg, flag)} in the drafter but drafter.{flag} = "
+                                f"{getattr(section, flag)} in the recipe (set it to the drafter's)")
+        return problems
+
+    def fc_input_scale(self, drafter: Eagle3Drafter) -> torch.Tensor | None:
+        return drafter.fc_input_scale if drafter._fc_scaled else None
 
 
 def drafter_from_state(config: Eagle3Config, state: dict[str, torch.Tensor],
