@@ -135,21 +135,26 @@ class DFlashKind(DrafterKind):
     layouts = DFLASH_BUILT_IN  # z-lab (what `save` writes; vLLM and SGLang load it) and speculators
     card_tags = ("dflash", "speculative-decoding")
     decoding = "block"
+    title = "DFlash"  # the kind's name in messages
 
     def config_from(self, section: Any, target_config: Any, *, aux_layer_ids: tuple[int, ...] | None,
                     defaults: dict[str, Any], target_name: str, torch_dtype: str) -> DFlashConfig:
-        d = section.dflash
+        d = getattr(section, self.name)  # drafter.dflash (drafter.dspark for the DSpark kind built on this one)
         overrides = {k: getattr(section, k) for k in SHAPE_FIELDS if getattr(section, k, None) is not None}
         if aux_layer_ids is not None:  # the data stage's convention: target_layer_id + 1
             ids: Any = tuple(i - 1 for i in aux_layer_ids)
         else:
             ids = tuple(d.target_layer_ids) if d.target_layer_ids is not None else None
         vocab = int(target_config.vocab_size)
-        return DFlashConfig.from_target_config(
+        return self.config_class.from_target_config(
             target_config, mask_token_id=mask_token_for(target_config, d.mask_token_id),
             num_hidden_layers=d.num_layers, num_features=d.num_target_features, target_layer_ids=ids,
             block_size=d.block_size, draft_vocab_size=min(section.draft_vocab_size, vocab),
-            target_name_or_path=target_name, torch_dtype=torch_dtype, **overrides)
+            target_name_or_path=target_name, torch_dtype=torch_dtype, **overrides, **self.config_extras(d))
+
+    def config_extras(self, subsection: Any) -> dict[str, Any]:
+        """Config fields of a kind built on this one, from its recipe subsection (DFlash: none)."""
+        return {}
 
     def features(self, config: DFlashConfig) -> FeatureNeeds:
         return FeatureNeeds(aux_layer_ids=config.aux_layer_ids, final_hidden=False)
@@ -160,7 +165,7 @@ class DFlashKind(DrafterKind):
         if target_head is not None:
             raise ValueError("a DFlash drafter does not start from the target's head (drafter.init_head = 'target'): "
                              "a full-vocabulary one scores with the target's lm_head itself")
-        drafter = DFlashDrafter(config)
+        drafter = self.drafter_class(config)
         if drafter.d2t is not None:
             drafter.d2t.copy_(d2t.to(torch.long))
         if target_layers is not None:
@@ -202,7 +207,7 @@ class DFlashKind(DrafterKind):
         return metrics.get("val/weighted_ce")  # the training loss on the validation set
 
     def to_write(self, trained: DFlashDrafter, state: dict[str, torch.Tensor]) -> DFlashDrafter:
-        drafter = DFlashDrafter(trained.config)
+        drafter = self.drafter_class(trained.config)
         drafter.load_state_dict(state)
         return drafter.to(torch.float32)
 
@@ -210,15 +215,15 @@ class DFlashKind(DrafterKind):
         drafter.save_pretrained(folder)
 
     def load(self, folder: Any) -> DFlashDrafter:
-        return DFlashDrafter.from_pretrained(folder)
+        return self.drafter_class.from_pretrained(folder)
 
     def check_folder(self, folder: Any) -> list[str]:
         from safetensors import SafetensorError
 
         try:
-            drafter = DFlashDrafter.from_pretrained(folder, dtype=torch.float32)
+            drafter = self.drafter_class.from_pretrained(folder, dtype=torch.float32)
         except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as e:
-            return [f"{folder}: not a loadable DFlash drafter folder: {e}"]
+            return [f"{folder}: not a loadable {self.title} drafter folder: {e}"]
         bad = [k for k, v in drafter.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
         problems = [f"{folder}: non-finite weights in {', '.join(bad[:4])}"] if bad else []
         if drafter.d2t is not None:
@@ -233,13 +238,9 @@ class DFlashKind(DrafterKind):
 
     def block_proposer(self, drafter: DFlashDrafter, embed_weight: torch.Tensor,
                        lm_head_weight: torch.Tensor) -> BlockProposer:
-        """A `DFlashProposer`; for a DSpark drafter (the DFlash backbone predicting from the anchor slot, with a
-        Markov head) a `DSparkProposer`. The target's lm_head is used only by a full-vocabulary drafter."""
+        """A `DFlashProposer` (a DSpark drafter is the DSpark kind's: `eagle3_zoo.drafters.dspark.kind`). The target's
+        lm_head is used only by a full-vocabulary drafter."""
         head = None if drafter.config.reduced_vocab else lm_head_weight
-        if drafter.sample_from_anchor:
-            from eagle3_zoo.drafters.dspark.decoding import DSparkProposer
-
-            return DSparkProposer(drafter, embed_weight, head)
         return DFlashProposer(drafter, embed_weight, head)
 
     def target_mismatches(self, drafter: DFlashDrafter, target_config: Any) -> list[str]:
