@@ -434,6 +434,8 @@ def _training_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any, counts:
                           f"{n_drafter / 1e6:.0f}M params x {state} B{f' / {shard}' if fsdp else ''}"))
     if recipe.drafter.kind == "dflash":  # one forward over every block: no TTT unroll, no target probabilities
         lines += dflash_step_lines(recipe, rp, target_config, dcfg)
+    elif recipe.drafter.kind == "dspark":  # DFlash's step plus the target's distribution and DSpark's heads
+        lines += dspark_step_lines(recipe, rp, target_config, dcfg)
     elif rp.target_in_step:
         h, inter = target_config.hidden_size, target_config.intermediate_size
         lines.append(PlanLine("target forward", tokens * (6 * h + 3 * inter) * tbytes
@@ -442,7 +444,7 @@ def _training_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any, counts:
     else:
         lines.append(PlanLine("target logits chunk", LOGITS_CHUNK * target_config.vocab_size * 4,
                               "fp32 lm_head logits of the stored final hidden, a chunk at a time", train))
-    if recipe.drafter.kind == "dflash":
+    if recipe.drafter.kind in ("dflash", "dspark"):
         return _step_and_tau(lines, recipe, rp, target_config, dcfg, n_drafter)
     saved = ttt_saved_bytes(dcfg, tokens, steps, compute)
     act = saved["activations"]
@@ -482,7 +484,7 @@ def dflash_step_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any) -> li
     with the logits' gradient) and, under `*-mixed` outside FSDP's bf16 policy, autocast's weight copies."""
     from eagle3_zoo.training.run_plan import fsdp_drafter_dtypes, trainer_device
 
-    tr, d = recipe.trainer, recipe.drafter.dflash
+    tr, d = recipe.trainer, getattr(recipe.drafter, recipe.drafter.kind)  # drafter.dflash (drafter.dspark: the same)
     compute, sbytes = rp.compute_dtype, rp.drafter_dtype.itemsize
     tbytes, compute_name = rp.target_dtype.itemsize, str(rp.compute_dtype).removeprefix("torch.")
     batch, length = tr.batch_size, recipe.data.max_length
@@ -506,7 +508,8 @@ def dflash_step_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any) -> li
                           + (f" and cast to the drafter's {str(rp.drafter_dtype).removeprefix('torch.')}"
                              if sbytes != fbytes else ""), train))
     mask = "dense [Q, context+Q] mask (CPU)" if attention == "dense" else "FlexAttention (no score matrix)"
-    lines.append(PlanLine("DFlash block activations", saved["context"] + saved["blocks"] + saved["mask"],
+    title = "DSpark" if recipe.drafter.kind == "dspark" else "DFlash"
+    lines.append(PlanLine(f"{title} block activations", saved["context"] + saved["blocks"] + saved["mask"],
                           f"{tokens} context tokens (batch {batch} x {length}) -> K/V in {dcfg.num_hidden_layers} "
                           f"layers; {batch * blocks * dcfg.block_size} query slots ({blocks} blocks x "
                           f"{dcfg.block_size} per row) through every layer, {compute_name}; {mask}", train))
@@ -522,4 +525,28 @@ def dflash_step_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any) -> li
     if copies:
         lines.append(PlanLine("autocast weight copies", copies,
                               f"{compute_name} copies of the drafter's fp32 matmul weights (kept for backward)", train))
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------- DSpark's step
+def dspark_step_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any) -> list[PlanLine]:
+    """The buffers of one DSpark training step (`DSparkKind.training_loss`): DFlash's (`dflash_step_lines`: the same
+    backbone over the same blocks), plus what DSpark adds, an estimate from its shapes: the target's last hidden
+    state over the batch, and per supervised row (batch x anchors x block_size at most: every slot predicts) the
+    Markov embedding, the target's hidden row and the confidence head's fp32 input kept for backward, and the target
+    side of one checkpointed chunk (the target's fp32 logits over the whole vocabulary and their softmax). DFlash's
+    "loss chunk" line counts block_size - 1 rows per block, one fewer than DSpark supervises."""
+    lines = dflash_step_lines(recipe, rp, target_config, dcfg)
+    d = recipe.drafter.dspark
+    batch, length = recipe.trainer.batch_size, recipe.data.max_length
+    tokens, rows = batch * length, batch * min(d.num_anchors, length) * dcfg.block_size
+    fdt = rp.target_dtype if rp.target_in_step else torch_dtype(recipe.data.features_dtype)
+    h, r = dcfg.target_hidden_size, dcfg.markov_rank
+    per_row = r * 4 + h * fdt.itemsize + ((dcfg.hidden_size + r) * 4 if dcfg.enable_confidence_head else 0) + 4 * 4
+    chunk = LOGITS_CHUNK * dcfg.vocab_size * 4 * 3
+    lines.append(PlanLine("DSpark target distribution and heads", tokens * h * fdt.itemsize + rows * per_row + chunk,
+                          f"the target's last hidden state ({tokens} tokens, {str(fdt).removeprefix('torch.')}); "
+                          f"{rows} supervised rows at most x (Markov embedding r={r}, target hidden row"
+                          f"{', confidence input' if dcfg.enable_confidence_head else ''}); one [{LOGITS_CHUNK}, "
+                          f"{dcfg.vocab_size}] fp32 target logits chunk and its softmax", "training step"))
     return lines
