@@ -114,6 +114,10 @@ def test_fit_trains_a_dspark_folder_that_checks_and_evaluates_losslessly(files, 
     assert report.format == "dspark" and not report.errors, report.problems
     assert "CPU_ENGINE" in {p.code for p in report.warnings}  # vLLM's CPU build refuses DSpark: said
     assert cli_main(["check", str(trained), "--target", str(target_dir)]) == 0
+    from eagle3_zoo.speculative.engine_eval import dflash_layout
+
+    with pytest.raises(ValueError, match="DSpark.*GPU only"):  # not served by vLLM as a DFlash drafter
+        dflash_layout(trained)
 
     bench = tmp / "prompts.jsonl"
     bench.write_text("".join(json.dumps({"id": f"p{i}", "turns": [p]}) + "\n"

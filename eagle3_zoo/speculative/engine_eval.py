@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from eagle3_zoo.drafters.dspark.config import ARCHITECTURE as DSPARK_ARCHITECTURE
 from eagle3_zoo.targets.engine import EngineBuild, vllm_build
 from eagle3_zoo.targets.openai_client import OpenAIClient
 from eagle3_zoo.targets.server import VLLMServer, resolve_model_dir
@@ -117,6 +118,10 @@ def dflash_layout(drafter: str | Path) -> dict[str, Any] | None:
         raise ValueError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from e
     if not isinstance(raw, dict):
         return None
+    if DSPARK_ARCHITECTURE in (raw.get("architectures") or []):  # it carries a dflash_config too: not served as one
+        raise ValueError(f"{path}: a DSpark drafter ({DSPARK_ARCHITECTURE}); vLLM 0.32 serves DSpark (method dspark) "
+                         "on a GPU only, its CPU build refuses it, and `--engine vllm` does not drive it here: "
+                         "measure it with `eagle3-zoo eval DRAFTER_DIR` (our lossless block decoder)")
     spec = raw.get("speculators_config") if isinstance(raw.get("speculators_config"), dict) else {}
     if raw.get("speculators_model_type") == "dflash":
         layout = "speculators"
