@@ -154,6 +154,11 @@ def dflash_weight_problems(folder: Path, cfg: DFlashConfig, infos: dict[str, Ten
             report.add("WEIGHT_IGNORED", f"{where}: t2d is skipped by vLLM 0.32's {loader} loader (d2t alone maps "
                        "draft ids to target ids)", "drop t2d, or leave it: nothing reads it", "warning")
             continue
+        if dspark and "mask_embedding" in name:
+            report.add("WEIGHT_IGNORED", f"{where}: {name} is skipped by vLLM 0.32's {loader} loader (DSpark embeds "
+                       "mask_token_id with the target's embedding)", f"drop {name}, or leave it: nothing reads it",
+                       "warning")
+            continue
         why = next((w for part, w in _FOREIGN.items() if part in name), None)
         if name in ("lm_head.weight", "d2t"):
             why = f"the full-vocabulary drafter (draft_vocab_size = vocab_size = {cfg.vocab_size}) uses the target's " \
