@@ -148,6 +148,27 @@ def test_a_dspark_run_is_deterministic(files, trained):
                            first["markov_head.markov_w2.weight"])
 
 
+def test_offline_features_and_consolidate_write_the_same_dspark_drafter(files, trained):
+    """The feature store holds the layers the kind reads (1, 2, 3) and the target's last hidden state: fp32 features
+    read back from disk train the drafter the online run trained; `consolidate` of the run's checkpoint writes the
+    folder `fit` wrote."""
+    from pathlib import Path
+
+    from eagle3_zoo.training.outputs import consolidate_checkpoint
+
+    tmp, target, data = files
+    torch.set_num_threads(1)
+    out = _fit(tmp, target, data, "offline", "data.mode=offline")
+    store = json.loads((out / "provenance.json").read_text())["data"]["features"]["features_dir"]
+    assert json.loads((Path(store) / "manifest.json").read_text())["aux_layer_ids"] == [1, 2, 3]
+    online, offline = load_file(trained / "model.safetensors"), load_file(out / "model.safetensors")
+    for k in online:
+        torch.testing.assert_close(offline[k], online[k], atol=1e-5, rtol=0)
+    again = consolidate_checkpoint(tmp / "run/checkpoints/last.ckpt", tmp / "consolidated")
+    assert json.loads((again / "config.json").read_text())["architectures"] == ["Qwen3DSparkModel"]
+    assert all(torch.equal(online[k], v) for k, v in load_file(again / "model.safetensors").items())
+
+
 def test_the_dspark_objective_is_the_recipes(files):
     """The kind's objective takes the recipe's loss weights and decay (a zero TV weight leaves CE + BCE)."""
     from eagle3_zoo.drafters.dflash.loss import select_anchors
