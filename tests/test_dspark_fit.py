@@ -286,3 +286,22 @@ def test_plan_sizes_the_dspark_recipes_step(monkeypatch):
     assert spark[extra].phase == "training step" and "r=256" in spark[extra].note
     smaller = lines("recipes/smollm2_135m_dspark.yaml", "trainer.accelerator=cpu", "drafter.dspark.markov_rank=16")
     assert smaller[extra].bytes < spark[extra].bytes
+
+
+def test_dspark_init_layers_from_the_target_copy_its_last_layers_and_name_the_dspark_key():
+    """`drafter.dspark.init_layers: target` starts the draft layers from the target's last decoder layers (DFlash's
+    copy, through the kind's `build`); a target too shallow is refused naming the DSpark key."""
+    from eagle3_zoo.drafters import TargetLayers
+    from eagle3_zoo.drafters.dspark.config import DSparkConfig
+
+    cfg = DSparkConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+                       vocab_size=50, num_target_layers=4, target_layer_ids=(0, 1), mask_token_id=49,
+                       num_hidden_layers=1, block_size=3, markov_rank=4)
+    kind = get_kind("dspark")
+    source = {n: torch.full_like(p, 0.5) for n, p in DSparkDrafter(cfg).layers[0].named_parameters()}
+    d2t, t2d = torch.zeros(50, dtype=torch.long), torch.ones(50, dtype=torch.bool)
+    drafter = kind.build(cfg, d2t=d2t, t2d=t2d, target_layers=TargetLayers(layers=({}, source)))
+    assert type(drafter) is DSparkDrafter
+    assert all(torch.equal(p, source[n]) for n, p in drafter.layers[0].named_parameters())
+    with pytest.raises(ValueError, match="drafter.dspark.init_layers = target"):
+        kind.build(cfg, d2t=d2t, t2d=t2d, target_layers=TargetLayers(layers=()))

@@ -71,7 +71,8 @@ def mask_token_for(target_config: Any, wanted: int | None) -> int:
     return int(own) if isinstance(own, int) and not isinstance(own, bool) else int(target_config.vocab_size) - 1
 
 
-def init_layers_from_target(drafter: DFlashDrafter, target: TargetLayers) -> list[str]:
+def init_layers_from_target(drafter: DFlashDrafter, target: TargetLayers,
+                            key: str = "drafter.dflash.init_layers") -> list[str]:
     """Start the draft layers as copies of the target's last `len(drafter.layers)` decoder layers (draft layer i from
     target layer N - Ld + i), parameter by parameter where the names and shapes match (`drafter.dflash.init_layers =
     target`), and the final norm from the target's. Parameters the target layer lacks or shapes differently (the
@@ -84,7 +85,7 @@ def init_layers_from_target(drafter: DFlashDrafter, target: TargetLayers) -> lis
     """
     ld = len(drafter.layers)
     if len(target.layers) < ld:
-        raise ValueError(f"drafter.dflash.init_layers = target: the drafter has {ld} layers but the target only "
+        raise ValueError(f"{key} = target: the drafter has {ld} layers but the target only "
                          f"{len(target.layers)} decoder layers")
     copied = []
     with torch.no_grad():
@@ -94,8 +95,7 @@ def init_layers_from_target(drafter: DFlashDrafter, target: TargetLayers) -> lis
                 if src is None or tuple(src.shape) != tuple(param.shape):
                     continue
                 if src.is_meta:
-                    raise ValueError("drafter.dflash.init_layers = target: the target's decoder layers are not "
-                                     "loaded (meta tensors)")
+                    raise ValueError(f"{key} = target: the target's decoder layers are not loaded (meta tensors)")
                 param.copy_(src.detach().to(param.dtype))
                 copied.append(f"layers.{i}.{name}")
         if target.norm is not None and tuple(target.norm.shape) == tuple(drafter.norm.weight.shape):
@@ -169,7 +169,7 @@ class DFlashKind(DrafterKind):
         if drafter.d2t is not None:
             drafter.d2t.copy_(d2t.to(torch.long))
         if target_layers is not None:
-            init_layers_from_target(drafter, target_layers)
+            init_layers_from_target(drafter, target_layers, f"drafter.{self.name}.init_layers")
         return drafter
 
     def objective(self, drafter: DFlashDrafter, loss: Any, section: Any = None) -> DFlashObjective:
