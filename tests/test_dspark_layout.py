@@ -139,3 +139,11 @@ def test_check_against_a_target_names_width_vocab_and_depth(tmp_path, capsys):
     assert {"TARGET_VOCAB", "TARGET_LAYERS", "TARGET_LAYER_IDS"} <= codes
     assert cli(["check", str(folder)]) == 0
     assert "vLLM 0.32's CPU build refuses DSpark" in capsys.readouterr().out
+
+
+def test_no_model_card_of_another_drafter_is_rendered_for_a_dspark_folder(tmp_path):
+    from eagle3_zoo.hub.card import render_card
+
+    folder, _ = _folder(tmp_path)
+    with pytest.raises(ValueError, match="a dspark drafter .* its model card is not written yet"):
+        render_card(folder)
