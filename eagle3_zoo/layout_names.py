@@ -26,8 +26,8 @@ class LayoutInfo:
         engines: the serving engines that load a folder of this layout as shipped (card snippets and tags; vLLM is
             given such a folder as it is by `eval --engine vllm`).
         card_tags: Hub tags a card of this layout adds besides the engines.
-        kind: the drafter kind whose folders it holds ("eagle3", "dflash"); a folder is written only in a layout of
-            its own kind.
+        kind: the drafter kind whose folders it holds ("eagle3", "dflash", "dspark"); a folder is written only in a
+            layout of its own kind.
         kind_aliases: names of a layout of another kind that mean this layout for a drafter of this kind
             (`export --format speculators` of a DFlash folder writes `speculators-dflash`).
     """
@@ -63,10 +63,18 @@ SPECULATORS_DFLASH = LayoutInfo(
                 "target layer id + 1, `sliding_window_non_causal: true`)",
     engines=("vllm",), card_tags=("speculators",), kind="dflash", kind_aliases=("speculators",))
 
+DSPARK = LayoutInfo(
+    "dspark", writable=True,
+    description="DSpark layout vLLM 0.32's `qwen3_dspark.py` loads (`Qwen3DSparkModel`: the z-lab DFlash config with "
+                "`markov_rank`, `enable_confidence_head`, `sample_from_anchor`; `markov_head.*`, `confidence_head.*`)",
+    engines=("vllm",), kind="dspark")
+
 _INFOS: dict[str, LayoutInfo] = {info.name: info for info in (SGLANG, OFFICIAL, SPECULATORS)}
 BUILT_IN = tuple(_INFOS)  # ("sglang", "official", "speculators"): the EAGLE-3 layouts this package reads
 _INFOS.update({info.name: info for info in (DFLASH, SPECULATORS_DFLASH)})
 DFLASH_BUILT_IN = (DFLASH.name, SPECULATORS_DFLASH.name)  # the DFlash layouts this package reads and writes
+_INFOS[DSPARK.name] = DSPARK
+DSPARK_BUILT_IN = (DSPARK.name,)  # the DSpark layout this package reads and writes (speculators' dspark: not yet)
 
 
 def register_info(info: LayoutInfo) -> None:
@@ -85,7 +93,7 @@ def register_info(info: LayoutInfo) -> None:
 
 def unregister_info(name: str) -> None:
     """Remove a layout added by `register_info` (the built-in ones stay)."""
-    if name in BUILT_IN or name in DFLASH_BUILT_IN:
+    if name in BUILT_IN or name in DFLASH_BUILT_IN or name in DSPARK_BUILT_IN:
         raise ValueError(f"{name!r} is a built-in layout; it cannot be removed")
     _INFOS.pop(name, None)
 

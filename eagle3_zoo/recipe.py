@@ -84,15 +84,14 @@ def _target_layers_problem(ids: list[int]) -> str | None:
 
 
 @dataclass
-class DFlashSection:
-    """The DFlash block drafter (`drafter.kind: dflash`; read only then): its shape and how it is trained. Defaults are
-    the DFlash paper's (block 16, 5 draft layers, 5 target features spread from layer 1 to N-3)."""
+class BlockDrafterSection:
+    """What every block drafter on the DFlash backbone shares (`drafter.dflash`, `drafter.dspark`): the backbone's
+    shape, the target features it reads, its mask token and how its blocks are drawn. Defaults are the DFlash paper's
+    (block 16, 5 draft layers, 5 target features spread from layer 1 to N-3)."""
     num_layers: int = ruled(5, GT0)  # draft decoder layers (Qwen3-style, at the target's width)
     block_size: int = ruled(16, rule(lambda v: v >= 2, "must be >= 2 (the anchor and at least one drafted token)"))
     num_anchors: int = ruled(512, GT0)  # blocks drawn per sequence each step (fewer where fewer positions qualify)
-    weighting: Literal["dpace", "decay"] = "dpace"  # D-PACE (expected accepted length) or exp(-(k-1)/gamma)
-    dpace_alpha: float = ruled(0.5, rule(lambda v: 0 < v <= 1, "must be in (0, 1]"))  # D-PACE smoothing
-    decay_gamma: float = ruled(4.0, GT0)  # the decay weighting's gamma
+    decay_gamma: float = ruled(4.0, GT0)  # the decay position weighting's gamma
     num_target_features: int = ruled(5, GT0)  # target layers read, evenly spread from layer 1 to N-3
     # 0-based target decoder layers whose OUTPUT is read (z-lab's and vLLM's dflash_config.target_layer_ids; the hidden
     # states HF numbers id + 1); null = num_target_features spread from layer 1 to N-3
@@ -104,6 +103,25 @@ class DFlashSection:
     # decoder layers (parameters whose names and shapes match; the rest, e.g. q/k norms a Llama target lacks, keep
     # their initialisation) and the final norm as the target's
     init_layers: Literal["random", "target"] = "random"
+
+
+@dataclass
+class DFlashSection(BlockDrafterSection):
+    """The DFlash block drafter (`drafter.kind: dflash`; read only then): the shared backbone keys and its position
+    weights."""
+    weighting: Literal["dpace", "decay"] = "dpace"  # D-PACE (expected accepted length) or exp(-(k-1)/gamma)
+    dpace_alpha: float = ruled(0.5, rule(lambda v: 0 < v <= 1, "must be in (0, 1]"))  # D-PACE smoothing
+
+
+@dataclass
+class DSparkSection(BlockDrafterSection):
+    """The DSpark block drafter (`drafter.kind: dspark`; read only then): the DFlash backbone keys, the Markov and
+    confidence heads, and the loss weights (the paper's 0.1 CE + 0.9 TV + 1.0 BCE, position decay exp(-k/gamma))."""
+    markov_rank: int = ruled(256, GT0)  # r of the low-rank Markov head (markov_w1 [V, r], markov_w2 [V_draft, r])
+    enable_confidence_head: bool = True  # the head that predicts each slot's acceptance (trained by the BCE term)
+    ce_weight: float = ruled(0.1, GE0)  # cross-entropy to the target's greedy token
+    tv_weight: float = ruled(0.9, GE0)  # total variation to the target's distribution
+    bce_weight: float = ruled(1.0, GE0)  # the confidence head's BCE to the slot's acceptance (1 - TV)
 
 
 @dataclass
@@ -128,6 +146,7 @@ class DrafterConfig:
     fc_norm: bool = False
     norm_output: bool = False
     dflash: DFlashSection = field(default_factory=DFlashSection)  # drafter.kind = dflash only
+    dspark: DSparkSection = field(default_factory=DSparkSection)  # drafter.kind = dspark only
 
 
 @dataclass
@@ -345,7 +364,7 @@ def _cross_field_rules(r: Recipe) -> list[tuple[str, bool, str, tuple[str, ...]]
          "(data.mode = offline) or set data.packing = false", ("data.features_backend", "data.mode")),
         ("optim.precondition_fc", r.optim.precondition_fc and d.fc_norm, "cannot be combined with drafter.fc_norm: "
          "its scale is measured on the raw features, which fc_norm normalises per aux layer first",
-         ("drafter.fc_norm",))] + _dflash_rules(r)
+         ("drafter.fc_norm",))] + _dflash_rules(r) + _dspark_rules(r)
 
 
 _DFLASH = "with drafter.kind = dflash"
@@ -353,36 +372,53 @@ _DFLASH = "with drafter.kind = dflash"
 
 def _dflash_rules(r: Recipe) -> list[tuple[str, bool, str, tuple[str, ...]]]:
     """EAGLE-3 settings that would silently do nothing (or something else) for a DFlash drafter."""
-    d, t = r.drafter, r.ttt
-    if d.kind != "dflash":
+    if r.drafter.kind != "dflash":
         return []
-    kind = ("drafter.kind",)
+    return _block_rules(r, "DFlash", r.drafter.dflash, "drafter.dflash.weighting's (dpace or decay)",
+                        "the DFlash loss is the cross-entropy to the next tokens, weighted by drafter.dflash.weighting")
+
+
+def _dspark_rules(r: Recipe) -> list[tuple[str, bool, str, tuple[str, ...]]]:
+    """EAGLE-3 settings that would silently do nothing (or something else) for a DSpark drafter: DFlash's rules."""
+    if r.drafter.kind != "dspark":
+        return []
+    return _block_rules(r, "DSpark", r.drafter.dspark, "drafter.dspark.decay_gamma's (exp(-k/gamma))",
+                        "the DSpark loss is drafter.dspark's ce_weight CE + tv_weight TV + bce_weight BCE against the "
+                        "target's distribution")
+
+
+def _block_rules(r: Recipe, name: str, section: BlockDrafterSection, weights: str,
+                 loss: str) -> list[tuple[str, bool, str, tuple[str, ...]]]:
+    """The rules of a block drafter on the DFlash backbone (`name`: DFlash or DSpark; `section`: its recipe
+    subsection; `weights`: what sets its position weights; `loss`: what its loss is)."""
+    d, t, sub = r.drafter, r.ttt, name.lower()
+    kind, w = ("drafter.kind",), f"with drafter.kind = {sub}"
     return [
-        ("drafter.aux_layer_ids", d.aux_layer_ids is not None, f"is EAGLE-3's; {_DFLASH} set "
-         "drafter.dflash.target_layer_ids (0-based decoder layers whose output is read) or num_target_features", kind),
-        ("drafter.fc_norm", d.fc_norm, f"is an EAGLE-3.1 option; a DFlash drafter has none ({_DFLASH})", kind),
-        ("drafter.norm_output", d.norm_output, f"is an EAGLE-3.1 option; a DFlash drafter has none ({_DFLASH})",
-         kind),
-        ("drafter.init_head", d.init_head != "random", f"must be random {_DFLASH}: a full-vocabulary DFlash drafter "
+        ("drafter.aux_layer_ids", d.aux_layer_ids is not None, f"is EAGLE-3's; {w} set "
+         f"drafter.{sub}.target_layer_ids (0-based decoder layers whose output is read) or num_target_features", kind),
+        ("drafter.fc_norm", d.fc_norm, f"is an EAGLE-3.1 option; a {name} drafter has none ({w})", kind),
+        ("drafter.norm_output", d.norm_output, f"is an EAGLE-3.1 option; a {name} drafter has none ({w})", kind),
+        ("drafter.init_head", d.init_head != "random", f"must be random {w}: a full-vocabulary {name} drafter "
          "scores with the target's lm_head itself, a reduced one starts its own at random", kind),
-        ("drafter.hidden_size", d.hidden_size is not None, f"must be null {_DFLASH}: a DFlash drafter has the "
+        ("drafter.init_from", sub == "dspark" and d.init_from is not None,
+         f"is not supported {w} yet (train from scratch)", kind),
+        ("drafter.hidden_size", d.hidden_size is not None, f"must be null {w}: a {name} drafter has the "
          "target's width", kind),
-        ("ttt.schedule", t.schedule != "constant", f"must be constant {_DFLASH}: a block is drafted in one pass, "
+        ("ttt.schedule", t.schedule != "constant", f"must be constant {w}: a block is drafted in one pass, "
          "nothing is unrolled (the ttt section is not read)", kind),
-        ("ttt.step_weights", t.step_weights is not None, f"must be null {_DFLASH}: position weights are "
-         "drafter.dflash.weighting's (dpace or decay)", kind),
-        ("loss.name", r.loss.name != "soft_ce", f"must be soft_ce (the default) {_DFLASH}: the DFlash loss is the "
-         "cross-entropy to the next tokens, weighted by drafter.dflash.weighting", kind),
-        ("optim.precondition_fc", r.optim.precondition_fc, f"is EAGLE-3's; not supported {_DFLASH}", kind),
-        ("trainer.tau_eval.every_n_steps", r.trainer.tau_eval.every_n_steps is not None, f"must be null {_DFLASH}: "
-         "the tau callback drives the tree decoder (EAGLE-3); measure a DFlash drafter's tau after training with "
-         "`eagle3-zoo eval DRAFTER_DIR` (our block decoder) or `eval --engine vllm`", kind),
-        ("trainer.activation_checkpointing", r.trainer.activation_checkpointing, f"is not supported {_DFLASH} yet "
-         "(it recomputes EAGLE-3's single MLP; `eagle3-zoo plan` sizes a DFlash step without it)", kind),
-        ("drafter.dflash.target_layer_ids", d.dflash.target_layer_ids is not None
-         and len(d.dflash.target_layer_ids) != d.dflash.num_target_features and d.dflash.num_target_features != 5,
-         f"has {len(d.dflash.target_layer_ids or [])} ids but drafter.dflash.num_target_features = "
-         f"{d.dflash.num_target_features}: set one of them", ("drafter.dflash.num_target_features",))]
+        ("ttt.step_weights", t.step_weights is not None, f"must be null {w}: position weights are {weights}", kind),
+        ("loss.name", r.loss.name != "soft_ce", f"must be soft_ce (the default) {w}: {loss}", kind),
+        ("optim.precondition_fc", r.optim.precondition_fc, f"is EAGLE-3's; not supported {w}", kind),
+        ("trainer.tau_eval.every_n_steps", r.trainer.tau_eval.every_n_steps is not None, f"must be null {w}: "
+         f"the tau callback drives the tree decoder (EAGLE-3); measure a {name} drafter's tau after training with "
+         "`eagle3-zoo eval DRAFTER_DIR` (our block decoder)"
+         + (" or `eval --engine vllm`" if sub == "dflash" else " (vLLM's CPU build does not serve DSpark)"), kind),
+        ("trainer.activation_checkpointing", r.trainer.activation_checkpointing, f"is not supported {w} yet "
+         f"(it recomputes EAGLE-3's single MLP; `eagle3-zoo plan` sizes a {name} step without it)", kind),
+        (f"drafter.{sub}.target_layer_ids", section.target_layer_ids is not None
+         and len(section.target_layer_ids) != section.num_target_features and section.num_target_features != 5,
+         f"has {len(section.target_layer_ids or [])} ids but drafter.{sub}.num_target_features = "
+         f"{section.num_target_features}: set one of them", (f"drafter.{sub}.num_target_features",))]
 
 
 def _secret_problems(r: Recipe) -> list[ConfigProblem]:
@@ -440,10 +476,10 @@ def validate_against_target(recipe: Recipe, num_layers: int, vocab_size: int, hi
         ("drafter.hidden_size", d.hidden_size, d.hidden_size not in (None, hidden_size),
          f"must equal the target hidden size ({hidden_size}) because the frozen target embedding is fed to the "
          "drafter"),
-        ("drafter.dflash.target_layer_ids", d.dflash.target_layer_ids, d.kind == "dflash"
-         and any(not 0 <= i < num_layers - 1 for i in d.dflash.target_layer_ids or []),
-         f"out of range for a {num_layers}-layer target (valid 0..{num_layers - 2}: the output of layer id is the "
-         "hidden state entering layer id + 1)")] if broken]
+        *((f"drafter.{k}.target_layer_ids", getattr(d, k).target_layer_ids, d.kind == k
+           and any(not 0 <= i < num_layers - 1 for i in getattr(d, k).target_layer_ids or []),
+           f"out of range for a {num_layers}-layer target (valid 0..{num_layers - 2}: the output of layer id is the "
+           "hidden state entering layer id + 1)") for k in ("dflash", "dspark"))] if broken]
     if problems:
         raise RecipeError(problems)
 

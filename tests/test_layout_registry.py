@@ -67,9 +67,9 @@ def test_every_registered_layout_round_trips_a_drafter_and_is_offered_by_the_cli
     want = drafter.state_dict()
     choices = _choices()
     assert [layout.name for layout in layouts()] == list(layout_names.layout_names()) == \
-        [*layout_names.BUILT_IN, *layout_names.DFLASH_BUILT_IN]
+        [*layout_names.BUILT_IN, *layout_names.DFLASH_BUILT_IN, *layout_names.DSPARK_BUILT_IN]
     for layout in layouts():
-        if layout.kind != "eagle3":  # the DFlash layouts hold DFlash drafters: tests/test_dflash_layouts.py
+        if layout.kind != "eagle3":  # DFlash / DSpark layouts: tests/test_dflash_layouts.py, test_dspark_layout.py
             continue
         names = (layout.name, *layout.info.aliases)
         if layout.info.writable:

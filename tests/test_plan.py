@@ -37,9 +37,10 @@ def test_every_shipped_recipe_is_planned_offline_and_fits(recipe, monkeypatch):
     r = load_recipe(recipe)
     plan = plan_recipe(r, source=str(recipe))
     names = [line.what for line in plan.lines]
-    step = "DFlash block activations" if r.drafter.kind == "dflash" else "TTT activations"
+    block = r.drafter.kind in ("dflash", "dspark")  # sized from the DFlash step (DSpark: plus its heads)
+    step = f"{'DSpark' if r.drafter.kind == 'dspark' else 'DFlash'} block activations" if block else "TTT activations"
     assert "drafter weights+grads+AdamW" in names and step in names and names[-1] == "reserve"
-    if r.drafter.kind == "dflash":  # sized from the DFlash step, none of EAGLE-3's lines
+    if block:  # none of EAGLE-3's lines
         assert "loss chunk" in names and "TTT activations" not in names and "loss buffers" not in names
     assert all(line.bytes > 0 for line in plan.lines)
     if r.trainer.accelerator == "gpu":  # GPU recipes declare their GPU memory and must fit it
@@ -412,7 +413,8 @@ def test_drafter_shapes_without_a_build_equal_the_built_drafter(recipe):
         assert [(n, tuple(p.shape)) for n, p in built.named_parameters()] == \
             [(n, shape) for n, (shape, _) in cfg.parameter_shapes().items()]
         linear = {f"{n}.weight" for n, m in built.named_modules() if isinstance(m, torch.nn.Linear)}
-        assert linear == {n for n, (_, kind) in cfg.parameter_shapes().items() if kind == "linear"}
+        assert linear == {n for n, (_, kind) in cfg.parameter_shapes().items()  # DSpark's confidence head: fp32
+                          if kind == "linear" or (kind == "fp32" and n.endswith(".weight"))}
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -426,7 +428,7 @@ def test_plan_from_the_resolved_table_equals_plan_through_transformers(recipe, m
     if not _shipped_table_is_current():
         pytest.skip("the shipped table was made with another transformers version")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    tau = [] if load_recipe(recipe).drafter.kind == "dflash" else ["trainer.tau_eval.every_n_steps=100"]
+    tau = [] if load_recipe(recipe).drafter.kind in ("dflash", "dspark") else ["trainer.tau_eval.every_n_steps=100"]
     for overrides in ([], ["trainer.strategy=fsdp", *tau], ["trainer.strategy=ddp"]):
         r = load_recipe(recipe, overrides)
         resolved = shipped_resolved_config(r.target.name_or_path)

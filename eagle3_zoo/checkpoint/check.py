@@ -22,6 +22,7 @@ from eagle3_zoo.checkpoint.dflash_check import (
     dflash_target_problems,
     dflash_weight_problems,
 )
+from eagle3_zoo.checkpoint.dflash_layouts import DFlashLayout
 from eagle3_zoo.checkpoint.formats import (
     NonCanonicalDrafterError,
     canonical_keys,
@@ -168,7 +169,7 @@ class FolderCheck:
         from eagle3_zoo.checkpoint.check_target import resolve_target_config, target_problems
 
         report = replace(self.report, problems=list(self.report.problems))
-        if self.layout is not None and self.layout.kind == "dflash":
+        if isinstance(self.layout, DFlashLayout):  # DFlash and DSpark
             dflash_target_problems(self.cfg, resolve_target_config(target_config), report)
         else:
             target_problems(self.raw, self.layout, self.cfg, resolve_target_config(target_config), report)
@@ -187,7 +188,7 @@ def check_folder(folder: Path, tensors: TensorReader | None = None, config_only:
         raw = read_config(folder)
         layout = detect_layout(folder)
         report.format = fmt = layout.name
-        if layout.kind == "dflash":
+        if isinstance(layout, DFlashLayout):  # DFlash and DSpark
             return _dflash_folder(folder, raw, layout, report, tensors or (lambda: _tensor_infos(folder)), config_only)
         layout.architecture_problems(raw, report)  # reported even when the config cannot be translated
         report.config = cfg = drafter_config(raw, fmt, source=str(folder / "config.json"))
@@ -216,7 +217,7 @@ def check_folder(folder: Path, tensors: TensorReader | None = None, config_only:
 
 def _dflash_folder(folder: Path, raw: dict[str, Any], layout: Layout, report: CheckReport, tensors: TensorReader,
                    config_only: bool) -> FolderCheck:
-    """`check_folder` of a DFlash folder (`eagle3_zoo.checkpoint.dflash_check`)."""
+    """`check_folder` of a DFlash or DSpark folder (`eagle3_zoo.checkpoint.dflash_check`)."""
     cfg = dflash_config_problems(raw, layout, str(folder / "config.json"), report)
     if cfg is None:
         return FolderCheck(report)
@@ -235,7 +236,7 @@ def _dflash_folder(folder: Path, raw: dict[str, Any], layout: Layout, report: Ch
                    "alone with `eagle3-zoo check DIR --config-only`")
         return FolderCheck(report, raw, layout.name, cfg, layout)
     before = len(report.errors)
-    dflash_weight_problems(folder, cfg, infos, kind, report)
+    dflash_weight_problems(folder, cfg, infos, kind, report, layout)
     if len(report.errors) == before:
         if cfg.reduced_vocab:
             dflash_d2t_problems(cfg, lambda n: state[n] if state is not None else load_weights(folder, [n])[n], report)

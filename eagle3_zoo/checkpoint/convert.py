@@ -18,6 +18,7 @@ import torch
 from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint.check import require_valid_drafter, require_valid_stage
 from eagle3_zoo.checkpoint.check_report import CheckReport
+from eagle3_zoo.checkpoint.dflash_layouts import DFlashLayout
 from eagle3_zoo.checkpoint.folder import drafter_out_dir, replace_with_stage
 from eagle3_zoo.checkpoint.formats import CANONICAL_KEYS, extra_candidates, read_config
 from eagle3_zoo.checkpoint.layout_base import load_exact_state
@@ -136,7 +137,7 @@ def drafter_from_state(cfg: Eagle3Config, fmt: str, state: dict[str, torch.Tenso
         ValueError: unknown keys, wrong shapes or an invalid vocab mapping.
     """
     layout = get_layout(fmt)
-    if layout.kind == "dflash":  # its own tensor names and vocabulary map (`dflash_layouts`)
+    if isinstance(layout, DFlashLayout):  # DFlash and DSpark: their own tensor names and vocabulary map
         return layout.drafter_from_state(cfg, state, folder, dtype, device)
     state = canonical_state(state, fmt, str(folder))
     _vocab_tensors(state, cfg, str(folder))

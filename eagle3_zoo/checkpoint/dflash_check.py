@@ -1,4 +1,6 @@
-"""The checks of `eagle3-zoo check` for a DFlash drafter folder (either DFlash layout), and against its target.
+"""The checks of `eagle3-zoo check` for a DFlash drafter folder (either DFlash layout) or a DSpark one (its `dspark`
+layout: the same checks, against vLLM 0.32's `qwen3_dspark.py`, with its Markov and confidence heads), and against
+its target.
 
 The config is read into a `DFlashConfig` (which refuses block_size < 2, a mask token outside the vocabulary, target
 layer ids outside 0..num_target_layers-1, heads that are no multiple of the KV heads); on top of it: the class and
@@ -18,6 +20,7 @@ from eagle3_zoo.checkpoint.dflash_layouts import SPECULATORS_DFLASH_ARCHITECTURE
 from eagle3_zoo.checkpoint.layout_base import Layout
 from eagle3_zoo.checkpoint.weights import TensorInfo
 from eagle3_zoo.drafters.dflash.config import ARCHITECTURE, DFlashConfig
+from eagle3_zoo.drafters.dspark.config import ARCHITECTURE as DSPARK_ARCHITECTURE
 
 # vLLM 0.32 `v1/attention/backends/cpu_attn.py` `CPUAttentionBackend.get_supported_head_sizes()`
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -40,7 +43,9 @@ def dflash_config_problems(raw: dict[str, Any], layout: Layout, source: str,
         report.add("CONFIG_INVALID", str(e), "fix config.json (compare with `eagle3-zoo export DIR --format dflash` "
                    "output)")
         return None
-    if layout.speculators_model_type is None:
+    if layout.kind == "dspark":
+        _dspark_problems(raw, cfg, source, report)
+    elif layout.speculators_model_type is None:
         _zlab_problems(raw, cfg, source, report)
     else:
         _speculators_problems(raw, cfg, source, report)
@@ -76,6 +81,28 @@ def _zlab_problems(raw: dict[str, Any], cfg: DFlashConfig, source: str, report: 
                    "remove eagle_aux_hidden_state_layer_ids (dflash_config.target_layer_ids is the z-lab field)")
 
 
+def _dspark_problems(raw: dict[str, Any], cfg: DFlashConfig, source: str, report: CheckReport) -> None:
+    """The z-lab checks with DSpark's architecture and the keys vLLM 0.32's Qwen3 DSpark loader reads at the top
+    level, and the engine that can serve it."""
+    if raw.get("architectures") != [DSPARK_ARCHITECTURE]:
+        report.add("ARCHITECTURE", f"{source}: architectures={raw.get('architectures')!r}; vLLM 0.32 builds its "
+                   f"DSpark drafter (qwen3_dspark) for ['{DSPARK_ARCHITECTURE}']",
+                   f"set architectures to ['{DSPARK_ARCHITECTURE}']")
+    if raw.get("model_type") != "qwen3":
+        report.add("MODEL_TYPE", f"{source}: model_type={raw.get('model_type')!r}; a DSpark config is a Qwen3 config "
+                   "(vLLM's DSpark drafter is Qwen3 layers)", "set model_type to 'qwen3'")
+    for key in ("block_size", "num_target_layers", "sample_from_anchor", "enable_confidence_head",
+                "confidence_head_with_markov"):
+        if key not in raw:
+            report.add("DSPARK_FIELD_MISSING", f"{source}: no {key}; vLLM 0.32's Qwen3 DSpark loader reads it from "
+                       "config.json (its defaults differ from what this drafter was trained as)",
+                       f"write {key} (`DSparkDrafter.save_pretrained` does)")
+    report.add("CPU_ENGINE", f"{source}: vLLM 0.32's CPU build refuses DSpark (Model Runner V1 does not support dspark "
+               "speculative decoding; V2 requires Triton, i.e. a GPU): `eval --engine vllm` cannot serve it here",
+               "serve it with vLLM on a GPU; measure it here with `eagle3-zoo eval DRAFTER_DIR` (our lossless decoder)",
+               "warning")
+
+
 def _speculators_problems(raw: dict[str, Any], cfg: DFlashConfig, source: str, report: CheckReport) -> None:
     if raw.get("architectures") != [SPECULATORS_DFLASH_ARCHITECTURE]:
         report.add("ARCHITECTURE", f"{source}: architectures={raw.get('architectures')!r}, expected "
@@ -100,12 +127,16 @@ def _speculators_problems(raw: dict[str, Any], cfg: DFlashConfig, source: str, r
 
 
 def dflash_weight_problems(folder: Path, cfg: DFlashConfig, infos: dict[str, TensorInfo], kind: str,
-                           report: CheckReport) -> None:
-    """The weight file's tensors (`infos`, weight-file kind `kind`) against what vLLM 0.32 loads for `cfg`."""
+                           report: CheckReport, layout: Layout | None = None) -> None:
+    """The weight file's tensors (`infos`, weight-file kind `kind`) against what vLLM 0.32 loads for `cfg` (with the
+    loader of `layout`: `qwen3_dflash`, or `qwen3_dspark` for a DSpark folder; None: a DFlash layout)."""
     where = folder / "model.safetensors"
+    loader = getattr(layout, "loader", "qwen3_dflash")
+    dspark = loader == "qwen3_dspark"
     if kind != "safetensors":
-        report.add("WEIGHTS_FORMAT", f"{folder}: {kind} weights; DFlash folders hold model.safetensors",
-                   "re-save as safetensors (`eagle3-zoo export DIR --format dflash`)")
+        report.add("WEIGHTS_FORMAT", f"{folder}: {kind} weights; {'DSpark' if dspark else 'DFlash'} folders hold "
+                   "model.safetensors", "re-save as safetensors (`eagle3-zoo export DIR --format "
+                   f"{'dspark' if dspark else 'dflash'}`)")
         return
     expected = {k: shape for k, (shape, _) in cfg.parameter_shapes().items()}
     if cfg.reduced_vocab:
@@ -114,21 +145,29 @@ def dflash_weight_problems(folder: Path, cfg: DFlashConfig, infos: dict[str, Ten
     if missing:
         more = " ..." if len(missing) > 8 else ""
         report.add("WEIGHTS_MISSING_KEYS", f"{where}: missing {', '.join(missing[:8])}{more}"
-                   f" ({len(missing)} of {len(expected)} tensors vLLM 0.32's qwen3_dflash loads for this config)",
-                   "re-export the drafter (`DFlashDrafter.save_pretrained`), or fix num_hidden_layers / "
-                   "draft_vocab_size in config.json")
+                   f" ({len(missing)} of {len(expected)} tensors vLLM 0.32's {loader} loads for this config)",
+                   f"re-export the drafter (`{'DSpark' if dspark else 'DFlash'}Drafter.save_pretrained`), or fix "
+                   "num_hidden_layers / draft_vocab_size"
+                   + (" / markov_rank / enable_confidence_head" if dspark else "") + " in config.json")
     for name in sorted(set(infos) - set(expected)):
         if name == "t2d" and cfg.reduced_vocab:
-            report.add("WEIGHT_IGNORED", f"{where}: t2d is skipped by vLLM 0.32's qwen3_dflash loader (d2t alone maps "
+            report.add("WEIGHT_IGNORED", f"{where}: t2d is skipped by vLLM 0.32's {loader} loader (d2t alone maps "
                        "draft ids to target ids)", "drop t2d, or leave it: nothing reads it", "warning")
+            continue
+        if dspark and "mask_embedding" in name:
+            report.add("WEIGHT_IGNORED", f"{where}: {name} is skipped by vLLM 0.32's {loader} loader (DSpark embeds "
+                       "mask_token_id with the target's embedding)", f"drop {name}, or leave it: nothing reads it",
+                       "warning")
             continue
         why = next((w for part, w in _FOREIGN.items() if part in name), None)
         if name in ("lm_head.weight", "d2t"):
             why = f"the full-vocabulary drafter (draft_vocab_size = vocab_size = {cfg.vocab_size}) uses the target's " \
                   "lm_head; vLLM loads lm_head and d2t only with a reduced draft vocabulary"
-        report.add("WEIGHT_UNEXPECTED", f"{where}: {name} is not a tensor vLLM 0.32's qwen3_dflash loads"
+        report.add("WEIGHT_UNEXPECTED", f"{where}: {name} is not a tensor vLLM 0.32's {loader} loads"
                    f"{f': {why}' if why else ''}", f"drop {name} from the weights (valid names: fc, hidden_norm, "
-                   "layers.{i}.*, norm, and lm_head + d2t with a reduced draft vocabulary)")
+                   "layers.{i}.*, norm, "
+                   + ("markov_head.markov_w1, markov_head.markov_w2, confidence_head.proj (with the confidence "
+                      "head), " if dspark else "") + "and lm_head + d2t with a reduced draft vocabulary)")
     for name, shape in expected.items():
         if name in infos and tuple(infos[name].shape) != shape:
             report.add("WEIGHT_SHAPE", f"{where}: {name} has shape {tuple(infos[name].shape)}, expected {shape} for "

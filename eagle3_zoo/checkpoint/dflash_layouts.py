@@ -14,7 +14,13 @@
 
 Both layouts hold the same tensors under the same names (those vLLM 0.32's `qwen3_dflash.py` loads:
 `DFlashConfig.parameter_shapes`, plus `d2t` with a reduced draft vocabulary), so a conversion is the config's only
-and the weights round-trip bit for bit. No torch at import.
+and the weights round-trip bit for bit.
+
+A DSpark drafter (the DFlash backbone with Markov and confidence heads) has one layout here, `dspark`: what
+`DSparkDrafter.save_pretrained` writes and vLLM 0.32's `qwen3_dspark.py` loads, the z-lab config with
+`architectures: ["Qwen3DSparkModel"]` and DSpark's top-level keys (`eagle3_zoo.drafters.dspark.config`), the DFlash
+tensors plus `markov_head.*` and `confidence_head.*` (`DSparkConfig.parameter_shapes`). vLLM's speculators converter
+reads a second one (`speculators_model_type: dspark`); it is not written or read here yet. No torch at import.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from eagle3_zoo.checkpoint.check_report import CheckReport
 from eagle3_zoo.checkpoint.formats import read_config, speculators_verifier, target_architectures
 from eagle3_zoo.checkpoint.layout_base import Layout, load_exact_state
 from eagle3_zoo.drafters.dflash.config import ARCHITECTURE, DFlashConfig
-from eagle3_zoo.layout_names import DFLASH, SPECULATORS_DFLASH
+from eagle3_zoo.drafters.dspark.config import ARCHITECTURE as DSPARK_ARCHITECTURE
+from eagle3_zoo.drafters.dspark.config import DSparkConfig
+from eagle3_zoo.layout_names import DFLASH, DSPARK, SPECULATORS_DFLASH
 
 if TYPE_CHECKING:
     import torch
@@ -83,6 +91,13 @@ class DFlashLayout(Layout):
     """A layout of DFlash drafter folders: read into a `DFlashConfig`, its tensors named as vLLM 0.32 loads them."""
 
     kind = "dflash"
+    architecture = ARCHITECTURE  # what a folder of the layout's z-lab config names in `architectures`
+    loader = "qwen3_dflash"  # the vLLM 0.32 module that loads its folders (named in the check's messages)
+
+    def drafter_class(self) -> type:
+        from eagle3_zoo.drafters.dflash.model import DFlashDrafter
+
+        return DFlashDrafter
 
     def stored_name(self, key: str) -> str:
         return key
@@ -105,10 +120,9 @@ class DFlashLayout(Layout):
 
         Raises:
             ValueError: missing, unexpected or misshapen tensors (named, with the folder)."""
-        from eagle3_zoo.drafters.dflash.model import DFlashDrafter
         from eagle3_zoo.dtypes import torch_dtype
 
-        model = load_exact_state(DFlashDrafter(cfg), state, folder, f"{self.name} layout")
+        model = load_exact_state(self.drafter_class()(cfg), state, folder, f"{self.name} layout")
         return model.to(device=device, dtype=dtype or torch_dtype(cfg.torch_dtype))
 
     def _write_weights(self, drafter: DFlashDrafter, out: Path) -> None:
@@ -130,8 +144,8 @@ class ZLabDFlashLayout(DFlashLayout):
     info = DFLASH
 
     def claims(self, raw: dict[str, Any], source: str) -> bool:
-        if "speculators_model_type" in raw:
-            return False
+        if "speculators_model_type" in raw or raw.get("architectures") == [DSPARK_ARCHITECTURE]:
+            return False  # a DSpark folder carries a dflash_config too (`DSparkLayout`)
         return raw.get("architectures") == [ARCHITECTURE] or "dflash_config" in raw
 
     def read_config(self, raw: dict[str, Any], source: str) -> DFlashConfig:
@@ -174,6 +188,26 @@ class SpeculatorsDFlashLayout(DFlashLayout):
         methods = (read_config(folder).get("speculators_config") or {}).get("proposal_methods") or [{}]
         k = methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
         return k if isinstance(k, int) else None
+
+
+class DSparkLayout(ZLabDFlashLayout):
+    """`dspark`: the DSpark folder vLLM 0.32's `qwen3_dspark.py` loads (`DSparkDrafter.save_pretrained`)."""
+
+    info = DSPARK
+    kind = "dspark"
+    architecture = DSPARK_ARCHITECTURE
+    loader = "qwen3_dspark"
+
+    def drafter_class(self) -> type:
+        from eagle3_zoo.drafters.dspark.model import DSparkDrafter
+
+        return DSparkDrafter
+
+    def claims(self, raw: dict[str, Any], source: str) -> bool:
+        return "speculators_model_type" not in raw and raw.get("architectures") == [DSPARK_ARCHITECTURE]
+
+    def read_config(self, raw: dict[str, Any], source: str) -> DSparkConfig:
+        return DSparkConfig.from_json_dict(_zlab_raw(raw, source), source=source)
 
 
 def zlab_config(raw: dict[str, Any], source: str = "config.json") -> dict[str, Any]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint.check_report import CheckReport
-from eagle3_zoo.checkpoint.dflash_layouts import SpeculatorsDFlashLayout, ZLabDFlashLayout
+from eagle3_zoo.checkpoint.dflash_layouts import DSparkLayout, SpeculatorsDFlashLayout, ZLabDFlashLayout
 from eagle3_zoo.checkpoint.formats import (
     EAGLE31_FLAGS,
     LAYER_CONFIG_KEYS,
@@ -192,7 +192,7 @@ def unregister(name: str) -> None:
 
 
 for _layout in (CanonicalLayout(), OfficialLayout(), SpeculatorsLayout(), ZLabDFlashLayout(),
-                SpeculatorsDFlashLayout()):
+                SpeculatorsDFlashLayout(), DSparkLayout()):
     register(_layout)
 
 

@@ -26,7 +26,7 @@ from eagle3_zoo.drafters.base import (
 )
 
 DEFAULT_KIND = "eagle3"
-BUILTIN_KINDS = ("eagle3", "dflash")  # imported (and registered) on first use: `_load_builtin`
+BUILTIN_KINDS = ("eagle3", "dflash", "dspark")  # imported (and registered) on first use: `_load_builtin`
 
 
 def kind_names() -> tuple[str, ...]:
@@ -44,6 +44,8 @@ def _load_builtin(name: str) -> None:
         from eagle3_zoo.drafters.eagle3 import kind  # noqa: F401 (registers the kind)
     elif name == "dflash":
         from eagle3_zoo.drafters.dflash import kind  # noqa: F401,F811 (registers the kind)
+    elif name == "dspark":
+        from eagle3_zoo.drafters.dspark import kind  # noqa: F401,F811 (registers the kind)
 
 
 def get_kind(name: str) -> DrafterKind:
@@ -97,12 +99,18 @@ def step_lines(name: str, recipe: Any, config: Any, target_config: Any, sizing: 
     return _sized_by(name, "step_lines")(recipe, config, target_config, sizing)
 
 
+def _specificity(kind: DrafterKind) -> int:
+    return len(kind.drafter_class.__mro__) + len(kind.config_class.__mro__)
+
+
 def _find_kind(owns: Any, what: str) -> DrafterKind:
+    """The registered kind `owns` accepts; where several do (a kind whose drafter and config subclass another's, as
+    DSpark's do DFlash's), the most derived one."""
     for name in BUILTIN_KINDS:
         get_kind(name)
-    for kind in registered().values():
-        if owns(kind):
-            return kind
+    found = [kind for kind in registered().values() if owns(kind)]
+    if found:
+        return max(found, key=_specificity)  # the first of equals: registration order
     raise TypeError(f"{what} of no registered drafter kind ({', '.join(kind_names())}); see {GUIDE}")
 
 

@@ -274,6 +274,10 @@ def render_card(
     """
     fmt = fmt or load_drafter_config(drafter_dir)[1]
     layout = find_layout(fmt)
+    if layout is not None and layout.kind not in ("eagle3", "dflash"):
+        raise ValueError(f"{drafter_dir}: a {layout.kind} drafter ({layout.name} layout); its model card is not "
+                         "written yet (the EAGLE-3 and DFlash cards would describe another drafter): publish it "
+                         "without this package's card, or evaluate it with `eagle3-zoo eval DRAFTER_DIR`")
     if layout is not None and layout.kind == "dflash":
         from eagle3_zoo.hub.card_dflash import render_dflash_card
 

@@ -107,6 +107,10 @@ def dflash_layout(drafter: str | Path) -> dict[str, Any] | None:
     from eagle3_zoo.checkpoint.layouts import claimed_layout
 
     layout = claimed_layout(drafter)
+    if layout is not None and layout.kind == "dspark":  # the DFlash backbone, but not served as DFlash
+        raise ValueError(f"{Path(drafter) / 'config.json'}: a DSpark drafter; vLLM 0.32 serves DSpark (method dspark) "
+                         "on a GPU only, its CPU build refuses it, and `--engine vllm` does not drive it here: "
+                         "measure it with `eagle3-zoo eval DRAFTER_DIR` (our lossless block decoder)")
     if layout is None or layout.kind != "dflash":
         return None
     config = layout.read_config(read_config(drafter), str(Path(drafter) / "config.json"))

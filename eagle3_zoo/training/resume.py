@@ -52,7 +52,12 @@ ADDED_KEYS = {"data.packing": repr(False), "drafter.kind": repr("eagle3"),
               **{f"drafter.dflash.{k}": repr(v) for k, v in {
                   "num_layers": 5, "block_size": 16, "num_anchors": 512, "weighting": "dpace", "dpace_alpha": 0.5,
                   "decay_gamma": 4.0, "num_target_features": 5, "target_layer_ids": None,
-                  "mask_token_id": None, "init_layers": "random"}.items()}}
+                  "mask_token_id": None, "init_layers": "random"}.items()},
+              **{f"drafter.dspark.{k}": repr(v) for k, v in {
+                  "num_layers": 5, "block_size": 16, "num_anchors": 512, "decay_gamma": 4.0,
+                  "num_target_features": 5, "target_layer_ids": None, "mask_token_id": None, "init_layers": "random",
+                  "markov_rank": 256, "enable_confidence_head": True, "ce_weight": 0.1, "tv_weight": 0.9,
+                  "bce_weight": 1.0}.items()}}
 
 
 def _before_loss_params(saved: dict[str, str]) -> dict[str, str]:

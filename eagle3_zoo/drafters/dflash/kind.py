@@ -65,7 +65,8 @@ def training_settings(section: Any) -> DFlashTraining:
                           decay_gamma=d.decay_gamma)
 
 
-def init_layers_from_target(drafter: DFlashDrafter, target: TargetLayers) -> list[str]:
+def init_layers_from_target(drafter: DFlashDrafter, target: TargetLayers,
+                            key: str = "drafter.dflash.init_layers") -> list[str]:
     """Start the draft layers as copies of the target's last `len(drafter.layers)` decoder layers (draft layer i from
     target layer N - Ld + i), parameter by parameter where the names and shapes match (`drafter.dflash.init_layers =
     target`), and the final norm from the target's. Parameters the target layer lacks or shapes differently (the
@@ -78,7 +79,7 @@ def init_layers_from_target(drafter: DFlashDrafter, target: TargetLayers) -> lis
     """
     ld = len(drafter.layers)
     if len(target.layers) < ld:
-        raise ValueError(f"drafter.dflash.init_layers = target: the drafter has {ld} layers but the target only "
+        raise ValueError(f"{key} = target: the drafter has {ld} layers but the target only "
                          f"{len(target.layers)} decoder layers")
     copied = []
     with torch.no_grad():
@@ -88,8 +89,7 @@ def init_layers_from_target(drafter: DFlashDrafter, target: TargetLayers) -> lis
                 if src is None or tuple(src.shape) != tuple(param.shape):
                     continue
                 if src.is_meta:
-                    raise ValueError("drafter.dflash.init_layers = target: the target's decoder layers are not "
-                                     "loaded (meta tensors)")
+                    raise ValueError(f"{key} = target: the target's decoder layers are not loaded (meta tensors)")
                 param.copy_(src.detach().to(param.dtype))
                 copied.append(f"layers.{i}.{name}")
         if target.norm is not None and tuple(target.norm.shape) == tuple(drafter.norm.weight.shape):
@@ -142,15 +142,23 @@ class DFlashKind(DrafterKind):
     card_tags = ("dflash", "speculative-decoding")
     decoding = "block"
     unrolls = False  # a block is drafted in one pass: no TTT schedule
+    title = "DFlash"  # the kind's name in messages
 
     def config_from(self, section: Any, target_config: Any, *, aux_layer_ids: tuple[int, ...] | None,
                     defaults: dict[str, Any], target_name: str, torch_dtype: str) -> DFlashConfig:
+        # drafter.dflash (drafter.dspark for the DSpark kind built on this one)
         return dflash_sizing.config_from(section, target_config, aux_layer_ids=aux_layer_ids, defaults=defaults,
-                                         target_name=target_name, torch_dtype=torch_dtype)
+                                         target_name=target_name, torch_dtype=torch_dtype, subsection=self.name,
+                                         config_class=self.config_class,
+                                         extras=self.config_extras(getattr(section, self.name)))
+
+    def config_extras(self, subsection: Any) -> dict[str, Any]:
+        """Config fields of a kind built on this one, from its recipe subsection (DFlash: none)."""
+        return {}
 
     def step_lines(self, recipe: Any, config: DFlashConfig, target_config: Any,
                    sizing: StepSizing) -> list[StepLine]:
-        return dflash_sizing.step_lines(recipe, config, target_config, sizing)
+        return dflash_sizing.step_lines(recipe, config, target_config, sizing, subsection=self.name, title=self.title)
 
     def features(self, config: DFlashConfig) -> FeatureNeeds:
         return FeatureNeeds(aux_layer_ids=config.aux_layer_ids, final_hidden=False)
@@ -161,11 +169,11 @@ class DFlashKind(DrafterKind):
         if target_head is not None:
             raise ValueError("a DFlash drafter does not start from the target's head (drafter.init_head = 'target'): "
                              "a full-vocabulary one scores with the target's lm_head itself")
-        drafter = DFlashDrafter(config)
+        drafter = self.drafter_class(config)
         if drafter.d2t is not None:
             drafter.d2t.copy_(d2t.to(torch.long))
         if target_layers is not None:
-            init_layers_from_target(drafter, target_layers)
+            init_layers_from_target(drafter, target_layers, f"drafter.{self.name}.init_layers")
         return drafter
 
     def objective(self, drafter: DFlashDrafter, loss: Any, section: Any = None) -> DFlashObjective:
@@ -189,10 +197,22 @@ class DFlashKind(DrafterKind):
         aux_hidden, _ = module.target_features(batch)
         objective = module.objective
         head = None if objective.drafter.config.reduced_vocab else lm_head.weight
+        out = objective(aux_hidden, batch["input_ids"], batch["loss_mask"], embed.weight, head,
+                        self.batch_generator(module), module.logits_chunk_size, batch.get("position_ids"),
+                        batch.get("document_ids"))
+        return self.normalised(module, out, global_norm, read_along)
+
+    @staticmethod
+    def batch_generator(module: TrainingContext) -> torch.Generator:
+        """The anchors' generator of this batch: its optimizer step and, in training, its micro-batch's index."""
+        objective = module.objective
         step, training = int(getattr(module, "global_step", 0)), bool(getattr(module, "training", True))
-        generator = objective.anchor_generator(step, training, objective.micro_batch(step) if training else 0)
-        out = objective(aux_hidden, batch["input_ids"], batch["loss_mask"], embed.weight, head, generator,
-                        module.logits_chunk_size, batch.get("position_ids"), batch.get("document_ids"))
+        return objective.anchor_generator(step, training, objective.micro_batch(step) if training else 0)
+
+    @staticmethod
+    def normalised(module: TrainingContext, out: Any, global_norm: bool, read_along: bool) -> Any:
+        """`out` with its loss scaled to the global batch's supervised slots under `global_norm` (see
+        `training_loss`), its count queued for reading."""
         world = module.data_parallel_ranks() if global_norm else 1
         if world > 1:  # queued with the loss (no wait): the count of every rank's supervised slots
             local = out.num_supervised.reshape(1)
@@ -215,7 +235,7 @@ class DFlashKind(DrafterKind):
         return metrics.get("val/weighted_ce")  # the training loss on the validation set
 
     def to_write(self, trained: DFlashDrafter, state: dict[str, torch.Tensor]) -> DFlashDrafter:
-        drafter = DFlashDrafter(trained.config)
+        drafter = self.drafter_class(trained.config)
         drafter.load_state_dict(state)
         return drafter.to(torch.float32)
 
@@ -223,15 +243,15 @@ class DFlashKind(DrafterKind):
         drafter.save_pretrained(folder)
 
     def load(self, folder: Any) -> DFlashDrafter:
-        return DFlashDrafter.from_pretrained(folder)
+        return self.drafter_class.from_pretrained(folder)
 
     def check_folder(self, folder: Any) -> list[str]:
         from safetensors import SafetensorError
 
         try:
-            drafter = DFlashDrafter.from_pretrained(folder, dtype=torch.float32)
+            drafter = self.drafter_class.from_pretrained(folder, dtype=torch.float32)
         except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as e:
-            return [f"{folder}: not a loadable DFlash drafter folder: {e}"]
+            return [f"{folder}: not a loadable {self.title} drafter folder: {e}"]
         bad = [k for k, v in drafter.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
         problems = [f"{folder}: non-finite weights in {', '.join(bad[:4])}"] if bad else []
         if drafter.d2t is not None:
@@ -246,13 +266,9 @@ class DFlashKind(DrafterKind):
 
     def block_proposer(self, drafter: DFlashDrafter, embed_weight: torch.Tensor,
                        lm_head_weight: torch.Tensor) -> BlockProposer:
-        """A `DFlashProposer`; for a DSpark drafter (the DFlash backbone predicting from the anchor slot, with a
-        Markov head) a `DSparkProposer`. The target's lm_head is used only by a full-vocabulary drafter."""
+        """A `DFlashProposer` (a DSpark drafter is the DSpark kind's: `eagle3_zoo.drafters.dspark.kind`). The target's
+        lm_head is used only by a full-vocabulary drafter."""
         head = None if drafter.config.reduced_vocab else lm_head_weight
-        if drafter.sample_from_anchor:
-            from eagle3_zoo.drafters.dspark.decoding import DSparkProposer
-
-            return DSparkProposer(drafter, embed_weight, head)
         return DFlashProposer(drafter, embed_weight, head)
 
     def target_mismatches(self, drafter: DFlashDrafter, target_config: Any) -> list[str]:

@@ -29,22 +29,24 @@ def mask_token_for(target_config: Any, wanted: int | None) -> int:
 
 
 def config_from(section: Any, target_config: Any, *, aux_layer_ids: tuple[int, ...] | None,
-                defaults: dict[str, Any], target_name: str, torch_dtype: str) -> DFlashConfig:
-    """A `DFlashConfig` sized like the target, with the section's `dflash` subsection (draft layers, block size,
-    feature layers, mask token) and shape overrides; `aux_layer_ids` (the data stage's convention, target_layer_id
-    + 1) win over the subsection's `target_layer_ids`."""
-    d = section.dflash
+                defaults: dict[str, Any], target_name: str, torch_dtype: str, subsection: str = "dflash",
+                config_class: Any = DFlashConfig, extras: dict[str, Any] | None = None) -> DFlashConfig:
+    """A `DFlashConfig` (or `config_class`, a kind built on DFlash's config) sized like the target, with the section's
+    `subsection` (`dflash`; DSpark's `dspark`: draft layers, block size, feature layers, mask token), the shape
+    overrides and `extras` (config fields of a kind built on DFlash); `aux_layer_ids` (the data stage's convention,
+    target_layer_id + 1) win over the subsection's `target_layer_ids`."""
+    d = getattr(section, subsection)
     overrides = {k: getattr(section, k) for k in SHAPE_FIELDS if getattr(section, k, None) is not None}
     if aux_layer_ids is not None:  # the data stage's convention: target_layer_id + 1
         ids: Any = tuple(i - 1 for i in aux_layer_ids)
     else:
         ids = tuple(d.target_layer_ids) if d.target_layer_ids is not None else None
     vocab = int(target_config.vocab_size)
-    return DFlashConfig.from_target_config(
+    return config_class.from_target_config(
         target_config, mask_token_id=mask_token_for(target_config, d.mask_token_id),
         num_hidden_layers=d.num_layers, num_features=d.num_target_features, target_layer_ids=ids,
         block_size=d.block_size, draft_vocab_size=min(section.draft_vocab_size, vocab),
-        target_name_or_path=target_name, torch_dtype=torch_dtype, **overrides)
+        target_name_or_path=target_name, torch_dtype=torch_dtype, **overrides, **(extras or {}))
 
 
 def dflash_saved_bytes(config: Any, batch: int, max_length: int, num_anchors: int,
@@ -102,13 +104,15 @@ def dflash_saved_bytes(config: Any, batch: int, max_length: int, num_anchors: in
     return {"context": context, "blocks": block, "mask": mask, "loss_rows": rows, "autocast_weights": weights}
 
 
-def step_lines(recipe: Any, config: DFlashConfig, target_config: Any, sizing: StepSizing) -> list[StepLine]:
+def step_lines(recipe: Any, config: DFlashConfig, target_config: Any, sizing: StepSizing,
+               subsection: str = "dflash", title: str = "DFlash") -> list[StepLine]:
     """The buffers of one DFlash training step (`DFlashKind.training_loss`): the target's forward to the feature
     layers when the step runs it, the features (`sizing.feature_dtype`, and the drafter's stored dtype they are cast
     to), what `dflash_loss` keeps for backward (`dflash_saved_bytes`: FlexAttention on a GPU, the dense mask on a CPU,
     as `DFlashObjective` picks), one checkpointed `[chunk, V]` logits chunk (forward, then its recomputation in
-    backward with the logits' gradient) and, under `*-mixed` outside FSDP's bf16 policy, autocast's weight copies."""
-    tr, d = recipe.trainer, recipe.drafter.dflash
+    backward with the logits' gradient) and, under `*-mixed` outside FSDP's bf16 policy, autocast's weight copies.
+    `subsection` and `title`: the recipe's section and the name on the lines of a kind built on DFlash (DSpark)."""
+    tr, d = recipe.trainer, getattr(recipe.drafter, subsection)
     compute, sbytes = sizing.compute_dtype, sizing.drafter_dtype.itemsize
     tbytes, compute_name = sizing.target_dtype.itemsize, str(compute).removeprefix("torch.")
     batch, length = tr.batch_size, recipe.data.max_length
@@ -130,7 +134,7 @@ def step_lines(recipe: Any, config: DFlashConfig, target_config: Any, sizing: St
                           + (f" and cast to the drafter's {str(sizing.drafter_dtype).removeprefix('torch.')}"
                              if sbytes != fbytes else "")))
     mask = "dense [Q, context+Q] mask (CPU)" if attention == "dense" else "FlexAttention (no score matrix)"
-    lines.append(StepLine("DFlash block activations", saved["context"] + saved["blocks"] + saved["mask"],
+    lines.append(StepLine(f"{title} block activations", saved["context"] + saved["blocks"] + saved["mask"],
                           f"{tokens} context tokens (batch {batch} x {length}) -> K/V in {config.num_hidden_layers} "
                           f"layers; {batch * blocks * config.block_size} query slots ({blocks} blocks x "
                           f"{config.block_size} per row) through every layer, {compute_name}; {mask}"))
