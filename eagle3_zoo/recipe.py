@@ -93,6 +93,10 @@ class DFlashSection:
     weighting: Literal["dpace", "decay"] = "dpace"  # D-PACE (expected accepted length) or exp(-(k-1)/gamma)
     dpace_alpha: float = ruled(0.5, rule(lambda v: 0 < v <= 1, "must be in (0, 1]"))  # D-PACE smoothing
     decay_gamma: float = ruled(4.0, GT0)  # the decay weighting's gamma
+    # hard = cross-entropy to the next tokens x_{a+k}; soft = cross-entropy to the target's own distribution at
+    # each predicted position (its lm_head on its last hidden state; renormalised over a reduced draft vocabulary):
+    # the data stage then provides the target's last hidden state too
+    labels: Literal["hard", "soft"] = "hard"
     num_target_features: int = ruled(5, GT0)  # target layers read, evenly spread from layer 1 to N-3
     # 0-based target decoder layers whose OUTPUT is read (z-lab's and vLLM's dflash_config.target_layer_ids; the hidden
     # states HF numbers id + 1); null = num_target_features spread from layer 1 to N-3
@@ -352,10 +356,13 @@ _DFLASH = "with drafter.kind = dflash"
 
 
 def _dflash_rules(r: Recipe) -> list[tuple[str, bool, str, tuple[str, ...]]]:
-    """EAGLE-3 settings that would silently do nothing (or something else) for a DFlash drafter."""
+    """EAGLE-3 settings that would silently do nothing (or something else) for a DFlash drafter, and DFlash's soft
+    labels for another kind."""
     d, t = r.drafter, r.ttt
     if d.kind != "dflash":
-        return []
+        return [("drafter.dflash.labels", d.dflash.labels != "hard", f"is read {_DFLASH} only; an {d.kind} drafter "
+                 "has its own objective (EAGLE-3 always trains against the target's distribution: loss.name)",
+                 ("drafter.kind",))]
     kind = ("drafter.kind",)
     return [
         ("drafter.aux_layer_ids", d.aux_layer_ids is not None, f"is EAGLE-3's; {_DFLASH} set "
@@ -373,7 +380,8 @@ def _dflash_rules(r: Recipe) -> list[tuple[str, bool, str, tuple[str, ...]]]:
         ("ttt.step_weights", t.step_weights is not None, f"must be null {_DFLASH}: position weights are "
          "drafter.dflash.weighting's (dpace or decay)", kind),
         ("loss.name", r.loss.name != "soft_ce", f"must be soft_ce (the default) {_DFLASH}: the DFlash loss is the "
-         "cross-entropy to the next tokens, weighted by drafter.dflash.weighting", kind),
+         "cross-entropy to the next tokens (drafter.dflash.labels = hard) or to the target's distribution (soft), "
+         "weighted by drafter.dflash.weighting", kind),
         ("optim.precondition_fc", r.optim.precondition_fc, f"is EAGLE-3's; not supported {_DFLASH}", kind),
         ("trainer.tau_eval.every_n_steps", r.trainer.tau_eval.every_n_steps is not None, f"must be null {_DFLASH}: "
          "the tau callback drives the tree decoder (EAGLE-3); measure a DFlash drafter's tau after training with "

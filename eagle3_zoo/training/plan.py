@@ -432,7 +432,7 @@ def _training_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any, counts:
     state = 4 * rp.drafter_dtype.itemsize  # weights + grads + AdamW (m, v), all in the stored dtype
     lines.append(PlanLine("drafter weights+grads+AdamW", n_drafter * state / shard,
                           f"{n_drafter / 1e6:.0f}M params x {state} B{f' / {shard}' if fsdp else ''}"))
-    if recipe.drafter.kind == "dflash":  # one forward over every block: no TTT unroll, no target probabilities
+    if recipe.drafter.kind == "dflash":  # one forward over every block: no TTT unroll
         lines += dflash_step_lines(recipe, rp, target_config, dcfg)
     elif rp.target_in_step:
         h, inter = target_config.hidden_size, target_config.intermediate_size
@@ -476,13 +476,18 @@ def _step_and_tau(lines: list[PlanLine], recipe: Any, rp: Any, target_config: An
 
 def dflash_step_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any) -> list[PlanLine]:
     """The buffers of one DFlash training step (`DFlashKind.training_loss`): the target's forward to the feature
-    layers when the step runs it, the features (the target's dtype, and the drafter's stored dtype they are cast to),
-    what `dflash_loss` keeps for backward (`dflash_saved_bytes`: FlexAttention on a GPU, the dense mask on a CPU, as
+    layers when the step runs it, the features (the target's dtype, and the drafter's stored dtype they are cast to;
+    with soft labels the target's last hidden state too, as the kind's `training_features` declares), what
+    `dflash_loss` keeps for backward (`dflash_saved_bytes`: FlexAttention on a GPU, the dense mask on a CPU, as
     `DFlashObjective` picks), one checkpointed `[chunk, V]` logits chunk (forward, then its recomputation in backward
-    with the logits' gradient) and, under `*-mixed` outside FSDP's bf16 policy, autocast's weight copies."""
+    with the logits' gradient; with soft labels also the target's fp32 `[chunk, V]` logits and their softmax over the
+    draft vocabulary, and the gathered `[rows, H]` target states) and, under `*-mixed` outside FSDP's bf16 policy,
+    autocast's weight copies."""
+    from eagle3_zoo.drafters import get_kind
     from eagle3_zoo.training.run_plan import fsdp_drafter_dtypes, trainer_device
 
     tr, d = recipe.trainer, recipe.drafter.dflash
+    final = get_kind(recipe.drafter.kind).training_features(dcfg, recipe.drafter).final_hidden
     compute, sbytes = rp.compute_dtype, rp.drafter_dtype.itemsize
     tbytes, compute_name = rp.target_dtype.itemsize, str(rp.compute_dtype).removeprefix("torch.")
     batch, length = tr.batch_size, recipe.data.max_length
@@ -494,17 +499,20 @@ def dflash_step_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any) -> li
     if rp.target_in_step:
         h, inter = target_config.hidden_size, target_config.intermediate_size
         lines.append(PlanLine("target forward", tokens * (6 * h + 3 * inter) * tbytes,
-                              "one layer's activations (no grad), up to the last feature layer", train))
+                              "one layer's activations (no grad), up to "
+                              + ("the final norm" if final else "the last feature layer"), train))
     fc_in = dcfg.num_features * dcfg.target_hidden_size
     # the target's dtype when the step runs it, else the feature store's (offline) or the engine's stream
     fdt = rp.target_dtype if rp.target_in_step else torch_dtype(recipe.data.features_dtype)
     fbytes = fdt.itemsize
     feats = tokens * fc_in * (fbytes + (sbytes if sbytes != fbytes else 0))
+    feats += tokens * dcfg.target_hidden_size * fbytes if final else 0
     lines.append(PlanLine("target features", feats,
                           f"{dcfg.num_features} layers x {dcfg.target_hidden_size} over {tokens} tokens, "
                           f"{str(fdt).removeprefix('torch.')}"
                           + (f" and cast to the drafter's {str(rp.drafter_dtype).removeprefix('torch.')}"
-                             if sbytes != fbytes else ""), train))
+                             if sbytes != fbytes else "")
+                          + ("; the target's last hidden state (soft labels)" if final else ""), train))
     mask = "dense [Q, context+Q] mask (CPU)" if attention == "dense" else "FlexAttention (no score matrix)"
     lines.append(PlanLine("DFlash block activations", saved["context"] + saved["blocks"] + saved["mask"],
                           f"{tokens} context tokens (batch {batch} x {length}) -> K/V in {dcfg.num_hidden_layers} "
@@ -513,10 +521,17 @@ def dflash_step_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any) -> li
     chunk, vd = LOGITS_CHUNK, dcfg.draft_vocab_size
     c = compute.itemsize
     own_head = vd * dcfg.hidden_size * c if dcfg.reduced_vocab and tr.precision.endswith("-mixed") else 0
-    lines.append(PlanLine("loss chunk", saved["loss_rows"] + chunk * vd * (2 * c + 12) + own_head,
+    soft = 0
+    if final:  # the rows' gathered target states instead of their labels, a chunk of the target's fp32 logits and
+        # their softmax
+        rows = batch * blocks * (dcfg.block_size - 1)
+        soft = rows * (dcfg.target_hidden_size * fbytes - 8) + chunk * (dcfg.vocab_size + vd) * 4
+    lines.append(PlanLine("loss chunk", saved["loss_rows"] + chunk * vd * (2 * c + 12) + own_head + soft,
                           f"{batch * blocks * (dcfg.block_size - 1)} supervised rows at most (hidden, indices, labels, "
                           f"weights) + one checkpointed [{chunk}, {vd}] logits chunk ({compute_name} logits, their "
-                          "fp32 copy, log-softmax and gradient)", train))
+                          "fp32 copy, log-softmax and gradient)"
+                          + (f"; soft labels: the rows' target states and the target's [{chunk}, "
+                             f"{dcfg.vocab_size}] fp32 logits with their softmax" if final else ""), train))
     copies = saved["autocast_weights"] if tr.precision.endswith("-mixed") and not (
         tr.strategy == "fsdp" and fsdp_drafter_dtypes(tr.precision) is not None) else 0
     if copies:
