@@ -111,6 +111,10 @@ class DFlashSection(BlockDrafterSection):
     weights."""
     weighting: Literal["dpace", "decay"] = "dpace"  # D-PACE (expected accepted length) or exp(-(k-1)/gamma)
     dpace_alpha: float = ruled(0.5, rule(lambda v: 0 < v <= 1, "must be in (0, 1]"))  # D-PACE smoothing
+    # hard = cross-entropy to the next tokens x_{a+k}; soft = cross-entropy to the target's own distribution at
+    # each predicted position (its lm_head on its last hidden state; renormalised over a reduced draft vocabulary):
+    # the data stage then provides the target's last hidden state too
+    labels: Literal["hard", "soft"] = "hard"
 
 
 @dataclass
@@ -371,11 +375,15 @@ _DFLASH = "with drafter.kind = dflash"
 
 
 def _dflash_rules(r: Recipe) -> list[tuple[str, bool, str, tuple[str, ...]]]:
-    """EAGLE-3 settings that would silently do nothing (or something else) for a DFlash drafter."""
+    """EAGLE-3 settings that would silently do nothing (or something else) for a DFlash drafter, and DFlash's soft
+    labels for another kind."""
     if r.drafter.kind != "dflash":
-        return []
+        return [("drafter.dflash.labels", r.drafter.dflash.labels != "hard", f"is read {_DFLASH} only; an "
+                 f"{r.drafter.kind} drafter has its own objective (EAGLE-3 always trains against the target's "
+                 "distribution: loss.name)", ("drafter.kind",))]
     return _block_rules(r, "DFlash", r.drafter.dflash, "drafter.dflash.weighting's (dpace or decay)",
-                        "the DFlash loss is the cross-entropy to the next tokens, weighted by drafter.dflash.weighting")
+                        "the DFlash loss is the cross-entropy to the next tokens (drafter.dflash.labels = hard) or to "
+                        "the target's distribution (soft), weighted by drafter.dflash.weighting")
 
 
 def _dspark_rules(r: Recipe) -> list[tuple[str, bool, str, tuple[str, ...]]]:

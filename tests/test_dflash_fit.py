@@ -190,6 +190,7 @@ def test_consolidate_writes_the_same_dflash_folder(files, trained):
 @pytest.mark.parametrize("override, key", [
     ("drafter.dflash.block_size=1", "drafter.dflash.block_size"),
     ("drafter.dflash.weighting=linear", "drafter.dflash.weighting"),
+    ("drafter.dflash.labels=medium", "drafter.dflash.labels"),
     ("drafter.dflash.dpace_alpha=0", "drafter.dflash.dpace_alpha"),
     ("drafter.dflash.target_layer_ids=[2,1]", "drafter.dflash.target_layer_ids"),
     ("drafter.dflash.num_anchors=0", "drafter.dflash.num_anchors"),
@@ -212,6 +213,52 @@ def test_bad_dflash_keys_are_refused_naming_the_key(files, override, key):
     with pytest.raises(RecipeError) as e:
         load_recipe(path, [override])
     assert key in str(e.value)
+
+
+def test_soft_labels_are_refused_for_another_kind(files):
+    """`drafter.dflash.labels: soft` with an EAGLE-3 drafter would do nothing: refused, naming the key and the kind."""
+    from eagle3_zoo.recipe import RecipeError, load_recipe
+
+    tmp, target, data = files
+    path = write_recipe(tmp / "soft_eagle3.yaml", _recipe(tmp, target, data))
+    with pytest.raises(RecipeError, match=r"drafter.dflash.labels.*dflash only.*eagle3"):
+        load_recipe(path, ["drafter.kind=eagle3", "drafter.dflash.labels=soft", "ttt.steps=3"])
+    assert load_recipe(path, ["drafter.dflash.labels=soft"]).drafter.dflash.labels == "soft"
+
+
+def test_fit_with_soft_labels_reads_the_targets_last_hidden_state(files, trained):
+    """`drafter.dflash.labels: soft` trains on the tiny target online (the step asks the target for its last hidden
+    state: `training_features`) and offline (the store's), to the same drafter; the loss falls; the weights differ
+    from the hard-label run's; the folder decodes losslessly."""
+    from transformers import LlamaForCausalLM
+
+    from eagle3_zoo.speculative.dflash_decode import DFlashGenerator
+    from eagle3_zoo.speculative.generate import plain_generate
+
+    tmp, target_dir, data = files
+    torch.set_num_threads(1)
+    kind = get_kind("dflash")
+    from eagle3_zoo.recipe import load_recipe
+
+    recipe = load_recipe(write_recipe(tmp / "soft_plan.yaml", _recipe(tmp, target_dir, data)),
+                         ["drafter.dflash.labels=soft"])
+    cfg = DFlashDrafter.from_pretrained(trained).config
+    assert kind.training_features(cfg, recipe.drafter).final_hidden is True
+    assert kind.training_features(cfg, None).final_hidden is False and kind.features(cfg).final_hidden is False
+    online = _fit(tmp, target_dir, data, "soft", "drafter.dflash.labels=soft")
+    offline = _fit(tmp, target_dir, data, "soft_offline", "drafter.dflash.labels=soft", "data.mode=offline")
+    losses = _losses(tmp / "soft")
+    # the random target's distributions are flat: the soft CE falls towards their entropy, not towards 0
+    assert len(losses) == 30 and sum(losses[-5:]) < sum(losses[:5]), losses
+    a, b, hard = (load_file(f / "model.safetensors") for f in (online, offline, trained))
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=0)
+    assert not torch.equal(a["fc.weight"], hard["fc.weight"])
+    drafter = DFlashDrafter.from_pretrained(online)
+    target = LlamaForCausalLM.from_pretrained(target_dir).eval()
+    ids = torch.tensor([1, 5, 9, 14, 3, 7])
+    assert DFlashGenerator(target, drafter).generate(ids, 16, eos_token_id=[]).tokens == \
+        plain_generate(target, ids, 16, eos_token_id=[]).tokens
 
 
 def test_target_layer_ids_out_of_range_is_refused(files):

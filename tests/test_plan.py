@@ -136,9 +136,11 @@ def test_ttt_activation_estimate_matches_saved_tensors(t, steps, amp):
     assert head_buffers == drafter.config.draft_vocab_size * drafter.config.hidden_size * 4  # one buffer, all steps
 
 
-def _dflash_saved_bytes(amp: torch.dtype | None, batch: int, t: int, anchors: int) -> tuple[int, int, object]:
-    """Bytes a tiny DFlash drafter's `dflash_loss` (dense mask) keeps for backward, each storage once, under CPU
-    autocast in `amp` (None: fp32), parameters and the frozen embedding/lm_head excluded; the supervised rows."""
+def _dflash_saved_bytes(amp: torch.dtype | None, batch: int, t: int, anchors: int,
+                        soft: bool = False) -> tuple[int, int, object]:
+    """Bytes a tiny DFlash drafter's `dflash_loss` (dense mask; `soft`: soft labels) keeps for backward, each storage
+    once, under CPU autocast in `amp` (None: fp32), parameters and the frozen embedding/lm_head excluded; the
+    supervised rows."""
     from eagle3_zoo.drafters.dflash.config import DFlashConfig
     from eagle3_zoo.drafters.dflash.loss import dflash_loss, select_anchors
     from eagle3_zoo.drafters.dflash.model import DFlashDrafter
@@ -155,8 +157,10 @@ def _dflash_saved_bytes(amp: torch.dtype | None, batch: int, t: int, anchors: in
     loss_mask[:, : t // 4] = 0  # a prompt: fewer supervised rows than slots
     embed, head = torch.randn(cfg.vocab_size, cfg.hidden_size), torch.randn(cfg.vocab_size, cfg.hidden_size)
     picked, valid = select_anchors(loss_mask, anchors, torch.Generator().manual_seed(0))
+    final = {"labels": "soft", "target_hidden": torch.randn(batch, t, cfg.hidden_size)} if soft else {}
     with _saving(amp, [*drafter.parameters(), embed, head]) as seen:
-        out = dflash_loss(drafter, aux, ids, loss_mask, picked, valid, embed, head, chunk=16, attention="dense")
+        out = dflash_loss(drafter, aux, ids, loss_mask, picked, valid, embed, head, chunk=16, attention="dense",
+                          **final)
     return sum(seen.values()), int(out.num_supervised), cfg
 
 
@@ -174,6 +178,26 @@ def test_dflash_activation_estimate_matches_saved_tensors(batch, t, anchors, amp
     assert (est["autocast_weights"] > 0) == (amp is not None)
     flex = dflash_saved_bytes(cfg, batch, t, anchors, amp or torch.float32, "flex", supervised=rows)
     assert flex["mask"] == 0 and est["mask"] > 0 and flex["blocks"] == est["blocks"]
+
+
+def test_dflash_soft_labels_keep_the_rows_target_states_and_plan_them():
+    """Soft labels keep the supervised rows' target states (fp32 here) for backward instead of their labels, which
+    the plan's loss chunk counts (with the target's logits chunk), as it adds the last hidden state to the
+    features (`training_features`: final_hidden) and runs the target's forward to its final norm."""
+    from eagle3_zoo.dtypes import torch_dtype
+
+    hard, rows, cfg = _dflash_saved_bytes(None, 2, 64, 8)
+    soft, soft_rows, _ = _dflash_saved_bytes(None, 2, 64, 8, soft=True)
+    assert soft_rows == rows and soft - hard == rows * (cfg.hidden_size * 4 - 8)  # states instead of int64 labels
+    base = _by_name(plan_recipe(load_recipe("recipes/qwen3_8b_dflash.yaml")))
+    plan = _by_name(plan_recipe(load_recipe("recipes/qwen3_8b_dflash.yaml", ["drafter.dflash.labels=soft"])))
+    r = load_recipe("recipes/qwen3_8b_dflash.yaml")
+    tokens = r.trainer.batch_size * r.data.max_length
+    fbytes = torch_dtype(r.target.dtype if "target forward" in base else r.data.features_dtype).itemsize
+    assert plan["target features"].bytes - base["target features"].bytes == tokens * 4096 * fbytes
+    assert "last hidden state" in plan["target features"].note and "soft labels" in plan["loss chunk"].note
+    assert plan["loss chunk"].bytes > base["loss chunk"].bytes
+    assert "last hidden state" not in base["target features"].note
 
 
 def test_dflash_plan_lines_follow_the_run():

@@ -222,6 +222,13 @@ class DrafterKind:
         """What the drafter of `config` reads from the target."""
         raise NotImplementedError
 
+    def training_features(self, config: Any, section: Any = None) -> FeatureNeeds:
+        """What training the drafter of `config` reads from the target, given the recipe's `drafter` section (None:
+        the defaults): the training step (`TrainingContext.target_features`) and `plan` ask this. Default: `features`
+        (a kind whose objective needs more than decoding does, e.g. the target's last hidden state for soft labels,
+        overrides it)."""
+        return self.features(config)
+
     def build(self, config: Any, *, d2t: torch.Tensor, t2d: torch.Tensor,
               target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
               target_layers: TargetLayers | None = None) -> nn.Module:

@@ -249,7 +249,7 @@ class DrafterModule(L.LightningModule):
         # (`masking_utils.find_packed_sequence_indices`, one host read per mask) and keeps attention inside it, for
         # every attention implementation, sliding windows too
         packed = "document_ids" in batch
-        needs = self.kind.features(self.drafter.config)
+        needs = self.kind.training_features(self.drafter.config, self.drafter_section)
         with torch.no_grad(), (contextlib.nullcontext() if packed else one_sequence_per_row()):
             aux_hidden, final_hidden, _ = self.adapter.forward_features(
                 self.target, batch["input_ids"], attention_mask=None, layer_ids=needs.aux_layer_ids,

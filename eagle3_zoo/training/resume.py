@@ -51,7 +51,7 @@ RESUMABLE_KEYS = (
 ADDED_KEYS = {"data.packing": repr(False), "drafter.kind": repr("eagle3"),
               **{f"drafter.dflash.{k}": repr(v) for k, v in {
                   "num_layers": 5, "block_size": 16, "num_anchors": 512, "weighting": "dpace", "dpace_alpha": 0.5,
-                  "decay_gamma": 4.0, "num_target_features": 5, "target_layer_ids": None,
+                  "decay_gamma": 4.0, "labels": "hard", "num_target_features": 5, "target_layer_ids": None,
                   "mask_token_id": None, "init_layers": "random"}.items()},
               **{f"drafter.dspark.{k}": repr(v) for k, v in {
                   "num_layers": 5, "block_size": 16, "num_anchors": 512, "decay_gamma": 4.0,

@@ -2,11 +2,13 @@
 
 Its model and config are `model.DFlashDrafter` and `config.DFlashConfig` (sized like the target; the recipe's
 `drafter.dflash` section sets the draft layers, the block size and the feature layers). It reads the outputs of the
-target decoder layers `target_layer_ids` (the data stage's `aux_layer_ids` = those ids + 1) and never the target's
-last hidden state or logits (its labels are the next tokens themselves). It is trained with `loss.dflash_loss`
-behind `DFlashObjective`: anchors drawn afresh each batch from a generator seeded by the run's seed, the global step
-and the micro-batch's index within it (a rerun draws the same anchors), D-PACE or decay position weights, the
-vocabulary projection in chunks, normalised over the global batch's supervised slots under data parallelism.
+target decoder layers `target_layer_ids` (the data stage's `aux_layer_ids` = those ids + 1); training with hard
+labels (`drafter.dflash.labels: hard`, the default: the next tokens themselves) reads nothing else, training with
+soft labels (`soft`: the target's distribution) also reads the target's last hidden state (`training_features`), from
+which the target's lm_head forms its logits. It is trained with `loss.dflash_loss` behind `DFlashObjective`: anchors
+drawn afresh each batch from a generator seeded by the run's seed, the global step and the micro-batch's index within
+it (a rerun draws the same anchors), D-PACE or decay position weights, the vocabulary projection in chunks,
+normalised over the global batch's supervised slots under data parallelism.
 It is written as the z-lab folder vLLM 0.32 loads (`DFlashDrafter.save_pretrained`) and decoded by
 `eagle3_zoo.speculative.dflash_decode.DFlashGenerator` (`decoding = "block"`: its `block_proposer`, no tree
 `DraftModel`).
@@ -54,6 +56,7 @@ class DFlashTraining:
     weighting: str = "dpace"  # "dpace" | "decay"
     dpace_alpha: float = 0.5
     decay_gamma: float = 4.0
+    labels: str = "hard"  # "hard" (the next tokens) | "soft" (the target's distribution)
 
 
 def training_settings(section: Any) -> DFlashTraining:
@@ -62,7 +65,7 @@ def training_settings(section: Any) -> DFlashTraining:
     if d is None:
         return DFlashTraining()
     return DFlashTraining(num_anchors=d.num_anchors, weighting=d.weighting, dpace_alpha=d.dpace_alpha,
-                          decay_gamma=d.decay_gamma)
+                          decay_gamma=d.decay_gamma, labels=getattr(d, "labels", "hard"))
 
 
 def init_layers_from_target(drafter: DFlashDrafter, target: TargetLayers,
@@ -124,14 +127,15 @@ class DFlashObjective(nn.Module):
 
     def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                 embed_weight: torch.Tensor, head_weight: torch.Tensor | None, generator: torch.Generator,
-                chunk: int, position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> DFlashLossOutput:
+                chunk: int, position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+                target_hidden: torch.Tensor | None = None) -> DFlashLossOutput:
         s = self.settings
         anchors, valid = select_anchors(loss_mask, s.num_anchors, generator, document_ids)
         return dflash_loss(self.drafter, aux_hidden.to(self.drafter.fc.weight.dtype), input_ids, loss_mask, anchors,
                            valid, embed_weight, head_weight, weighting=s.weighting, alpha=s.dpace_alpha,
                            gamma=s.decay_gamma, chunk=chunk, attention="flex" if input_ids.is_cuda else "dense",
-                           position_ids=position_ids, document_ids=document_ids)
+                           position_ids=position_ids, document_ids=document_ids, labels=s.labels,
+                           target_hidden=target_hidden)
 
 
 class DFlashKind(DrafterKind):
@@ -162,6 +166,14 @@ class DFlashKind(DrafterKind):
 
     def features(self, config: DFlashConfig) -> FeatureNeeds:
         return FeatureNeeds(aux_layer_ids=config.aux_layer_ids, final_hidden=False)
+
+    def training_features(self, config: DFlashConfig, section: Any = None) -> FeatureNeeds:
+        """The features decoding reads (`features`), and the target's last hidden state with soft labels
+        (`drafter.dflash.labels`)."""
+        needs = self.features(config)
+        if self.name == "dflash" and training_settings(section).labels == "soft":
+            return FeatureNeeds(aux_layer_ids=needs.aux_layer_ids, final_hidden=True)
+        return needs
 
     def build(self, config: DFlashConfig, *, d2t: torch.Tensor, t2d: torch.Tensor,
               target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
@@ -194,12 +206,17 @@ class DFlashKind(DrafterKind):
         batch draws its anchors by its optimizer step and its index among that step's micro-batches
         (`DFlashObjective.anchor_generator`)."""
         embed, lm_head = module.frozen_heads
-        aux_hidden, _ = module.target_features(batch)
+        aux_hidden, final_hidden = module.target_features(batch)
         objective = module.objective
-        head = None if objective.drafter.config.reduced_vocab else lm_head.weight
+        soft = objective.settings.labels == "soft"
+        if soft and final_hidden is None:
+            raise ValueError("drafter.dflash.labels = soft needs the target's last hidden state, and the batch's "
+                             "features have none")
+        # the target's lm_head: the draft head of a full-vocabulary drafter, and the soft labels' target logits
+        head = lm_head.weight if soft or not objective.drafter.config.reduced_vocab else None
         out = objective(aux_hidden, batch["input_ids"], batch["loss_mask"], embed.weight, head,
                         self.batch_generator(module), module.logits_chunk_size, batch.get("position_ids"),
-                        batch.get("document_ids"))
+                        batch.get("document_ids"), final_hidden if soft else None)
         return self.normalised(module, out, global_norm, read_along)
 
     @staticmethod

@@ -2,8 +2,16 @@
 greedy acceptance length, as pure functions of (drafter, batch) tested without a Trainer.
 
 A block anchored at position a (input token x_a, the slot the target's bonus token fills when decoding) trains slot
-k = 1..B-1 towards the label x_{a+k}, where that token is supervised and inside the sequence. Per-position weights
-within a block (detached):
+k = 1..B-1 towards the token at a+k, where that token is supervised and inside the sequence (and the anchor's
+conversation). Its cross-entropy CE_k is against (`labels`):
+
+- "hard": the label x_{a+k} itself;
+- "soft": the target's own distribution over the token at a+k, p = softmax(target lm_head(s_{a+k-1})), s the target's
+  last (post-norm) hidden state, as EAGLE-3's soft targets are; over a reduced draft vocabulary p is renormalised
+  over it, and a slot whose full-vocabulary target argmax is outside it is not in the loss (as a hard label outside
+  it is not). A target distribution one-hot on the label gives the hard loss.
+
+Per-position weights within a block (detached):
 
 - "dpace" (D-PACE, arXiv 2605.18810; the default of speculators 0.9 and ModelOpt): with q_k = exp(-CE_k) the slot's
   confidence, s_k = (1 - alpha) q_k + alpha over supervised slots (1 elsewhere) and P_k = s_1 ... s_k,
@@ -12,8 +20,9 @@ within a block (detached):
 - "decay": w_k = exp(-(k-1) / gamma) (DFlash's, gamma 4).
 
 The loss is sum over supervised slots of w_k * CE_k, divided by the number of supervised slots. The vocabulary
-projection runs in chunks of rows under activation checkpointing: at most one `[chunk, V]` logits tensor exists at a
-time, in forward and again in backward.
+projection runs in chunks of rows under activation checkpointing: at most one `[chunk, V]` logits tensor (with soft
+labels, one of the target's too) exists at a time, in forward and again in backward. The metrics (position accuracy,
+simulated acceptance) compare the draft's argmax with the label x_{a+k} under either loss.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from eagle3_zoo.drafters.dflash.model import DFlashDrafter
 
 WEIGHTINGS = ("dpace", "decay")
+LABELS = ("hard", "soft")
 
 
 def select_anchors(loss_mask: torch.Tensor, num_anchors: int = 512, generator: torch.Generator | None = None,
@@ -115,6 +125,41 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     return torch.cat(ces), torch.cat(preds)
 
 
+def _chunk_soft_ce(h: torch.Tensor, weight: torch.Tensor, target_h: torch.Tensor, target_weight: torch.Tensor,
+                   draft_to_target: torch.Tensor | None,
+                   t2d: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    logits = (h @ weight.t()).float()
+    with torch.no_grad():
+        target_logits = (target_h.to(target_weight.dtype) @ target_weight.t()).float()  # features may be bf16
+        in_vocab = torch.ones(target_logits.shape[0], dtype=torch.bool, device=target_logits.device)
+        if draft_to_target is not None:  # renormalised over the draft vocabulary
+            in_vocab = t2d[target_logits.argmax(-1)] >= 0
+            target_logits = target_logits[:, draft_to_target]
+        p = torch.softmax(target_logits, dim=-1)
+    return -(p * F.log_softmax(logits, dim=-1)).sum(-1), logits.argmax(-1), in_vocab
+
+
+def chunked_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target_hidden: torch.Tensor,
+                               target_weight: torch.Tensor, draft_to_target: torch.Tensor | None = None,
+                               t2d: torch.Tensor | None = None,
+                               chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row soft CE of `hidden [N, H] @ weight.T` against softmax(`target_hidden [N, H_t] @ target_weight.T`),
+    each row's argmax and whether the row is in the loss, `chunk` rows at a time with both logits recomputed in
+    backward instead of stored. A reduced draft vocabulary: `draft_to_target [V_draft]` (its target ids; the target's
+    distribution is renormalised over them) and `t2d [V]` (-1 = absent; a row whose full-vocabulary target argmax is
+    absent is not in the loss)."""
+    outs = []
+    for i in range(0, hidden.shape[0], chunk):
+        args = (hidden[i:i + chunk], weight, target_hidden[i:i + chunk], target_weight, draft_to_target, t2d)
+        outs.append(checkpoint(_chunk_soft_ce, *args, use_reentrant=False) if torch.is_grad_enabled()
+                    else _chunk_soft_ce(*args))
+    if not outs:
+        return (hidden.new_zeros(0, dtype=torch.float32), torch.zeros(0, dtype=torch.long, device=hidden.device),
+                torch.zeros(0, dtype=torch.bool, device=hidden.device))
+    ce, pred, in_vocab = (torch.cat(parts) for parts in zip(*outs))
+    return ce, pred, in_vocab
+
+
 @dataclass
 class DFlashLossOutput:
     loss: torch.Tensor  # scalar, sum_k w_k CE_k / supervised slots (differentiable)
@@ -127,29 +172,50 @@ def dflash_loss(drafter: DFlashDrafter, aux_hidden: torch.Tensor, input_ids: tor
                 anchors: torch.Tensor, anchor_valid: torch.Tensor, embed_weight: torch.Tensor,
                 target_lm_head_weight: torch.Tensor | None = None, weighting: str = "dpace", alpha: float = 0.5,
                 gamma: float = 4.0, chunk: int = 1024, attention: str = "dense",
-                position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> DFlashLossOutput:
+                position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+                labels: str = "hard", target_hidden: torch.Tensor | None = None) -> DFlashLossOutput:
     """The DFlash objective of one batch (all blocks in one forward; packed rows: `position_ids`, `document_ids`).
     A label outside a reduced draft vocabulary is not in the loss (no draft id can name it) but counts as a
-    rejected slot in the acceptance metrics."""
+    rejected slot in the acceptance metrics. `labels="soft"` (module docstring) needs `target_hidden [B, T, H_t]`,
+    the target's last post-norm hidden state, and `target_lm_head_weight`, the target's lm_head (with a reduced
+    draft vocabulary too)."""
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting={weighting!r}; expected one of {', '.join(WEIGHTINGS)}")
+    if labels not in LABELS:
+        raise ValueError(f"labels={labels!r}; expected one of {', '.join(LABELS)}")
+    if labels == "soft" and (target_hidden is None or target_lm_head_weight is None):
+        raise ValueError("labels='soft' trains against the target's distribution: pass target_hidden (the target's "
+                         "last hidden state) and target_lm_head_weight")
+    if target_hidden is not None and target_hidden.shape[:2] != input_ids.shape:
+        raise ValueError(f"target_hidden has shape {tuple(target_hidden.shape)}; expected [{input_ids.shape[0]}, "
+                         f"{input_ids.shape[1]}, H] (the target's last hidden state at every position)")
     bsz = drafter.config.block_size
     hidden = drafter.training_forward(aux_hidden, input_ids, anchors, embed_weight, attention, position_ids,
                                       document_ids)
     hidden = hidden.view(*anchors.shape, bsz, -1)[..., 1:, :]  # slot 0 (the anchor) predicts nothing
-    labels, mask = block_labels(input_ids, loss_mask, anchors, anchor_valid, bsz, document_ids)
     weight = drafter.head_weight(target_lm_head_weight)
+    soft = labels == "soft"
+    labels, mask = block_labels(input_ids, loss_mask, anchors, anchor_valid, bsz, document_ids)
     draft_labels, in_vocab = labels, torch.ones_like(mask)
+    t2d = draft_to_target = None
     if drafter.d2t is not None:  # target ids -> draft ids (-1 = not in the draft vocabulary)
         t2d = torch.full((drafter.config.vocab_size,), -1, dtype=torch.long, device=labels.device)
         draft_ids = torch.arange(drafter.config.draft_vocab_size, device=labels.device)
-        t2d[drafter.to_target_ids(draft_ids)] = draft_ids
+        draft_to_target = drafter.to_target_ids(draft_ids)
+        t2d[draft_to_target] = draft_ids
         draft_labels = t2d[labels]
         in_vocab = draft_labels >= 0
     rows = mask.nonzero(as_tuple=True)
-    ce, pred = chunked_cross_entropy(hidden[rows], weight, draft_labels[rows].clamp(min=0), chunk)
-    row_in_loss = in_vocab[rows]
+    if soft:  # slot k (index k-1) predicts a+k from the target's state at a+k-1
+        pos = (anchors[rows[0], rows[1]] + rows[2]).clamp(max=input_ids.shape[1] - 1)
+        ce, pred, row_in_loss = chunked_soft_cross_entropy(
+            hidden[rows], weight, target_hidden[rows[0], pos].detach(), target_lm_head_weight.detach(),
+            draft_to_target, t2d, chunk)
+        in_vocab = torch.zeros_like(mask)
+        in_vocab[rows] = row_in_loss
+    else:
+        ce, pred = chunked_cross_entropy(hidden[rows], weight, draft_labels[rows].clamp(min=0), chunk)
+        row_in_loss = in_vocab[rows]
     loss_mask_slots = mask & in_vocab
     ce_slots = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     ce_slots[rows] = ce.detach()

@@ -110,9 +110,12 @@ def step_lines(recipe: Any, config: DFlashConfig, target_config: Any, sizing: St
     layers when the step runs it, the features (`sizing.feature_dtype`, and the drafter's stored dtype they are cast
     to), what `dflash_loss` keeps for backward (`dflash_saved_bytes`: FlexAttention on a GPU, the dense mask on a CPU,
     as `DFlashObjective` picks), one checkpointed `[chunk, V]` logits chunk (forward, then its recomputation in
-    backward with the logits' gradient) and, under `*-mixed` outside FSDP's bf16 policy, autocast's weight copies.
-    `subsection` and `title`: the recipe's section and the name on the lines of a kind built on DFlash (DSpark)."""
+    backward with the logits' gradient; with soft labels (`labels: soft`, when the kind's `training_features` asks
+    for the target's last hidden state) also that state, the target's fp32 `[chunk, V]` logits and their softmax over
+    the draft vocabulary, and the gathered `[rows, H]` target states) and, under `*-mixed` outside FSDP's bf16
+    policy, autocast's weight copies. `subsection` and `title`: the recipe's section and the name on the lines of a kind built on DFlash (DSpark)."""
     tr, d = recipe.trainer, getattr(recipe.drafter, subsection)
+    final = getattr(d, "labels", "hard") == "soft"  # DFlashKind.training_features: the last hidden state for soft
     compute, sbytes = sizing.compute_dtype, sizing.drafter_dtype.itemsize
     tbytes, compute_name = sizing.target_dtype.itemsize, str(compute).removeprefix("torch.")
     batch, length = tr.batch_size, recipe.data.max_length
@@ -123,16 +126,19 @@ def step_lines(recipe: Any, config: DFlashConfig, target_config: Any, sizing: St
     if sizing.target_in_step:
         h, inter = target_config.hidden_size, target_config.intermediate_size
         lines.append(StepLine("target forward", tokens * (6 * h + 3 * inter) * tbytes,
-                              "one layer's activations (no grad), up to the last feature layer"))
+                              "one layer's activations (no grad), up to "
+                              + ("the final norm" if final else "the last feature layer")))
     fc_in = config.num_features * config.target_hidden_size
     fdt = sizing.feature_dtype
     fbytes = fdt.itemsize
     feats = tokens * fc_in * (fbytes + (sbytes if sbytes != fbytes else 0))
+    feats += tokens * config.target_hidden_size * fbytes if final else 0
     lines.append(StepLine("target features", feats,
                           f"{config.num_features} layers x {config.target_hidden_size} over {tokens} tokens, "
                           f"{str(fdt).removeprefix('torch.')}"
                           + (f" and cast to the drafter's {str(sizing.drafter_dtype).removeprefix('torch.')}"
-                             if sbytes != fbytes else "")))
+                             if sbytes != fbytes else "")
+                          + ("; the target's last hidden state (soft labels)" if final else "")))
     mask = "dense [Q, context+Q] mask (CPU)" if attention == "dense" else "FlexAttention (no score matrix)"
     lines.append(StepLine(f"{title} block activations", saved["context"] + saved["blocks"] + saved["mask"],
                           f"{tokens} context tokens (batch {batch} x {length}) -> K/V in {config.num_hidden_layers} "
@@ -141,10 +147,17 @@ def step_lines(recipe: Any, config: DFlashConfig, target_config: Any, sizing: St
     chunk, vd = sizing.logits_chunk, config.draft_vocab_size
     c = compute.itemsize
     own_head = vd * config.hidden_size * c if config.reduced_vocab and tr.precision.endswith("-mixed") else 0
-    lines.append(StepLine("loss chunk", saved["loss_rows"] + chunk * vd * (2 * c + 12) + own_head,
+    soft = 0
+    if final:  # the rows' gathered target states instead of their labels, a chunk of the target's fp32 logits and
+        # their softmax
+        rows = batch * blocks * (config.block_size - 1)
+        soft = rows * (config.target_hidden_size * fbytes - 8) + chunk * (config.vocab_size + vd) * 4
+    lines.append(StepLine("loss chunk", saved["loss_rows"] + chunk * vd * (2 * c + 12) + own_head + soft,
                           f"{batch * blocks * (config.block_size - 1)} supervised rows at most (hidden, indices, "
                           f"labels, weights) + one checkpointed [{chunk}, {vd}] logits chunk ({compute_name} logits, "
-                          "their fp32 copy, log-softmax and gradient)"))
+                          "their fp32 copy, log-softmax and gradient)"
+                          + (f"; soft labels: the rows' target states and the target's [{chunk}, "
+                             f"{config.vocab_size}] fp32 logits with their softmax" if final else "")))
     copies = saved["autocast_weights"] if sizing.autocast_copies else 0
     if copies:
         lines.append(StepLine("autocast weight copies", copies,
