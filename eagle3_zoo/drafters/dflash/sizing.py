@@ -113,7 +113,8 @@ def step_lines(recipe: Any, config: DFlashConfig, target_config: Any, sizing: St
     backward with the logits' gradient; with soft labels (`labels: soft`, when the kind's `training_features` asks
     for the target's last hidden state) also that state, the target's fp32 `[chunk, V]` logits and their softmax over
     the draft vocabulary, and the gathered `[rows, H]` target states) and, under `*-mixed` outside FSDP's bf16
-    policy, autocast's weight copies. `subsection` and `title`: the recipe's section and the name on the lines of a kind built on DFlash (DSpark)."""
+    policy, autocast's weight copies. `subsection` and `title`: the recipe's section and the name on the lines of a
+    kind built on DFlash (DSpark)."""
     tr, d = recipe.trainer, getattr(recipe.drafter, subsection)
     final = getattr(d, "labels", "hard") == "soft"  # DFlashKind.training_features: the last hidden state for soft
     compute, sbytes = sizing.compute_dtype, sizing.drafter_dtype.itemsize
