@@ -271,7 +271,7 @@ def fit(recipe: Any, source: str = "recipe") -> Path:
 
 
 def _fit(recipe: Any, source: str) -> Path:
-    require_accelerator(recipe, source)
+    require_accelerator(recipe.trainer, source)
     start = time.time()
     git = git_info()  # the code this process runs: commits made while it trains must not be credited to it
     output_dir = Path(recipe.output_dir)
