@@ -180,7 +180,7 @@ class RunDataModule(FeatureDataModule):
             from eagle3_zoo.data.ranks import start_coordination
             from eagle3_zoo.targets.loading import target_device, use_device
 
-            device = use_device(target_device(self.recipe, self.trainer.local_rank))
+            device = use_device(target_device(self.recipe.trainer, self.trainer.local_rank))
             start_coordination()  # at the same point on every rank, before the data stage needs it
             self.prepare_run(device)
             if not self.data.val:  # no validation split (data.val_fraction = 0 and no val source)
@@ -191,8 +191,8 @@ class RunDataModule(FeatureDataModule):
         """Seed, load the target, prepare the data, (offline) extract features, and find what the drafter starts
         from (`DrafterStart`).
 
-        The target is loaded on `device` (default `target_device(recipe)`: this rank's GPU, else the CPU) and does
-        all its work there. Offline without tau eval (and without in-process regeneration or a LoRA) only its
+        The target is loaded on `device` (default `target_device(recipe.trainer)`: this rank's GPU, else the CPU) and
+        does all its work there. Offline without tau eval (and without in-process regeneration or a LoRA) only its
         embedding, final norm and lm_head are read (`load_recipe_target(heads_only=True)`); the feature job loads the
         whole target only if features are missing. Under torch.distributed the data stage is split across the ranks
         that share the cache (`eagle3_zoo.data.ranks`), and every rank waits for all of them before returning (no
