@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
@@ -25,6 +25,9 @@ from eagle3_zoo.modeling import build_draft_vocab
 from eagle3_zoo.targets.loading import aux_layer_ids_for, load_recipe_target
 from eagle3_zoo.training.module import DrafterModule, with_host_counts
 from eagle3_zoo.training.run_plan import drafter_config, run_plan
+
+if TYPE_CHECKING:
+    from eagle3_zoo.recipe import Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class DrafterStart:
         return self.kind.num_parameters(self.config)
 
 
-def drafter_start(recipe: Any, target_config: Any, counts: torch.Tensor, aux_layer_ids: tuple[int, ...],
+def drafter_start(recipe: Recipe, target_config: Any, counts: torch.Tensor, aux_layer_ids: tuple[int, ...],
                   target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
                   target_layers: TargetLayers | None = None) -> DrafterStart:
     """A fresh drafter sized like the target (recipe overrides applied) with the draft vocab from `counts`, or the
@@ -125,7 +128,7 @@ def _load_init(path: str, target_config: Any, aux_layer_ids: tuple[int, ...], wa
 class TrainingRun:
     """A run built outside a Trainer (`build_run`): its two Lightning objects and what the data stage loaded."""
 
-    recipe: Any
+    recipe: Recipe
     target: Any
     tokenizer: Any
     adapter: Any
@@ -162,7 +165,7 @@ class RunDataModule(FeatureDataModule):
 
     feed: Any = None  # the engine feed of a run that streams hidden states (`StreamingRunDataModule`)
 
-    def __init__(self, recipe: Any, source: str = "recipe"):
+    def __init__(self, recipe: Recipe, source: str = "recipe"):
         super().__init__(None, None, batch_size=recipe.trainer.batch_size, seed=recipe.data.seed,
                          num_workers=recipe.data.num_workers)
         self.recipe, self.source, self.plan = recipe, source, run_plan(recipe)
@@ -248,7 +251,7 @@ class StreamingRunDataModule(RunDataModule, StreamingDataModule):
     stop are `StreamingDataModule`'s."""
 
 
-def run_datamodule(recipe: Any, source: str = "recipe") -> RunDataModule:
+def run_datamodule(recipe: Recipe, source: str = "recipe") -> RunDataModule:
     """The DataModule of a recipe's run (`StreamingRunDataModule` when the run plan streams hidden states)."""
     return (StreamingRunDataModule if run_plan(recipe).streams else RunDataModule)(recipe, source)
 
@@ -262,7 +265,7 @@ class RecipeModule(DrafterModule):
     inside the strategy's tensor init context (the root device, the precision's dtype), which would change where a fresh
     drafter's random initialisation is drawn; it is drawn on the host in fp32, as `build_run` draws it."""
 
-    def __init__(self, recipe: Any):
+    def __init__(self, recipe: Recipe):
         t, o, plan = recipe.ttt, recipe.optim, run_plan(recipe)
         super().__init__(
             None, kind=recipe.drafter.kind, mode="online" if plan.target_in_step else "offline", ttt_steps=t.steps,
@@ -293,7 +296,7 @@ class RecipeModule(DrafterModule):
                        embed_tokens=adapter.embed_tokens(target), lm_head=adapter.lm_head(target))
 
 
-def build_run(recipe: Any, source: str = "recipe", device: Any = None) -> TrainingRun:
+def build_run(recipe: Recipe, source: str = "recipe", device: Any = None) -> TrainingRun:
     """The run `fit` trains, built outside a Trainer: the DataModule's data stage (`RunDataModule.prepare_run`,
     the target loaded on `device`), then the module's drafter (`RecipeModule.build_drafter`), as Lightning's hooks
     build them in `fit`."""
@@ -328,7 +331,7 @@ def fc_input_scale(train_set: Any, target: Any, adapter: Any, aux_ids: tuple[int
     return (sums / rows).sqrt().clamp_min(1e-6).reciprocal()
 
 
-def _datasets(recipe: Any, data: Any, target: Any, tokenizer: Any, adapter: Any,
+def _datasets(recipe: Recipe, data: Any, target: Any, tokenizer: Any, adapter: Any,
               aux_ids: tuple[int, ...]) -> tuple[Any, Any, dict[str, Any]]:
     from eagle3_zoo.data.datamodule import ExampleDataset, FeatureDataset
 

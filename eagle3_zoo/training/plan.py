@@ -29,7 +29,7 @@ import logging
 import math
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,10 @@ from eagle3_zoo.training.plan_report import (  # noqa: F401  (re-exported: the p
     reserve_line,
 )
 from eagle3_zoo.training.run_plan import compute_dtype, stored_dtype  # noqa: F401
+
+if TYPE_CHECKING:
+    from eagle3_zoo.recipe import Recipe
+    from eagle3_zoo.training.run_plan import RunPlan
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +308,7 @@ def kv_elements_per_token(config: Any) -> int:
     return config.num_hidden_layers * per_layer
 
 
-def tau_eval_lines(recipe: Any, target_config: Any, dcfg: Any, n_drafter: int, gathers: bool) -> list[PlanLine]:
+def tau_eval_lines(recipe: Recipe, target_config: Any, dcfg: Any, n_drafter: int, gathers: bool) -> list[PlanLine]:
     """The transient buffers of one tau evaluation (`TauEvalCallback.measure`, between training steps).
 
     Under FSDP every rank gathers the drafter into a plain copy in the parameters' stored dtype
@@ -341,7 +345,7 @@ def tau_eval_lines(recipe: Any, target_config: Any, dcfg: Any, n_drafter: int, g
     return lines
 
 
-def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") -> MemoryPlan:
+def plan_recipe(recipe: Recipe, target_config: Any = None, source: str = "recipe") -> MemoryPlan:
     """The per-GPU memory plan of every phase of a recipe's run, from its run plan (`run_plan`).
 
     Args:
@@ -383,7 +387,7 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     return plan
 
 
-def _decisions(rp: Any) -> str:
+def _decisions(rp: RunPlan) -> str:
     """The run plan in one line: what of the target a trainer rank loads, the shard layout, the dtypes."""
     dt = {k: str(v).removeprefix("torch.") for k, v in
           (("t", rp.target_dtype), ("s", rp.drafter_dtype), ("c", rp.compute_dtype))}
@@ -394,7 +398,7 @@ def _decisions(rp: Any) -> str:
             f"hidden states: {rp.hidden_states}")
 
 
-def _training_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any, counts: dict[str, int],
+def _training_lines(recipe: Recipe, rp: RunPlan, target_config: Any, dcfg: Any, counts: dict[str, int],
                     dequant: str) -> list[PlanLine]:
     """Per trainer GPU during training: the target (as `rp.target_load` says), the drafter and its optimizer, the
     training step's buffers and the tau evaluation's transient."""
@@ -463,7 +467,7 @@ def _training_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any, counts:
     return _step_and_tau(lines, recipe, rp, target_config, dcfg, n_drafter)
 
 
-def _step_and_tau(lines: list[PlanLine], recipe: Any, rp: Any, target_config: Any, dcfg: Any,
+def _step_and_tau(lines: list[PlanLine], recipe: Recipe, rp: RunPlan, target_config: Any, dcfg: Any,
                   n_drafter: int) -> list[PlanLine]:
     """`lines` + FSDP's drafter buffers, the tau evaluation's transient and the reserve."""
     fsdp = recipe.trainer.strategy == "fsdp"
@@ -474,7 +478,7 @@ def _step_and_tau(lines: list[PlanLine], recipe: Any, rp: Any, target_config: An
     return [*lines, reserve_line(lines)]
 
 
-def dflash_step_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any) -> list[PlanLine]:
+def dflash_step_lines(recipe: Recipe, rp: RunPlan, target_config: Any, dcfg: Any) -> list[PlanLine]:
     """The buffers of one DFlash training step (`DFlashKind.training_loss`): the target's forward to the feature
     layers when the step runs it, the features (the target's dtype, and the drafter's stored dtype they are cast to),
     what `dflash_loss` keeps for backward (`dflash_saved_bytes`: FlexAttention on a GPU, the dense mask on a CPU, as
