@@ -27,7 +27,7 @@ from eagle3_zoo.training.module import DrafterModule, with_host_counts
 from eagle3_zoo.training.run_plan import drafter_config, run_plan
 
 if TYPE_CHECKING:
-    from eagle3_zoo.recipe import Recipe
+    from eagle3_zoo.recipe import DrafterConfig, Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,8 @@ def drafter_start(recipe: Recipe, target_config: Any, counts: torch.Tensor, aux_
                         target_layers=target_layers if from_layers else None)
 
 
-def _load_init(path: str, target_config: Any, aux_layer_ids: tuple[int, ...], wanted: Any = None) -> Any:
+def _load_init(path: str, target_config: Any, aux_layer_ids: tuple[int, ...],
+               wanted: DrafterConfig | None = None) -> Any:
     from eagle3_zoo.hub.download import load_any_drafter
 
     drafter = load_any_drafter(path)
