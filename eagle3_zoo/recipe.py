@@ -31,7 +31,7 @@ from eagle3_zoo.drafters import kind_names, unknown_kind_message
 from eagle3_zoo.dtypes import DTYPE_NAMES
 from eagle3_zoo.locations import EMBEDDED_SHAREGPT, EMBEDDED_TARGET, hub_or_local_problem, path_problem
 from eagle3_zoo.losses import Loss, available_losses, make_loss, params_problems, unknown_loss_message
-from eagle3_zoo.recipe_engine import EngineConfig, engine_problems, streams_features
+from eagle3_zoo.recipe_engine import EngineConfig, device_list, urls_problems
 from eagle3_zoo.redaction import redact_data, register_recipe, register_variable
 from eagle3_zoo.schema import GE0, GT0, UNIT, ConfigProblem, rule, ruled
 
@@ -345,6 +345,104 @@ class Recipe:
     demo: bool = False  # a smoke/demo run (e.g. the quickstart's): its model card says it is not a drafter to serve
 
 
+# ------------------------------------------------------------------------------------------------ decisions
+def features_from_engine(data: DataConfig) -> bool:
+    """Whether the run's hidden states come from the engine (`data.features_backend: vllm`)."""
+    return data.features_backend == "vllm"
+
+
+def streams_features(data: DataConfig) -> bool:
+    """Whether training reads hidden states streamed from the engine (online or hybrid with the vllm backend)."""
+    return features_from_engine(data) and data.mode in ("online", "hybrid")
+
+
+def target_in_training_step(data: DataConfig) -> bool:
+    """Whether the frozen target runs inside the training step (online mode with the in-process backend)."""
+    return data.mode == "online" and not features_from_engine(data)
+
+
+def target_sharded_in_trainer(data: DataConfig, trainer: TrainerConfig) -> bool:
+    """Whether FSDP shards the frozen target over the trainer's GPUs: when it runs in the training step, or (states
+    streamed from the engine) to measure tau during training (speculative decoding needs the target there too)."""
+    tau = bool(trainer.tau_eval.every_n_steps)
+    return trainer.strategy == "fsdp" and (target_in_training_step(data) or (streams_features(data) and tau))
+
+
+def regenerates_in_engine(data: DataConfig) -> bool:
+    """Whether the run's regeneration is answered by the engine's servers (`data.regenerate.backend: engine`)."""
+    return data.regenerate.enabled and data.regenerate.backend == "engine"
+
+
+def regeneration_max_model_len(engine: EngineConfig, data: DataConfig) -> int:
+    """`engine.max_model_len`, or what a regeneration request needs: a prompt of up to `data.max_length` tokens (a
+    longer one ends its conversation) plus an answer of `data.regenerate.max_new_tokens`."""
+    return engine.max_model_len or data.max_length + data.regenerate.max_new_tokens
+
+
+def engine_max_model_len(engine: EngineConfig, data: DataConfig) -> int:
+    """`engine.max_model_len`, or what a hidden-states request needs: the longest sample plus the token made."""
+    return engine.max_model_len or data.max_length + 1
+
+
+def _trainer_gpus(trainer: TrainerConfig) -> set[int]:
+    if trainer.accelerator != "gpu":
+        return set()
+    if isinstance(trainer.devices, str):
+        return {int(p) for p in trainer.devices.split(",") if p.strip().isdigit()}
+    return set(range(trainer.devices)) if trainer.devices > 0 else set()
+
+
+def engine_problems(recipe: Recipe) -> list[ConfigProblem]:
+    """The engine rules that read several fields (attach needs URLs, hybrid needs the engine, device overlaps)."""
+    e, d = recipe.engine, recipe.data
+    uses, g = features_from_engine(d), d.regenerate
+    regen = regenerates_in_engine(d)
+    devices = device_list(e.devices) or []
+    overlap = sorted(_trainer_gpus(recipe.trainer) & set(devices)) if e.mode == "launch" else []
+    gpus, nodes = e.tensor_parallel_size * e.data_parallel_size, e.num_nodes
+    rules = [
+        ("engine.mode", e.mode == "attach" and not e.urls, "attach needs the servers' URLs in engine.urls, e.g. "
+         "[http://10.0.0.5:8000] (or engine.mode: launch to start them here)", ()),
+        ("data.regenerate.base_url", regen and g.base_url is not None, "is for backend openai; backend engine sends "
+         "the requests to the recipe's engine (engine.urls in engine.mode: attach, else servers launched here): "
+         "remove base_url, or set data.regenerate.backend: openai", ("data.regenerate.backend",)),
+        ("engine.max_model_len", regen and e.max_model_len is not None
+         and e.max_model_len < d.max_length + g.max_new_tokens, f"must be at least data.max_length + "
+         f"data.regenerate.max_new_tokens ({d.max_length} + {g.max_new_tokens}) for regeneration in the engine: a "
+         "prompt of up to data.max_length tokens plus the answer (or null = exactly that)",
+         ("data.max_length", "data.regenerate.max_new_tokens", "data.regenerate.backend")),
+        ("engine.urls", e.mode == "launch" and bool(e.urls), "launch starts its own servers, but engine.urls lists "
+         "some: set engine.mode: attach to use them (or empty engine.urls)", ("engine.mode",)),
+        ("engine.replicas", e.mode == "attach" and e.replicas != 1, "replicas are started in launch mode only; in "
+         "attach mode list one URL per server in engine.urls", ("engine.mode",)),
+        ("engine.hidden_states_dir", uses and e.mode == "attach" and not e.hidden_states_dir, "attach mode with "
+         "data.features_backend: vllm needs the directory the servers' hidden-states connector writes to, as this "
+         "machine sees it", ("engine.mode", "data.features_backend")),
+        ("engine.devices", bool(devices) and len(devices) % e.replicas != 0, f"{len(devices)} devices cannot be "
+         f"split evenly over {e.replicas} replicas", ("engine.replicas",)),
+        ("engine.devices", bool(overlap), f"GPUs {overlap} are also the trainer's (trainer.devices = "
+         f"{recipe.trainer.devices!r}); give the engine other GPUs", ("trainer.devices", "trainer.accelerator")),
+        ("engine.max_model_len", uses and e.max_model_len is not None and e.max_model_len <= d.max_length,
+         f"must exceed data.max_length ({d.max_length}): a hidden-states request is the sample plus one token made",
+         ("data.max_length",)),
+        ("data.mode", d.mode == "hybrid" and not uses, "hybrid (the first pass streams from the engine and writes the "
+         "feature store) needs data.features_backend: vllm", ("data.features_backend",)),
+        ("engine.num_nodes", nodes > 1 and e.mode == "launch", "launch starts servers on this node only; a server "
+         "over several nodes is started by `eagle3-zoo serve RECIPE --node-rank R` on each of them (engine.mode: "
+         "attach)", ("engine.mode",)),
+        ("engine.num_nodes", nodes > 1 and gpus % nodes != 0, f"the server's {gpus} GPUs (tensor_parallel_size x "
+         f"data_parallel_size) cannot be split evenly over {nodes} nodes",
+         ("engine.tensor_parallel_size", "engine.data_parallel_size")),
+        ("engine.master_addr", nodes > 1 and not e.master_addr, f"a server over {nodes} nodes needs node 0's address "
+         "as the other nodes reach it (e.g. engine.master_addr=10.0.0.5)", ("engine.num_nodes",)),
+        ("engine.gpu_memory_utilization", e.platform == "cpu" and e.gpu_memory_utilization is not None,
+         "is for GPU engines, but engine.platform is cpu (a CPU build's KV cache is engine.cpu_kv_cache_gib)",
+         ("engine.platform",)),
+    ]
+    return urls_problems(e.urls) + [ConfigProblem(key, msg, operator.attrgetter(key)(recipe), related=rel)
+                                     for key, broken, msg, rel in rules if broken]
+
+
 def _cross_field_rules(r: Recipe) -> list[tuple[str, bool, str, tuple[str, ...]]]:
     """Rules that read several fields: (key, broken, message, the other keys read)."""
     d, t, tr, w = r.drafter, r.ttt, r.trainer, r.ttt.step_weights
@@ -363,7 +461,7 @@ def _cross_field_rules(r: Recipe) -> list[tuple[str, bool, str, tuple[str, ...]]
         ("trainer.strategy", tr.num_nodes > 1 and tr.strategy == "auto",
          "multi-node training needs an explicit strategy: ddp or fsdp", ("trainer.num_nodes",)),
         ("ttt.schedule", t.schedule == "ramp" and t.steps == 1, "a ramp needs ttt.steps > 1", ("ttt.steps",)),
-        ("data.packing", r.data.packing and streams_features(r), "cannot be combined with hidden states streamed "
+        ("data.packing", r.data.packing and streams_features(r.data), "cannot be combined with hidden states streamed "
          "from the engine (data.features_backend = vllm, data.mode online or hybrid): pack stored features "
          "(data.mode = offline) or set data.packing = false", ("data.features_backend", "data.mode")),
         ("optim.precondition_fc", r.optim.precondition_fc and d.fc_norm, "cannot be combined with drafter.fc_norm: "

@@ -13,16 +13,16 @@ them). It is either
 The launch settings also say how `eagle3-zoo serve` starts a server for attach mode, so one recipe describes both
 sides, whichever machine prints the command: `platform` says what the engine runs on (`declared_platform`), and a
 server may span `num_nodes` nodes (node 0 serves the API, the others are headless workers that join it at
-`master_addr:master_port`). `engine_problems` holds the rules that read several fields (each field's own rule sits on
-the field).
+`master_addr:master_port`). Each field's own rule sits on the field; the rules that read the engine together with the
+`data` and `trainer` sections, and the decisions those sections make (where the hidden states come from, the engine's
+context length), are the recipe's (`eagle3_zoo.recipe.engine_problems`, `streams_features`, ...).
 """
 
 from __future__ import annotations
 
-import operator
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 from urllib.parse import urlsplit
 
 from eagle3_zoo.dtypes import DTYPE_NAMES
@@ -48,8 +48,8 @@ def _redacted(url: str) -> str:
     return re.sub(r"(://)[^/@\s]*@", r"\1***@", url)
 
 
-def _urls_problems(urls: list[str]) -> list[ConfigProblem]:
-    """One problem per bad URL, its value shown without any `user:password@` (set by `engine_problems`)."""
+def urls_problems(urls: list[str]) -> list[ConfigProblem]:
+    """One problem per bad URL, its value shown without any `user:password@` (`recipe.engine_problems`)."""
     out = [ConfigProblem(f"engine.urls[{i}]", p, _redacted(url)) for i, url in enumerate(urls)
            if (p := _url_problem(url))]
     if len(set(urls)) < len(urls):
@@ -57,7 +57,7 @@ def _urls_problems(urls: list[str]) -> list[ConfigProblem]:
     return out
 
 
-def _device_list(devices: int | str | None) -> list[int] | None:
+def device_list(devices: int | str | None) -> list[int] | None:
     return None if devices is None else [int(p) for p in str(devices).split(",") if p.strip().isdigit()]
 
 
@@ -127,107 +127,10 @@ def declared_platform(engine: EngineConfig) -> Literal["cuda", "cpu"] | None:
     return "cuda" if any(getattr(engine, k) is not None for k in GPU_ONLY_KEYS) else None
 
 
-def features_from_engine(recipe: Any) -> bool:
-    """Whether the run's hidden states come from the engine (`data.features_backend: vllm`)."""
-    return recipe.data.features_backend == "vllm"
-
-
-def streams_features(recipe: Any) -> bool:
-    """Whether training reads hidden states streamed from the engine (online or hybrid with the vllm backend)."""
-    return features_from_engine(recipe) and recipe.data.mode in ("online", "hybrid")
-
-
-def target_in_training_step(recipe: Any) -> bool:
-    """Whether the frozen target runs inside the training step (online mode with the in-process backend)."""
-    return recipe.data.mode == "online" and not features_from_engine(recipe)
-
-
-def target_sharded_in_trainer(recipe: Any) -> bool:
-    """Whether FSDP shards the frozen target over the trainer's GPUs: when it runs in the training step, or (states
-    streamed from the engine) to measure tau during training (speculative decoding needs the target there too)."""
-    tau = bool(recipe.trainer.tau_eval.every_n_steps)
-    return recipe.trainer.strategy == "fsdp" and (target_in_training_step(recipe) or (streams_features(recipe) and tau))
-
-
-def regenerates_in_engine(recipe: Any) -> bool:
-    """Whether the run's regeneration is answered by the engine's servers (`data.regenerate.backend: engine`)."""
-    return recipe.data.regenerate.enabled and recipe.data.regenerate.backend == "engine"
-
-
-def regeneration_max_model_len(recipe: Any) -> int:
-    """`engine.max_model_len`, or what a regeneration request needs: a prompt of up to `data.max_length` tokens (a
-    longer one ends its conversation) plus an answer of `data.regenerate.max_new_tokens`."""
-    return recipe.engine.max_model_len or recipe.data.max_length + recipe.data.regenerate.max_new_tokens
-
-
-def engine_max_model_len(recipe: Any) -> int:
-    """`engine.max_model_len`, or what a hidden-states request needs: the longest sample plus the token made."""
-    return recipe.engine.max_model_len or recipe.data.max_length + 1
-
-
 def replica_devices(engine: EngineConfig) -> list[list[int] | None]:
     """The devices of each launched replica (`devices` split evenly in order; None = not pinned)."""
-    devices = _device_list(engine.devices)
+    devices = device_list(engine.devices)
     if devices is None:
         return [None] * engine.replicas
     per = len(devices) // engine.replicas
     return [devices[i * per : (i + 1) * per] for i in range(engine.replicas)]
-
-
-def _trainer_gpus(trainer: Any) -> set[int]:
-    if trainer.accelerator != "gpu":
-        return set()
-    if isinstance(trainer.devices, str):
-        return {int(p) for p in trainer.devices.split(",") if p.strip().isdigit()}
-    return set(range(trainer.devices)) if trainer.devices > 0 else set()
-
-
-def engine_problems(recipe: Any) -> list[ConfigProblem]:
-    """The engine rules that read several fields (attach needs URLs, hybrid needs the engine, device overlaps)."""
-    e, d = recipe.engine, recipe.data
-    uses, g = features_from_engine(recipe), d.regenerate
-    regen = regenerates_in_engine(recipe)
-    devices = _device_list(e.devices) or []
-    overlap = sorted(_trainer_gpus(recipe.trainer) & set(devices)) if e.mode == "launch" else []
-    gpus, nodes = e.tensor_parallel_size * e.data_parallel_size, e.num_nodes
-    rules = [
-        ("engine.mode", e.mode == "attach" and not e.urls, "attach needs the servers' URLs in engine.urls, e.g. "
-         "[http://10.0.0.5:8000] (or engine.mode: launch to start them here)", ()),
-        ("data.regenerate.base_url", regen and g.base_url is not None, "is for backend openai; backend engine sends "
-         "the requests to the recipe's engine (engine.urls in engine.mode: attach, else servers launched here): "
-         "remove base_url, or set data.regenerate.backend: openai", ("data.regenerate.backend",)),
-        ("engine.max_model_len", regen and e.max_model_len is not None
-         and e.max_model_len < d.max_length + g.max_new_tokens, f"must be at least data.max_length + "
-         f"data.regenerate.max_new_tokens ({d.max_length} + {g.max_new_tokens}) for regeneration in the engine: a "
-         "prompt of up to data.max_length tokens plus the answer (or null = exactly that)",
-         ("data.max_length", "data.regenerate.max_new_tokens", "data.regenerate.backend")),
-        ("engine.urls", e.mode == "launch" and bool(e.urls), "launch starts its own servers, but engine.urls lists "
-         "some: set engine.mode: attach to use them (or empty engine.urls)", ("engine.mode",)),
-        ("engine.replicas", e.mode == "attach" and e.replicas != 1, "replicas are started in launch mode only; in "
-         "attach mode list one URL per server in engine.urls", ("engine.mode",)),
-        ("engine.hidden_states_dir", uses and e.mode == "attach" and not e.hidden_states_dir, "attach mode with "
-         "data.features_backend: vllm needs the directory the servers' hidden-states connector writes to, as this "
-         "machine sees it", ("engine.mode", "data.features_backend")),
-        ("engine.devices", bool(devices) and len(devices) % e.replicas != 0, f"{len(devices)} devices cannot be "
-         f"split evenly over {e.replicas} replicas", ("engine.replicas",)),
-        ("engine.devices", bool(overlap), f"GPUs {overlap} are also the trainer's (trainer.devices = "
-         f"{recipe.trainer.devices!r}); give the engine other GPUs", ("trainer.devices", "trainer.accelerator")),
-        ("engine.max_model_len", uses and e.max_model_len is not None and e.max_model_len <= d.max_length,
-         f"must exceed data.max_length ({d.max_length}): a hidden-states request is the sample plus one token made",
-         ("data.max_length",)),
-        ("data.mode", d.mode == "hybrid" and not uses, "hybrid (the first pass streams from the engine and writes the "
-         "feature store) needs data.features_backend: vllm", ("data.features_backend",)),
-        ("engine.num_nodes", nodes > 1 and e.mode == "launch", "launch starts servers on this node only; a server "
-         "over several nodes is started by `eagle3-zoo serve RECIPE --node-rank R` on each of them (engine.mode: "
-         "attach)", ("engine.mode",)),
-        ("engine.num_nodes", nodes > 1 and gpus % nodes != 0, f"the server's {gpus} GPUs (tensor_parallel_size x "
-         f"data_parallel_size) cannot be split evenly over {nodes} nodes",
-         ("engine.tensor_parallel_size", "engine.data_parallel_size")),
-        ("engine.master_addr", nodes > 1 and not e.master_addr, f"a server over {nodes} nodes needs node 0's address "
-         "as the other nodes reach it (e.g. engine.master_addr=10.0.0.5)", ("engine.num_nodes",)),
-        ("engine.gpu_memory_utilization", e.platform == "cpu" and e.gpu_memory_utilization is not None,
-         "is for GPU engines, but engine.platform is cpu (a CPU build's KV cache is engine.cpu_kv_cache_gib)",
-         ("engine.platform",)),
-    ]
-    return _urls_problems(e.urls) + [ConfigProblem(key, msg, operator.attrgetter(key)(recipe), related=rel)
-                                     for key, broken, msg, rel in rules if broken]

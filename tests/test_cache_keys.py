@@ -42,26 +42,27 @@ def test_cache_keys_keep_their_digests(recipe):
     assert vocab_cache.fingerprint_sources(recipe.data.sources, {"x": "\u00e9"}) == (
         "9dfe740090f5e9464ee5a58d1e3f5cb2b0e3050b5428bf228013402c09661667")
     assert prepare.answers_digest([conv]) == "9534b11d6742ddd031d0feb5cb6287c619749a714c186315b50052338aa05994"
-    assert prepare.data_fingerprint(recipe, tok, "tiny", "digest") == (
+    assert prepare.data_fingerprint(recipe.data, tok, "tiny", "digest") == (
         "70900471c840cee6d805a81b903a5e537942d80bf8040a204ee9f51aee2831d8")
-    assert prepare.regeneration_key(recipe, tok, "tiny") == (
+    assert prepare.regeneration_key(recipe.data, tok, "tiny") == (
         "996fabe076818b838e96e70341437e96cc5af8759fa63ca864e94c3a320508b4")
     assert vocab_cache.vocab_cache_key("f" * 64, "t" * 64, 32000) == (
         "f1e219cfe903c2936c5d8e72f527ffa2cd2838f9e93ff952b569dfd35d786ac5")
-    assert features_dir_for(recipe, "f" * 64, "tiny", (1, 2, 3)).name == "62e2b45de23552ad"
+    assert features_dir_for(recipe.data, recipe.target, "f" * 64, "tiny", (1, 2, 3)).name == "62e2b45de23552ad"
 
 
 def test_every_key_version_is_in_the_table(recipe, monkeypatch):
     """Bumping a version in the one table changes the keys of that kind, and only those."""
     tok = _Tokenizer()
-    before = (prepare.data_fingerprint(recipe, tok, "tiny", "digest"), prepare.regeneration_key(recipe, tok, "tiny"),
+    before = (prepare.data_fingerprint(recipe.data, tok, "tiny", "digest"),
+              prepare.regeneration_key(recipe.data, tok, "tiny"),
               vocab_cache.vocab_cache_key("f" * 64, "t" * 64, 32000),
-              features_dir_for(recipe, "f" * 64, "tiny", (1, 2, 3)).name)
+              features_dir_for(recipe.data, recipe.target, "f" * 64, "tiny", (1, 2, 3)).name)
     for i, kind in enumerate(("token_stream", "regeneration", "draft_vocab_counts", "features")):
         with monkeypatch.context() as m:
             m.setitem(cache_keys.KEY_VERSIONS, kind, f"{cache_keys.KEY_VERSIONS[kind]}-bumped")
-            after = (prepare.data_fingerprint(recipe, tok, "tiny", "digest"),
-                     prepare.regeneration_key(recipe, tok, "tiny"),
+            after = (prepare.data_fingerprint(recipe.data, tok, "tiny", "digest"),
+                     prepare.regeneration_key(recipe.data, tok, "tiny"),
                      vocab_cache.vocab_cache_key("f" * 64, "t" * 64, 32000),
-                     features_dir_for(recipe, "f" * 64, "tiny", (1, 2, 3)).name)
+                     features_dir_for(recipe.data, recipe.target, "f" * 64, "tiny", (1, 2, 3)).name)
         assert [a != b for a, b in zip(after, before)] == [j == i for j in range(4)], kind

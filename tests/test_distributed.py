@@ -299,7 +299,8 @@ def test_fsdp_fit_logs_the_tau_of_its_drafter(tmp_path):
     taus = {int(row["step"]): float(row["val/tau"]) for row in logged if row.get("val/tau")}
     assert list(taus) == [1]  # global step 2, logged as step index 1
     target, tokenizer, adapter = load_target(target_dir)
-    callback, = _tau_eval_callbacks(load_recipe(recipe), tokenizer)
+    loaded = load_recipe(recipe)
+    callback, = _tau_eval_callbacks(loaded.trainer.tau_eval, loaded.data, tokenizer)
     drafter = Eagle3Drafter.from_pretrained(run / "drafter", dtype=torch.float32)
     summary = callback.measure(types.SimpleNamespace(drafter=drafter, target=target, adapter=adapter))
     assert taus[1] == pytest.approx(summary["tau"], rel=1e-6)

@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from eagle3_zoo.cli import main
-from eagle3_zoo.recipe import RecipeError, load_recipe
-from eagle3_zoo.recipe_engine import replica_devices, streams_features, target_sharded_in_trainer
+from eagle3_zoo.recipe import RecipeError, load_recipe, streams_features, target_sharded_in_trainer
+from eagle3_zoo.recipe_engine import replica_devices
 from eagle3_zoo.targets.deployment import EngineDeployment, device_env, server_args
 
 SMOL = "recipes/smollm2_135m.yaml"
@@ -77,7 +77,8 @@ def test_deepseek_print_config_shows_the_engine_deployment(capsys):
     assert cfg["data"]["mode"] == "online" and cfg["data"]["regenerate"]["enabled"] is True
     assert cfg["data"]["regenerate"]["backend"] == "engine"  # the FP8 target answers in the engine, not the trainer
     recipe = load_recipe("recipes/deepseek_v3.yaml")
-    assert streams_features(recipe) and not target_sharded_in_trainer(recipe)  # the trainer reads the heads only
+    # the trainer reads the heads only
+    assert streams_features(recipe.data) and not target_sharded_in_trainer(recipe.data, recipe.trainer)
 
 
 def test_serve_prints_the_engine_command_of_the_recipe(capsys, monkeypatch):

@@ -489,8 +489,8 @@ def test_a_kind_sizes_its_own_training_step():
     class Sized(type(get_kind("eagle3"))):
         name = "sized_toy"
 
-        def step_lines(self, recipe, config, target_config, sizing):
-            return [StepLine("toy step", 3.0 * 2**30, f"batch {recipe.trainer.batch_size}, {sizing.compute_dtype}, "
+        def step_lines(self, section, config, target_config, sizing):
+            return [StepLine("toy step", 3.0 * 2**30, f"batch {sizing.batch_size}, {sizing.compute_dtype}, "
                              f"chunk {sizing.logits_chunk}, target in step: {sizing.target_in_step}")]
 
     register_kind(Sized())

@@ -80,7 +80,7 @@ def test_regeneration_in_the_engine_is_planned_as_the_engine_with_its_parallelis
     assert regen.lines[0].what == "weights" and regen.lines[0].bytes == pytest.approx(hidden.lines[0].bytes)
     assert regen.capacity_gb == pytest.approx(hidden.capacity_gb)  # the engine's GPUs, not the trainer's
     assert "4096 tokens" in table and "data.regenerate.concurrency 64 in flight" in table  # 2048 + 2048 new
-    assert run_plan.regeneration_site(r) == "engine" and run_plan.run_plan(r).target_load != "whole"
+    assert run_plan.regeneration_site(r.data) == "engine" and run_plan.run_plan(r).target_load != "whole"
     attached = plan_recipe(load_recipe("recipes/llama3_70b.yaml")).table()
     assert "\nregeneration: in the engine (1 attached server(s), each tensor parallel 8 x data parallel 1), " \
            "answering the completions" in attached
@@ -300,7 +300,8 @@ def test_regeneration_kv_estimate_matches_the_cache_of_a_real_generate_batch(fam
                                                     f"data.regenerate.batch_size={batch}",
                                                     f"data.regenerate.max_new_tokens={new}"])
     per_token = kv_elements_per_token(config)
-    lines = regeneration_in_process(recipe, config, target_parameter_counts(config, adapter), per_token, "")
+    lines = regeneration_in_process(recipe.data, recipe.target, config, target_parameter_counts(config, adapter),
+                                    per_token, "")
     decode_kv = next(x for x in lines if x.what == "KV cache" and x.phase == "decode").bytes
     assert held == batch * kv_elements(config, per_token, max_length - 1 + new - 1) * 4
     assert decode_kv == batch * kv_elements(config, per_token, max_length - 1 + new) * 4

@@ -136,7 +136,7 @@ def test_recipe_backend_openai_shares_the_cache_key_and_needs_a_url(tmp_path):
     hf = load_recipe(path, ["data.regenerate.enabled=true"])
     api = load_recipe(path, ["data.regenerate.enabled=true", "data.regenerate.backend=openai",
                              "data.regenerate.base_url=http://127.0.0.1:9", "data.regenerate.concurrency=8"])
-    assert regenerated_path(hf, tok, "t") == regenerated_path(api, tok, "t")
+    assert regenerated_path(hf.data, tok, "t") == regenerated_path(api.data, tok, "t")
     no_url = load_recipe(path, ["data.regenerate.enabled=true", "data.regenerate.backend=openai"])
     with pytest.raises(ValueError, match="needs data.regenerate.base_url"):
         regenerate_for_recipe(no_url, _convs(1), tok, None, tmp_path / "x.jsonl")

@@ -133,7 +133,7 @@ def test_tau_callback_renders_prompts_as_the_running_recipe_trains(tmp_path):
     from eagle3_zoo.training.fit import _tau_eval_callbacks
 
     _, _, recipe, tokenizer, adapter = _trained_folder(tmp_path, tau_eval={"every_n_steps": 2, "num_prompts": 2})
-    (callback,) = _tau_eval_callbacks(recipe, tokenizer)
+    (callback,) = _tau_eval_callbacks(recipe.trainer.tau_eval, recipe.data, tokenizer)
     module = types.SimpleNamespace(adapter=adapter, tokenizer=tokenizer)
     prompts = [p.turns[0] for p in load_benchmark("mtbench", limit=2).prompts]
     trained = [_training_prompt(recipe.data, tokenizer, adapter, p) for p in prompts]

@@ -236,7 +236,7 @@ def test_prepare_data_regenerates_caches_and_counts(tiny, tmp_path, monkeypatch)
     from eagle3_zoo.data import prepare
 
     monkeypatch.setitem(KEY_VERSIONS, "token_stream", KEY_VERSIONS["token_stream"] + 1)  # new reading/tokenising rules
-    assert prepare.data_fingerprint(recipe, tok, "tiny", "answers") != first.fingerprint
+    assert prepare.data_fingerprint(recipe.data, tok, "tiny", "answers") != first.fingerprint
 
 
 def test_token_stream_key_follows_the_regenerated_answers_not_their_file(tiny, tmp_path):
@@ -255,7 +255,7 @@ def test_token_stream_key_follows_the_regenerated_answers_not_their_file(tiny, t
     regen = ["data.regenerate.enabled=true", "data.regenerate.max_new_tokens=5", "data.regenerate.batch_size=4"]
     first = prepare_data(load_recipe(path, regen), tok, adapter, target=model, target_id="tiny", vocab_size=512)
     moved = tmp_path / "elsewhere.jsonl"
-    shutil.copy(regenerated_path(load_recipe(path, regen), tok, "tiny"), moved)
+    shutil.copy(regenerated_path(load_recipe(path, regen).data, tok, "tiny"), moved)
     elsewhere = load_recipe(path, [*regen, f"data.regenerate.output={moved}", "data.regenerate.batch_size=2"])
     again = prepare_data(elsewhere, tok, adapter, target=model, target_id="tiny", vocab_size=512)
     assert again.regenerate["reused"] == 4 and again.fingerprint == first.fingerprint
@@ -306,21 +306,21 @@ def test_regenerated_answers_are_shared_by_every_selection_of_the_records(tiny, 
     first = prepare_data(small, tok, adapter, target=model, target_id="tiny", vocab_size=512)
     assert (first.regenerate["generated"], first.regenerate["reused"]) == (4, 0)
     grown = load_recipe(path, [*regen, "data.max_samples=6", "data.val_fraction=0.5", "data.regenerate.batch_size=2"])
-    assert regenerated_path(grown, tok, "tiny") == regenerated_path(small, tok, "tiny")
+    assert regenerated_path(grown.data, tok, "tiny") == regenerated_path(small.data, tok, "tiny")
     second = prepare_data(grown, tok, adapter, target=model, target_id="tiny", vocab_size=512)
     assert (second.regenerate["generated"], second.regenerate["reused"]) == (2, 4)
     assert second.fingerprint != first.fingerprint  # the token stream differs, so the token caches do too
-    lines = regenerated_path(grown, tok, "tiny").read_text().splitlines()
+    lines = regenerated_path(grown.data, tok, "tiny").read_text().splitlines()
     assert len(lines) == 6 and len({json.loads(line)["id"] for line in lines}) == 6  # 4 kept as they were + 2 new
     for change in ("data.regenerate.max_new_tokens=6", "data.max_length=100", "data.regenerate.max_turns=1",
                    "data.regenerate.temperature=0.7"):
-        assert regenerated_path(load_recipe(path, [*regen, change]), tok, "tiny") != regenerated_path(
-            small, tok, "tiny"), change
-    assert regenerated_path(small, tok, "other") != regenerated_path(small, tok, "tiny")
-    before = regenerated_path(small, tok, "tiny")
+        assert regenerated_path(load_recipe(path, [*regen, change]).data, tok, "tiny") != regenerated_path(
+            small.data, tok, "tiny"), change
+    assert regenerated_path(small.data, tok, "other") != regenerated_path(small.data, tok, "tiny")
+    before = regenerated_path(small.data, tok, "tiny")
     with open(data, "a") as f:
         f.write(open(data).readline())  # an edited source file
-    assert regenerated_path(small, tok, "tiny") != before
+    assert regenerated_path(small.data, tok, "tiny") != before
 
 
 def test_reading_rules_version_keys_the_token_stream_not_the_regenerated_answers(tiny, tmp_path, monkeypatch):
@@ -336,13 +336,13 @@ def test_reading_rules_version_keys_the_token_stream_not_the_regenerated_answers
     data = write_chat_jsonl(tmp_path / "chat.jsonl", n=4)
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path, tmp_path, data)),
                          ["data.regenerate.enabled=true"])
-    tokens = prepare.data_fingerprint(recipe, tok, "tiny", "digest")
-    answers = prepare.regeneration_key(recipe, tok, "tiny")
+    tokens = prepare.data_fingerprint(recipe.data, tok, "tiny", "digest")
+    answers = prepare.regeneration_key(recipe.data, tok, "tiny")
     monkeypatch.setitem(KEY_VERSIONS, "token_stream", KEY_VERSIONS["token_stream"] + 1)
-    assert prepare.data_fingerprint(recipe, tok, "tiny", "digest") != tokens
-    assert prepare.regeneration_key(recipe, tok, "tiny") == answers
+    assert prepare.data_fingerprint(recipe.data, tok, "tiny", "digest") != tokens
+    assert prepare.regeneration_key(recipe.data, tok, "tiny") == answers
     monkeypatch.setitem(KEY_VERSIONS, "regeneration", KEY_VERSIONS["regeneration"] + 1)
-    assert prepare.regeneration_key(recipe, tok, "tiny") != answers
+    assert prepare.regeneration_key(recipe.data, tok, "tiny") != answers
 
 
 TOOLS = [{"type": "function", "function": {

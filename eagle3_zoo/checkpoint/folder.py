@@ -18,13 +18,16 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3_zoo.checkpoint.check import require_valid_stage
 from eagle3_zoo.fileio import atomic_write_text, recover_replaced_directory, replace_directory, staged_directory
 from eagle3_zoo.modeling.config import ARCHITECTURE
 from eagle3_zoo.provenance import provenance_json
 from eagle3_zoo.redaction import redact_data
+
+if TYPE_CHECKING:
+    from eagle3_zoo.recipe import Recipe
 
 
 def _finish_tree(directory: Path) -> None:
@@ -96,7 +99,7 @@ def drafter_out_dir(out_dir: str | Path, force: bool = False, force_option: str 
     return path
 
 
-def _save_recipe(recipe: Any, path: Path) -> None:
+def _save_recipe(recipe: Recipe | dict[str, Any], path: Path) -> None:
     """recipe.yaml: a typed recipe as artefacts hold it (`recipe.recipe_to_dict`), a plain dict (read from a
     checkpoint) as data: any `${...}` in it stays literal text, never resolved (it could name an environment
     variable holding a token); secrets redacted in both."""
@@ -110,7 +113,7 @@ def _save_recipe(recipe: Any, path: Path) -> None:
         save_resolved_recipe(recipe, path)
 
 
-def write_drafter_folder(drafter: Any, out_dir: str | Path, recipe: Any,
+def write_drafter_folder(drafter: Any, out_dir: str | Path, recipe: Recipe | dict[str, Any],
                          provenance: dict[str, Any], kind: Any = None) -> Path:
     """Stage `drafter` + recipe.yaml + provenance.json in a temp dir with the files of an existing `out_dir` that the
     project does not own, check it, then rename it to `out_dir` (replacing it).

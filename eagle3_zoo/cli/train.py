@@ -26,7 +26,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     # a bad recipe, or GPUs this machine lacks, is refused before Lightning and torch are imported (seconds to a
     # minute on a loaded machine)
     recipe = load_recipe(args.recipe, args.overrides)
-    require_accelerator(recipe, args.recipe)
+    require_accelerator(recipe.trainer, args.recipe)
     from eagle3_zoo.training.fit import fit
 
     print(fit(recipe, source=args.recipe))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import Dataset
@@ -22,6 +22,9 @@ from torch.utils.data import Dataset
 from eagle3_zoo.data.datamodule import FeatureDataModule, ResumableDataLoader
 from eagle3_zoo.data.engine_feed import final_norm_on_cpu
 from eagle3_zoo.data.hybrid_store import HybridStore
+
+if TYPE_CHECKING:
+    from eagle3_zoo.recipe import Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +251,7 @@ class StreamingDataModule(FeatureDataModule):
         return StreamingLoader(dataset, sampler, position=position, training=shuffle, **kwargs)
 
 
-def streamed_datasets(recipe: Any, data: Any, target: Any, adapter: Any,
+def streamed_datasets(recipe: Recipe, data: Any, target: Any, adapter: Any,
                       aux_ids: tuple[int, ...]) -> tuple[StreamedFeatureDataset, StreamedFeatureDataset | None, Any,
                                                          dict[str, Any]]:
     """The datasets of a run whose states are streamed from the recipe's engine, the engine feed they read, and the
@@ -274,7 +277,7 @@ def streamed_datasets(recipe: Any, data: Any, target: Any, adapter: Any,
                             "engine": recipe.engine.mode}
     if d.mode == "hybrid":
         target_id = recipe.target.name_or_path
-        directory = features_dir_for(recipe, data.fingerprint, target_id, aux_ids)
+        directory = features_dir_for(d, recipe.target, data.fingerprint, target_id, aux_ids)
         store = HybridStore(directory, data.train + data.val, shard_size=d.features_shard_size,
                             dtype=d.features_dtype, meta=store_meta(target_id, aux_ids, data.fingerprint))
         info.update(features_dir=str(directory), dtype=d.features_dtype)

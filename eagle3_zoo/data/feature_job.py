@@ -22,7 +22,7 @@ import functools
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,20 +33,25 @@ from eagle3_zoo.data.ranks import RankSplit, split_for, wait_until
 from eagle3_zoo.fileio import atomic_write_bytes, exclusive_lock
 from eagle3_zoo.progress import Progress
 
+if TYPE_CHECKING:
+    from eagle3_zoo.recipe import DataConfig, Recipe, TargetConfig
+
 logger = logging.getLogger(__name__)
 
 HYBRID_MARKER = ".hybrid"  # in a store directory that a hybrid run is filling (`eagle3_zoo.data.engine_stream`)
 
 
-def features_dir_for(recipe: Any, data_fingerprint: str, target_id: str, aux_layer_ids: tuple[int, ...]) -> Path:
-    """`data.features_dir`, or a directory under `data.cache_dir` keyed by everything the features depend on."""
-    if recipe.data.features_dir:
-        return Path(recipe.data.features_dir)
+def features_dir_for(data: DataConfig, target: TargetConfig, data_fingerprint: str, target_id: str,
+                     aux_layer_ids: tuple[int, ...]) -> Path:
+    """`data.features_dir`, or a directory under `data.cache_dir` keyed by everything the features depend on (the
+    target section's dtype and LoRA among them)."""
+    if data.features_dir:
+        return Path(data.features_dir)
     key = json_sha256({"layout": key_version("features"), "data": data_fingerprint, "target": target_id,
-                       "target_dtype": recipe.target.dtype, "lora": recipe.target.lora_path,
-                       "aux_layer_ids": list(aux_layer_ids), "dtype": recipe.data.features_dtype,
-                       "shard_size": recipe.data.features_shard_size}, "features")
-    return Path(recipe.data.cache_dir) / "features" / key[:16]
+                       "target_dtype": target.dtype, "lora": target.lora_path,
+                       "aux_layer_ids": list(aux_layer_ids), "dtype": data.features_dtype,
+                       "shard_size": data.features_shard_size}, "features")
+    return Path(data.cache_dir) / "features" / key[:16]
 
 
 def store_meta(target_id: str, aux_layer_ids: tuple[int, ...], data_fingerprint: str) -> dict[str, Any]:
@@ -194,7 +199,7 @@ def check_rank(rank: int, world_size: int) -> None:
                          "world size (rank r of N processes of a distributed feature job: --rank r --world-size N)")
 
 
-def extract_features(recipe: Any, *, target: Any = None, tokenizer: Any = None, adapter: Any = None,
+def extract_features(recipe: Recipe, *, target: Any = None, tokenizer: Any = None, adapter: Any = None,
                      data: Any = None, rank: int = 0, world_size: int = 1, verify: str = "size") -> Path:
     """The offline feature job of a recipe: prepare its data like `fit` does and store the target's features.
 
@@ -217,14 +222,14 @@ def extract_features(recipe: Any, *, target: Any = None, tokenizer: Any = None, 
 
     check_rank(rank, world_size)  # before the target is loaded
     if target is None:
-        device = hand_started_device(recipe, rank) if world_size > 1 else None
+        device = hand_started_device(recipe.trainer, rank) if world_size > 1 else None
         target, tokenizer, adapter = load_recipe_target(recipe, device=device)
     target_id = recipe.target.name_or_path
     if data is None:
         data = prepare_data(recipe, tokenizer, adapter, target=target, target_id=target_id,
                             vocab_size=target.config.vocab_size)
     aux_ids = aux_layer_ids_for(recipe, target, adapter)
-    out_dir = features_dir_for(recipe, data.fingerprint, target_id, aux_ids)
+    out_dir = features_dir_for(recipe.data, recipe.target, data.fingerprint, target_id, aux_ids)
     split = RankSplit(rank, world_size) if world_size > 1 else split_for(out_dir)
     model: Any = target
     if is_heads_only(target):  # the whole target is loaded only if this rank has features to extract
@@ -240,7 +245,7 @@ def extract_features(recipe: Any, *, target: Any = None, tokenizer: Any = None, 
     return out_dir
 
 
-def _engine_features_fn(recipe: Any, target: Any, adapter: Any, aux_ids: tuple[int, ...], rank: int,
+def _engine_features_fn(recipe: Recipe, target: Any, adapter: Any, aux_ids: tuple[int, ...], rank: int,
                         stack: contextlib.ExitStack) -> Any:
     """`features_fn` of the feature job through the recipe's engine (`engine:`; launched or attached at the first
     batch that needs features, stopped when `stack` closes)."""
@@ -254,7 +259,7 @@ def _engine_features_fn(recipe: Any, target: Any, adapter: Any, aux_ids: tuple[i
     return functools.partial(feed.states_batch, final_norm=final_norm_on_cpu(adapter.final_norm(target)))
 
 
-def _whole_target(recipe: Any, device: Any) -> Any:
+def _whole_target(recipe: Recipe, device: Any) -> Any:
     from eagle3_zoo.targets.loading import load_recipe_target
 
     return load_recipe_target(recipe, device=device)[0]

@@ -13,7 +13,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -30,6 +30,9 @@ from eagle3_zoo.data.vocab_cache import (
     vocab_cache_key,
 )
 from eagle3_zoo.fileio import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from eagle3_zoo.recipe import DataConfig, Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -104,12 +107,12 @@ def load_examples(cache_dir: str | Path, fingerprint: str) -> tuple[list, list, 
     return examples[:num_train], examples[num_train:], stats
 
 
-def data_fingerprint(recipe: Any, tokenizer: Any, target_id: str, answers: str | None = None) -> str:
+def data_fingerprint(data: DataConfig, tokenizer: Any, target_id: str, answers: str | None = None) -> str:
     """Key of the token stream a recipe produces: sources (content stamps) + settings + tokenizer, and with
     regeneration the digest of the regenerated conversations (`answers_digest`): the answers are what the token
     stream depends on, so moving their file or changing a setting that leaves them unchanged (`batch_size`) keeps
     the caches, and an answer edited or generated again with other results does not reuse a stale one."""
-    d = recipe.data
+    d = data
     if d.regenerate.enabled and answers is None:
         raise ValueError("data.regenerate.enabled: the token-stream key needs the regenerated answers' digest")
     extra = {"max_length": d.max_length, "overflow": d.overflow, "max_samples": d.max_samples,
@@ -126,13 +129,13 @@ def answers_digest(conversations: list[Any]) -> str:
                         for c in conversations], "answers")
 
 
-def regeneration_key(recipe: Any, tokenizer: Any, target_id: str) -> str:
+def regeneration_key(data: DataConfig, tokenizer: Any, target_id: str) -> str:
     """Key of the regenerated-answers file: what an answer depends on (the source files and their format, the
     prompt-length limit, the generation settings and chat-template kwargs, the target and its tokenizer), not which
     records a recipe selects (`max_samples`, `split`, `val_fraction`, `on_error`) nor `batch_size`. The file is a
     per-conversation cache (`eagle3_zoo.data.regenerate`), so growing `max_samples` generates only the
     conversations not answered yet."""
-    d, r = recipe.data, recipe.data.regenerate
+    d, r = data, data.regenerate
     settings = {"max_length": d.max_length, "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
                 "max_turns": r.max_turns, "seed": d.seed if r.temperature > 0 else None, "target": target_id,
                 "chat_template_kwargs": dict(d.chat_template_kwargs)}
@@ -141,12 +144,12 @@ def regeneration_key(recipe: Any, tokenizer: Any, target_id: str) -> str:
                         "tokenizer": tokenizer_fingerprint(tokenizer)}, "regeneration")
 
 
-def regenerated_path(recipe: Any, tokenizer: Any, target_id: str) -> Path:
+def regenerated_path(data: DataConfig, tokenizer: Any, target_id: str) -> Path:
     """`data.regenerate.output`, or `<cache_dir>/regenerated/<regeneration_key>.jsonl`."""
-    out = recipe.data.regenerate.output
+    out = data.regenerate.output
     if out:
         return Path(out)
-    return Path(recipe.data.cache_dir) / "regenerated" / f"{regeneration_key(recipe, tokenizer, target_id)[:16]}.jsonl"
+    return Path(data.cache_dir) / "regenerated" / f"{regeneration_key(data, tokenizer, target_id)[:16]}.jsonl"
 
 
 MIN_VALIDATION_EXAMPLES = 16  # fewer, and val/loss and val/acc_k say more about which conversations than the drafter
@@ -168,7 +171,7 @@ def _warn_small_validation(n_val: int, conversations: int, val_fraction: float, 
                    n_val, val_fraction, conversations, MIN_VALIDATION_EXAMPLES, fraction)
 
 
-def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, target_id: str = "",
+def prepare_data(recipe: Recipe, tokenizer: Any, adapter: Any, target: Any = None, target_id: str = "",
                  vocab_size: int | None = None, split: Any = None) -> PreparedData:
     """Run the data stage of `recipe` (see the module docstring).
 
@@ -191,7 +194,7 @@ def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, 
         from eagle3_zoo.data.ranks import split_for
         from eagle3_zoo.data.regenerate import regenerate_conversations
 
-        path = regenerated_path(recipe, tokenizer, target_id)
+        path = regenerated_path(d, tokenizer, target_id)
         if split is None:
             split = split_for(path.parent)  # collective under torch.distributed: before any early return
         if d.regenerate.backend != "hf":  # an OpenAI-compatible server: same file, same key, same rank split
@@ -214,7 +217,7 @@ def prepare_data(recipe: Any, tokenizer: Any, adapter: Any, target: Any = None, 
                        "tokens or more (no room left for an answer); raise data.max_length to keep them", dropped,
                        dropped + rstats.conversations, d.max_length)
     answers = answers_digest(conversations) if d.regenerate.enabled else None
-    fingerprint = data_fingerprint(recipe, tokenizer, target_id, answers)
+    fingerprint = data_fingerprint(d, tokenizer, target_id, answers)
     train_c, val_c = split_train_val(conversations, d.val_fraction, d.seed)
     cached = load_examples(d.cache_dir, fingerprint)
     if cached is not None:

@@ -32,13 +32,16 @@ import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3_zoo.adapters.chat import thinking_enabled
 from eagle3_zoo.data.ranks import RankSplit
 from eagle3_zoo.data.readers import Conversation
 from eagle3_zoo.data.regenerate import Answer, RegenerateStats, Request, answered_ids, end_ids, regenerate_with
 from eagle3_zoo.targets.openai_client import BadAnswerError, OpenAIClient, ServerError
+
+if TYPE_CHECKING:
+    from eagle3_zoo.recipe import Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +225,7 @@ def regenerate_with_client(
                            max_turns=max_turns, template_kwargs=template_kwargs, split=split, on_error=on_error)
 
 
-def regenerate_for_recipe(recipe: Any, conversations: Sequence[Conversation], tokenizer: Any, adapter: Any,
+def regenerate_for_recipe(recipe: Recipe, conversations: Sequence[Conversation], tokenizer: Any, adapter: Any,
                           out_path: Path, split: RankSplit | None = None) -> tuple[list[Conversation], RegenerateStats]:
     """`data.regenerate.backend` openai (the server at `base_url`), vllm (a server started here for the target) or
     engine (the recipe's engine deployment, `regenerate_in_engine`); `split`: this process's share (default: all of
@@ -256,7 +259,7 @@ def regenerate_for_recipe(recipe: Any, conversations: Sequence[Conversation], to
                                       **kw)
 
 
-def regenerate_in_engine(recipe: Any, conversations: Sequence[Conversation], tokenizer: Any, adapter: Any,
+def regenerate_in_engine(recipe: Recipe, conversations: Sequence[Conversation], tokenizer: Any, adapter: Any,
                          out_path: Path, client_kw: dict[str, Any], **kw: Any) -> tuple[list[Conversation],
                                                                                         RegenerateStats]:
     """`data.regenerate.backend: engine`: the recipe's engine deployment answers (`targets.deployment`).

@@ -89,14 +89,14 @@ def config_from(name: str, section: Any, target_config: Any, *, aux_layer_ids: t
                                           target_name=target_name, torch_dtype=torch_dtype)
 
 
-def step_lines(name: str, recipe: Any, config: Any, target_config: Any, sizing: StepSizing) -> list[StepLine]:
+def step_lines(name: str, section: Any, config: Any, target_config: Any, sizing: StepSizing) -> list[StepLine]:
     """`DrafterKind.step_lines` of the kind registered as `name`: the buffers of its training step, for `plan`. A
     built-in kind not imported yet is not imported.
 
     Raises:
         ValueError: no such kind (`get_kind`); NotImplementedError: a kind that does not size its step.
     """
-    return _sized_by(name, "step_lines")(recipe, config, target_config, sizing)
+    return _sized_by(name, "step_lines")(section, config, target_config, sizing)
 
 
 def _specificity(kind: DrafterKind) -> int:

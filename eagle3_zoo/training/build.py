@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
@@ -25,6 +25,9 @@ from eagle3_zoo.modeling import build_draft_vocab
 from eagle3_zoo.targets.loading import aux_layer_ids_for, load_recipe_target
 from eagle3_zoo.training.module import DrafterModule, with_host_counts
 from eagle3_zoo.training.run_plan import drafter_config, run_plan
+
+if TYPE_CHECKING:
+    from eagle3_zoo.recipe import DrafterConfig, Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class DrafterStart:
         return self.kind.num_parameters(self.config)
 
 
-def drafter_start(recipe: Any, target_config: Any, counts: torch.Tensor, aux_layer_ids: tuple[int, ...],
+def drafter_start(recipe: Recipe, target_config: Any, counts: torch.Tensor, aux_layer_ids: tuple[int, ...],
                   target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
                   target_layers: TargetLayers | None = None) -> DrafterStart:
     """A fresh drafter sized like the target (recipe overrides applied) with the draft vocab from `counts`, or the
@@ -97,7 +100,7 @@ def drafter_start(recipe: Any, target_config: Any, counts: torch.Tensor, aux_lay
                         target_layers=target_layers if from_layers else None)
 
 
-def _load_init(path: str, target_config: Any, aux_layer_ids: tuple[int, ...], wanted: Any = None,
+def _load_init(path: str, target_config: Any, aux_layer_ids: tuple[int, ...], wanted: DrafterConfig | None = None,
                kind: DrafterKind | None = None) -> Any:
     """The `drafter.init_from` drafter (any layout of its kind), checked: of the run's `kind` (None: any), fitting the
     target (`DrafterKind.target_mismatches`) and the run (`DrafterKind.init_mismatches`: the features it reads and
@@ -129,7 +132,7 @@ def _load_init(path: str, target_config: Any, aux_layer_ids: tuple[int, ...], wa
 class TrainingRun:
     """A run built outside a Trainer (`build_run`): its two Lightning objects and what the data stage loaded."""
 
-    recipe: Any
+    recipe: Recipe
     target: Any
     tokenizer: Any
     adapter: Any
@@ -166,7 +169,7 @@ class RunDataModule(FeatureDataModule):
 
     feed: Any = None  # the engine feed of a run that streams hidden states (`StreamingRunDataModule`)
 
-    def __init__(self, recipe: Any, source: str = "recipe"):
+    def __init__(self, recipe: Recipe, source: str = "recipe"):
         super().__init__(None, None, batch_size=recipe.trainer.batch_size, seed=recipe.data.seed,
                          num_workers=recipe.data.num_workers)
         self.recipe, self.source, self.plan = recipe, source, run_plan(recipe)
@@ -184,7 +187,7 @@ class RunDataModule(FeatureDataModule):
             from eagle3_zoo.data.ranks import start_coordination
             from eagle3_zoo.targets.loading import target_device, use_device
 
-            device = use_device(target_device(self.recipe, self.trainer.local_rank))
+            device = use_device(target_device(self.recipe.trainer, self.trainer.local_rank))
             start_coordination()  # at the same point on every rank, before the data stage needs it
             self.prepare_run(device)
             if not self.data.val:  # no validation split (data.val_fraction = 0 and no val source)
@@ -195,8 +198,8 @@ class RunDataModule(FeatureDataModule):
         """Seed, load the target, prepare the data, (offline) extract features, and find what the drafter starts
         from (`DrafterStart`).
 
-        The target is loaded on `device` (default `target_device(recipe)`: this rank's GPU, else the CPU) and does
-        all its work there. Offline without tau eval (and without in-process regeneration or a LoRA) only its
+        The target is loaded on `device` (default `target_device(recipe.trainer)`: this rank's GPU, else the CPU) and
+        does all its work there. Offline without tau eval (and without in-process regeneration or a LoRA) only its
         embedding, final norm and lm_head are read (`load_recipe_target(heads_only=True)`); the feature job loads the
         whole target only if features are missing. Under torch.distributed the data stage is split across the ranks
         that share the cache (`eagle3_zoo.data.ranks`), and every rank waits for all of them before returning (no
@@ -252,7 +255,7 @@ class StreamingRunDataModule(RunDataModule, StreamingDataModule):
     stop are `StreamingDataModule`'s."""
 
 
-def run_datamodule(recipe: Any, source: str = "recipe") -> RunDataModule:
+def run_datamodule(recipe: Recipe, source: str = "recipe") -> RunDataModule:
     """The DataModule of a recipe's run (`StreamingRunDataModule` when the run plan streams hidden states)."""
     return (StreamingRunDataModule if run_plan(recipe).streams else RunDataModule)(recipe, source)
 
@@ -266,7 +269,7 @@ class RecipeModule(DrafterModule):
     inside the strategy's tensor init context (the root device, the precision's dtype), which would change where a fresh
     drafter's random initialisation is drawn; it is drawn on the host in fp32, as `build_run` draws it."""
 
-    def __init__(self, recipe: Any):
+    def __init__(self, recipe: Recipe):
         t, o, plan = recipe.ttt, recipe.optim, run_plan(recipe)
         super().__init__(
             None, kind=recipe.drafter.kind, mode="online" if plan.target_in_step else "offline", ttt_steps=t.steps,
@@ -297,7 +300,7 @@ class RecipeModule(DrafterModule):
                        embed_tokens=adapter.embed_tokens(target), lm_head=adapter.lm_head(target))
 
 
-def build_run(recipe: Any, source: str = "recipe", device: Any = None) -> TrainingRun:
+def build_run(recipe: Recipe, source: str = "recipe", device: Any = None) -> TrainingRun:
     """The run `fit` trains, built outside a Trainer: the DataModule's data stage (`RunDataModule.prepare_run`,
     the target loaded on `device`), then the module's drafter (`RecipeModule.build_drafter`), as Lightning's hooks
     build them in `fit`."""
@@ -332,7 +335,7 @@ def fc_input_scale(train_set: Any, target: Any, adapter: Any, aux_ids: tuple[int
     return (sums / rows).sqrt().clamp_min(1e-6).reciprocal()
 
 
-def _datasets(recipe: Any, data: Any, target: Any, tokenizer: Any, adapter: Any,
+def _datasets(recipe: Recipe, data: Any, target: Any, tokenizer: Any, adapter: Any,
               aux_ids: tuple[int, ...]) -> tuple[Any, Any, dict[str, Any]]:
     from eagle3_zoo.data.datamodule import ExampleDataset, FeatureDataset
 

@@ -41,7 +41,7 @@ from eagle3_zoo.drafters import get_kind
 from eagle3_zoo.fileio import atomic_write, recover_replaced_directory
 from eagle3_zoo.progress import use_bar
 from eagle3_zoo.provenance import git_info
-from eagle3_zoo.recipe import recipe_identity_dict, recipe_to_dict
+from eagle3_zoo.recipe import DataConfig, Recipe, TauEvalConfig, TrainerConfig, recipe_identity_dict, recipe_to_dict
 from eagle3_zoo.training import resume
 from eagle3_zoo.training.build import NO_VALIDATION, RecipeModule, run_datamodule
 from eagle3_zoo.training.callbacks import ProgressLogCallback, StepProgressBar, TTTScheduleCallback
@@ -95,16 +95,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_write(Path(path), lambda tmp: torch.save(checkpoint, tmp))
 
 
-def _loggers(recipe: Any, output_dir: Path) -> list[Any]:
+def _loggers(trainer: TrainerConfig, output_dir: Path) -> list[Any]:
     # A fresh version directory per (re)start: Lightning's CSV writer cannot append to a file whose header lists
     # metrics this process has not logged yet.
     root = output_dir / "logs"
     version = f"version_{len(list(root.glob('version_*'))) if root.is_dir() else 0}"
     out = []
-    for name in recipe.trainer.logger:
+    for name in trainer.logger:
         if name == "csv":
             out.append(CSVLogger(output_dir, name="logs", version=version,
-                                 flush_logs_every_n_steps=recipe.trainer.log_every_n_steps))
+                                 flush_logs_every_n_steps=trainer.log_every_n_steps))
         elif name == "tensorboard":
             out.append(TensorBoardLogger(output_dir, name="logs", version=version, sub_dir="tensorboard",
                                          default_hp_metric=False))
@@ -149,10 +149,10 @@ def _finish_wandb(failed: bool) -> None:
         wandb.finish(exit_code=1 if failed else 0)
 
 
-def _tau_eval_callbacks(recipe: Any, tokenizer: Any = None) -> list[L.Callback]:
-    """Measured tau during training (`eagle3_zoo.speculative.TauEvalCallback`) on MT-bench first turns; without a
-    `tokenizer` the callback takes the run DataModule's in its `setup`."""
-    cfg = recipe.trainer.tau_eval
+def _tau_eval_callbacks(tau_eval: TauEvalConfig, data: DataConfig, tokenizer: Any = None) -> list[L.Callback]:
+    """Measured tau during training (`eagle3_zoo.speculative.TauEvalCallback`) on MT-bench first turns, rendered
+    with `data.chat_template_kwargs`; without a `tokenizer` the callback takes the run DataModule's in its `setup`."""
+    cfg = tau_eval
     if not cfg.every_n_steps:
         return []
     from eagle3_zoo.speculative import TauEvalCallback, load_benchmark
@@ -164,10 +164,10 @@ def _tau_eval_callbacks(recipe: Any, tokenizer: Any = None) -> list[L.Callback]:
                        "measured during training", e)
         return []
     return [TauEvalCallback(prompts, every_n_steps=cfg.every_n_steps, max_new_tokens=cfg.max_new_tokens,
-                            tokenizer=tokenizer, chat_template_kwargs=recipe.data.chat_template_kwargs)]
+                            tokenizer=tokenizer, chat_template_kwargs=data.chat_template_kwargs)]
 
 
-def build_trainer(recipe: Any, callbacks: Sequence[L.Callback] = (), has_val: bool = True,
+def build_trainer(recipe: Recipe, callbacks: Sequence[L.Callback] = (), has_val: bool = True,
                   **overrides: Any) -> L.Trainer:
     """The Lightning Trainer of a recipe (strategy, precision, loggers, checkpoints, the TTT schedule of a kind that
     unrolls). `has_val=False`: no validation (`eagle3_zoo.training.build.without_validation` gives a Trainer built with
@@ -187,7 +187,7 @@ def build_trainer(recipe: Any, callbacks: Sequence[L.Callback] = (), has_val: bo
         accumulate_grad_batches=t.accumulate_grad_batches, gradient_clip_val=recipe.optim.grad_clip,
         gradient_clip_algorithm="norm", val_check_interval=t.val_check_interval,
         check_val_every_n_epoch=None if t.val_check_interval else 1, log_every_n_steps=t.log_every_n_steps,
-        logger=_loggers(recipe, output_dir) or False, callbacks=[*schedule, checkpoint, progress, *callbacks],
+        logger=_loggers(t, output_dir) or False, callbacks=[*schedule, checkpoint, progress, *callbacks],
         default_root_dir=output_dir, use_distributed_sampler=False,  # the batch sampler shards by rank itself
         num_sanity_val_steps=0, plugins=[AtomicCheckpointIO()],
         # a live bar on a terminal; in a log file (CI, batch jobs) the progress callback's lines say the same, and
@@ -207,7 +207,7 @@ class RecipeIdentityCallback(resume.RunIdentityCallback):
     `DrafterStart`); a `last.ckpt` written by a run with other settings is refused there, before anything is written
     and before Lightning restores it. `target_info` and `data_summary` are the run's provenance entries."""
 
-    def __init__(self, recipe: Any, last: Path, git: dict[str, Any]):
+    def __init__(self, recipe: Recipe, last: Path, git: dict[str, Any]):
         super().__init__({}, None)
         self.recipe, self.last, self.git = recipe, last, git
         self.target_info: dict[str, Any] = {}
@@ -241,17 +241,17 @@ class RunLoggers(L.Callback):
     a run refused by its data stage, its target or its resume check writes nothing. The resolved recipe is the
     loggers' hyperparameters (hparams.yaml, TensorBoard)."""
 
-    def __init__(self, recipe: Any):
+    def __init__(self, recipe: Recipe):
         self.recipe = recipe
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        trainer.loggers = _loggers(self.recipe, Path(self.recipe.output_dir))
+        trainer.loggers = _loggers(self.recipe.trainer, Path(self.recipe.output_dir))
         for lg in trainer.loggers:
             lg.log_hyperparams(recipe_to_dict(self.recipe))
 
 
-def fit(recipe: Any, source: str = "recipe") -> Path:
+def fit(recipe: Recipe, source: str = "recipe") -> Path:
     """Train a drafter as `recipe` says; resumes from `output_dir/checkpoints/last.ckpt` when it exists.
 
     The run holds `output_dir` for its whole lifetime (`eagle3_zoo.training.rundir`): a second run on it refuses at
@@ -273,8 +273,8 @@ def fit(recipe: Any, source: str = "recipe") -> Path:
         return _fit(recipe, source)
 
 
-def _fit(recipe: Any, source: str) -> Path:
-    require_accelerator(recipe, source)
+def _fit(recipe: Recipe, source: str) -> Path:
+    require_accelerator(recipe.trainer, source)
     start = time.time()
     git = git_info()  # the code this process runs: commits made while it trains must not be credited to it
     output_dir = Path(recipe.output_dir)
@@ -289,7 +289,7 @@ def _fit(recipe: Any, source: str) -> Path:
     t = recipe.trainer
     record = TrainingRecordCallback(start, static={"strategy": t.strategy, "precision": t.precision})
     identity = RecipeIdentityCallback(recipe, last, git)
-    tau = _tau_eval_callbacks(recipe)  # the tokenizer: the DataModule's, in the callback's setup
+    tau = _tau_eval_callbacks(t.tau_eval, recipe.data)  # the tokenizer: the DataModule's, in the callback's setup
     engine = [EngineFeedCallback()] if run_plan(recipe).streams else []  # hidden states streamed from the engine
     interrupt = InterruptWatch()  # Ctrl-C: exit 130 naming the checkpoint kept, not Lightning's sys.exit(1)
     # the loggers are given in RunLoggers' setup, after the identity's: a refused run writes nothing

@@ -29,7 +29,7 @@ import logging
 import math
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,6 +47,10 @@ from eagle3_zoo.training.plan_report import (  # noqa: F401  (re-exported: the p
     reserve_line,
 )
 from eagle3_zoo.training.run_plan import compute_dtype, stored_dtype  # noqa: F401
+
+if TYPE_CHECKING:
+    from eagle3_zoo.recipe import Recipe
+    from eagle3_zoo.training.run_plan import RunPlan
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +219,7 @@ def kv_elements_per_token(config: Any) -> int:
     return config.num_hidden_layers * per_layer
 
 
-def tau_eval_lines(recipe: Any, target_config: Any, dcfg: Any, n_drafter: int, gathers: bool) -> list[PlanLine]:
+def tau_eval_lines(recipe: Recipe, target_config: Any, dcfg: Any, n_drafter: int, gathers: bool) -> list[PlanLine]:
     """The transient buffers of one tau evaluation (`TauEvalCallback.measure`, between training steps).
 
     Under FSDP every rank gathers the drafter into a plain copy in the parameters' stored dtype
@@ -252,7 +256,7 @@ def tau_eval_lines(recipe: Any, target_config: Any, dcfg: Any, n_drafter: int, g
     return lines
 
 
-def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") -> MemoryPlan:
+def plan_recipe(recipe: Recipe, target_config: Any = None, source: str = "recipe") -> MemoryPlan:
     """The per-GPU memory plan of every phase of a recipe's run, from its run plan (`run_plan`).
 
     Args:
@@ -294,7 +298,7 @@ def plan_recipe(recipe: Any, target_config: Any = None, source: str = "recipe") 
     return plan
 
 
-def _decisions(rp: Any) -> str:
+def _decisions(rp: RunPlan) -> str:
     """The run plan in one line: what of the target a trainer rank loads, the shard layout, the dtypes."""
     dt = {k: str(v).removeprefix("torch.") for k, v in
           (("t", rp.target_dtype), ("s", rp.drafter_dtype), ("c", rp.compute_dtype))}
@@ -305,7 +309,7 @@ def _decisions(rp: Any) -> str:
             f"hidden states: {rp.hidden_states}")
 
 
-def _training_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any, counts: dict[str, int],
+def _training_lines(recipe: Recipe, rp: RunPlan, target_config: Any, dcfg: Any, counts: dict[str, int],
                     dequant: str) -> list[PlanLine]:
     """Per trainer GPU during training: the target (as `rp.target_load` says), the drafter and its optimizer, the
     training step's buffers and the tau evaluation's transient."""
@@ -349,13 +353,15 @@ def _training_lines(recipe: Any, rp: Any, target_config: Any, dcfg: Any, counts:
         # autocast keeps a compute-dtype copy of each fp32 matmul weight for backward (FSDP's bf16 policy has none)
         autocast_copies=tr.precision.endswith("-mixed") and not (fsdp and fsdp_drafter_dtypes(tr.precision)
                                                                  is not None),
-        logits_chunk=LOGITS_CHUNK)
+        logits_chunk=LOGITS_CHUNK, batch_size=tr.batch_size, max_length=recipe.data.max_length,
+        mixed=tr.precision.endswith("-mixed"), activation_checkpointing=tr.activation_checkpointing,
+        ttt_steps=recipe.ttt.steps)
     lines += [PlanLine(line.what, line.bytes, line.note, "training step")
-              for line in step_lines(recipe.drafter.kind, recipe, dcfg, target_config, sizing)]
+              for line in step_lines(recipe.drafter.kind, recipe.drafter, dcfg, target_config, sizing)]
     return _step_and_tau(lines, recipe, rp, target_config, dcfg, n_drafter)
 
 
-def _step_and_tau(lines: list[PlanLine], recipe: Any, rp: Any, target_config: Any, dcfg: Any,
+def _step_and_tau(lines: list[PlanLine], recipe: Recipe, rp: RunPlan, target_config: Any, dcfg: Any,
                   n_drafter: int) -> list[PlanLine]:
     """`lines` + FSDP's drafter buffers, the tau evaluation's transient and the reserve."""
     fsdp = recipe.trainer.strategy == "fsdp"

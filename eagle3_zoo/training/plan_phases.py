@@ -12,10 +12,14 @@ phase fits when that budget holds at least one sequence of the engine's context 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3_zoo.dtypes import torch_dtype
 from eagle3_zoo.training.plan_report import PhasePlan, PlanLine, reserve_line
+
+if TYPE_CHECKING:
+    from eagle3_zoo.recipe import DataConfig, Recipe, TargetConfig, TrainerConfig
+    from eagle3_zoo.recipe_engine import EngineConfig
 
 VLLM_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
 VLLM_BATCHED_TOKENS = 8192  # tokens of one vLLM forward (its chunked-prefill budget on large GPUs): activations
@@ -39,12 +43,12 @@ def kv_elements(config: Any, kv_per_token: int, tokens: int) -> int:
     return kv_per_token // layers * kept
 
 
-def regeneration_in_process(recipe: Any, config: Any, counts: dict[str, int], kv_per_token: int,
-                            dequant: str) -> list[PlanLine]:
+def regeneration_in_process(data: DataConfig, target: TargetConfig, config: Any, counts: dict[str, int],
+                            kv_per_token: int, dequant: str) -> list[PlanLine]:
     """Per trainer GPU: the whole target and one `generate` batch (prefill, then decode to `max_new_tokens`)."""
-    r, t = recipe.data.regenerate, recipe.target
+    r, t = data.regenerate, target
     tb = torch_dtype(t.dtype).itemsize
-    b, p, n = r.batch_size, recipe.data.max_length - 1, r.max_new_tokens
+    b, p, n = r.batch_size, data.max_length - 1, r.max_new_tokens
     kv = kv_per_token * tb
     window = f", sliding-window layers their last {config.sliding_window - 1}" if kv_elements(
         config, kv_per_token, p + n) < kv_per_token * (p + n) else ""
@@ -116,25 +120,26 @@ def engine_lines(config: Any, counts: dict[str, int], kv_per_token: int, *, dtyp
     return lines, after
 
 
-def engine_capacity(recipe: Any, utilization: float | None) -> tuple[float | None, str]:
+def engine_capacity(engine: EngineConfig, trainer: TrainerConfig,
+                    utilization: float | None) -> tuple[float | None, str]:
     """GB per engine GPU that vLLM may use: `gpu_memory_utilization` x `engine.gpu_memory_gb` (null: the trainer's
     GPUs), and the keys it comes from."""
-    e = recipe.engine
+    e = engine
     gpu, key = (e.gpu_memory_gb, "engine.gpu_memory_gb") if e.gpu_memory_gb is not None else (
-        recipe.trainer.gpu_memory_gb, "trainer.gpu_memory_gb")
+        trainer.gpu_memory_gb, "trainer.gpu_memory_gb")
     util = utilization or VLLM_UTILIZATION
     return (None if gpu is None else gpu * util), f"{util:g} (engine.gpu_memory_utilization) x {key}"
 
 
-def regeneration_phase(recipe: Any, config: Any, counts: dict[str, int], kv_per_token: int,
+def regeneration_phase(recipe: Recipe, config: Any, counts: dict[str, int], kv_per_token: int,
                        dequant: str) -> PhasePlan:
     """Regeneration where `run_plan.regeneration_site` puts it: off, in process on every trainer GPU, one vLLM
     server started here (backend vllm: the whole target on one GPU), the recipe's engine (backend engine) or a server
     outside the run (not planned)."""
-    from eagle3_zoo.recipe_engine import regeneration_max_model_len
+    from eagle3_zoo.recipe import regeneration_max_model_len
     from eagle3_zoo.training.run_plan import regeneration_site, trainer_device
 
-    site, r, d, tr = regeneration_site(recipe), recipe.data.regenerate, recipe.data, recipe.trainer
+    site, r, d, tr = regeneration_site(recipe.data), recipe.data.regenerate, recipe.data, recipe.trainer
     name = "regeneration"
     if site == "off":
         return PhasePlan(name, "off (data.regenerate.enabled: false)")
@@ -144,13 +149,13 @@ def regeneration_phase(recipe: Any, config: Any, counts: dict[str, int], kv_per_
                          "target for it")
     if site == "in process":
         return PhasePlan(name, f"in process (backend hf), every trainer rank generating batches of {r.batch_size} "
-                         "with the whole target", regeneration_in_process(recipe, config, counts, kv_per_token,
-                                                                         dequant), tr.gpu_memory_gb,
+                         "with the whole target", regeneration_in_process(d, recipe.target, config, counts,
+                                                                         kv_per_token, dequant), tr.gpu_memory_gb,
                          unit=trainer_device(tr.accelerator))
     if site == "engine":
         how = "for the regeneration only, stopped after it" if recipe.engine.mode == "launch" else \
             "answering the completions"
-        return engine_phase(recipe, config, counts, kv_per_token, name, regeneration_max_model_len(recipe),
+        return engine_phase(recipe, config, counts, kv_per_token, name, regeneration_max_model_len(recipe.engine, d),
                             (r.concurrency, "data.regenerate.concurrency"), how)
     capacity = None if tr.gpu_memory_gb is None else tr.gpu_memory_gb * VLLM_UTILIZATION
     lines, after = engine_lines(config, counts, kv_per_token, dtype=recipe.target.dtype, tp=1, dp=1,
@@ -162,14 +167,14 @@ def regeneration_phase(recipe: Any, config: Any, counts: dict[str, int], kv_per_
                      after)
 
 
-def hidden_states_phase(recipe: Any, config: Any, counts: dict[str, int], kv_per_token: int,
+def hidden_states_phase(recipe: Recipe, config: Any, counts: dict[str, int], kv_per_token: int,
                         dequant: str) -> PhasePlan:
     """The target's hidden states where `run_plan.hidden_states_site` puts them: in the training step (its lines are
     the training phase's), the offline feature job in process, or the recipe's engine."""
-    from eagle3_zoo.recipe_engine import engine_max_model_len
+    from eagle3_zoo.recipe import engine_max_model_len
     from eagle3_zoo.training.run_plan import hidden_states_site, trainer_device
 
-    site, t, tr = hidden_states_site(recipe), recipe.target, recipe.trainer
+    site, t, tr = hidden_states_site(recipe.data), recipe.target, recipe.trainer
     name = "hidden states"
     if site == "training step":
         return PhasePlan(name, "in the training step, by the target on the trainer's GPUs (planned with training)")
@@ -188,15 +193,15 @@ def hidden_states_phase(recipe: Any, config: Any, counts: dict[str, int], kv_per
         return phase
     how = {"online": "streamed to the trainers", "hybrid": "streamed, stored on the first pass",
            "offline": "stored before training"}[recipe.data.mode]
-    return engine_phase(recipe, config, counts, kv_per_token, name, engine_max_model_len(recipe),
+    return engine_phase(recipe, config, counts, kv_per_token, name, engine_max_model_len(recipe.engine, recipe.data),
                         (recipe.engine.concurrency, "engine.concurrency"), how)
 
 
-def engine_phase(recipe: Any, config: Any, counts: dict[str, int], kv_per_token: int, name: str, max_len: int,
+def engine_phase(recipe: Recipe, config: Any, counts: dict[str, int], kv_per_token: int, name: str, max_len: int,
                  concurrency: tuple[int, str], how: str) -> PhasePlan:
     """A phase in the recipe's engine: one engine GPU at the section's parallelism, sequences of `max_len`."""
     e = recipe.engine
-    capacity, key = engine_capacity(recipe, e.gpu_memory_utilization)
+    capacity, key = engine_capacity(e, recipe.trainer, e.gpu_memory_utilization)
     lines, after = engine_lines(config, counts, kv_per_token, dtype=e.dtype or recipe.target.dtype,
                                 tp=e.tensor_parallel_size, dp=e.data_parallel_size, expert_parallel=e.expert_parallel,
                                 max_len=max_len, utilization=e.gpu_memory_utilization or VLLM_UTILIZATION,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from eagle3_zoo.dtypes import torch_dtype
-from eagle3_zoo.recipe_engine import (
+from eagle3_zoo.recipe import (
     features_from_engine,
     streams_features,
     target_in_training_step,
@@ -28,6 +28,8 @@ from eagle3_zoo.recipe_engine import (
 
 if TYPE_CHECKING:
     import torch
+
+    from eagle3_zoo.recipe import DataConfig, DrafterConfig, Recipe, TrainerConfig
 
 
 TargetLoad = Literal["whole", "fsdp shard", "heads only"]
@@ -62,7 +64,7 @@ def devices_per_node(devices: int | str, accelerator: str) -> int:
     return max(_cuda_device_count(), 1) if accelerator in ("gpu", "cuda", "auto") else 1
 
 
-def require_accelerator(recipe: Any, source: str = "recipe") -> None:
+def require_accelerator(trainer: TrainerConfig, source: str = "recipe") -> None:
     """Stop at once when the recipe declares GPUs (`trainer.accelerator: gpu`) and this machine has none, before
     minutes of loading a target that could not be trained here anyway (and, on a machine with no GPU driver, before
     torch is imported).
@@ -70,7 +72,7 @@ def require_accelerator(recipe: Any, source: str = "recipe") -> None:
     Raises:
         ValueError: no CUDA device, or fewer than `trainer.devices`.
     """
-    t = recipe.trainer
+    t = trainer
     if t.accelerator != "gpu":
         return
     have = _cuda_device_count() if gpu_driver_present() else 0
@@ -121,69 +123,69 @@ def fsdp_shard_size(world: int, num_nodes: int) -> int:
     return world // num_nodes
 
 
-def target_skeleton_reason(recipe: Any) -> str | None:
+def target_skeleton_reason(recipe: Recipe) -> str | None:
     """Why the recipe's target must be loaded whole before training (None: FSDP can load it shard by shard).
 
     Only FSDP in online mode shards the target; the data stage must not run the target before it is sharded
     (in-process regeneration, `optim.precondition_fc`'s feature statistics), and a LoRA is merged into full weights.
     """
-    if not target_sharded_in_trainer(recipe):
+    if not target_sharded_in_trainer(recipe.data, recipe.trainer):
         return "only FSDP with the target in the training step (or, features from the engine, for tau evaluation) " \
                "shards the target"
     if recipe.target.lora_path:
         return "target.lora_path is merged into the full weights"
-    if regeneration_site(recipe) == "in process":
+    if regeneration_site(recipe.data) == "in process":
         return "data.regenerate runs the target in this process (backend hf) before training"
     if recipe.optim.precondition_fc and not recipe.drafter.init_from:
         return "optim.precondition_fc runs the target on training samples before training"
-    if _drafter_starts_from_target_layers(recipe):
+    if _drafter_starts_from_target_layers(recipe.drafter):
         return "the drafter's layers are copied from the target's decoder layers before training"
     return None
 
 
-def regeneration_site(recipe: Any) -> Site:
+def regeneration_site(data: DataConfig) -> Site:
     """Where `data.regenerate` runs: off, in process (hf `generate` on every trainer rank), a vLLM server started
     here for the target (backend vllm: one server, no parallelism), a server started outside (backend openai) or the
     recipe's engine deployment (backend engine)."""
-    r = recipe.data.regenerate
+    r = data.regenerate
     if not r.enabled:
         return "off"
     return {"hf": "in process", "vllm": "vllm server", "openai": "server", "engine": "engine"}[r.backend]
 
 
-def hidden_states_site(recipe: Any) -> Site:
+def hidden_states_site(data: DataConfig) -> Site:
     """Where the target's hidden states are computed: in the training step (online, hf), by the recipe's engine
     (`data.features_backend: vllm`) or by the feature job in process (offline, hf)."""
-    if features_from_engine(recipe):
+    if features_from_engine(data):
         return "engine"
-    return "training step" if target_in_training_step(recipe) else "feature job"
+    return "training step" if target_in_training_step(data) else "feature job"
 
 
-def target_load(recipe: Any) -> tuple[TargetLoad, str]:
+def target_load(recipe: Recipe) -> tuple[TargetLoad, str]:
     """What of the target each trainer rank loads, and why: the whole model, its FSDP shard (decoder layers read
     slice by slice after sharding) or only its embedding, final norm and lm_head (features from a store or the
     engine, no tau evaluation, nothing else running the target in this process)."""
-    tau = bool(recipe.trainer.tau_eval.every_n_steps)
-    layers = _drafter_starts_from_target_layers(recipe)
-    if not (target_in_training_step(recipe) or tau or recipe.target.lora_path or layers
-            or regeneration_site(recipe) == "in process"):
-        return "heads only", "features come from " + ("the engine" if features_from_engine(recipe) else "the store")
+    d, tau = recipe.data, bool(recipe.trainer.tau_eval.every_n_steps)
+    layers = _drafter_starts_from_target_layers(recipe.drafter)
+    if not (target_in_training_step(d) or tau or recipe.target.lora_path or layers
+            or regeneration_site(d) == "in process"):
+        return "heads only", "features come from " + ("the engine" if features_from_engine(d) else "the store")
     reason = target_skeleton_reason(recipe)
     if reason is None:
-        return "fsdp shard", "online features" if target_in_training_step(recipe) else "tau evaluation during training"
-    if target_sharded_in_trainer(recipe):
+        return "fsdp shard", "online features" if target_in_training_step(d) else "tau evaluation during training"
+    if target_sharded_in_trainer(d, recipe.trainer):
         return "whole", reason  # loaded whole on every rank, then sharded
-    why = [w for w, on in (("online features", target_in_training_step(recipe)), ("tau evaluation during training",
-           tau), ("data.regenerate in process", regeneration_site(recipe) == "in process"),
+    why = [w for w, on in (("online features", target_in_training_step(d)), ("tau evaluation during training",
+           tau), ("data.regenerate in process", regeneration_site(d) == "in process"),
            ("target.lora_path merged", bool(recipe.target.lora_path)),
            ("the drafter's layers start from the target's", layers)) if on]
     return "whole", ", ".join(why)
 
 
-def _drafter_starts_from_target_layers(recipe: Any) -> bool:
+def _drafter_starts_from_target_layers(drafter: DrafterConfig) -> bool:
     from eagle3_zoo.drafters.base import starts_from_target_layers  # torch-free: the kind's module is not imported
 
-    return not recipe.drafter.init_from and starts_from_target_layers(recipe.drafter, recipe.drafter.kind)
+    return not drafter.init_from and starts_from_target_layers(drafter, drafter.kind)
 
 
 def stored_dtype(precision: str) -> torch.dtype:
@@ -219,7 +221,7 @@ def drafter_dtype_name(precision: str) -> str:
     return "float32"
 
 
-def drafter_config(recipe: Any, target_config: Any, aux_layer_ids: tuple[int, ...] | None) -> Any:
+def drafter_config(recipe: Recipe, target_config: Any, aux_layer_ids: tuple[int, ...] | None) -> Any:
     """The config of a fresh drafter of the recipe's `drafter.kind` (`DrafterKind.config_from`): sized like the target,
     with the family's published-drafter shape (`TargetAdapter.drafter_defaults`) and the recipe's overrides on top.
     A built-in kind that builds its config without torch is not imported (`eagle3_zoo.drafters.config_from`): `plan`
@@ -259,18 +261,18 @@ class RunPlan:
         return self.world_size // self.shard if self.strategy == "fsdp" else self.world_size
 
 
-def run_plan(recipe: Any) -> RunPlan:
+def run_plan(recipe: Recipe) -> RunPlan:
     """The decisions of `recipe`'s run (nothing loaded, nothing allocated)."""
-    tr = recipe.trainer
+    tr, d = recipe.trainer, recipe.data
     world = world_size(tr.devices, tr.num_nodes, tr.accelerator)
     load, why = target_load(recipe)
     tau = bool(tr.tau_eval.every_n_steps)
-    in_step = target_in_training_step(recipe)
+    in_step = target_in_training_step(d)
     return RunPlan(
         world_size=world, num_nodes=tr.num_nodes, strategy=tr.strategy,
         shard=fsdp_shard_size(world, tr.num_nodes) if tr.strategy == "fsdp" else 1,
         target_load=load, target_load_reason=why, target_in_step=in_step, target_kept=in_step or tau,
-        target_sharded=target_sharded_in_trainer(recipe), tau=tau, regeneration=regeneration_site(recipe),
-        hidden_states=hidden_states_site(recipe), streams=streams_features(recipe),
+        target_sharded=target_sharded_in_trainer(d, tr), tau=tau, regeneration=regeneration_site(d),
+        hidden_states=hidden_states_site(d), streams=streams_features(d),
         target_dtype=torch_dtype(recipe.target.dtype), drafter_dtype=stored_dtype(tr.precision),
         compute_dtype=compute_dtype(tr.precision))

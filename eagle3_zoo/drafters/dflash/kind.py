@@ -160,9 +160,9 @@ class DFlashKind(DrafterKind):
         """Config fields of a kind built on this one, from its recipe subsection (DFlash: none)."""
         return {}
 
-    def step_lines(self, recipe: Any, config: DFlashConfig, target_config: Any,
+    def step_lines(self, section: Any, config: DFlashConfig, target_config: Any,
                    sizing: StepSizing) -> list[StepLine]:
-        return dflash_sizing.step_lines(recipe, config, target_config, sizing, subsection=self.name, title=self.title)
+        return dflash_sizing.step_lines(section, config, target_config, sizing, subsection=self.name, title=self.title)
 
     def features(self, config: DFlashConfig) -> FeatureNeeds:
         return FeatureNeeds(aux_layer_ids=config.aux_layer_ids, final_hidden=False)

@@ -104,7 +104,7 @@ def dflash_saved_bytes(config: Any, batch: int, max_length: int, num_anchors: in
     return {"context": context, "blocks": block, "mask": mask, "loss_rows": rows, "autocast_weights": weights}
 
 
-def step_lines(recipe: Any, config: DFlashConfig, target_config: Any, sizing: StepSizing,
+def step_lines(section: Any, config: DFlashConfig, target_config: Any, sizing: StepSizing,
                subsection: str = "dflash", title: str = "DFlash") -> list[StepLine]:
     """The buffers of one DFlash training step (`DFlashKind.training_loss`): the target's forward to the feature
     layers when the step runs it, the features (`sizing.feature_dtype`, and the drafter's stored dtype they are cast
@@ -113,13 +113,13 @@ def step_lines(recipe: Any, config: DFlashConfig, target_config: Any, sizing: St
     backward with the logits' gradient; with soft labels (`labels: soft`, when the kind's `training_features` asks
     for the target's last hidden state) also that state, the target's fp32 `[chunk, V]` logits and their softmax over
     the draft vocabulary, and the gathered `[rows, H]` target states) and, under `*-mixed` outside FSDP's bf16
-    policy, autocast's weight copies. `subsection` and `title`: the recipe's section and the name on the lines of a
-    kind built on DFlash (DSpark)."""
-    tr, d = recipe.trainer, getattr(recipe.drafter, subsection)
+    policy, autocast's weight copies. `section`: the recipe's `drafter` section; `subsection` and `title`: its
+    subsection and the name on the lines of a kind built on DFlash (DSpark)."""
+    d = getattr(section, subsection)
     final = getattr(d, "labels", "hard") == "soft"  # DFlashKind.training_features: the last hidden state for soft
     compute, sbytes = sizing.compute_dtype, sizing.drafter_dtype.itemsize
     tbytes, compute_name = sizing.target_dtype.itemsize, str(compute).removeprefix("torch.")
-    batch, length = tr.batch_size, recipe.data.max_length
+    batch, length = sizing.batch_size, sizing.max_length
     tokens, blocks = batch * length, min(d.num_anchors, length)
     attention = "flex" if sizing.on_gpu else "dense"
     saved = dflash_saved_bytes(config, batch, length, d.num_anchors, compute, attention)
@@ -147,7 +147,7 @@ def step_lines(recipe: Any, config: DFlashConfig, target_config: Any, sizing: St
                           f"{config.block_size} per row) through every layer, {compute_name}; {mask}"))
     chunk, vd = sizing.logits_chunk, config.draft_vocab_size
     c = compute.itemsize
-    own_head = vd * config.hidden_size * c if config.reduced_vocab and tr.precision.endswith("-mixed") else 0
+    own_head = vd * config.hidden_size * c if config.reduced_vocab and sizing.mixed else 0
     soft = 0
     if final:  # the rows' gathered target states instead of their labels, a chunk of the target's fp32 logits and
         # their softmax

@@ -87,10 +87,10 @@ class DSparkKind(DFlashKind):
     def config_extras(self, subsection: Any) -> dict[str, Any]:
         return {"markov_rank": subsection.markov_rank, "enable_confidence_head": subsection.enable_confidence_head}
 
-    def step_lines(self, recipe: Any, config: DSparkConfig, target_config: Any, sizing: Any) -> list[Any]:
+    def step_lines(self, section: Any, config: DSparkConfig, target_config: Any, sizing: Any) -> list[Any]:
         from eagle3_zoo.drafters.dspark.sizing import step_lines
 
-        return step_lines(recipe, config, target_config, sizing)
+        return step_lines(section, config, target_config, sizing)
 
     def features(self, config: DSparkConfig) -> Any:
         """DFlash's feature layers and the target's last hidden state (the loss's target distribution)."""

@@ -9,15 +9,15 @@ from eagle3_zoo.drafters.base import StepLine, StepSizing
 from eagle3_zoo.drafters.dflash import sizing as dflash_sizing
 
 
-def step_lines(recipe: Any, config: Any, target_config: Any, sizing: StepSizing) -> list[StepLine]:
+def step_lines(section: Any, config: Any, target_config: Any, sizing: StepSizing) -> list[StepLine]:
     """DFlash's lines (`drafter.dspark`'s backbone), plus an estimate from DSpark's shapes: the target's last hidden
     state over the batch, and per supervised row (batch x anchors x block_size at most: every slot predicts) the
     Markov embedding, the target's hidden row and the confidence head's fp32 input kept for backward, and the target
     side of one checkpointed chunk (the target's fp32 logits over the whole vocabulary and their softmax). DFlash's
     "loss chunk" line counts block_size - 1 rows per block, one fewer than DSpark supervises."""
-    lines = dflash_sizing.step_lines(recipe, config, target_config, sizing, subsection="dspark", title="DSpark")
-    d = recipe.drafter.dspark
-    batch, length = recipe.trainer.batch_size, recipe.data.max_length
+    lines = dflash_sizing.step_lines(section, config, target_config, sizing, subsection="dspark", title="DSpark")
+    d = section.dspark
+    batch, length = sizing.batch_size, sizing.max_length
     tokens, rows = batch * length, batch * min(d.num_anchors, length) * config.block_size
     fdt = sizing.feature_dtype
     h, r = config.target_hidden_size, config.markov_rank

@@ -51,9 +51,9 @@ class Eagle3Kind(DrafterKind):
         return eagle3_sizing.config_from(section, target_config, aux_layer_ids=aux_layer_ids, defaults=defaults,
                                          target_name=target_name, torch_dtype=torch_dtype)
 
-    def step_lines(self, recipe: Any, config: Eagle3Config, target_config: Any,
+    def step_lines(self, section: Any, config: Eagle3Config, target_config: Any,
                    sizing: StepSizing) -> list[StepLine]:
-        return eagle3_sizing.step_lines(recipe, config, target_config, sizing)
+        return eagle3_sizing.step_lines(section, config, target_config, sizing)
 
     def features(self, config: Eagle3Config) -> FeatureNeeds:
         return FeatureNeeds(aux_layer_ids=tuple(config.aux_layer_ids), final_hidden=True)

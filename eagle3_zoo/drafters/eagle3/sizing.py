@@ -64,15 +64,14 @@ def ttt_saved_bytes(config: Any, tokens: int, steps: int, compute: Any = None,
             * tokens * c, "autocast_weights": weights}
 
 
-def step_lines(recipe: Any, config: Eagle3Config, target_config: Any, sizing: StepSizing) -> list[StepLine]:
+def step_lines(section: Any, config: Eagle3Config, target_config: Any, sizing: StepSizing) -> list[StepLine]:
     """The buffers of one EAGLE-3 training step: the target's forward (online) or a chunk of its logits from the
-    stored final hidden; what the TTT rollout keeps for backward over the recipe's `ttt.steps` (`ttt_saved_bytes`;
+    stored final hidden; what the TTT rollout keeps for backward over `sizing.ttt_steps` (`ttt_saved_bytes`;
     the MLP's activations of all steps but one are recomputed under activation checkpointing); autocast's weight
     copies; the target probabilities over the draft vocabulary and one lm_head gradient buffer."""
-    tr = recipe.trainer
     compute = sizing.compute_dtype
     compute_name = str(compute).removeprefix("torch.")
-    tokens, steps = tr.batch_size * recipe.data.max_length, recipe.ttt.steps
+    tokens, steps = sizing.batch_size * sizing.max_length, sizing.ttt_steps
     lines = []
     if sizing.target_in_step:
         h, inter = target_config.hidden_size, target_config.intermediate_size
@@ -84,8 +83,8 @@ def step_lines(recipe: Any, config: Eagle3Config, target_config: Any, sizing: St
                               "fp32 lm_head logits of the stored final hidden, a chunk at a time"))
     saved = ttt_saved_bytes(config, tokens, steps, compute)
     act = saved["activations"]
-    note = f"{steps} TTT steps x {tokens} tokens (batch {tr.batch_size} x {recipe.data.max_length}), {compute_name}"
-    if tr.activation_checkpointing:  # the MLP's 4 [T, I] tensors are recomputed in backward, one step at a time
+    note = f"{steps} TTT steps x {tokens} tokens (batch {sizing.batch_size} x {sizing.max_length}), {compute_name}"
+    if sizing.activation_checkpointing:  # the MLP's 4 [T, I] tensors are recomputed in backward, one step at a time
         act -= (steps - 1) * 4 * config.intermediate_size * tokens * compute.itemsize
         note += "; MLP activations recomputed (activation checkpointing)"
     lines.append(StepLine("TTT activations", act + saved["loss_rows"] + saved["fc_input"], note))
