@@ -38,6 +38,7 @@ redone (an interrupted run resumes; delete OUT/<arm> to redo an arm):
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib.util
 import json
 import os
@@ -123,15 +124,27 @@ def _val(metrics: dict, arm: str) -> str:
     return " / ".join("-" if v is None else f"{v:.2f}" for v in vals)
 
 
+def last_validation_step(run: Path) -> str:
+    """The step of the run's last validation, from its CSV log (`logs/version_*/metrics.csv`); "-" without one."""
+    step = None
+    for path in sorted(run.glob("logs/version_*/metrics.csv")):
+        with path.open() as f:
+            for row in csv.DictReader(f):
+                if row.get("val/loss"):
+                    step = row.get("step")
+    return "-" if step is None else str(int(step) + 1)  # the logged step counts from 0
+
+
 def training_table(out: Path) -> str:
     lines = ["| Arm | recipe | steps in the budget | `fit` wall s (data preparation included) | training record s "
-             "| validation top-1 acceptance per position (EAGLE-3 `acc_0..6`, DFlash `acc_1..15`) |",
-             "|---|---|---|---|---|---|"]
+             "| validation top-1 acceptance per position (EAGLE-3 `acc_0..6`, DFlash `acc_1..15`) | at step |",
+             "|---|---|---|---|---|---|---|"]
     for arm, (label, recipe, _) in ARMS.items():
         training = ((_load(out / arm / "drafter" / "provenance.json") or {}).get("training") or {})
         seconds = (out / f"{arm}.fit_seconds").read_text().strip() if (out / f"{arm}.fit_seconds").is_file() else "-"
         lines.append(f"| {label} | `{recipe}` | {training.get('global_step', '-')} | {seconds} "
-                     f"| {training.get('wall_time_s', '-')} | {_val(training.get('final_metrics') or {}, arm)} |")
+                     f"| {training.get('wall_time_s', '-')} | {_val(training.get('final_metrics') or {}, arm)} "
+                     f"| {last_validation_step(out / arm)} |")
     return "\n".join(lines)
 
 

@@ -70,8 +70,12 @@ def test_table_rows_reference_and_lossless_counts(tmp_path):
             {"training": {"global_step": 77, "wall_time_s": 500.0, "final_metrics": metrics}}))
         (tmp_path / arm / "drafter" / "config.json").write_text(json.dumps({"block_size": block} if block else {}))
         (tmp_path / f"{arm}.fit_seconds").write_text("555\n")
+    (tmp_path / "eagle3" / "logs" / "version_0").mkdir(parents=True)
+    (tmp_path / "eagle3" / "logs" / "version_0" / "metrics.csv").write_text(
+        "epoch,step,train/loss,val/loss\n0,9,1.0,\n0,19,,2.0\n0,29,1.0,\n0,39,,1.5\n0,41,1.0,\n")
     train = kinds.training_table(tmp_path).splitlines()
     assert len(train) == 4 and "| 77 | 555 | 500.0 |" in train[2]
+    assert train[2].endswith("| 40 |") and train[3].endswith("| - |")  # the last validation: step 39 + 1
     assert train[2].count("0.50") == 7 and train[3].count("0.50") == 15  # acc_0..6 / acc_1..15
     rows = [r.split(" | ") for r in kinds.judged_table(tmp_path).splitlines()[2:]]
     assert len(rows) == len(kinds.ROWS)
