@@ -20,8 +20,9 @@ categories, both turns, `--max-new` tokens):
 - our decoder (`eagle3-zoo eval`): EAGLE-3 chain 7 and the EAGLE-2 tree 8/10/60, DFlash its block;
 - vLLM (`eagle3-zoo eval --engine vllm`): EAGLE-3 with 7 speculative tokens, DFlash its block (method dflash), each
   request's acceptance read from vLLM's counters before and after it (requests run one at a time).
-Per row: tau (new tokens / cycles for our decoder; 1 + accepted / drafts for vLLM) and the speedup on this machine
-(plain-decoding seconds / speculative seconds over the same requests: tokens/s ratio when the outputs are identical),
+Per row: tau (tokens per cycle, accepted + bonus, for our decoder; 1 + accepted / drafts for vLLM) and the speedup on
+this machine (plain-decoding seconds / speculative seconds over the same requests: the tokens/s ratio when the outputs
+are identical),
 each with a 95% bootstrap interval over requests, and the difference to EAGLE-3 chain 7 of the same judge with a
 paired 95% bootstrap interval (an interval that contains 0 is no difference this measurement resolves).
 Validation acceptance per position comes from each run's last validation (`val/acc_k`: EAGLE-3 TTT step k, DFlash
@@ -79,7 +80,8 @@ def _load(path: Path) -> dict | None:
 def request_pairs(result: dict | None, judge: str) -> tuple[dict[str, tuple[float, float]],
                                                                dict[str, tuple[float, float]]]:
     """Per request id: (tau numerator, denominator) and (plain-decoding seconds, speculative seconds) of one
-    evaluation. Ours: new tokens / cycles; vLLM: (drafts + accepted) / drafts from the request's own counters.
+    evaluation. Ours: the request's tau x cycles / cycles (its tau counts the tokens of its cycles, as the overall
+    tau of `eval` does); vLLM: (drafts + accepted) / drafts from the request's own counters.
     A request without the needed fields is left out."""
     tau, speed = {}, {}
     if judge == "vllm":
@@ -91,8 +93,8 @@ def request_pairs(result: dict | None, judge: str) -> tuple[dict[str, tuple[floa
             spec = r.get("spec") or {}
             if spec.get("drafts"):
                 tau[rid] = (spec["drafts"] + spec["accepted_tokens"], spec["drafts"])
-        elif r.get("cycles"):
-            tau[rid] = (r["new_tokens"], r["cycles"])
+        elif r.get("cycles"):  # tokens the cycles produced (accepted + bonus: the prefill's token not counted)
+            tau[rid] = (r["tau"] * r["cycles"] if r.get("tau") is not None else r["new_tokens"], r["cycles"])
         if r.get("baseline_seconds") and r.get("seconds"):
             speed[rid] = (r["baseline_seconds"], r["seconds"])
     return tau, speed

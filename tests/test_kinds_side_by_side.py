@@ -42,6 +42,11 @@ def test_pooled_interval_is_the_pooled_ratio_with_a_bracketing_bootstrap():
     assert vtau["mtbench:1/turn1"] == (48, 32) and at.pooled_ratio_interval(vtau)[0] == 1 + 48 / 128
     assert at.pooled_ratio_interval(vspeed) == (2 / 3, 2 / 3, 2 / 3)  # plain seconds / speculative seconds
     assert at.pooled_ratio_interval({}) is None
+    # a request's own tau (tokens of its cycles, the prefill's first token not counted) is what is pooled when given
+    with_tau = _ours(BASE)
+    for r in with_tau["requests"]["mtbench"]:
+        r["tau"] = 63 / r["cycles"]
+    assert at.pooled_ratio_interval(kinds.request_pairs(with_tau, "ours")[0])[0] == 63 * 8 / sum(BASE)
 
 
 def test_paired_difference_pairs_by_request_id_not_by_position():
