@@ -310,6 +310,9 @@ class TrainerConfig:
     """Lightning Trainer switches; parallelism stays coarse (one strategy builder reads them)."""
     max_steps: int | None = ruled(None, GT0)  # optimizer steps; null = run max_epochs
     max_epochs: int | None = ruled(1, GT0)
+    # wall-clock seconds of training (Lightning's max_time: checked after every step, validation included, data
+    # preparation and model loading not); the run stops at the first limit reached; null = no time limit
+    max_time: float | None = ruled(None, GT0)
     precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"] = "32-true"
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"  # gpu: stop at once without CUDA GPUs; auto: else the CPU
     devices: int | str = ruled("auto", rule(_devices_ok, 'expected a count >= 1, -1 (all), "auto" or a comma list of '

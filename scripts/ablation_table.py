@@ -43,23 +43,50 @@ def _requests(result: dict | None) -> dict[str, tuple[int, int]]:
     return out
 
 
-def paired_tau_difference(reference: dict | None, other: dict | None, *, resamples: int = 2000,
+def _bounds(boot: list[float]) -> tuple[float, float]:
+    n = len(boot)
+    return boot[int(0.025 * n)], boot[min(n - 1, int(0.975 * n))]
+
+
+def pooled_ratio_interval(rows: dict[str, tuple[float, float]], *, resamples: int = 2000,
                           seed: int = 0) -> tuple[float, float, float] | None:
-    """tau(other) - tau(reference) over the requests both evaluated, with a 95% paired-bootstrap interval;
-    None when they share no request."""
-    ref, oth = _requests(reference), _requests(other)
-    ids = sorted(set(ref) & set(oth))
+    """sum(numerator) / sum(denominator) over `rows` (request id -> (numerator, denominator)), e.g. tau = new tokens
+    / cycles, with a 95% bootstrap interval over the requests; None without rows."""
+    values = list(rows.values())
+    if not values:
+        return None
+
+    def ratio(sample: list[tuple[float, float]]) -> float:
+        return sum(n for n, _ in sample) / max(1e-12, sum(d for _, d in sample))
+
+    rng = random.Random(seed)
+    boot = sorted(ratio([rng.choice(values) for _ in values]) for _ in range(resamples))
+    return (ratio(values), *_bounds(boot))
+
+
+def paired_ratio_difference(reference: dict[str, tuple[float, float]], other: dict[str, tuple[float, float]], *,
+                            resamples: int = 2000, seed: int = 0) -> tuple[float, float, float] | None:
+    """ratio(other) - ratio(reference) (`pooled_ratio_interval`'s ratio) over the request ids both hold, with a 95%
+    paired-bootstrap interval (each resample draws the same requests for both); None when they share none."""
+    ids = sorted(set(reference) & set(other))
     if not ids:
         return None
 
     def diff(sample: list[str]) -> float:
-        def tau(d: dict[str, tuple[int, int]]) -> float:
-            return sum(d[i][0] for i in sample) / max(1, sum(d[i][1] for i in sample))
-        return tau(oth) - tau(ref)
+        def ratio(d: dict[str, tuple[float, float]]) -> float:
+            return sum(d[i][0] for i in sample) / max(1e-12, sum(d[i][1] for i in sample))
+        return ratio(other) - ratio(reference)
 
     rng = random.Random(seed)
     boot = sorted(diff([rng.choice(ids) for _ in ids]) for _ in range(resamples))
-    return diff(ids), boot[int(0.025 * resamples)], boot[min(resamples - 1, int(0.975 * resamples))]
+    return (diff(ids), *_bounds(boot))
+
+
+def paired_tau_difference(reference: dict | None, other: dict | None, *, resamples: int = 2000,
+                          seed: int = 0) -> tuple[float, float, float] | None:
+    """tau(other) - tau(reference) over the requests both evaluated, with a 95% paired-bootstrap interval
+    (tau = new tokens / cycles of the resampled requests); None when they share no request."""
+    return paired_ratio_difference(_requests(reference), _requests(other), resamples=resamples, seed=seed)
 
 
 def _fmt_diff(d: tuple[float, float, float] | None) -> str:

@@ -32,7 +32,6 @@ import argparse
 import importlib.util
 import json
 import os
-import random
 import shlex
 import subprocess
 import sys
@@ -60,16 +59,8 @@ def _ablation_table():
 
 def tau_interval(result: dict | None, resamples: int = 2000, seed: int = 0) -> tuple[float, float, float] | None:
     """Pooled tau (new tokens / cycles) of one evaluation with a 95% bootstrap interval over its requests."""
-    rows = list(_ablation_table()._requests(result).values())
-    if not rows:
-        return None
-
-    def tau(sample: list[tuple[int, int]]) -> float:
-        return sum(n for n, _ in sample) / max(1, sum(c for _, c in sample))
-
-    rng = random.Random(seed)
-    boot = sorted(tau([rng.choice(rows) for _ in rows]) for _ in range(resamples))
-    return tau(rows), boot[int(0.025 * resamples)], boot[min(resamples - 1, int(0.975 * resamples))]
+    at = _ablation_table()
+    return at.pooled_ratio_interval(at._requests(result), resamples=resamples, seed=seed)
 
 
 def shape_result(evaluation: dict | None, shape: str) -> dict | None:

@@ -301,3 +301,31 @@ def test_engine_requests_log_progress_while_an_answer_is_slow(monkeypatch, caplo
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("vLLM eval (")]
     assert len([line for line in lines if "0/1 request" in line and "waiting" in line]) >= 2, lines
     assert "1/1 request (100%)" in lines[-1]
+
+
+def test_engine_requests_carry_their_own_counter_difference_and_baseline_seconds():
+    """With `counters`, each request's row holds the spec-decode counters it added (read before and after it)."""
+    from types import SimpleNamespace
+
+    from eagle3_zoo.speculative.engine_eval import _results, run_requests
+
+    bench = SimpleNamespace(name="b", prompts=[SimpleNamespace(id=f"p{i}", is_chat=False) for i in range(3)])
+    prompts = {"b:p0": [5, 6, 7], "b:p1": [8, 9], "b:p2": [4]}
+    with FakeOpenAIServer() as server:
+        def counters() -> dict:  # as if request i drafted 10 * (i + 1) times and had 2 * (i + 1) accepted at pos 0
+            totals = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0, "accepted_per_position": [0.0]}
+            for i in range(len(server.completions)):
+                totals["drafts"] += 10 * (i + 1)
+                totals["draft_tokens"] += 30 * (i + 1)
+                totals["accepted_tokens"] += 2 * (i + 1)
+                totals["accepted_per_position"][0] += 2 * (i + 1)
+            return totals
+
+        rows = run_requests(OpenAIClient(server.url, retries=0), "fake-model", [bench], tokenizer=SimpleNamespace(
+            decode=lambda ids, **kw: ""), max_new_tokens=4, stop_ids=[2], prompts=prompts, counters=counters)
+    assert [rows[k]["spec"]["drafts"] for k in prompts] == [10, 20, 30]
+    assert [rows[k]["spec"]["accepted_tokens"] for k in prompts] == [2, 4, 6]
+    assert rows["b:p1"]["spec"]["tau"] == 1.2 and rows["b:p2"]["spec"]["accepted_per_position"] == [6]
+    out = _results(rows, rows, {"tau": 1.2}, settings={})["requests"]
+    assert [r["spec"]["drafts"] for r in out] == [10, 20, 30]
+    assert all(r["baseline_seconds"] == r["seconds"] for r in out)

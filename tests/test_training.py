@@ -293,3 +293,26 @@ def test_offline_module_reads_bf16_features(tiny_target):
     with pytest.raises(ValueError, match="online mode needs the target"):
         DrafterModule(online.drafter, adapter, None, embed_tokens=adapter.embed_tokens(model),
                      lm_head=adapter.lm_head(model), mode="online")
+
+
+def test_trainer_max_time_is_lightnings_wall_clock_limit_and_resumable(tmp_path):
+    """`trainer.max_time` (seconds) becomes the Trainer's Timer; null = none. A resume may change it."""
+    from datetime import timedelta
+
+    from lightning.pytorch.callbacks import Timer
+    from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
+
+    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.training.fit import build_trainer
+    from eagle3_zoo.training.resume import RESUMABLE_KEYS
+
+    (tmp_path / "target").mkdir()
+    path = write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path, tmp_path / "target",
+                                                          write_chat_jsonl(tmp_path / "d.jsonl", n=2)))
+    timed = build_trainer(load_recipe(path, ["trainer.max_time=90"]), logger=False)
+    timers = [c for c in timed.callbacks if isinstance(c, Timer)]
+    assert len(timers) == 1 and timers[0]._duration == timedelta(seconds=90).total_seconds()
+    assert not [c for c in build_trainer(load_recipe(path), logger=False).callbacks if isinstance(c, Timer)]
+    with pytest.raises(Exception, match="trainer.max_time"):
+        load_recipe(path, ["trainer.max_time=0"])
+    assert "trainer.max_time" in RESUMABLE_KEYS

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -194,18 +194,30 @@ def _stop_ids(model_dir: str, tokenizer: Any) -> list[int]:
 
 def run_requests(client: OpenAIClient, model: str, benches: Sequence[Any], tokenizer: Any, *, max_new_tokens: int,
                  stop_ids: Sequence[int], prompts: dict[str, list[int]] | None = None,
-                 template_kwargs: Mapping[str, Any] | None = None,
-                 sampling: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+                 template_kwargs: Mapping[str, Any] | None = None, sampling: Mapping[str, Any] | None = None,
+                 counters: Callable[[], dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
     """Every request of `benches` (chat turns conditioned on this server's own earlier answers, as our decoder does,
     rendered with `template_kwargs`), or, with `prompts`, exactly those token-id prompts (with no `benches`: all of
     `prompts`, in their order); per request id
     ``{"prompt", "tokens", "seconds"}``. `sampling`: `sampling_params`; its seed, if any, plus the request's index
-    is each request's seed (the same on both servers)."""
+    is each request's seed (the same on both servers). `counters` (the server's spec-decode counters,
+    `parse_spec_metrics`), read before and after each request (requests run one at a time), adds the request's own
+    ``"spec"`` (`spec_summary` of the difference) to its row."""
     from eagle3_zoo.adapters.conversation import Message
     from eagle3_zoo.progress import Progress
     from eagle3_zoo.speculative.evaluation import turn_input_ids
 
     rows: dict[str, dict[str, Any]] = {}
+
+    def one(ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+        before = counters() if counters else None
+        tokens, seconds = complete(client, model, ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                                   sampling=params)
+        row = {"prompt": ids, "tokens": tokens, "seconds": seconds}
+        if before is not None:
+            row["spec"] = spec_summary(before, counters())
+        return row
+
     total = len(prompts) if prompts is not None else sum(len(p.turns) if p.is_chat else 1 for b in benches
                                                          for p in b.prompts)
     # a line every EAGLE3_ZOO_LOG_EVERY_S while the requests run (a CPU engine answers a few tokens a second)
@@ -215,10 +227,8 @@ def run_requests(client: OpenAIClient, model: str, benches: Sequence[Any], token
                 params = dict(sampling or {})
                 if "seed" in params:
                     params["seed"] += len(rows)
-                tokens, seconds = complete(client, model, list(ids), max_new_tokens=max_new_tokens,
-                                           stop_ids=stop_ids, sampling=params)
-                rows[rid] = {"prompt": list(ids), "tokens": tokens, "seconds": seconds}
-                progress.update(1, tokens=len(tokens))
+                rows[rid] = one(list(ids), params)
+                progress.update(1, tokens=len(rows[rid]["tokens"]))
         for bench in benches:
             for prompt in bench.prompts:
                 history: list[Message] = []
@@ -232,9 +242,8 @@ def run_requests(client: OpenAIClient, model: str, benches: Sequence[Any], token
                     params = dict(sampling or {})
                     if "seed" in params:
                         params["seed"] += len(rows)
-                    tokens, seconds = complete(client, model, ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                                               sampling=params)
-                    rows[rid] = {"prompt": ids, "tokens": tokens, "seconds": seconds}
+                    rows[rid] = one(ids, params)
+                    tokens = rows[rid]["tokens"]
                     progress.update(1, tokens=len(tokens))
                     history.append(Message("assistant", tokenizer.decode(tokens, skip_special_tokens=True)))
     return rows
@@ -316,7 +325,8 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
         model = client.models()[0]
         before = parse_spec_metrics(client.metrics())
         spec_rows = run_requests(client, model, loaded, tokenizer, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                                 prompts=prompts, template_kwargs=chat_template_kwargs, sampling=sampling)
+                                 prompts=prompts, template_kwargs=chat_template_kwargs, sampling=sampling,
+                                 counters=lambda: parse_spec_metrics(client.metrics()))
         counters = spec_summary(before, parse_spec_metrics(client.metrics()))
     base_rows = None
     if baseline:
@@ -390,6 +400,8 @@ def _results(spec_rows: dict[str, dict[str, Any]], base_rows: dict[str, dict[str
             overall["speedup"] = overall["spec_tokens_per_s"] / overall["baseline_tokens_per_s"]
     requests = [{"id": rid, "prompt_tokens": len(r["prompt"]), "new_tokens": len(r["tokens"]),
                  "seconds": r["seconds"], "prompt_ids": r["prompt"], "token_ids": r["tokens"],
+                 **({"spec": r["spec"]} if "spec" in r else {}),
+                 **({"baseline_seconds": base_rows[rid]["seconds"]} if base_rows is not None else {}),
                  **({"matches_baseline": r["tokens"] == base_rows[rid]["tokens"]} if compared else {})}
                 for rid, r in spec_rows.items()]
     return {"protocol": PROTOCOL_ENGINE, "settings": settings, "overall": overall, "tau": overall["tau"],

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +185,7 @@ def build_trainer(recipe: Recipe, callbacks: Sequence[L.Callback] = (), has_val:
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
         strategy=build_strategy(t.strategy, devices=t.devices, num_nodes=t.num_nodes, accelerator=t.accelerator),
         precision=t.precision, max_steps=t.max_steps if t.max_steps is not None else -1, max_epochs=t.max_epochs,
+        max_time=None if t.max_time is None else timedelta(seconds=t.max_time),
         accumulate_grad_batches=t.accumulate_grad_batches, gradient_clip_val=recipe.optim.grad_clip,
         gradient_clip_algorithm="norm", val_check_interval=t.val_check_interval,
         check_val_every_n_epoch=None if t.val_check_interval else 1, log_every_n_steps=t.log_every_n_steps,

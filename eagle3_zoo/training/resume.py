@@ -39,8 +39,9 @@ GLOBAL_BATCH = "global batch (trainer.batch_size x devices x num_nodes)"
 # Recipe keys that do not change what is trained, only how long, where from/to, or what is logged: they may differ
 # between the run that wrote a checkpoint and the run that resumes it.
 RESUMABLE_KEYS = (
-    "output_dir", "demo", "trainer.max_steps", "trainer.max_epochs", "trainer.checkpoint_every_n_steps",
-    "trainer.val_check_interval", "trainer.log_every_n_steps", "trainer.logger", "trainer.tau_eval",
+    "output_dir", "demo", "trainer.max_steps", "trainer.max_epochs", "trainer.max_time",
+    "trainer.checkpoint_every_n_steps", "trainer.val_check_interval", "trainer.log_every_n_steps", "trainer.logger",
+    "trainer.tau_eval",
     "trainer.activation_checkpointing", "trainer.devices", "trainer.num_nodes", "trainer.batch_size",
     "data.num_workers", "data.cache_dir", "data.features_dir",
     "data.features_shard_size", "data.regenerate.output", "data.regenerate.batch_size",
