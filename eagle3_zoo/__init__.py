@@ -7,8 +7,7 @@ Names are imported on first use (PEP 562): `import eagle3_zoo` loads no torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from eagle3_zoo.util.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -20,15 +19,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

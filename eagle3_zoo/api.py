@@ -25,8 +25,8 @@ from eagle3_zoo.checkpoint.opened import OpenedDrafter
 if TYPE_CHECKING:
     import torch
 
-    from eagle3_zoo.draft_shapes import TreeSpec
     from eagle3_zoo.speculative.evaluation import EvalSettings
+    from eagle3_zoo.values.draft_shapes import TreeSpec
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,8 @@ class DrafterFolder(OpenedDrafter):
         import torch
 
         from eagle3_zoo.adapters import load_target
-        from eagle3_zoo.dtypes import torch_dtype
         from eagle3_zoo.speculative.evaluation import EvalSettings, evaluate, evaluate_shapes
+        from eagle3_zoo.values.dtypes import torch_dtype
 
         target_name = self.eval_target(target)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -99,7 +99,7 @@ def main() -> int:
 
     import torch
 
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
 
     out = Path(args.out)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch "

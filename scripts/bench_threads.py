@@ -12,7 +12,7 @@ embedded target's shape (SmolLM2-135M: 30 layers, hidden 576, fp32; no download)
 Settings: `default` (nothing set: torch's one thread per core, libgomp's spinning waits), `omp1`
 (`OMP_NUM_THREADS=1`), `passive2` (2 threads, `OMP_WAIT_POLICY=PASSIVE`: waiting threads sleep at once), `spin2` (2
 threads, `GOMP_SPINCOUNT=10000`: they spin briefly, then sleep), and `auto` (what every eagle3-zoo command does:
-`eagle3_zoo.threads.configure_threads`).
+`eagle3_zoo.util.threads.configure_threads`).
 
     .venv/bin/python scripts/bench_threads.py [--rounds 1] [--new-tokens 48] [--settings default,omp1,auto]
 
@@ -36,7 +36,7 @@ SETTINGS = {
     "omp1": {"OMP_NUM_THREADS": "1"},
     "passive2": {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"},
     "spin2": {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "10000"},  # spin briefly (libgomp's default: 300000)
-    "auto": None,  # eagle3_zoo.threads.configure_threads() in the child, before torch is imported
+    "auto": None,  # eagle3_zoo.util.threads.configure_threads() in the child, before torch is imported
 }
 _CLEARED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME",
             "EAGLE3_ZOO_THREADS")
@@ -55,7 +55,7 @@ def child(setting: str, new_tokens: int) -> None:
     chosen = None
     if SETTINGS[setting] is None:
         sys.path.insert(0, str(ROOT))
-        from eagle3_zoo.threads import configure_threads
+        from eagle3_zoo.util.threads import configure_threads
 
         chosen = configure_threads().describe()
     import torch

@@ -102,7 +102,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from eagle3_zoo.data.feature_job import extract_features
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
     from eagle3_zoo.targets.loading import load_recipe_target
 
     work = Path(tempfile.mkdtemp(prefix="bench_train_"))

@@ -625,8 +625,8 @@ def _fit_recipe(s: Shapes, work: Path, device: torch.device) -> Path:
 def check_fit(s: Shapes, device: torch.device, work: Path, strategy: str) -> None:
     """`fit` as shipped: the recipe file with dotlist overrides, through `eagle3_zoo.training.fit.fit`."""
     import eagle3_zoo.training.fit as fit_module
-    from eagle3_zoo.progress import LOG_EVERY_ENV
-    from eagle3_zoo.recipe import load_recipe  # needs omegaconf (carried as a wheel: scripts/gpu_check.sh)
+    from eagle3_zoo.recipe.sections import load_recipe  # needs omegaconf (carried as a wheel: scripts/gpu_check.sh)
+    from eagle3_zoo.util.progress import LOG_EVERY_ENV
 
     recipe_file = _fit_recipe(s, work, device)
     warmup, timed = s.fit_steps

@@ -6,7 +6,7 @@ import sys
 import torch
 
 from eagle3_zoo.drafters.dflash.model import DFlashDrafter
-from eagle3_zoo.recipe import load_recipe
+from eagle3_zoo.recipe.sections import load_recipe
 from eagle3_zoo.speculative.dflash_decode import DFlashGenerator, measure
 from eagle3_zoo.targets.loading import load_recipe_target
 

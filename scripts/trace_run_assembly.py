@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "tests"))
     from training_fixtures import tiny_run_files
 
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
     from eagle3_zoo.training import fit as fit_module
 
     with tempfile.TemporaryDirectory(prefix="trace-assembly-") as tmp:

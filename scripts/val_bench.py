@@ -45,7 +45,7 @@ def main() -> None:
 
     from eagle3_zoo.data.features import atomic_write_bytes
     from eagle3_zoo.data.prepare import prepare_data
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
     from eagle3_zoo.targets.loading import load_recipe_target
 
     recipe = load_recipe(args.recipe, args.overrides)

@@ -5,8 +5,8 @@ import sys
 import pytest
 
 from eagle3_zoo.adapters import TemplateMappingError, available_adapters, get_adapter, load_embedded_tokenizer
-from eagle3_zoo.adapters import chat as chat_module
-from eagle3_zoo.adapters.chat import ChatFormat, build_chat_example, load_chat_format
+from eagle3_zoo.chat import formats as chat_module
+from eagle3_zoo.chat.formats import ChatFormat, build_chat_example, load_chat_format
 
 SYSTEM = "You are a terse geography tutor."
 # 3 turns; the last reply has multi-byte characters that byte-level BPE splits across tokens
@@ -351,7 +351,7 @@ TOOLS = [{"type": "function", "function": {
 
 @pytest.fixture(scope="module", params=FORMATS)
 def fmt_tokenizer(request):
-    from eagle3_zoo.adapters.testing import build_tiny_tokenizer
+    from eagle3_zoo.chat.tiny_tokenizer import build_tiny_tokenizer
 
     fmt = load_chat_format(request.param)
     return fmt, build_tiny_tokenizer(fmt.tokenizer, fmt.template)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from eagle3_zoo.adapters import embedded, load_target
-from eagle3_zoo.adapters.chat import load_chat_format
+from eagle3_zoo.chat.formats import load_chat_format
 
 
 def test_gguf_is_found_without_importing_its_package():

@@ -17,7 +17,7 @@ from eagle3_zoo.adapters import UnknownAdapterError, adapter_for, available_adap
 from eagle3_zoo.checkpoint import check_drafter, convert_to_canonical, export_drafter
 from eagle3_zoo.drafters.eagle3.decode import Eagle3DraftModel
 from eagle3_zoo.modeling import Eagle3Config
-from eagle3_zoo.recipe import Recipe
+from eagle3_zoo.recipe.sections import Recipe
 from eagle3_zoo.training.build import drafter_config
 from tests.test_speculative_support import random_drafter, tiny_target
 

@@ -11,7 +11,7 @@ from training_fixtures import save_tiny_target, tiny_recipe, write_recipe
 
 from eagle3_zoo.cli import main
 from eagle3_zoo.data.readers import DataError
-from eagle3_zoo.recipe import RecipeError
+from eagle3_zoo.recipe.sections import RecipeError
 from eagle3_zoo.training.fit import fit_main
 
 
@@ -157,7 +157,7 @@ def test_provenance_records_the_git_state_at_the_start_of_the_run(env, tmp_path,
 
     # the checkout as `fit` finds it, and as it is when the drafter is written (a commit landed meanwhile)
     monkeypatch.setattr(fit_module, "git_info", lambda *a: {"sha": "a" * 40, "dirty": True}, raising=False)
-    monkeypatch.setattr("eagle3_zoo.training.outputs.git_info", lambda *a: {"sha": "b" * 40, "dirty": False})
+    monkeypatch.setattr("eagle3_zoo.training.rundir.outputs.git_info", lambda *a: {"sha": "b" * 40, "dirty": False})
     data = tmp_path / "data.jsonl"
     data.write_text("".join(line + "\n" for line in GOOD))
     recipe = tiny_recipe(tmp_path, env[1], data, trainer={"max_steps": 1, "checkpoint_every_n_steps": None,

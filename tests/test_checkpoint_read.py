@@ -11,9 +11,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from tiny import tiny_drafter
 
-from eagle3_zoo.training.checkpoint_io import DRAFTER_INFO_KEY
-from eagle3_zoo.training.outputs import consolidate_checkpoint, drafter_info
-from eagle3_zoo.training.resume import IDENTITY_KEY, ResumeError, read_checkpoint_identity
+from eagle3_zoo.training.rundir.checkpoint_io import DRAFTER_INFO_KEY
+from eagle3_zoo.training.rundir.outputs import consolidate_checkpoint, drafter_info
+from eagle3_zoo.training.rundir.resume import IDENTITY_KEY, ResumeError, read_checkpoint_identity
 
 IDENTITY = {"optim.lr": "0.001", "data.fingerprint": "abc"}
 

@@ -17,7 +17,7 @@ import pytest
 from test_cli_errors import _closed_port_url
 
 from eagle3_zoo.cli import main
-from eagle3_zoo.training.run_plan import gpu_driver_present
+from eagle3_zoo.recipe.decisions import gpu_driver_present
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "lightning")

@@ -55,7 +55,7 @@ def test_gpu_recipe_without_gpus_stops_before_loading_anything(monkeypatch, caps
 
 
 def test_atomic_writes_get_ordinary_permissions(tmp_path):
-    from eagle3_zoo.fileio import atomic_write_text
+    from eagle3_zoo.util.fileio import atomic_write_text
 
     umask = os.umask(0o027)
     try:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from eagle3_zoo.adapters.conversation import ROLE_ALIASES, Message, MessageError
+from eagle3_zoo.chat.conversation import ROLE_ALIASES, Message, MessageError
 from eagle3_zoo.data.readers import read_conversations
 from eagle3_zoo.speculative.benchmarks import load_benchmark
 

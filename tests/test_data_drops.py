@@ -12,7 +12,7 @@ import pytest
 from training_fixtures import tiny_llama_target, tiny_recipe, write_recipe
 
 from eagle3_zoo.data.prepare import prepare_data
-from eagle3_zoo.recipe import load_recipe
+from eagle3_zoo.recipe.sections import load_recipe
 
 LONG = "the quick brown fox jumps over the lazy dog " * 12  # 181 prompt tokens (tiny tokenizer); short ones: 86
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
 
-from eagle3_zoo.recipe import load_recipe
+from eagle3_zoo.recipe.sections import load_recipe
 
 
 @pytest.fixture

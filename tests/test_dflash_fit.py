@@ -78,7 +78,7 @@ def test_dflash_is_a_builtin_kind():
 
 def test_only_a_kind_that_unrolls_gets_the_ttt_schedule(files):
     """The Trainer of a DFlash run has no TTT schedule (nothing logs or shows `ttt_steps`); an EAGLE-3 run's has."""
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
     from eagle3_zoo.training.callbacks import TTTScheduleCallback
     from eagle3_zoo.training.fit import build_trainer
 
@@ -142,7 +142,7 @@ def test_same_seed_rerun_is_bit_identical_and_resume_continues(files, trained):
     ckpt = torch.load(tmp / "resumed/checkpoints/last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == 30
     # a resume with another DFlash setting is refused, naming the key
-    from eagle3_zoo.training.resume import ResumeError
+    from eagle3_zoo.training.rundir.resume import ResumeError
 
     with pytest.raises(ResumeError, match="drafter.dflash.num_anchors"):
         _fit(tmp, target, data, "resumed", "trainer.max_steps=40", "drafter.dflash.num_anchors=4")
@@ -179,7 +179,7 @@ def test_check_folder_reports_a_broken_dflash_folder(files, trained, tmp_path):
 
 
 def test_consolidate_writes_the_same_dflash_folder(files, trained):
-    from eagle3_zoo.training.outputs import consolidate_checkpoint
+    from eagle3_zoo.training.rundir.outputs import consolidate_checkpoint
 
     tmp, _, _ = files
     out = consolidate_checkpoint(tmp / "run/checkpoints/last.ckpt", tmp / "consolidated")
@@ -206,7 +206,7 @@ def test_consolidate_writes_the_same_dflash_folder(files, trained):
     ("trainer.activation_checkpointing=true", "trainer.activation_checkpointing"),
 ])
 def test_bad_dflash_keys_are_refused_naming_the_key(files, override, key):
-    from eagle3_zoo.recipe import RecipeError, load_recipe
+    from eagle3_zoo.recipe.sections import RecipeError, load_recipe
 
     tmp, target, data = files
     path = write_recipe(tmp / "bad.yaml", _recipe(tmp, target, data, ttt={"steps": 3}))
@@ -217,7 +217,7 @@ def test_bad_dflash_keys_are_refused_naming_the_key(files, override, key):
 
 def test_soft_labels_are_refused_for_another_kind(files):
     """`drafter.dflash.labels: soft` with an EAGLE-3 drafter would do nothing: refused, naming the key and the kind."""
-    from eagle3_zoo.recipe import RecipeError, load_recipe
+    from eagle3_zoo.recipe.sections import RecipeError, load_recipe
 
     tmp, target, data = files
     path = write_recipe(tmp / "soft_eagle3.yaml", _recipe(tmp, target, data))
@@ -238,7 +238,7 @@ def test_fit_with_soft_labels_reads_the_targets_last_hidden_state(files, trained
     tmp, target_dir, data = files
     torch.set_num_threads(1)
     kind = get_kind("dflash")
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
 
     recipe = load_recipe(write_recipe(tmp / "soft_plan.yaml", _recipe(tmp, target_dir, data)),
                          ["drafter.dflash.labels=soft"])
@@ -262,7 +262,7 @@ def test_fit_with_soft_labels_reads_the_targets_last_hidden_state(files, trained
 
 
 def test_target_layer_ids_out_of_range_is_refused(files):
-    from eagle3_zoo.recipe import RecipeError, load_recipe
+    from eagle3_zoo.recipe.sections import RecipeError, load_recipe
     from eagle3_zoo.targets.loading import load_recipe_target
 
     tmp, target, data = files
@@ -273,9 +273,9 @@ def test_target_layer_ids_out_of_range_is_refused(files):
 
 
 def test_plan_sizes_a_dflash_drafter(files):
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.decisions import drafter_config
+    from eagle3_zoo.recipe.sections import load_recipe
     from eagle3_zoo.targets.loading import feature_layer_ids
-    from eagle3_zoo.training.run_plan import drafter_config
 
     tmp, target, data = files
     from transformers import AutoConfig

@@ -13,10 +13,10 @@ from eagle3_zoo.adapters import get_adapter
 from eagle3_zoo.drafters import get_kind
 from eagle3_zoo.drafters.dflash.model import DFlashDrafter
 from eagle3_zoo.modeling import build_draft_vocab
-from eagle3_zoo.recipe import load_recipe
+from eagle3_zoo.recipe.decisions import drafter_config
+from eagle3_zoo.recipe.sections import load_recipe
 from eagle3_zoo.targets.loading import feature_layer_ids
 from eagle3_zoo.training.build import drafter_start
-from eagle3_zoo.training.run_plan import drafter_config
 
 DFLASH = {"kind": "dflash", "draft_vocab_size": 128, "aux_layer_ids": None,
           "dflash": {"num_layers": 1, "block_size": 4, "num_anchors": 32, "target_layer_ids": [0, 1, 2]}}

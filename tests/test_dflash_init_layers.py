@@ -9,7 +9,7 @@ import pytest
 import torch
 from training_fixtures import save_tiny_target, tiny_recipe, write_chat_jsonl, write_recipe
 
-from eagle3_zoo.recipe import load_recipe
+from eagle3_zoo.recipe.sections import load_recipe
 
 DFLASH = {"kind": "dflash", "draft_vocab_size": 128, "aux_layer_ids": None,
           "dflash": {"num_layers": 2, "block_size": 4, "num_anchors": 8, "target_layer_ids": [0, 1, 2]}}
@@ -73,6 +73,6 @@ def test_init_layers_default_is_the_random_start_it_always_was(files):
 
 
 def test_init_layers_is_a_resume_identity_key_with_its_default():
-    from eagle3_zoo.training.resume import ADDED_KEYS
+    from eagle3_zoo.training.rundir.resume import ADDED_KEYS
 
     assert ADDED_KEYS["drafter.dflash.init_layers"] == repr("random")

@@ -18,13 +18,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint import check_drafter, detect_format, export_drafter, import_drafter
 from eagle3_zoo.checkpoint.dflash_check import CPU_ATTENTION_HEAD_SIZES
 from eagle3_zoo.checkpoint.dflash_layouts import speculators_dflash_config, zlab_config
 from eagle3_zoo.cli import main as cli
 from eagle3_zoo.drafters.dflash.config import DFlashConfig
 from eagle3_zoo.drafters.dflash.model import DFlashDrafter
+from eagle3_zoo.values import layout_names
 from tests.hub_fixtures import canonical_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -284,7 +284,7 @@ def test_published_drafter_configs_check_offline(fixture, target, other, monkeyp
 
 def test_the_zoo_lists_the_published_dflash_drafters_by_kind():
     from eagle3_zoo.hub.zoo import find_zoo
-    from eagle3_zoo.zoo_registry import ZooRegistryError, read_registry
+    from eagle3_zoo.values.zoo_registry import ZooRegistryError, read_registry
 
     for repo in ("z-lab/Qwen3-8B-DFlash-b16", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"):
         entry = find_zoo(repo)

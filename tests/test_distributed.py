@@ -283,7 +283,7 @@ def test_fsdp_fit_logs_the_tau_of_its_drafter(tmp_path):
 
     from eagle3_zoo.adapters.loading import load_target
     from eagle3_zoo.modeling import Eagle3Drafter
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
     from eagle3_zoo.training.fit import _tau_eval_callbacks
 
     target_dir = save_tiny_target(tmp_path / "target")

@@ -18,7 +18,7 @@ from eagle3_zoo.checkpoint import InvalidDrafterError, check_drafter, export_dra
 from eagle3_zoo.checkpoint.convert import tensors_digest
 from eagle3_zoo.checkpoint.weights import weights_digest
 from eagle3_zoo.cli import main as cli_main
-from eagle3_zoo.fileio import sha256_file
+from eagle3_zoo.util.fileio import sha256_file
 from tests import test_hub_check
 from tests.hub_fixtures import canonical_dir, edit_weights, official_dir, tiny_target_config
 from tests.test_speculative_eval import _saved_target_and_drafter

@@ -45,7 +45,7 @@ def test_a_registered_kind_is_a_valid_recipe_kind():
 
 
 def test_recipe_refuses_an_unknown_kind(tmp_path):
-    from eagle3_zoo.recipe import RecipeError, load_recipe
+    from eagle3_zoo.recipe.sections import RecipeError, load_recipe
     from tests.training_fixtures import tiny_recipe, write_recipe
 
     path = write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path, tmp_path / "t", tmp_path / "d.jsonl",
@@ -55,7 +55,7 @@ def test_recipe_refuses_an_unknown_kind(tmp_path):
 
 
 def test_an_identity_saved_before_drafter_kind_resumes():
-    from eagle3_zoo.training.resume import identity_differences
+    from eagle3_zoo.training.rundir.resume import identity_differences
 
     old = {"drafter.fc_norm": "False"}
     assert identity_differences(old, {**old, "drafter.kind": repr("eagle3")}) == []

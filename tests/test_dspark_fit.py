@@ -154,7 +154,7 @@ def test_offline_features_and_consolidate_write_the_same_dspark_drafter(files, t
     folder `fit` wrote."""
     from pathlib import Path
 
-    from eagle3_zoo.training.outputs import consolidate_checkpoint
+    from eagle3_zoo.training.rundir.outputs import consolidate_checkpoint
 
     tmp, target, data = files
     torch.set_num_threads(1)
@@ -173,7 +173,7 @@ def test_the_dspark_objective_is_the_recipes(files):
     """The kind's objective takes the recipe's loss weights and decay (a zero TV weight leaves CE + BCE)."""
     from eagle3_zoo.drafters.dflash.loss import select_anchors
     from eagle3_zoo.drafters.dspark.loss import dspark_loss
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
 
     tmp, target, data = files
     recipe = load_recipe(write_recipe(tmp / "w.yaml", _recipe(tmp, target, data)),
@@ -219,7 +219,7 @@ def test_the_dspark_objective_is_the_recipes(files):
     ("trainer.activation_checkpointing=true", "trainer.activation_checkpointing"),
 ])
 def test_bad_dspark_keys_are_refused_naming_the_key(files, override, key):
-    from eagle3_zoo.recipe import RecipeError, load_recipe
+    from eagle3_zoo.recipe.sections import RecipeError, load_recipe
 
     tmp, target, data = files
     path = write_recipe(tmp / "bad.yaml", _recipe(tmp, target, data, ttt={"steps": 3}))
@@ -231,7 +231,7 @@ def test_bad_dspark_keys_are_refused_naming_the_key(files, override, key):
 
 
 def test_dspark_target_layer_ids_out_of_range_is_refused(files):
-    from eagle3_zoo.recipe import RecipeError, load_recipe
+    from eagle3_zoo.recipe.sections import RecipeError, load_recipe
     from eagle3_zoo.targets.loading import load_recipe_target
 
     tmp, target, data = files
@@ -242,7 +242,7 @@ def test_dspark_target_layer_ids_out_of_range_is_refused(files):
 
 
 def test_a_resume_with_another_dspark_setting_is_refused():
-    from eagle3_zoo.training.resume import ADDED_KEYS, identity_differences
+    from eagle3_zoo.training.rundir.resume import ADDED_KEYS, identity_differences
 
     old = {"drafter.fc_norm": "False", "drafter.kind": repr("dspark")}
     assert ADDED_KEYS["drafter.dspark.markov_rank"] == "256" and ADDED_KEYS["drafter.dspark.bce_weight"] == "1.0"
@@ -254,9 +254,9 @@ def test_plan_sizes_a_dspark_drafter_and_reads_its_layers(files):
     from transformers import AutoConfig
 
     from eagle3_zoo.adapters import get_adapter
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.decisions import drafter_config
+    from eagle3_zoo.recipe.sections import load_recipe
     from eagle3_zoo.targets.loading import feature_layer_ids
-    from eagle3_zoo.training.run_plan import drafter_config
 
     tmp, target, data = files
     recipe = load_recipe(write_recipe(tmp / "plan.yaml", _recipe(tmp, target, data)))
@@ -270,8 +270,8 @@ def test_plan_sizes_a_dspark_drafter_and_reads_its_layers(files):
 def test_plan_sizes_the_dspark_recipes_step(monkeypatch):
     """The shipped DSpark recipe's step: DFlash's block activations plus DSpark's target distribution and heads,
     which grow with the Markov rank and vanish from the DFlash recipe's plan."""
-    from eagle3_zoo.recipe import load_recipe
-    from eagle3_zoo.training.plan import plan_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
+    from eagle3_zoo.training.planner.plan import plan_recipe
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint import check_drafter, detect_format, export_drafter, import_drafter
 from eagle3_zoo.cli import main as cli
 from eagle3_zoo.drafters.dspark.config import DSparkConfig
 from eagle3_zoo.drafters.dspark.model import DSparkDrafter
+from eagle3_zoo.values import layout_names
 
 
 def _config(**kw) -> DSparkConfig:

@@ -222,7 +222,7 @@ def test_a_trained_31_drafter_decodes_losslessly(mode):
 def test_recipe_options_reach_the_drafter_and_an_init_drafter_must_match(tmp_path):
     from pathlib import Path
 
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
     from eagle3_zoo.training.build import _load_init, drafter_config
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_135m.yaml"

@@ -48,7 +48,7 @@ def requests_(hf_target):
     """The first `PROMPTS` MT-bench prompts, both turns (turn 2 after the target's own greedy answer, rendered as
     `eval` renders it): request id -> (prompt token ids, the target's plain greedy continuation without EOS, the
     conversation up to and including that continuation, decoded)."""
-    from eagle3_zoo.adapters.conversation import Message
+    from eagle3_zoo.chat.conversation import Message
     from eagle3_zoo.speculative.benchmarks import load_benchmark
     from eagle3_zoo.speculative.evaluation import turn_input_ids
     from eagle3_zoo.speculative.generate import eos_ids, plain_generate

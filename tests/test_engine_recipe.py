@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from eagle3_zoo.cli import main
-from eagle3_zoo.recipe import RecipeError, load_recipe, streams_features, target_sharded_in_trainer
-from eagle3_zoo.recipe_engine import replica_devices
+from eagle3_zoo.recipe.engine import replica_devices
+from eagle3_zoo.recipe.sections import RecipeError, load_recipe, streams_features, target_sharded_in_trainer
 from eagle3_zoo.targets.deployment import EngineDeployment, device_env, server_args
 
 SMOL = "recipes/smollm2_135m.yaml"

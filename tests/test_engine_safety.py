@@ -23,8 +23,8 @@ from safetensors.torch import save_file
 from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
 
 from eagle3_zoo.cli import main
-from eagle3_zoo.data.engine_feed import EngineFeed, EngineFeedError
-from eagle3_zoo.recipe import load_recipe
+from eagle3_zoo.data.engine.feed import EngineFeed, EngineFeedError
+from eagle3_zoo.recipe.sections import load_recipe
 from eagle3_zoo.targets.deployment import EngineDeployment
 from eagle3_zoo.targets.openai_client import BadAnswerError, ServerError
 from eagle3_zoo.targets.vllm_features import answered_file, read_hidden_states

@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 from training_fixtures import run_fit_cli, save_tiny_target, tiny_recipe, write_chat_jsonl, write_recipe
 
 from eagle3_zoo.data.datamodule import LengthBucketBatchSampler
-from eagle3_zoo.data.engine_feed import EngineFeed, EngineFeedError, final_norm_on_cpu, run_tag
-from eagle3_zoo.data.engine_stream import FeatureStream
-from eagle3_zoo.recipe import load_recipe
+from eagle3_zoo.data.engine.feed import EngineFeed, EngineFeedError, final_norm_on_cpu, run_tag
+from eagle3_zoo.data.engine.stream import FeatureStream
+from eagle3_zoo.recipe.sections import load_recipe
 from eagle3_zoo.targets.deployment import EngineDeployment
 
 AUX = (1, 2, 3)
@@ -120,7 +120,7 @@ def test_prefetch_keeps_to_its_batches_and_its_disk_budget(tiny, tmp_path, caplo
 
         tight = _feed(tiny, tmp_path / "hs", [server.url], budget=one // 2)  # less than one batch
         stream = _stream(tiny, tight, examples, prefetch=4)
-        with caplog.at_level(logging.WARNING, "eagle3_zoo.data.engine_feed"):
+        with caplog.at_level(logging.WARNING, "eagle3_zoo.data.engine.feed"):
             stream.plan([[0, 1], [2]])
             assert len(stream.take([0, 1])) == 2 and len(stream.take([2])) == 1  # requested anyway, one at a time
         assert "exceed data.prefetch_disk_gib" in caplog.text

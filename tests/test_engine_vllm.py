@@ -78,8 +78,8 @@ def test_vllm_hidden_states_equal_hf(hf_target, tmp_path):
 
 
 def test_vllm_regeneration_equals_hf_greedy(hf_target, plain_server, tmp_path):
+    from eagle3_zoo.data.engine.regenerate_server import regenerate_with_client
     from eagle3_zoo.data.regenerate import regenerate_conversations
-    from eagle3_zoo.data.regenerate_server import regenerate_with_client
 
     model, tok, adapter = hf_target
     convs = _conversations(4)
@@ -94,7 +94,7 @@ def test_vllm_regeneration_equals_hf_greedy(hf_target, plain_server, tmp_path):
 
 
 def test_vllm_killed_mid_regeneration_resumes(hf_target, plain_server, tmp_path):
-    from eagle3_zoo.data.regenerate_server import regenerate_with_client
+    from eagle3_zoo.data.engine.regenerate_server import regenerate_with_client
     from eagle3_zoo.targets.openai_client import OpenAIClient, ServerError
     from eagle3_zoo.targets.server import VLLMServer
 
@@ -254,8 +254,8 @@ def test_vllm_counts_an_eagle31_drafter_as_our_decoder_does(drafter31_dir, hf_ta
 def test_regeneration_in_the_engine_launched_equals_the_openai_backend(hf_target, plain_server, tmp_path):
     """backend engine, launch mode: the deployment's server is started without the hidden-states method for the
     regeneration and stopped after it; its file equals the one backend openai writes against a plain server."""
-    from eagle3_zoo.data.regenerate_server import regenerate_for_recipe
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.data.engine.regenerate_server import regenerate_for_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
 
     _, tok, adapter = hf_target
     convs = _conversations(3)
@@ -289,7 +289,7 @@ for line in sys.stdin:
 
 
 def test_the_two_node_serve_commands_are_what_vllms_cli_reads(monkeypatch):
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
     from eagle3_zoo.targets.deployment import serve_recipe
     from eagle3_zoo.targets.engine import vllm_python
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from eagle3_zoo.draft_shapes import MAX_DRAFT_TOKENS, TreeSpec, shape_problem
+from eagle3_zoo.values.draft_shapes import MAX_DRAFT_TOKENS, TreeSpec, shape_problem
 from tests.test_speculative_eval import _saved_target_and_drafter
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from training_fixtures import run_fit_cli, save_tiny_target, tiny_recipe, write_chat_jsonl, write_recipe
 
 from eagle3_zoo.modeling import Eagle3Drafter
-from eagle3_zoo.training.rundir import RUN_LOCK
+from eagle3_zoo.training.rundir.lock import RUN_LOCK
 
 
 @pytest.fixture(scope="module")

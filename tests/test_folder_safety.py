@@ -22,8 +22,8 @@ from training_fixtures import REPO, subprocess_env
 from eagle3_zoo.checkpoint import check_drafter
 from eagle3_zoo.checkpoint.convert import export_drafter
 from eagle3_zoo.cli import main
-from eagle3_zoo.training.checkpoint_io import DRAFTER_INFO_KEY
-from eagle3_zoo.training.outputs import drafter_info
+from eagle3_zoo.training.rundir.checkpoint_io import DRAFTER_INFO_KEY
+from eagle3_zoo.training.rundir.outputs import drafter_info
 from tests.hub_fixtures import canonical_dir
 
 SECRET = "SECRET-outside-content-0xC0FFEE"

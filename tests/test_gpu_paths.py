@@ -63,7 +63,7 @@ def _fit_step_events(tmp_path, monkeypatch, bar: bool) -> list[list[tuple[str, s
     progress line) and the last (the last progress line, the final checkpoint)."""
     from training_fixtures import tiny_run_files
 
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
     from eagle3_zoo.training import fit as fit_module
 
     monkeypatch.setenv("EAGLE3_ZOO_LOG_EVERY_S", "3600")  # progress lines only at the first and the last step

@@ -338,7 +338,7 @@ def test_stage_dir_refuses_a_folder_publish_did_not_stage_and_replaces_an_earlie
     forced = tmp_path / "forced"
     forced.mkdir()
     (forced / "todo.txt").write_text("mine")
-    from eagle3_zoo.redaction import register
+    from eagle3_zoo.util.redaction import register
 
     register(SECRET, "a test secret")
     with pytest.raises(TokenLeakError, match="staged README.md"):  # found once staged (in the card)

@@ -14,7 +14,7 @@ from eagle3_zoo.checkpoint import FORMATS, detect_format
 from eagle3_zoo.cli import hub as hub_cli
 from eagle3_zoo.cli import main as cli
 from eagle3_zoo.hub import list_zoo, show_zoo
-from eagle3_zoo.zoo_registry import STATUSES, target_hub_id
+from eagle3_zoo.values.zoo_registry import STATUSES, target_hub_id
 from tests.hub_fixtures import canonical_dir, edit_weights
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -56,10 +56,10 @@ def test_zoo_entries_are_consistent():
 
 def test_a_bad_registry_names_every_problem_by_entry():
     """zoo.yaml is read with the recipe's schema checker: every problem at once, each naming its entry and field."""
-    from eagle3_zoo.zoo_registry import FORMATS as ZOO_FORMATS
-    from eagle3_zoo.zoo_registry import ZooRegistryError, read_registry
+    from eagle3_zoo.values.zoo_registry import FORMATS as ZOO_FORMATS
+    from eagle3_zoo.values.zoo_registry import ZooRegistryError, read_registry
 
-    assert ZOO_FORMATS == FORMATS  # both the built-in layouts of eagle3_zoo.layout_names
+    assert ZOO_FORMATS == FORMATS  # both the built-in layouts of eagle3_zoo.values.layout_names
     ok = dict(name="a", repo_id="org/a", target="org/t", family="llama", format="sglang", recipe=None,
               status="published", verified=True, source="https://example.org")
     text = json.dumps({"targets": {}, "drafters": [

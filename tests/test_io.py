@@ -3,7 +3,7 @@ replacement cut short between its two renames is undone."""
 
 import os
 
-from eagle3_zoo.fileio import recover_replaced_directory, replace_directory
+from eagle3_zoo.util.fileio import recover_replaced_directory, replace_directory
 
 
 def _tree(root, **files):

@@ -6,9 +6,10 @@ where `name` is a submodule is an import of that submodule. Only imports of the 
 
 The folders (and the top-level modules), top to bottom; a module may import its own layer and the layers below:
 
-    __main__ > cli > api > training > speculative > data > hub > targets > checkpoint > recipe (recipe, recipe_engine)
-        > adapters > modeling, drafters > losses > utilities (draft_shapes, dtypes, fileio, layout_names, locations,
-        progress, provenance, redaction, schema, threads, zoo_registry and the package's own __init__)
+    __main__ > cli > api > training > speculative > data > hub > targets > checkpoint > recipe > adapters > chat
+        > modeling, drafters > losses > values > util (and the package's own __init__)
+
+A folder's sub-folders (training/planner, training/rundir, data/engine) sit in its layer.
 
 `EAGLE3_ZOO_LAYERING_ROOT=/path/to/eagle3_zoo` runs the checks on another checkout's package folder.
 """
@@ -30,18 +31,20 @@ LAYERS = (  # top to bottom
     ("__main__",),
     ("cli",),
     ("api",),  # the Python API of a drafter folder (check, export, evaluate) that the CLI calls
-    ("training",),  # the run: recipe -> data stage -> Lightning fit -> drafter folder
+    ("training",),  # the run: recipe -> data stage -> Lightning fit -> drafter folder; planner/, rundir/
     ("speculative",),  # decoding, evaluation and the tau callback; no training code
-    ("data",),  # the data stage (regeneration, tokenisation, features)
+    ("data",),  # the data stage (regeneration, tokenisation, features); engine/: a served target's side of it
     ("hub",),  # the network: endpoint probe, pull, publish, card, zoo commands
     ("targets",),  # the frozen target: in-process load, engine deployment, OpenAI-compatible client
     ("checkpoint",),  # drafter folders: formats, weights, convert, checks, the folder writer
-    ("recipe", "recipe_engine"),  # the recipe schema, its checks and the engine section
-    ("adapters",),  # per-family target adapters, chat formats, shipped target configs
+    ("recipe",),  # the recipe: its typed sections and checks, the engine section, the run's decisions
+    ("adapters",),  # per-family target adapters, shipped target configs
+    ("chat",),  # the conversation type, the chat formats with the prompt renderer and loss mask, tiny tokenizers
     ("modeling", "drafters"),  # the drafter models (EAGLE-3; the other kinds, one subpackage each)
     ("losses",),  # the per-position TTT losses: the registry (read by recipe validation) and their math
-    ("draft_shapes", "dtypes", "fileio", "layout_names", "locations", "progress", "provenance", "redaction", "schema",
-     "threads", "zoo_registry", ""),  # utilities; "" = the package's own __init__
+    ("values",),  # small torch-free value types and tables: draft shapes, dtype and layout names, locations, the zoo
+    ("util", ""),  # utilities (file IO, progress, threads, redaction, provenance, typed YAML, lazy exports); "" = the
+    # package's own __init__
 )
 RANK = {folder: rank for rank, folders in enumerate(LAYERS) for folder in folders}
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint import check_drafter, export_drafter, import_drafter
 from eagle3_zoo.checkpoint.layouts import Layout, detect_format, layouts, register, unregister
 from eagle3_zoo.cli import hub as hub_cli
 from eagle3_zoo.modeling import Eagle3Config
+from eagle3_zoo.values import layout_names
 from tests.hub_fixtures import canonical_dir, official_dir
 
 
@@ -118,8 +118,8 @@ def test_a_layout_is_registered_once_and_the_built_in_ones_stay(toy):
 
 
 def test_the_cli_choices_need_no_torch():
-    """`--format` / `--convert-to` choices come from `eagle3_zoo.layout_names`, which imports nothing of the package
-    and no torch (the CLI answers bad input without torch: tests/test_cli_fast.py)."""
+    """`--format` / `--convert-to` choices come from `eagle3_zoo.values.layout_names`, which imports nothing of the
+    package and no torch (the CLI answers bad input without torch: tests/test_cli_fast.py)."""
     import ast
     import subprocess
     import sys
@@ -128,7 +128,7 @@ def test_the_cli_choices_need_no_torch():
     imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] + \
         [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert imported == ["__future__", "dataclasses"]
-    code = ("import sys; from eagle3_zoo.cli import hub; from eagle3_zoo import zoo_registry; "
+    code = ("import sys; from eagle3_zoo.cli import hub; from eagle3_zoo.values import zoo_registry; "
             "print('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           cwd=Path(__file__).parents[1]).stdout.strip() == "False"

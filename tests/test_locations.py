@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_zoo.locations import is_hub_id, looks_like_hub_id, path_problem
+from eagle3_zoo.values.locations import is_hub_id, looks_like_hub_id, path_problem
 
 
 @pytest.mark.parametrize("name,hub", [
@@ -39,7 +39,7 @@ def test_safetensors_codes_match_what_safetensors_writes(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from eagle3_zoo.dtypes import SAFETENSORS_FLOATS, SAFETENSORS_ITEMSIZE, safetensors_code
+    from eagle3_zoo.values.dtypes import SAFETENSORS_FLOATS, SAFETENSORS_ITEMSIZE, safetensors_code
 
     dtypes = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
               torch.int8, torch.uint8, torch.bool]

@@ -18,8 +18,8 @@ import eagle3_zoo.losses as losses
 from eagle3_zoo.losses import Loss, available_losses, get_loss, make_loss, register_loss
 from eagle3_zoo.losses import base as losses_base
 from eagle3_zoo.losses.chunk import chunk_objective, reference_objective
-from eagle3_zoo.recipe import RecipeError, load_recipe
-from eagle3_zoo.schema import UNIT, ruled
+from eagle3_zoo.recipe.sections import RecipeError, load_recipe
+from eagle3_zoo.util.schema import UNIT, ruled
 
 ROOT = Path(__file__).resolve().parents[1]
 

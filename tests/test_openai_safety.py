@@ -12,8 +12,8 @@ import pytest
 from openai_fake import FakeOpenAIServer
 from training_fixtures import tiny_llama_target
 
+from eagle3_zoo.data.engine.regenerate_server import regenerate_with_client
 from eagle3_zoo.data.readers import Conversation
-from eagle3_zoo.data.regenerate_server import regenerate_with_client
 from eagle3_zoo.targets.openai_client import BadAnswerError, OpenAIClient, ServerError
 
 KEY = "sk-FAKE-0123456789abcdef"  # a fake API key: it must never show up in a message
@@ -133,7 +133,7 @@ def test_credentials_in_the_url_are_refused_without_being_printed(tmp_path):
 
     from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
 
-    from eagle3_zoo.recipe import RecipeError, load_recipe
+    from eagle3_zoo.recipe.sections import RecipeError, load_recipe
 
     recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path, tmp_path, write_chat_jsonl(tmp_path / "c.jsonl")))
     with pytest.raises(RecipeError) as bad:
@@ -174,7 +174,7 @@ def test_bad_client_settings_are_refused(tmp_path, setting, value, message):
         OpenAIClient("http://127.0.0.1:8000", **{setting: value})
     from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
 
-    from eagle3_zoo.recipe import RecipeError, load_recipe
+    from eagle3_zoo.recipe.sections import RecipeError, load_recipe
 
     recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path, tmp_path, write_chat_jsonl(tmp_path / "c.jsonl")))
     with pytest.raises(RecipeError, match=rf"data.regenerate.{setting} = "):

@@ -209,7 +209,7 @@ RECIPES_DIR = REPO / "recipes"
 
 
 def test_recipe_key_is_typed_and_refused_with_streamed_states():
-    from eagle3_zoo.recipe import RecipeError, load_recipe
+    from eagle3_zoo.recipe.sections import RecipeError, load_recipe
 
     assert load_recipe(RECIPES_DIR / "smollm2_135m.yaml").data.packing is False
     assert load_recipe(RECIPES_DIR / "smollm2_135m.yaml", ["data.packing=true"]).data.packing is True
@@ -221,7 +221,7 @@ def test_recipe_key_is_typed_and_refused_with_streamed_states():
 
 
 def test_resume_with_another_packing_is_refused_like_other_data_settings():
-    from eagle3_zoo.training.resume import identity_differences, run_identity
+    from eagle3_zoo.training.rundir.resume import identity_differences, run_identity
 
     ident = dict(data_fingerprint="f", d2t=torch.arange(3), target={"model_type": "llama"}, world_size=1)
     unpacked = run_identity({"data": {"packing": False, "max_length": 64}}, **ident)

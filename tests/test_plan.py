@@ -16,8 +16,8 @@ import torch
 from eagle3_zoo.adapters import available_adapters, get_adapter
 from eagle3_zoo.cli import main
 from eagle3_zoo.drafters.eagle3.ttt import ttt_loss
-from eagle3_zoo.recipe import load_recipe
-from eagle3_zoo.training.plan import (
+from eagle3_zoo.recipe.sections import load_recipe
+from eagle3_zoo.training.planner.plan import (
     dflash_saved_bytes,
     drafter_parameter_count,
     fsdp_drafter_lines,
@@ -184,7 +184,7 @@ def test_dflash_soft_labels_keep_the_rows_target_states_and_plan_them():
     """Soft labels keep the supervised rows' target states (fp32 here) for backward instead of their labels, which
     the plan's loss chunk counts (with the target's logits chunk), as it adds the last hidden state to the
     features (`training_features`: final_hidden) and runs the target's forward to its final norm."""
-    from eagle3_zoo.dtypes import torch_dtype
+    from eagle3_zoo.values.dtypes import torch_dtype
 
     hard, rows, cfg = _dflash_saved_bytes(None, 2, 64, 8)
     soft, soft_rows, _ = _dflash_saved_bytes(None, 2, 64, 8, soft=True)
@@ -375,14 +375,14 @@ def test_the_shipped_parameter_counts_are_what_the_meta_build_counts():
 
     import transformers
 
-    from eagle3_zoo.training.plan import COUNTS_FILE, shipped_counts_table
+    from eagle3_zoo.training.planner.plan import COUNTS_FILE, shipped_counts_table
 
     shipped = json.loads(resources.files("eagle3_zoo").joinpath(*COUNTS_FILE).read_text())
     versions = {entry["_transformers"] for entry in shipped.values()}
     if versions != {transformers.__version__}:
         pytest.skip(f"the table was counted with transformers {versions}, this is {transformers.__version__}")
     assert shipped == shipped_counts_table(), ("the shipped counts are stale: rebuild them with "
-                                               "eagle3_zoo.training.plan.write_shipped_counts()")
+                                               "eagle3_zoo.training.planner.plan.write_shipped_counts()")
 
 
 def test_plan_of_a_shipped_recipe_builds_no_target_and_a_changed_config_does(monkeypatch):
@@ -391,7 +391,7 @@ def test_plan_of_a_shipped_recipe_builds_no_target_and_a_changed_config_does(mon
     import transformers
 
     from eagle3_zoo.adapters.shipped import shipped_target_config
-    from eagle3_zoo.training import plan as plan_module
+    from eagle3_zoo.training.planner import plan as plan_module
 
     if transformers.__version__ not in {e["_transformers"] for e in plan_module._shipped_counts().values()}:
         pytest.skip("the shipped counts were made with another transformers version")
@@ -409,7 +409,7 @@ def test_plan_of_a_shipped_recipe_builds_no_target_and_a_changed_config_does(mon
 
 
 def _shipped_table_is_current() -> bool:
-    from eagle3_zoo.training import plan as plan_module
+    from eagle3_zoo.training.planner import plan as plan_module
 
     return plan_module._transformers_version() in {e["_transformers"] for e in plan_module._shipped_counts().values()}
 
@@ -421,8 +421,8 @@ def test_drafter_shapes_without_a_build_equal_the_built_drafter(recipe):
     with the EAGLE-3.1 options (fails when the drafter gains, loses or reshapes a parameter)."""
     from eagle3_zoo.adapters.shipped import shipped_target_config
     from eagle3_zoo.drafters import get_kind
+    from eagle3_zoo.recipe.decisions import drafter_config
     from eagle3_zoo.targets.loading import feature_layer_ids
-    from eagle3_zoo.training.run_plan import drafter_config
 
     r = load_recipe(recipe)
     target_config = shipped_target_config(r.target.name_or_path)
@@ -447,7 +447,7 @@ def test_plan_from_the_resolved_table_equals_plan_through_transformers(recipe, m
     made) instead of transformers: the plan is the same, line for line, as with the config transformers builds
     now, under fsdp and ddp and with tau evaluation on."""
     from eagle3_zoo.adapters.shipped import ResolvedConfig, shipped_target_config
-    from eagle3_zoo.training.plan import shipped_resolved_config
+    from eagle3_zoo.training.planner.plan import shipped_resolved_config
 
     if not _shipped_table_is_current():
         pytest.skip("the shipped table was made with another transformers version")

@@ -12,9 +12,10 @@ import torch
 
 from eagle3_zoo.adapters import get_adapter
 from eagle3_zoo.cli import main
-from eagle3_zoo.recipe import load_recipe
-from eagle3_zoo.training import build, run_plan, strategies
-from eagle3_zoo.training.plan import plan_recipe, target_parameter_counts
+from eagle3_zoo.recipe import decisions as run_plan
+from eagle3_zoo.recipe.sections import load_recipe
+from eagle3_zoo.training import build, strategies
+from eagle3_zoo.training.planner.plan import plan_recipe, target_parameter_counts
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
 PHASES = ("regeneration", "hidden states", "training", "tau evaluation")
@@ -276,8 +277,8 @@ def test_regeneration_kv_estimate_matches_the_cache_of_a_real_generate_batch(fam
     from transformers import AutoModelForCausalLM
 
     from eagle3_zoo.data.regenerate import generate_replies
-    from eagle3_zoo.training.plan import kv_elements_per_token
-    from eagle3_zoo.training.plan_phases import kv_elements, regeneration_in_process
+    from eagle3_zoo.training.planner.phases import kv_elements, regeneration_in_process
+    from eagle3_zoo.training.planner.plan import kv_elements_per_token
 
     adapter = get_adapter(family)
     config = adapter.tiny_config()
@@ -316,7 +317,7 @@ def test_fp8_engine_weights_count_one_fp32_scale_per_block():
     """An FP8 checkpoint's decoder matrices: 1 B per weight + one fp32 scale per `weight_block_size` block."""
     from types import SimpleNamespace
 
-    from eagle3_zoo.training.plan_phases import engine_weight_bytes
+    from eagle3_zoo.training.planner.phases import engine_weight_bytes
 
     counts = {"experts": 6 * 2**20, "layer_matrices": 8 * 2**20, "total": 9 * 2**20}
     fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}

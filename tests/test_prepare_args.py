@@ -71,7 +71,7 @@ def test_prepare_module_takes_intermixed_overrides_and_checks_the_rank(recipe, m
 
 
 def test_library_entry_points_check_the_rank(recipe):
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
 
     with pytest.raises(ValueError, match=r"--rank 2 --world-size 2: expected"):
         stage.prepare_recipe(load_recipe(recipe), rank=2, world_size=2)

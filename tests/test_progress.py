@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from eagle3_zoo.progress import Progress
+from eagle3_zoo.util.progress import Progress
 
 
 def test_log_lines_without_a_terminal(caplog):
@@ -55,7 +55,7 @@ def test_a_terminal_without_columns_gets_log_lines_not_a_bar():
     import struct
     import termios
 
-    from eagle3_zoo.progress import use_bar
+    from eagle3_zoo.util.progress import use_bar
 
     main_fd, tty_fd = os.openpty()
     try:

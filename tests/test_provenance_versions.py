@@ -9,7 +9,7 @@ import torch
 import transformers
 
 import eagle3_zoo
-from eagle3_zoo.provenance import PACKAGES, RESULTS_PACKAGES, versions
+from eagle3_zoo.util.provenance import PACKAGES, RESULTS_PACKAGES, versions
 
 
 def test_results_versions_come_from_the_one_package_list():

@@ -110,7 +110,7 @@ def test_offline_fit_reads_only_the_target_heads(tmp_path, monkeypatch):
 
     from eagle3_zoo.adapters import loading
     from eagle3_zoo.data.stage import prepare_recipe
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
     from eagle3_zoo.training.build import build_run
 
     target = save_tiny_target(tmp_path / "target")

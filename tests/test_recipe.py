@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3_zoo import recipe as recipe_mod
 from eagle3_zoo.adapters import available_adapters
-from eagle3_zoo.recipe import (
+from eagle3_zoo.recipe import sections as recipe_mod
+from eagle3_zoo.recipe.sections import (
     Recipe,
     RecipeError,
     load_recipe,
@@ -353,5 +353,5 @@ def test_recipe_module_does_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, eagle3_zoo.recipe; sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
+    code = "import sys, eagle3_zoo.recipe.sections; sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1]).returncode == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_zoo.recipe import Recipe, RecipeError, load_recipe
+from eagle3_zoo.recipe.sections import Recipe, RecipeError, load_recipe
 
 
 @pytest.mark.parametrize("text,message", [

@@ -15,9 +15,9 @@ import pytest
 import test_regenerate_server
 from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
 
+from eagle3_zoo.data.engine.regenerate_server import regenerate_for_recipe
 from eagle3_zoo.data.readers import Conversation
-from eagle3_zoo.data.regenerate_server import regenerate_for_recipe
-from eagle3_zoo.recipe import RecipeError, load_recipe
+from eagle3_zoo.recipe.sections import RecipeError, load_recipe
 
 tiny = test_regenerate_server.tiny  # the tiny target (a module fixture) and its fake server
 _served = test_regenerate_server._served

@@ -11,9 +11,9 @@ import torch
 from openai_fake import FakeOpenAIServer
 from training_fixtures import tiny_llama_target
 
+from eagle3_zoo.data.engine.regenerate_server import regenerate_with_client
 from eagle3_zoo.data.readers import Conversation
 from eagle3_zoo.data.regenerate import regenerate_conversations
-from eagle3_zoo.data.regenerate_server import regenerate_with_client
 from eagle3_zoo.targets.openai_client import OpenAIClient, ServerError
 from eagle3_zoo.targets.server import free_port
 
@@ -127,9 +127,9 @@ def test_recipe_backend_openai_shares_the_cache_key_and_needs_a_url(tmp_path):
     from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
 
     from eagle3_zoo.adapters import get_adapter
+    from eagle3_zoo.data.engine.regenerate_server import regenerate_for_recipe
     from eagle3_zoo.data.prepare import regenerated_path
-    from eagle3_zoo.data.regenerate_server import regenerate_for_recipe
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
 
     tok = get_adapter("llama").tiny_tokenizer()
     path = write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path, tmp_path, write_chat_jsonl(tmp_path / "c.jsonl")))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import lightning as L
 from training_fixtures import tiny_run_files
 
-from eagle3_zoo.recipe import load_recipe
+from eagle3_zoo.recipe.sections import load_recipe
 from eagle3_zoo.training import fit as fit_module
 from eagle3_zoo.training.build import RecipeModule, RunDataModule
 

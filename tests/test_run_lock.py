@@ -14,7 +14,7 @@ import time
 import pytest
 from training_fixtures import REPO, cli_entry, subprocess_env, tiny_run_files
 
-from eagle3_zoo.training.rundir import RUN_HOLDER, RUN_LOCK, RunDirectoryInUseError, hold_run_directory
+from eagle3_zoo.training.rundir.lock import RUN_HOLDER, RUN_LOCK, RunDirectoryInUseError, hold_run_directory
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_a_checkpoint_save_on_a_full_disk_is_one_line_naming_the_file(tmp_path):
 
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                        env=subprocess_env(PYTHONDONTWRITEBYTECODE="1"), cwd=REPO, preexec_fn=limit_files)
-    assert r.returncode == 1 and r.stderr.splitlines()[-1].startswith("eagle3_zoo.fileio.DiskFullError: "
+    assert r.returncode == 1 and r.stderr.splitlines()[-1].startswith("eagle3_zoo.util.fileio.DiskFullError: "
                                                                       f"could not write {last}: no space left (")
     assert "ulimit -f" in r.stderr.splitlines()[-1] and "During handling" not in r.stderr  # (raised from None)
     assert sorted(p.name for p in last.parent.iterdir()) == []  # no temporary left
@@ -150,7 +150,7 @@ def test_a_checkpoint_save_on_a_full_disk_is_one_line_naming_the_file(tmp_path):
 def test_no_room_errors_name_the_file_whatever_the_writer_says(tmp_path):
     import errno
 
-    from eagle3_zoo.fileio import DiskFullError, no_room_error
+    from eagle3_zoo.util.fileio import DiskFullError, no_room_error
 
     path = tmp_path / "out" / "model.safetensors"
     for error in (OSError(errno.ENOSPC, "No space left on device"), OSError(errno.EDQUOT, "Disk quota exceeded"),
@@ -169,7 +169,7 @@ def test_fit_refuses_a_sharded_checkpoint_with_crafted_metadata_before_dcp_unpic
     import torch
 
     from eagle3_zoo.training.fit import fit_main
-    from eagle3_zoo.training.resume import IDENTITY_KEY, ResumeError
+    from eagle3_zoo.training.rundir.resume import IDENTITY_KEY, ResumeError
 
     _, recipe = env
     marker = tmp_path / "pwned"

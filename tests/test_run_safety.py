@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from training_fixtures import run_fit_cli, save_tiny_target, tiny_recipe, write_chat_jsonl, write_recipe
 
 from eagle3_zoo.checkpoint import check_drafter
-from eagle3_zoo.provenance import provenance_json
-from eagle3_zoo.training.resume import RESUMABLE_KEYS, identity_differences, run_identity
-from eagle3_zoo.training.rundir import RUN_LOCK
+from eagle3_zoo.training.rundir.lock import RUN_LOCK
+from eagle3_zoo.training.rundir.resume import RESUMABLE_KEYS, identity_differences, run_identity
+from eagle3_zoo.util.provenance import provenance_json
 from tests.hub_fixtures import canonical_dir, edit_weights
 
 

@@ -1,11 +1,11 @@
-"""The one checker for YAML read into dataclasses (`eagle3_zoo.schema`), on its own: what `check_types` returns."""
+"""The one checker for YAML read into dataclasses (`eagle3_zoo.util.schema`), on its own: what `check_types` returns."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
-from eagle3_zoo.schema import BAD, check_types
+from eagle3_zoo.util.schema import BAD, check_types
 
 
 @dataclass

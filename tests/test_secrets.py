@@ -1,4 +1,4 @@
-"""The redaction layer (`eagle3_zoo.redaction`) and recipes as data: every secret a run is given (the engine key
+"""The redaction layer (`eagle3_zoo.util.redaction`) and recipes as data: every secret a run is given (the engine key
 named by `engine.api_key_env`, an `--api-key` in `engine.extra_args`, the Hub token, URL credentials) is redacted in
 everything the commands write, print and log, and a value from `${oc.env:VAR}` stays that text in every artefact
 while the run itself gets the value. The acceptance test drives fit, a refused second fit, consolidate, export,
@@ -16,16 +16,16 @@ import torch
 import yaml
 from training_fixtures import save_tiny_target, tiny_recipe, write_chat_jsonl, write_recipe
 
-from eagle3_zoo import redaction
 from eagle3_zoo.cli import error_line, main
-from eagle3_zoo.recipe import (
+from eagle3_zoo.recipe.sections import (
     load_recipe,
     recipe_identity_dict,
     recipe_to_dict,
     resolved_recipe_yaml,
     save_resolved_recipe,
 )
-from eagle3_zoo.redaction import find_secret, redact, redact_data, register, register_recipe
+from eagle3_zoo.util import redaction
+from eagle3_zoo.util.redaction import find_secret, redact, redact_data, register, register_recipe
 
 ENGINE_KEY = "ek-FAKEengineKEY0123456789abcdef"  # in $E3Z_ENGINE_KEY, named by engine.api_key_env
 ARG_KEY = "ak-FAKEargKEY0123456789abcdef"  # engine.extra_args=[--api-key,ARG_KEY]
@@ -134,7 +134,7 @@ def test_env_interpolations_stay_text_in_what_is_written_and_the_run_gets_the_va
 
 
 def test_the_run_identity_sees_a_changed_env_value_without_holding_it(tmp_path, monkeypatch):
-    from eagle3_zoo.training.resume import identity_differences, run_identity
+    from eagle3_zoo.training.rundir.resume import identity_differences, run_identity
 
     write_chat_jsonl(tmp_path / "c.jsonl")
     path = write_recipe(tmp_path / "r.yaml", _recipe_with_env(tmp_path))
@@ -192,7 +192,7 @@ def test_export_redacts_and_publish_refuses_a_folder_holding_any_known_secret(tm
 def test_no_secret_and_no_env_value_in_anything_the_commands_write_print_or_log(tmp_path, monkeypatch, capsys,
                                                                                  caplog):
     """The acceptance test of the redaction layer (see the module docstring)."""
-    from eagle3_zoo.training.rundir import RUN_HOLDER, hold_run_directory
+    from eagle3_zoo.training.rundir.lock import RUN_HOLDER, hold_run_directory
 
     monkeypatch.setenv("E3Z_ENGINE_KEY", ENGINE_KEY)
     monkeypatch.setenv("HF_TOKEN", HUB_TOKEN)

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from eagle3_zoo.cli import main
-from eagle3_zoo.recipe import load_recipe
+from eagle3_zoo.recipe.sections import load_recipe
 from eagle3_zoo.targets import deployment
 from eagle3_zoo.targets.engine import VLLM_PYTHON_ENV, engine_build
-from eagle3_zoo.training.plan import plan_recipe
+from eagle3_zoo.training.planner.plan import plan_recipe
 
 DEEPSEEK = ["serve", "recipes/deepseek_v3.yaml", "--print-command", "--host", "0.0.0.0"]
 SMOL = ["serve", "recipes/smollm2_135m.yaml", "--print-command", "engine.hidden_states_dir=/shared/hs"]

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from eagle3_zoo.adapters import capture_aux_hidden, get_adapter
-from eagle3_zoo.draft_shapes import TreeSpec
 from eagle3_zoo.drafters.eagle3.decode import Eagle3DraftModel
 from eagle3_zoo.modeling import DraftStepOutput
 from eagle3_zoo.speculative import (
@@ -20,6 +19,7 @@ from eagle3_zoo.speculative import (
     tree_spec,
 )
 from eagle3_zoo.speculative.metrics import BenchStats
+from eagle3_zoo.values.draft_shapes import TreeSpec
 from tests.test_speculative_support import (
     FAMILIES,
     OracleDraftModel,

@@ -13,9 +13,9 @@ import torch
 
 from eagle3_zoo.adapters import get_adapter
 from eagle3_zoo.cli import main as cli_main
-from eagle3_zoo.draft_shapes import TreeSpec, parse_shapes
 from eagle3_zoo.speculative import PROTOCOL, TauEvalCallback, evaluate, format_table, load_benchmark
 from eagle3_zoo.speculative.evaluation import EvalSettings, evaluate_shapes, format_shapes_table
+from eagle3_zoo.values.draft_shapes import TreeSpec, parse_shapes
 from tests.hub_fixtures import edit_config, edit_weights
 from tests.test_speculative_support import OracleDraftModel, random_drafter, tiny_target
 
@@ -159,7 +159,7 @@ def test_eval_cli_end_to_end(tmp_path, capsys):
     saved = json.loads(out.read_text())
     assert saved["lossless"] is True and saved["benchmarks"]["mtbench"]["requests"] == 2
     assert saved["settings"]["target"] == str(target_dir) and out.with_suffix(".png").is_file()
-    from eagle3_zoo.fileio import sha256_file
+    from eagle3_zoo.util.fileio import sha256_file
 
     assert saved["settings"]["drafter_weights_sha256"] == sha256_file(drafter_dir / "model.safetensors")
     assert eval_main([str(drafter_dir), "--bench", "nope", "--out", str(out)]) == 2

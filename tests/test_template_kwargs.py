@@ -27,7 +27,7 @@ QUESTION = "What is the capital of France?"
 def _trained_folder(tmp_path, kwargs=THINKING_OFF, tau_eval=None):
     """A tiny Qwen3 target folder, a random drafter folder for it holding the resolved recipe (as `fit` leaves it)
     with `kwargs` as data.chat_template_kwargs, and that recipe loaded."""
-    from eagle3_zoo.recipe import load_recipe, save_resolved_recipe
+    from eagle3_zoo.recipe.sections import load_recipe, save_resolved_recipe
 
     adapter = get_adapter("qwen3")
     tokenizer = adapter.tiny_tokenizer()
@@ -143,7 +143,7 @@ def test_tau_callback_renders_prompts_as_the_running_recipe_trains(tmp_path):
 @pytest.mark.parametrize("kwargs", [{}, THINKING_OFF])
 def test_benchmark_prompt_ids_equal_the_data_stage_prefix(tmp_path, kwargs):
     """`chat_input_ids` (evaluation) and the data stage agree for thinking on and off, multi-turn included."""
-    from eagle3_zoo.adapters.conversation import Message
+    from eagle3_zoo.chat.conversation import Message
     from eagle3_zoo.speculative.benchmarks import chat_input_ids, prompt_chat_format
 
     _, _, recipe, tokenizer, adapter = _trained_folder(tmp_path, kwargs)

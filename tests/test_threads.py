@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from eagle3_zoo import threads
 from eagle3_zoo.cli import main
+from eagle3_zoo.util import threads
 
 _VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", threads.ENV)
 
@@ -62,8 +62,9 @@ def test_a_bad_thread_count_is_bad_input(bad, capsys, monkeypatch):
 def test_the_choice_is_in_torch_before_its_pool_starts():
     """A command line process sets OpenMP's environment before torch loads: torch runs with the chosen count, and
     waiting threads yield (OMP_WAIT_POLICY=PASSIVE) unless the user said otherwise."""
-    code = ("import json, os, sys; from eagle3_zoo.threads import configure_threads; configure_threads(sys.argv[1]);"
-            " import torch; print(json.dumps([torch.get_num_threads(), os.environ.get('OMP_WAIT_POLICY'), "
+    code = ("import json, os, sys; from eagle3_zoo.util.threads import configure_threads; "
+            "configure_threads(sys.argv[1]); import torch; "
+            "print(json.dumps([torch.get_num_threads(), os.environ.get('OMP_WAIT_POLICY'), "
             "'torch' in sys.modules]))")
     env = {k: v for k, v in os.environ.items() if k not in _VARS}
     for requested, expected in (("1", 1), ("2", 2)):

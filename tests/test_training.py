@@ -253,7 +253,7 @@ def test_a_trainer_told_in_setup_that_there_is_no_validation_equals_one_built_wi
     gives it the settings Lightning makes of `build_trainer(has_val=False)`."""
     from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
 
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
     from eagle3_zoo.training.build import without_validation
     from eagle3_zoo.training.fit import build_trainer
 
@@ -302,9 +302,9 @@ def test_trainer_max_time_is_lightnings_wall_clock_limit_and_resumable(tmp_path)
     from lightning.pytorch.callbacks import Timer
     from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
 
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
     from eagle3_zoo.training.fit import build_trainer
-    from eagle3_zoo.training.resume import RESUMABLE_KEYS
+    from eagle3_zoo.training.rundir.resume import RESUMABLE_KEYS
 
     (tmp_path / "target").mkdir()
     path = write_recipe(tmp_path / "r.yaml", tiny_recipe(tmp_path, tmp_path / "target",

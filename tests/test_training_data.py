@@ -206,7 +206,7 @@ def test_prepare_data_regenerates_caches_and_counts(tiny, tmp_path, monkeypatch)
     from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
 
     from eagle3_zoo.data.prepare import prepare_data
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
 
     model, tok, adapter = tiny
     data = write_chat_jsonl(tmp_path / "chat.jsonl", n=6)
@@ -247,7 +247,7 @@ def test_token_stream_key_follows_the_regenerated_answers_not_their_file(tiny, t
     from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
 
     from eagle3_zoo.data.prepare import prepare_data, regenerated_path
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
 
     model, tok, adapter = tiny
     data = write_chat_jsonl(tmp_path / "chat.jsonl", n=4)
@@ -296,7 +296,7 @@ def test_regenerated_answers_are_shared_by_every_selection_of_the_records(tiny, 
     from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
 
     from eagle3_zoo.data.prepare import prepare_data, regenerated_path
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
 
     model, tok, adapter = tiny
     data = write_chat_jsonl(tmp_path / "chat.jsonl", n=6)
@@ -330,7 +330,7 @@ def test_reading_rules_version_keys_the_token_stream_not_the_regenerated_answers
     from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
 
     from eagle3_zoo.data import prepare
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
 
     _, tok, _ = tiny
     data = write_chat_jsonl(tmp_path / "chat.jsonl", n=4)

@@ -97,7 +97,7 @@ def test_wandb_missing_is_refused_before_any_work_naming_the_extra(tmp_path, mon
 
 
 def test_the_wandb_key_is_redacted_like_every_other_secret(monkeypatch):
-    from eagle3_zoo.redaction import redact
+    from eagle3_zoo.util.redaction import redact
 
     key = "0123456789abcdef-wandb-only"  # registered nowhere else in this process
     monkeypatch.setenv("WANDB_API_KEY", key)

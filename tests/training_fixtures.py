@@ -165,7 +165,7 @@ def prepare_share_served(rank: int, world_size: int, recipe: str, url: str, *ove
     from eagle3_zoo.adapters import get_adapter
     from eagle3_zoo.data.prepare import prepare_data
     from eagle3_zoo.data.ranks import RankSplit
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
 
     torch.set_num_threads(1)
     adapter = get_adapter("llama")

@@ -10,7 +10,6 @@ that a recipe is validated in a second; the names that work on models and tokeni
 
 import importlib
 import pkgutil
-from typing import Any
 
 from eagle3_zoo.adapters.base import (
     TargetAdapter,
@@ -20,8 +19,9 @@ from eagle3_zoo.adapters.base import (
     get_adapter,
     register_adapter,
 )
-from eagle3_zoo.adapters.chat import ChatFormat, TemplateMappingError, build_chat_example
-from eagle3_zoo.locations import EMBEDDED_NAMES
+from eagle3_zoo.chat.formats import ChatFormat, TemplateMappingError, build_chat_example
+from eagle3_zoo.util.lazy import lazy_exports
+from eagle3_zoo.values.locations import EMBEDDED_NAMES
 
 # the modules that import torch/transformers at the top, and the names this package re-exports from them
 _HEAVY = {"capture": ("AuxHiddenCapture", "cache_kwargs", "capture_aux_hidden", "output_cache", "target_logits"),
@@ -33,15 +33,10 @@ for _module in pkgutil.iter_modules(__path__):
     if not _module.name.startswith("_") and _module.name not in _HEAVY:
         importlib.import_module(f"{__name__}.{_module.name}")
 
+# `eagle3_zoo.adapters.load_target` and the other names of `_LAZY`: imported on first use (PEP 562), then found
+# directly (and what monkeypatch saves and restores)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
-def __getattr__(name: str) -> Any:
-    """`eagle3_zoo.adapters.load_target` and the other names of `_LAZY`: imported on first use (PEP 562)."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # found directly from now on (and what monkeypatch saves and restores)
-    return value
 
 __all__ = [
     "EMBEDDED_NAMES",

@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from eagle3_zoo.adapters.chat import ChatFormat, build_chat_example, load_chat_formats, resolve_chat_format
-from eagle3_zoo.adapters.testing import build_tiny_tokenizer
+from eagle3_zoo.chat.formats import ChatFormat, build_chat_example, load_chat_formats, resolve_chat_format
+from eagle3_zoo.chat.tiny_tokenizer import build_tiny_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +48,7 @@ class TargetAdapter:
         final_norm_attr: Attribute of the base model holding the norm before the output projection.
         keys_to_ignore_on_load: Regexes of checkpoint keys that are expected to be unused (e.g. MTP layers).
         chat_format_names: The family's chat formats, shipped as data in ``resources/chat_formats/`` (template +
-            metadata, see `eagle3_zoo.adapters.chat.load_chat_format`); the one matching the tokenizer is used.
+            metadata, see `eagle3_zoo.chat.formats.load_chat_format`); the one matching the tokenizer is used.
         tiny_config_fields: The family's fields over `TINY_SHAPE` for its tiny random test config (`tiny_config`).
         sliding_window_layers: The family has sliding-window attention layers (which ones, and the window, come
             from each model's config: `attention_windows`). Speculative verification builds their window masks.
@@ -214,7 +214,7 @@ class TargetAdapter:
     ) -> dict[str, torch.Tensor]:
         """Tokenise a conversation with the target's chat template and mark the supervised assistant tokens.
 
-        See `eagle3_zoo.adapters.chat.build_chat_example` (same arguments, returns ``input_ids`` and ``loss_mask``).
+        See `eagle3_zoo.chat.formats.build_chat_example` (same arguments, returns ``input_ids`` and ``loss_mask``).
         """
         fmt = self.chat_format(tokenizer)
         return build_chat_example(tokenizer, messages, max_length, fmt, system_prompt=system_prompt,

@@ -22,9 +22,9 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eagle3_zoo.adapters.chat import load_chat_format
-from eagle3_zoo.fileio import exclusive_lock, replace_directory
-from eagle3_zoo.locations import EMBEDDED_NAMES, EMBEDDED_TARGET, cache_root
+from eagle3_zoo.chat.formats import load_chat_format
+from eagle3_zoo.util.fileio import exclusive_lock, replace_directory
+from eagle3_zoo.values.locations import EMBEDDED_NAMES, EMBEDDED_TARGET, cache_root
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from eagle3_zoo.adapters.base import TargetAdapter, adapter_for
 from eagle3_zoo.adapters.embedded import EMBEDDED_NAMES, embedded_target_dir, is_embedded_name
-from eagle3_zoo.fileio import pickle_refusal
+from eagle3_zoo.util.fileio import pickle_refusal
 
 logger = logging.getLogger(__name__)
 

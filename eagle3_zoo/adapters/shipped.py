@@ -22,7 +22,7 @@ def shipped_target_ids() -> list[str]:
 
 def shipped_target_dict(name: str) -> dict[str, Any] | None:
     """The shipped config.json of a target (Hub id, or a local alias the zoo maps to one), or None."""
-    from eagle3_zoo.zoo_registry import target_hub_id
+    from eagle3_zoo.values.zoo_registry import target_hub_id
 
     hub_id = target_hub_id(name) or name
     path = resources.files("eagle3_zoo").joinpath(*_DIR, _file_name(hub_id))
@@ -48,8 +48,8 @@ def shipped_target_config(name: str) -> Any | None:
 
 class ResolvedConfig:
     """A target config as transformers resolved it (its `to_dict()`, defaults filled in), read back without
-    transformers: attribute access and `to_dict()`, what planning reads. `eagle3_zoo.training.plan` keeps one per
-    shipped target, with the transformers version that resolved it."""
+    transformers: attribute access and `to_dict()`, what planning reads. `eagle3_zoo.training.planner.plan` keeps one
+    per shipped target, with the transformers version that resolved it."""
 
     def __init__(self, data: dict[str, Any], name_or_path: str) -> None:
         self.__dict__.update(data)

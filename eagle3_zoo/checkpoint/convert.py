@@ -15,7 +15,6 @@ from typing import Protocol
 
 import torch
 
-from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint.check import require_valid_drafter, require_valid_stage
 from eagle3_zoo.checkpoint.check_report import CheckReport
 from eagle3_zoo.checkpoint.dflash_layouts import DFlashLayout
@@ -25,10 +24,11 @@ from eagle3_zoo.checkpoint.layout_base import load_exact_state
 from eagle3_zoo.checkpoint.layouts import detect_layout, drafter_config, export_layout, get_layout, is_canonical
 from eagle3_zoo.checkpoint.variants import SGLANG_RISK, eagle31_options
 from eagle3_zoo.checkpoint.weights import CheckpointError, inside_folder, load_weights
-from eagle3_zoo.dtypes import torch_dtype
-from eagle3_zoo.fileio import recover_replaced_directory, staged_directory
 from eagle3_zoo.modeling import CONFIG_NAME, WEIGHTS_NAME, Eagle3Config, Eagle3Drafter, identity_vocab
-from eagle3_zoo.redaction import find_secret, redact_document
+from eagle3_zoo.util.fileio import recover_replaced_directory, staged_directory
+from eagle3_zoo.util.redaction import find_secret, redact_document
+from eagle3_zoo.values import layout_names
+from eagle3_zoo.values.dtypes import torch_dtype
 
 __all__ = ["CANONICAL_KEYS", "convert_to_canonical", "export_drafter", "extra_files", "import_drafter",
            "tensors_digest"]
@@ -147,7 +147,7 @@ def drafter_from_state(cfg: Eagle3Config, fmt: str, state: dict[str, torch.Tenso
 
 
 def _copy_extra(src: Path, dest: Path) -> None:
-    """Copy a recipe, provenance or results file with the run's secrets redacted (`eagle3_zoo.redaction`: a folder
+    """Copy a recipe, provenance or results file with the run's secrets redacted (`eagle3_zoo.util.redaction`: a folder
     written by an older version, or edited by hand, may hold a key); plots byte for byte."""
     if src.suffix in (".yaml", ".json"):
         try:
@@ -171,7 +171,7 @@ def export_drafter(
     force: bool = False,
 ) -> Path:
     """Write a drafter in a written layout (SGLang/canonical, speculators: `layouts.export_layout`), with its recipe,
-    provenance and results (their secrets redacted: `eagle3_zoo.redaction`).
+    provenance and results (their secrets redacted: `eagle3_zoo.util.redaction`).
 
     The folder is staged next to `out_dir` and renamed into place (`replace_with_stage`): a killed export leaves
     `out_dir` as it was (or absent), never partly written.

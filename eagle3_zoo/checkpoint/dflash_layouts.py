@@ -34,7 +34,7 @@ from eagle3_zoo.checkpoint.layout_base import Layout, load_exact_state
 from eagle3_zoo.drafters.dflash.config import ARCHITECTURE, DFlashConfig
 from eagle3_zoo.drafters.dspark.config import ARCHITECTURE as DSPARK_ARCHITECTURE
 from eagle3_zoo.drafters.dspark.config import DSparkConfig
-from eagle3_zoo.layout_names import DFLASH, DSPARK, SPECULATORS_DFLASH
+from eagle3_zoo.values.layout_names import DFLASH, DSPARK, SPECULATORS_DFLASH
 
 if TYPE_CHECKING:
     import torch
@@ -120,7 +120,7 @@ class DFlashLayout(Layout):
 
         Raises:
             ValueError: missing, unexpected or misshapen tensors (named, with the folder)."""
-        from eagle3_zoo.dtypes import torch_dtype
+        from eagle3_zoo.values.dtypes import torch_dtype
 
         model = load_exact_state(self.drafter_class()(cfg), state, folder, f"{self.name} layout")
         return model.to(device=device, dtype=dtype or torch_dtype(cfg.torch_dtype))
@@ -129,8 +129,8 @@ class DFlashLayout(Layout):
         from safetensors.torch import save_file
 
         from eagle3_zoo.drafters.dflash.model import WEIGHTS_NAME
-        from eagle3_zoo.dtypes import torch_dtype
-        from eagle3_zoo.fileio import atomic_write
+        from eagle3_zoo.util.fileio import atomic_write
+        from eagle3_zoo.values.dtypes import torch_dtype
 
         dtype = torch_dtype(drafter.config.torch_dtype)
         tensors = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu()
@@ -178,7 +178,7 @@ class SpeculatorsDFlashLayout(DFlashLayout):
         import json
 
         from eagle3_zoo.drafters.dflash.model import CONFIG_NAME
-        from eagle3_zoo.fileio import atomic_write_text
+        from eagle3_zoo.util.fileio import atomic_write_text
 
         config = speculators_dflash_config(drafter.config, num_speculative_tokens, verifier_architectures, verifier)
         self._write_weights(drafter, out)

@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle3_zoo.checkpoint.check import require_valid_stage
-from eagle3_zoo.fileio import atomic_write_text, recover_replaced_directory, replace_directory, staged_directory
 from eagle3_zoo.modeling.config import ARCHITECTURE
-from eagle3_zoo.provenance import provenance_json
-from eagle3_zoo.redaction import redact_data
+from eagle3_zoo.util.fileio import atomic_write_text, recover_replaced_directory, replace_directory, staged_directory
+from eagle3_zoo.util.provenance import provenance_json
+from eagle3_zoo.util.redaction import redact_data
 
 if TYPE_CHECKING:
-    from eagle3_zoo.recipe import Recipe
+    from eagle3_zoo.recipe.sections import Recipe
 
 
 def _finish_tree(directory: Path) -> None:
@@ -103,7 +103,7 @@ def _save_recipe(recipe: Recipe | dict[str, Any], path: Path) -> None:
     """recipe.yaml: a typed recipe as artefacts hold it (`recipe.recipe_to_dict`), a plain dict (read from a
     checkpoint) as data: any `${...}` in it stays literal text, never resolved (it could name an environment
     variable holding a token); secrets redacted in both."""
-    from eagle3_zoo.recipe import save_resolved_recipe
+    from eagle3_zoo.recipe.sections import save_resolved_recipe
 
     if isinstance(recipe, dict):
         from omegaconf import OmegaConf

@@ -1,6 +1,6 @@
 """Checkpoint formats of EAGLE-3 drafters: the canonical keys and shapes, config.json read and checked, the
 speculators config written. The layouts themselves (detection, key maps, config translation, writers) are objects in
-`eagle3_zoo.checkpoint.layouts`, their names in `eagle3_zoo.layout_names`.
+`eagle3_zoo.checkpoint.layouts`, their names in `eagle3_zoo.values.layout_names`.
 
 Three layouts hold the same weights:
 
@@ -22,9 +22,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint.weights import inside_folder
 from eagle3_zoo.modeling import Eagle3Config
+from eagle3_zoo.values import layout_names
 
 FORMATS = (*layout_names.BUILT_IN, *layout_names.DFLASH_BUILT_IN)  # the built-in layouts, EAGLE-3 then DFlash
 EXPORT_FORMATS = layout_names.export_names()  # name or alias -> built-in layout written (`layout_names.export_names()`)
@@ -160,7 +160,7 @@ def speculators_verifier(target_name_or_path: str | None, verifier: str | None, 
         ValueError: no target recorded and no `verifier`, or a name speculators cannot resolve (neither a Hub id nor
             a local folder).
     """
-    from eagle3_zoo.zoo_registry import target_hub_id
+    from eagle3_zoo.values.zoo_registry import target_hub_id
 
     name = verifier or target_hub_id(target_name_or_path) or target_name_or_path
     if not name:

@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint.check_report import CheckReport
 from eagle3_zoo.checkpoint.formats import DROPPED_KEYS, STRIPPED_PREFIXES
-from eagle3_zoo.layout_names import LayoutInfo
 from eagle3_zoo.modeling import Eagle3Config
 from eagle3_zoo.modeling.config import ARCHITECTURE
+from eagle3_zoo.values import layout_names
+from eagle3_zoo.values.layout_names import LayoutInfo
 
 if TYPE_CHECKING:
     from eagle3_zoo.modeling import Eagle3Drafter
@@ -28,7 +28,7 @@ class Layout:
     """One drafter-folder layout. The defaults are the canonical layout's; a layout overrides what differs.
 
     Attributes:
-        info: its names, aliases, card text, engines and card tags (torch-free, `eagle3_zoo.layout_names`).
+        info: its names, aliases, card text, engines and card tags (torch-free, `eagle3_zoo.values.layout_names`).
         weight_kind: the weight-file kind (`find_weight_files`: "safetensors", "pickle") by which a folder no layout
             `claims` by its config is this layout; None: recognised by its config only.
         key_prefixes: canonical key prefix -> the prefix this layout stores it under (inverted on import).

@@ -4,7 +4,7 @@ A layout holds everything that differs between two folders of the same EAGLE-3 w
 (`claims` its config.json, or the kind of weight file `weight_kind`), its config read into an `Eagle3Config`
 (`read_config`) and written back (`write`), its key map (`key_prefixes`), where its config stores the aux layer ids
 and in which convention (`stored_aux_ids`, `aux_convention_problems`), its own checks (`architecture_problems`,
-`config_problems`), and whether the engines of its `info` (`eagle3_zoo.layout_names.LayoutInfo`: names, aliases,
+`config_problems`), and whether the engines of its `info` (`eagle3_zoo.values.layout_names.LayoutInfo`: names, aliases,
 card text, engines, card tags) load a folder of it as shipped (`served_as_is`). `register` adds one; everything that
 reads, checks, converts, serves or publishes a drafter folder asks the registry (`detect_layout`, `get_layout`,
 `export_layout`), never a layout's name.
@@ -19,7 +19,6 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint.check_report import CheckReport
 from eagle3_zoo.checkpoint.dflash_layouts import DSparkLayout, SpeculatorsDFlashLayout, ZLabDFlashLayout
 from eagle3_zoo.checkpoint.formats import (
@@ -36,6 +35,7 @@ from eagle3_zoo.checkpoint.layout_base import Layout
 from eagle3_zoo.checkpoint.weights import CheckpointError, find_weight_files
 from eagle3_zoo.modeling import Eagle3Config
 from eagle3_zoo.modeling.config import ARCHITECTURE
+from eagle3_zoo.values import layout_names
 
 if TYPE_CHECKING:
     from eagle3_zoo.modeling import Eagle3Drafter
@@ -106,9 +106,9 @@ class SpeculatorsLayout(Layout):
         from safetensors.torch import save_file
 
         from eagle3_zoo.checkpoint.weights import SAFETENSORS_NAME
-        from eagle3_zoo.dtypes import torch_dtype
-        from eagle3_zoo.fileio import atomic_write, atomic_write_text
         from eagle3_zoo.modeling import CONFIG_NAME
+        from eagle3_zoo.util.fileio import atomic_write, atomic_write_text
+        from eagle3_zoo.values.dtypes import torch_dtype
 
         config = speculators_config(drafter.config, num_speculative_tokens, verifier_architectures, verifier)
         dtype = torch_dtype(drafter.config.torch_dtype)
@@ -172,7 +172,7 @@ _LAYOUTS: dict[str, Layout] = {}
 
 
 def register(layout: Layout) -> Layout:
-    """Add a layout (and its names: `eagle3_zoo.layout_names.register_info`): from then on it is detected, read,
+    """Add a layout (and its names: `eagle3_zoo.values.layout_names.register_info`): from then on it is detected, read,
     checked and, when its info says `writable`, written by `export`, `publish` and `pull --convert-to`.
 
     Raises:

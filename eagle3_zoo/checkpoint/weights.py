@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3_zoo.dtypes import SAFETENSORS_FLOATS, SAFETENSORS_ITEMSIZE, safetensors_code
-from eagle3_zoo.fileio import pickle_refusal
+from eagle3_zoo.util.fileio import pickle_refusal
+from eagle3_zoo.values.dtypes import SAFETENSORS_FLOATS, SAFETENSORS_ITEMSIZE, safetensors_code
 
 if TYPE_CHECKING:  # imported where tensors are read: the config and header checks answer without it
     import torch
@@ -74,7 +74,7 @@ class TensorInfo:
 
 
 def st_dtype(dtype: torch.dtype) -> str:
-    """The safetensors code of a torch dtype (`eagle3_zoo.dtypes`)."""
+    """The safetensors code of a torch dtype (`eagle3_zoo.values.dtypes`)."""
     return safetensors_code(dtype)
 
 
@@ -116,7 +116,7 @@ def find_weight_files(folder: str | Path) -> tuple[str, list[Path]]:
 def weights_digest(folder: str | Path) -> str:
     """sha256 over a checkpoint folder's weight files (in order): what `eval` records, so that results can be tied
     to the weights they were measured on."""
-    from eagle3_zoo.fileio import sha256_file
+    from eagle3_zoo.util.fileio import sha256_file
 
     _, files = find_weight_files(folder)
     if len(files) == 1:

@@ -14,8 +14,8 @@ subcommand:
 
 An error is one line on stderr (`error: ...`); `--debug` (before or after the subcommand) or `EAGLE3_ZOO_DEBUG=1`
 adds the Python traceback. What a command prints and logs, its error line and traceback included, has the run's
-secrets redacted (`eagle3_zoo.redaction`). Heavy imports (torch, transformers, Lightning) happen inside the
-handlers, after the CPU thread count is chosen (`eagle3_zoo.threads`), so `eagle3-zoo --help` is instant.
+secrets redacted (`eagle3_zoo.util.redaction`). Heavy imports (torch, transformers, Lightning) happen inside the
+handlers, after the CPU thread count is chosen (`eagle3_zoo.util.threads`), so `eagle3-zoo --help` is instant.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ def _not_printed_by_lightning(record: logging.LogRecord) -> bool:
 
 def configure_logging(level: int) -> None:
     """One line per log record: ours through the root handler, Lightning's through its own; every record redacted
-    (`eagle3_zoo.redaction`), whichever handler prints it."""
-    from eagle3_zoo.redaction import install_log_redaction
+    (`eagle3_zoo.util.redaction`), whichever handler prints it."""
+    from eagle3_zoo.util.redaction import install_log_redaction
 
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:
@@ -126,7 +126,7 @@ def is_bad_input(error: BaseException) -> bool:
 def error_line(error: BaseException) -> str:
     """The one line printed for `error`: its message; for a failure that is not bad input, after the exception's
     class (`NonFiniteError: ...`, `HubUnreachableError: ...`), which names what went wrong to search for."""
-    from eagle3_zoo.redaction import redact
+    from eagle3_zoo.util.redaction import redact
 
     message = error.args[0] if isinstance(error, KeyError) and error.args else error
     text = redact(" ".join(str(message).split())) or type(error).__name__  # one line, whatever the message holds
@@ -153,7 +153,7 @@ def _parse(parser: Parser, argv: list[str]) -> argparse.Namespace:
 @contextlib.contextmanager
 def _redacted_output() -> Iterator[None]:
     """What a command prints (its results, a server command line, warnings) with its secrets redacted."""
-    from eagle3_zoo.redaction import RedactingStream
+    from eagle3_zoo.util.redaction import RedactingStream
 
     saved = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = RedactingStream(sys.stdout), RedactingStream(sys.stderr)
@@ -170,8 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parse(build_parser(), argv)
         configure_logging(logging.DEBUG if args.verbose else logging.INFO)
-        from eagle3_zoo.progress import bars_and_logs, progress_interval_s, quiet_third_party_output
-        from eagle3_zoo.threads import configure_threads
+        from eagle3_zoo.util.progress import bars_and_logs, progress_interval_s, quiet_third_party_output
+        from eagle3_zoo.util.threads import configure_threads
 
         progress_interval_s()  # a bad EAGLE3_ZOO_LOG_EVERY_S is refused now, not after a long data stage
         # before the handler imports torch and the Hugging Face libraries: they read these settings at import
@@ -193,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except Exception as e:  # library code raises; only here does an exception become a message and an exit code
         if debug:
-            from eagle3_zoo.redaction import redact
+            from eagle3_zoo.util.redaction import redact
 
             print(redact(traceback.format_exc()), end="", file=sys.stderr)
         hint = "" if debug else f" (run with --debug or {DEBUG_ENV}=1 for the traceback)"

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eagle3_zoo.draft_shapes import (
+from eagle3_zoo.values.draft_shapes import (
     DEFAULT_DEPTH,
     DEFAULT_TOP_K,
     DEFAULT_TOTAL_TOKENS,
@@ -29,7 +29,7 @@ from eagle3_zoo.draft_shapes import (
     TreeSpec,
     parse_shapes,
 )
-from eagle3_zoo.dtypes import DTYPE_NAMES
+from eagle3_zoo.values.dtypes import DTYPE_NAMES
 
 log = logging.getLogger(__name__)
 

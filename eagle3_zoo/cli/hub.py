@@ -12,7 +12,7 @@ import json
 import logging
 from dataclasses import asdict
 
-from eagle3_zoo import layout_names
+from eagle3_zoo.values import layout_names
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ def _print_config(args: argparse.Namespace) -> bool:
     """`--print-config`: print the fully resolved recipe and tell the caller to stop."""
     if not args.print_config:
         return False
-    from eagle3_zoo.recipe import load_recipe, resolved_recipe_yaml
+    from eagle3_zoo.recipe.sections import load_recipe, resolved_recipe_yaml
 
     print(resolved_recipe_yaml(load_recipe(args.recipe, args.overrides)), end="")
     return True
@@ -20,8 +20,8 @@ def _print_config(args: argparse.Namespace) -> bool:
 def cmd_fit(args: argparse.Namespace) -> int:
     if _print_config(args):
         return 0
-    from eagle3_zoo.recipe import load_recipe
-    from eagle3_zoo.training.run_plan import require_accelerator
+    from eagle3_zoo.recipe.decisions import require_accelerator
+    from eagle3_zoo.recipe.sections import load_recipe
 
     # a bad recipe, or GPUs this machine lacks, is refused before Lightning and torch are imported (seconds to a
     # minute on a loaded machine)
@@ -36,7 +36,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     if _print_config(args):
         return 0
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)  # refused before the data stage's imports (torch) are paid
     from eagle3_zoo.data.stage import prepare_recipe
@@ -47,10 +47,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)  # refused before the plan's imports (torch) are paid
-    from eagle3_zoo.training.plan import plan_recipe
+    from eagle3_zoo.training.planner.plan import plan_recipe
 
     plan = plan_recipe(recipe, source=args.recipe)
     print(plan.table())  # its last line names the phases that do not fit
@@ -59,7 +59,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
     from eagle3_zoo.targets.deployment import serve_recipe
 
     print(serve_recipe(load_recipe(args.recipe, args.overrides), args.host, args.port, dry_run=args.print_command,
@@ -68,7 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
-    from eagle3_zoo.training.outputs import consolidate_checkpoint
+    from eagle3_zoo.training.rundir.outputs import consolidate_checkpoint
 
     print(consolidate_checkpoint(args.checkpoint, args.out_dir))
     return 0

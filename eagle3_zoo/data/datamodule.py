@@ -135,7 +135,7 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
 
     def planned(self) -> list[list[int]]:
         """The batches the next iteration yields: this rank's share of this epoch's global batches, after the skip
-        of a resumed epoch (a loader that fetches ahead, `eagle3_zoo.data.engine_stream`, requests them up front)."""
+        of a resumed epoch (a loader that fetches ahead, `eagle3_zoo.data.engine.stream`, requests them up front)."""
         skip = self._resume[1] if self._resume is not None and self._resume[0] == self.epoch else 0
         b = self.batch_size
         return [batch[self.rank * b : (self.rank + 1) * b] if self.num_replicas > 1 else batch

@@ -30,15 +30,15 @@ from eagle3_zoo.data.cache_keys import json_sha256, key_version
 from eagle3_zoo.data.datamodule import collate_right_padded
 from eagle3_zoo.data.features import MANIFEST, FeatureStoreError, FeatureWriter, shard_problem
 from eagle3_zoo.data.ranks import RankSplit, split_for, wait_until
-from eagle3_zoo.fileio import atomic_write_bytes, exclusive_lock
-from eagle3_zoo.progress import Progress
+from eagle3_zoo.util.fileio import atomic_write_bytes, exclusive_lock
+from eagle3_zoo.util.progress import Progress
 
 if TYPE_CHECKING:
-    from eagle3_zoo.recipe import DataConfig, Recipe, TargetConfig
+    from eagle3_zoo.recipe.sections import DataConfig, Recipe, TargetConfig
 
 logger = logging.getLogger(__name__)
 
-HYBRID_MARKER = ".hybrid"  # in a store directory that a hybrid run is filling (`eagle3_zoo.data.engine_stream`)
+HYBRID_MARKER = ".hybrid"  # in a store directory that a hybrid run is filling (`eagle3_zoo.data.engine.stream`)
 
 
 def features_dir_for(data: DataConfig, target: TargetConfig, data_fingerprint: str, target_id: str,
@@ -249,7 +249,7 @@ def _engine_features_fn(recipe: Recipe, target: Any, adapter: Any, aux_ids: tupl
                         stack: contextlib.ExitStack) -> Any:
     """`features_fn` of the feature job through the recipe's engine (`engine:`; launched or attached at the first
     batch that needs features, stopped when `stack` closes)."""
-    from eagle3_zoo.data.engine_feed import EngineFeed, final_norm_on_cpu, run_tag
+    from eagle3_zoo.data.engine.feed import EngineFeed, final_norm_on_cpu, run_tag
     from eagle3_zoo.targets.deployment import EngineDeployment
 
     deployment = EngineDeployment(recipe, aux_ids, target.config.num_hidden_layers)

@@ -38,8 +38,8 @@ from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
 from eagle3_zoo.data.readers import DataError
-from eagle3_zoo.dtypes import dtype_name, torch_dtype
-from eagle3_zoo.fileio import atomic_write, atomic_write_bytes, exclusive_lock, sha256_file  # noqa: F401
+from eagle3_zoo.util.fileio import atomic_write, atomic_write_bytes, exclusive_lock, sha256_file  # noqa: F401
+from eagle3_zoo.values.dtypes import dtype_name, torch_dtype
 
 logger = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ class HybridStore:
 
     def add(self, sample_id: str, sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Store `sample` (once) and return it as stored: its floating tensors in the store dtype."""
-        from eagle3_zoo.dtypes import torch_dtype
+        from eagle3_zoo.values.dtypes import torch_dtype
 
         if self._writer is None:
             self._writer = self._open_part()

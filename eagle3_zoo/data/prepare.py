@@ -29,10 +29,10 @@ from eagle3_zoo.data.vocab_cache import (
     tokenizer_fingerprint,
     vocab_cache_key,
 )
-from eagle3_zoo.fileio import atomic_write_bytes
+from eagle3_zoo.util.fileio import atomic_write_bytes
 
 if TYPE_CHECKING:
-    from eagle3_zoo.recipe import DataConfig, Recipe
+    from eagle3_zoo.recipe.sections import DataConfig, Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ def prepare_data(recipe: Recipe, tokenizer: Any, adapter: Any, target: Any = Non
         if split is None:
             split = split_for(path.parent)  # collective under torch.distributed: before any early return
         if d.regenerate.backend != "hf":  # an OpenAI-compatible server: same file, same key, same rank split
-            from eagle3_zoo.data.regenerate_server import regenerate_for_recipe
+            from eagle3_zoo.data.engine.regenerate_server import regenerate_for_recipe
 
             conversations, rstats = regenerate_for_recipe(recipe, conversations, tokenizer, adapter, path, split=split)
         elif target is None:

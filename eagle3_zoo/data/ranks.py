@@ -116,7 +116,7 @@ def wait_until(done: Callable[[], tuple[int, int]], what: str, poll_s: float = P
     """Poll `done() -> (finished, total)` until finished == total, logging progress every `log_every_s` seconds
     (default `EAGLE3_ZOO_LOG_EVERY_S`, else 30; the other ranks write their parts meanwhile; a rank that died is
     noticed by its launcher, which stops the others)."""
-    from eagle3_zoo.progress import progress_interval_s
+    from eagle3_zoo.util.progress import progress_interval_s
 
     log_every_s = progress_interval_s() if log_every_s is None else log_every_s
     last = time.monotonic()

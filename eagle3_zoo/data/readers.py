@@ -1,11 +1,11 @@
 """Conversation readers: ShareGPT and OpenAI-style records from JSON lists or JSONL, normalised to chat messages.
 
 Output is a `Conversation` with `messages=[{"role": "user"|"assistant"|"system"|"tool", "content": str}]`, each turn
-read by `eagle3_zoo.adapters.conversation.Message.from_record` (the one table of role spellings) and stored in its
+read by `eagle3_zoo.chat.conversation.Message.from_record` (the one table of role spellings) and stored in its
 `as_dict` form; an assistant turn keeps its ``reasoning`` (read from ``reasoning_content``, ``reasoning`` or
 ``thinking``) and ``tool_calls`` (OpenAI layout; ``content`` may then be null), a tool turn its
 ``tool_call_id``/``name`` (see
-`eagle3_zoo.adapters.chat` for how templates render them); the record's tool definitions (``tools``: a list of
+`eagle3_zoo.chat.formats` for how templates render them); the record's tool definitions (``tools``: a list of
 OpenAI function schemas, or that list as a JSON string; ``bad_tools`` otherwise) are kept on the `Conversation` for
 the template. Rendering with the chat template and tokenisation happen in the target adapter. Bad records either
 stop the read with a `DataError` naming the file, record index and line (`on_error="raise"`), or are skipped and
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from eagle3_zoo.adapters.conversation import Message, MessageError, validate_tools
-from eagle3_zoo.locations import EMBEDDED_SHAREGPT, is_hub_id
+from eagle3_zoo.chat.conversation import Message, MessageError, validate_tools
+from eagle3_zoo.values.locations import EMBEDDED_SHAREGPT, is_hub_id
 
 logger = logging.getLogger(__name__)
 

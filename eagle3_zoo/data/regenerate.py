@@ -11,7 +11,7 @@ the conversation before it (training would truncate it away).
 
 One loop (`regenerate_with`) does this for any `Responder`, the thing that answers prompts: `InProcessResponder`
 (the target in this process, one batched `generate` per round; `regenerate_conversations`, the `hf` backend) and
-`eagle3_zoo.data.regenerate_server.ServerResponder` (an OpenAI-compatible server, the `openai` and `vllm`
+`eagle3_zoo.data.engine.regenerate_server.ServerResponder` (an OpenAI-compatible server, the `openai` and `vllm`
 backends). Conversations are processed `batch_size` at a time, batched by the length of their first prompt (less
 padding, rows finishing together); round j of a batch asks the responder for the j-th answer of every conversation
 of the batch that has one (`Responder.answer`: token-id prompts in, token ids or text and finish reasons out).
@@ -49,11 +49,11 @@ from typing import Any, Protocol
 
 import torch
 
-from eagle3_zoo.adapters.chat import render_prompt, thinking_enabled
+from eagle3_zoo.chat.formats import render_prompt, thinking_enabled
 from eagle3_zoo.data.ranks import RankSplit, wait_until
 from eagle3_zoo.data.readers import Conversation
-from eagle3_zoo.fileio import atomic_write_bytes, exclusive_lock
-from eagle3_zoo.progress import Progress
+from eagle3_zoo.util.fileio import atomic_write_bytes, exclusive_lock
+from eagle3_zoo.util.progress import Progress
 
 logger = logging.getLogger(__name__)
 

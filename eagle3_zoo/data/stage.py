@@ -8,7 +8,7 @@ from eagle3_zoo.data.feature_job import check_rank, extract_features
 from eagle3_zoo.data.ranks import RankSplit
 
 if TYPE_CHECKING:
-    from eagle3_zoo.recipe import Recipe
+    from eagle3_zoo.recipe.sections import Recipe
 
 
 def prepare_recipe(recipe: Recipe, *, rank: int = 0, world_size: int = 1) -> dict[str, Any]:

@@ -74,8 +74,8 @@ def tokenize_conversations(
 
     Args:
         conversations: `Conversation`s (from `eagle3_zoo.data.readers`); their messages are validated as
-            `eagle3_zoo.adapters.conversation.Message`s and rendered with the template and `template_kwargs` that
-            `eagle3_zoo.adapters.chat.render_prompt` renders evaluation prompts with; their ``tools`` reach the
+            `eagle3_zoo.chat.conversation.Message`s and rendered with the template and `template_kwargs` that
+            `eagle3_zoo.chat.formats.render_prompt` renders evaluation prompts with; their ``tools`` reach the
             template.
         tokenizer: the target tokenizer.
         adapter: the target adapter.

@@ -22,7 +22,7 @@ from safetensors.torch import save
 
 from eagle3_zoo.data.cache_keys import json_sha256, key_version
 from eagle3_zoo.data.readers import source_files
-from eagle3_zoo.fileio import atomic_write_bytes, sha256_file
+from eagle3_zoo.util.fileio import atomic_write_bytes, sha256_file
 
 logger = logging.getLogger(__name__)
 

@@ -201,8 +201,8 @@ class DrafterKind:
         name: the recipe's `drafter.kind` value.
         config_class: the drafter's config (what its folder's config.json holds).
         drafter_class: the trained `nn.Module` (`owns` recognises the kind's drafters by it).
-        layouts: the names of the drafter-folder layouts the kind is written in (`eagle3_zoo.layout_names`; empty:
-            none yet).
+        layouts: the names of the drafter-folder layouts the kind is written in (`eagle3_zoo.values.layout_names`;
+            empty: none yet).
         card_tags: the Hub tags of its model card.
         decoding: how speculative decoding drives a trained drafter: "tree" (a `DraftModel` expanded into a draft
             tree, `draft_model`) or "block" (a `BlockProposer` drafting a chain of tokens in one pass,
@@ -308,7 +308,7 @@ class DrafterKind:
 
     def from_checkpoint(self, config: Any, state: dict[str, torch.Tensor], recorded: dict[str, Any]) -> nn.Module:
         """The drafter to write from a checkpoint of `fit` (`eagle3-zoo consolidate`): its config, the full state dict
-        of its weights, and what the run recorded of it beside them (`eagle3_zoo.training.outputs.drafter_info`).
+        of its weights, and what the run recorded of it beside them (`eagle3_zoo.training.rundir.outputs.drafter_info`).
         Default: `to_write` of a fresh drafter of `config`."""
         return self.to_write(self.drafter_class(config), state)
 

@@ -8,8 +8,7 @@ Names are imported on first use (PEP 562): the CLI registers its subcommands wit
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from eagle3_zoo.util.lazy import lazy_exports
 
 _EXPORTS = {
     "card": ("render_card",),
@@ -21,15 +20,4 @@ _EXPORTS = {
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _MODULE_OF)

@@ -23,7 +23,6 @@ import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
 import eagle3_zoo
-from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint.convert import extra_files, tensors_digest
 from eagle3_zoo.checkpoint.layouts import find_layout, load_drafter_config
 from eagle3_zoo.checkpoint.variants import eagle31_options, engine_note
@@ -36,7 +35,8 @@ from eagle3_zoo.hub.records import (
     parse_eval_record,
     parse_training_record,
 )
-from eagle3_zoo.redaction import redact_data, redact_document
+from eagle3_zoo.util.redaction import redact_data, redact_document
+from eagle3_zoo.values import layout_names
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def card_variables(drafter_dir: str | Path, repo_id: str | None = None, fmt: str
     they load the drafter from `drafter_dir` and the card says so, so no snippet points at a repo that may not exist.
     """
     from eagle3_zoo.adapters.embedded import EMBEDDED_WEIGHTS_NOTE, is_embedded_name
-    from eagle3_zoo.zoo_registry import target_hub_id
+    from eagle3_zoo.values.zoo_registry import target_hub_id
 
     folder = Path(drafter_dir)
     cfg, detected = load_drafter_config(folder)
@@ -234,7 +234,7 @@ def _demo_note(recipe: dict[str, Any], prov: TrainingRecord) -> str | None:
 def card_metadata(recipe_text: str, target: str | None, family: str | None, fmt: str | None, license: str,
                   tags: tuple[str, ...] = (), eagle31: bool = False) -> ModelCardData:
     """The card's YAML metadata: the target as base_model, Hub dataset ids, library and tags; no pipeline_tag."""
-    from eagle3_zoo.zoo_registry import dataset_hub_id, target_hub_id
+    from eagle3_zoo.values.zoo_registry import dataset_hub_id, target_hub_id
 
     recipe = (yaml.safe_load(recipe_text) if recipe_text else None) or {}
     sources = [s.get("path") for s in (recipe.get("data") or {}).get("sources") or [] if isinstance(s, dict)]

@@ -14,8 +14,8 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint.layouts import load_drafter_config
+from eagle3_zoo.values import layout_names
 
 TEMPLATE = "model_card_dflash.md.j2"
 BASE_TAGS = ("dflash", "speculative-decoding", "draft-model", "eagle3-zoo")
@@ -29,7 +29,7 @@ def template_text() -> str:
 def dflash_card_variables(folder: Path, fmt: str, shared: dict[str, Any]) -> dict[str, Any]:
     """The template variables of a DFlash folder's card: `shared` (`card.shared_variables`: names, evaluation rows
     measured on these weights, training and provenance) and the DFlash drafter's own."""
-    from eagle3_zoo.zoo_registry import target_hub_id
+    from eagle3_zoo.values.zoo_registry import target_hub_id
 
     cfg, _ = load_drafter_config(folder)
     target = cfg.target_name_or_path or shared.get("recipe_target")
@@ -57,7 +57,7 @@ def render_dflash_card(drafter_dir: str | Path, fmt: str, shared: dict[str, Any]
                        tags: tuple[str, ...] = (), **overrides: Any) -> ModelCard:
     """The card of a DFlash drafter folder in layout `fmt` (`card.render_card` of the DFlash kind, which passes
     `shared`; `license`, `tags` and `overrides` as there)."""
-    from eagle3_zoo.zoo_registry import target_hub_id
+    from eagle3_zoo.values.zoo_registry import target_hub_id
 
     variables = {**dflash_card_variables(Path(drafter_dir), fmt, shared), **overrides}
     layout = layout_names.card_info(fmt)

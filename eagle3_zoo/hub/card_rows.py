@@ -10,8 +10,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from eagle3_zoo.draft_shapes import TreeSpec, spec_from_settings
 from eagle3_zoo.hub.records import BenchStats, DataRecord, EvalRecord, ShapeRecord, TargetRecord, TrainingRecord
+from eagle3_zoo.values.draft_shapes import TreeSpec, spec_from_settings
 
 PROTOCOL_SHORT = (
     "tau = tokens per target forward pass (accepted draft tokens + the target's bonus token), pooled over the "
@@ -201,7 +201,7 @@ def duration(seconds: float | None) -> str | None:
 
 def data_line(recipe: dict[str, Any]) -> str | None:
     """The training data in words: the sources (with their Hub ids), the selection and the regeneration."""
-    from eagle3_zoo.zoo_registry import dataset_hub_id
+    from eagle3_zoo.values.zoo_registry import dataset_hub_id
 
     data = recipe.get("data") or {}
     sources = [str(s.get("path")) for s in data.get("sources") or [] if isinstance(s, dict)]

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from eagle3_zoo import layout_names
 from eagle3_zoo.checkpoint.check_report import CheckReport
 from eagle3_zoo.checkpoint.convert import import_drafter
 from eagle3_zoo.checkpoint.layouts import detect_layout
 from eagle3_zoo.checkpoint.opened import OpenedDrafter
 from eagle3_zoo.hub.endpoint import HubUnreachableError, hub_url, require_reachable, resolve_endpoint, unreachable_error
 from eagle3_zoo.hub.zoo import find_zoo, resolve_repo_id, zoo_hint
+from eagle3_zoo.values import layout_names
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
 The token comes from huggingface_hub's usual sources (`token=`, `HF_TOKEN`, the cached `hf auth login`); it is only
 ever passed to `HfApi`, never written to the staged folder, the card or a log. Before anything is uploaded
 (`--dry-run` included) the drafter folder's recipe, provenance and results and then every staged file are scanned
-for every secret the process knows (`eagle3_zoo.redaction`: the Hub token, the engine and regeneration keys, a
+for every secret the process knows (`eagle3_zoo.util.redaction`: the Hub token, the engine and regeneration keys, a
 server argument's key, URL credentials): one found refuses the publish (`TokenLeakError`) rather than uploading a
 redacted copy, so that a folder holding a key is noticed (and the key replaced) before it is shared. A failed
 publish removes what it staged (its temporary stage, or the files it put into `--stage-dir`).
@@ -31,11 +31,11 @@ from eagle3_zoo.checkpoint.folder import drafter_out_dir, is_drafter_folder
 from eagle3_zoo.checkpoint.formats import extra_candidates
 from eagle3_zoo.checkpoint.layouts import detect_format, load_drafter_config
 from eagle3_zoo.checkpoint.opened import OpenedDrafter
-from eagle3_zoo.fileio import atomic_write
 from eagle3_zoo.hub.card import render_card
 from eagle3_zoo.hub.endpoint import is_transport_error, require_reachable, resolve_endpoint, unreachable_error
 from eagle3_zoo.modeling import CONFIG_NAME
-from eagle3_zoo.redaction import find_secret, register, register_document
+from eagle3_zoo.util.fileio import atomic_write
+from eagle3_zoo.util.redaction import find_secret, register, register_document
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,8 @@ def stage(drafter_dir: str | Path | OpenedDrafter, stage_dir: str | Path, repo_i
 
 
 def _scan_for_secrets(paths: list[Path], where: Callable[[Path], str], drafter_dir: str | Path) -> None:
-    """Refuse when a file holds a secret the process knows (`eagle3_zoo.redaction.find_secret`, never the value)."""
+    """Refuse when a file holds a secret the process knows (`eagle3_zoo.util.redaction.find_secret`, never the
+    value)."""
     for path in paths:
         if path.is_file() and (what := find_secret(path.read_bytes())):
             raise TokenLeakError(f"{where(path)} contains {what}; refusing to publish. Remove it from the files of "
@@ -188,7 +189,7 @@ def publish(
         stage_dir: where to stage (default: a new temporary folder, removed after a successful upload): a new or
             empty folder, or one an earlier publish staged (replaced); `stage_destination`.
         fmt: "sglang" (canonical; SGLang and vLLM load it), "speculators" (vLLM's format) or another written layout
-            (`eagle3_zoo.layout_names.export_choices()`); None: the drafter kind's default ("sglang" for EAGLE-3,
+            (`eagle3_zoo.values.layout_names.export_choices()`); None: the drafter kind's default ("sglang" for EAGLE-3,
             "dflash" for DFlash; `speculators` of a DFlash drafter is `speculators-dflash`).
         commit_message: default names the target and the eagle3-zoo version.
         force: stage into a non-empty `stage_dir` that no publish staged (its files of other names are kept and

@@ -1,4 +1,4 @@
-"""The model zoo: known EAGLE-3 drafters and recipes (the packaged registry, `eagle3_zoo.zoo_registry`), listed,
+"""The model zoo: known EAGLE-3 drafters and recipes (the packaged registry, `eagle3_zoo.values.zoo_registry`), listed,
 looked up by name and resolved to the Hub repo to download.
 
 The zoo is data (as litgpt's config hub): a new drafter is one YAML entry with its source link, no code.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from eagle3_zoo.zoo_registry import ZooEntry, registry, target_hub_id
+from eagle3_zoo.values.zoo_registry import ZooEntry, registry, target_hub_id
 
 
 def list_zoo(family: str | None = None, target: str | None = None) -> list[ZooEntry]:

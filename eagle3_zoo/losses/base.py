@@ -14,8 +14,8 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
-from eagle3_zoo import schema
-from eagle3_zoo.schema import ConfigProblem
+from eagle3_zoo.util import schema
+from eagle3_zoo.util.schema import ConfigProblem
 
 GUIDE = "docs/contributing/adding-a-loss.md"
 
@@ -30,7 +30,7 @@ class Loss(abc.ABC):
     the target's distribution p over it (rows summing to 1); `drafters.eagle3.ttt.ttt_loss` sums it over the supervised
     positions with the TTT step weights.
 
-    A subclass sets `Params` (a dataclass whose fields carry their value rules, `eagle3_zoo.schema.ruled`; the
+    A subclass sets `Params` (a dataclass whose fields carry their value rules, `eagle3_zoo.util.schema.ruled`; the
     recipe's `loss.params` is read into it) and implements `chunk` and `reference`; `@register_loss("name")` makes
     it a recipe's `loss.name`.
     """

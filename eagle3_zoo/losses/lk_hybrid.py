@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from eagle3_zoo.losses.base import Loss, register_loss
-from eagle3_zoo.schema import GT0, ruled
+from eagle3_zoo.util.schema import GT0, ruled
 
 if TYPE_CHECKING:
     import torch

@@ -4,28 +4,18 @@ The config imports no torch (reading and checking a drafter's config.json answer
 names are imported from their modules on first use.
 """
 
-import importlib
-from typing import Any
-
 from eagle3_zoo.modeling.config import (
     Eagle3Config,
     default_aux_layer_ids,
     from_sglang_layer_ids,
     to_sglang_layer_ids,
 )
+from eagle3_zoo.util.lazy import lazy_exports
 
 _LAZY = {**dict.fromkeys(("CONFIG_NAME", "WEIGHTS_NAME", "DraftCache", "DraftStepOutput", "Eagle3Drafter"), "drafter"),
          **dict.fromkeys(("build_draft_vocab", "draft_ids_of", "identity_vocab"), "vocab")}
-
-
-def __getattr__(name: str) -> Any:
-    """`eagle3_zoo.modeling.Eagle3Drafter` and the other names of `_LAZY`: imported on first use (PEP 562)."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+# `eagle3_zoo.modeling.Eagle3Drafter` and the other names of `_LAZY`: imported on first use (PEP 562)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3_zoo.dtypes import DTYPE_NAMES
+from eagle3_zoo.values.dtypes import DTYPE_NAMES
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -354,7 +354,7 @@ class Eagle3Config:
             raise ValueError(f"{source}: {e}") from e
 
     def save(self, path: str | Path) -> None:
-        from eagle3_zoo.fileio import atomic_write_text
+        from eagle3_zoo.util.fileio import atomic_write_text
 
         atomic_write_text(Path(path), json.dumps(self.to_json_dict(), indent=2, sort_keys=False) + "\n")
 

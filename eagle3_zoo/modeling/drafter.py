@@ -25,10 +25,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from eagle3_zoo.dtypes import torch_dtype
-from eagle3_zoo.fileio import atomic_write
 from eagle3_zoo.modeling.attention import cached_attention, ttt_attention
 from eagle3_zoo.modeling.config import Eagle3Config
+from eagle3_zoo.util.fileio import atomic_write
+from eagle3_zoo.values.dtypes import torch_dtype
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

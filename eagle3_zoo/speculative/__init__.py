@@ -9,8 +9,9 @@ the eval argument parser import no torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from eagle3_zoo.util.lazy import lazy_exports
 
 _EXPORTS = {
     "Acceptance": "acceptance", "SamplingParams": "acceptance", "accept": "acceptance", "next_token": "acceptance",
@@ -45,16 +46,8 @@ if TYPE_CHECKING:
     from eagle3_zoo.speculative.target import NodeLogits, TargetRunner
     from eagle3_zoo.speculative.tree import DraftTree, build_tree
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+# looked up in their module on every use (not kept here)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, cache=False)
 
 
 __all__ = [

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from eagle3_zoo.adapters.chat import ChatFormat, TemplateMappingError, prompt_ids
-from eagle3_zoo.adapters.conversation import Message, role_of
+from eagle3_zoo.chat.conversation import Message, role_of
+from eagle3_zoo.chat.formats import ChatFormat, TemplateMappingError, prompt_ids
 
 BUILTIN = ("mtbench", "humaneval")
 RECIPE_FILE = "recipe.yaml"  # the resolved recipe `fit` writes into a drafter folder
@@ -150,7 +150,7 @@ def chat_input_ids(tokenizer: Any, messages: Sequence[Message | Mapping[str, Any
                    chat_format: ChatFormat | None = None,
                    template_kwargs: Mapping[str, Any] | None = None) -> torch.Tensor:
     """Token ids of `messages` rendered as the data stage renders a conversation, plus the assistant generation
-    prompt (`eagle3_zoo.adapters.chat.prompt_ids`): the tokenizer's chat template (else `chat_format`'s) with
+    prompt (`eagle3_zoo.chat.formats.prompt_ids`): the tokenizer's chat template (else `chat_format`'s) with
     `template_kwargs` (the recipe's ``data.chat_template_kwargs`` the drafter was trained with).
 
     Raises:

@@ -7,7 +7,7 @@ The TTT accuracies estimate acceptance; this measures it, with the same generato
 It reads from the LightningModule: ``.drafter`` (a drafter of a registered kind), ``.target`` (the frozen target,
 so online mode or any module that keeps the target), optionally ``.adapter`` and ``.tokenizer`` (needed for text prompts
 unless a tokenizer is given to the callback). Text prompts are rendered as the data stage renders the training
-conversations (`eagle3_zoo.adapters.chat.prompt_ids`: the tokenizer's chat template, else the adapter's chat format,
+conversations (`eagle3_zoo.chat.formats.prompt_ids`: the tokenizer's chat template, else the adapter's chat format,
 with the recipe's ``data.chat_template_kwargs``), so tau is measured on prompts like those the drafter learns from.
 It runs greedily; under torch.distributed (ddp) rank r of W decodes prompts r, r + W, ... and the per-prompt results
 are gathered on every rank, so every rank logs exactly the figure one process would measure.
@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from eagle3_zoo.adapters.conversation import Message
-from eagle3_zoo.draft_shapes import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS
+from eagle3_zoo.chat.conversation import Message
 from eagle3_zoo.speculative.benchmarks import chat_input_ids, completion_input_ids, prompt_chat_format
 from eagle3_zoo.speculative.generate import SpeculativeGenerator, tree_spec
 from eagle3_zoo.speculative.metrics import BenchStats
 from eagle3_zoo.speculative.sharded import is_sharded, reshard, unsharded_drafter
+from eagle3_zoo.values.draft_shapes import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS
 
 
 class TauEvalCallback(L.Callback):

@@ -203,9 +203,9 @@ def run_requests(client: OpenAIClient, model: str, benches: Sequence[Any], token
     is each request's seed (the same on both servers). `counters` (the server's spec-decode counters,
     `parse_spec_metrics`), read before and after each request (requests run one at a time), adds the request's own
     ``"spec"`` (`spec_summary` of the difference) to its row."""
-    from eagle3_zoo.adapters.conversation import Message
-    from eagle3_zoo.progress import Progress
+    from eagle3_zoo.chat.conversation import Message
     from eagle3_zoo.speculative.evaluation import turn_input_ids
+    from eagle3_zoo.util.progress import Progress
 
     rows: dict[str, dict[str, Any]] = {}
 
@@ -286,9 +286,9 @@ def evaluate_in_vllm(drafter: str | Path, target: str | None = None, benches: st
     from eagle3_zoo.checkpoint.convert import tensors_digest
     from eagle3_zoo.checkpoint.layouts import detect_format, load_drafter_config
     from eagle3_zoo.checkpoint.weights import weights_digest
-    from eagle3_zoo.provenance import versions
     from eagle3_zoo.speculative.evaluation import EvalSettings, _load_benches
     from eagle3_zoo.speculative.report import write_results
+    from eagle3_zoo.util.provenance import versions
 
     build = _build_for_sampling(temperature, top_k, python, url)
     sampling = sampling_params(temperature, top_p, top_k, seed)

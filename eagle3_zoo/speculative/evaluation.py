@@ -15,12 +15,9 @@ import torch
 from torch import nn
 
 from eagle3_zoo.adapters import TargetAdapter, adapter_for
-from eagle3_zoo.adapters.chat import ChatFormat
-from eagle3_zoo.adapters.conversation import Message
-from eagle3_zoo.draft_shapes import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, TreeSpec, shape_problem
+from eagle3_zoo.chat.conversation import Message
+from eagle3_zoo.chat.formats import ChatFormat
 from eagle3_zoo.drafters import kind_of
-from eagle3_zoo.progress import Progress
-from eagle3_zoo.provenance import load_average, machine_info, versions
 from eagle3_zoo.speculative.acceptance import SamplingParams
 from eagle3_zoo.speculative.benchmarks import (
     Benchmark,
@@ -47,6 +44,9 @@ from eagle3_zoo.speculative.report import (  # noqa: F401 (format_* and write_re
     plot_shapes,
     write_results,
 )
+from eagle3_zoo.util.progress import Progress
+from eagle3_zoo.util.provenance import load_average, machine_info, versions
+from eagle3_zoo.values.draft_shapes import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, TreeSpec, shape_problem
 
 log = logging.getLogger(__name__)
 # where HF configs keep the context length (Llama/Qwen/DeepSeek, GPT-2, some remote-code models)

@@ -21,12 +21,12 @@ from transformers import DynamicCache
 
 from eagle3_zoo.adapters import TargetAdapter, adapter_for
 from eagle3_zoo.adapters.capture import cache_kwargs
-from eagle3_zoo.draft_shapes import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, TreeSpec
 from eagle3_zoo.drafters import kind_of
 from eagle3_zoo.speculative.acceptance import SamplingParams, accept, next_token
 from eagle3_zoo.speculative.draft import DraftModel
 from eagle3_zoo.speculative.target import TargetRunner
 from eagle3_zoo.speculative.tree import build_tree
+from eagle3_zoo.values.draft_shapes import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, TreeSpec
 
 MODES = ("tree", "chain")
 

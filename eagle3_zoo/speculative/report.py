@@ -1,5 +1,5 @@
 """Reporting of speculative-decoding evaluations: the results JSON, the text tables and the plots (the machine and
-software they ran on: `eagle3_zoo.provenance`). No decoding here (`evaluation.py` decodes)."""
+software they ran on: `eagle3_zoo.util.provenance`). No decoding here (`evaluation.py` decodes)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from eagle3_zoo.fileio import atomic_write_text
+from eagle3_zoo.util.fileio import atomic_write_text
 
 
 def write_results(results: dict[str, Any], path: str | os.PathLike) -> Path:

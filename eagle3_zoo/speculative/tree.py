@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle3_zoo.draft_shapes import TreeSpec
 from eagle3_zoo.modeling import DraftStepOutput
 from eagle3_zoo.speculative.draft import DraftModel
+from eagle3_zoo.values.draft_shapes import TreeSpec
 
 
 @dataclass

@@ -11,7 +11,7 @@ hidden-states server would write a file of every prompt's states for nobody to r
 every token), with room for a prompt of `data.max_length` tokens plus the answer.
 
 Under torch.distributed the first rank of each node launches the node's servers and the node's other ranks attach
-to them (`attach_launched`; `eagle3_zoo.data.engine_feed` shares the URLs). `serve_command` is the same server as
+to them (`attach_launched`; `eagle3_zoo.data.engine.feed` shares the URLs). `serve_command` is the same server as
 one command line, for `eagle3-zoo serve` on an engine node (attach mode's other side), built for the machine the
 engine runs on (`engine_platform`), not for the one that prints it; a server over `engine.num_nodes` nodes has one
 command per node (node 0 serves the API, the others are headless workers).
@@ -33,8 +33,8 @@ from eagle3_zoo.targets.openai_client import OpenAIClient, ServerError
 from eagle3_zoo.targets.server import LOOPBACK, VLLMServer
 
 if TYPE_CHECKING:
-    from eagle3_zoo.recipe import Recipe
-    from eagle3_zoo.recipe_engine import EngineConfig
+    from eagle3_zoo.recipe.engine import EngineConfig
+    from eagle3_zoo.recipe.sections import Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def engine_platform(engine: EngineConfig) -> str:
         FileNotFoundError: the section says nothing and there is no engine python here to ask.
         ValueError: that python holds no vLLM, or does not run.
     """
-    from eagle3_zoo.recipe_engine import declared_platform
+    from eagle3_zoo.recipe.engine import declared_platform
 
     declared = declared_platform(engine)
     if declared is not None:
@@ -116,7 +116,7 @@ class EngineDeployment:
 
     def __init__(self, recipe: Recipe, aux_layer_ids: tuple[int, ...] = (), num_layers: int = 0, *,
                  regeneration: bool = False) -> None:
-        from eagle3_zoo.recipe import engine_max_model_len, regeneration_max_model_len
+        from eagle3_zoo.recipe.sections import engine_max_model_len, regeneration_max_model_len
 
         e = recipe.engine
         self.engine, self.mode = e, e.mode
@@ -153,7 +153,7 @@ class EngineDeployment:
                           startup_timeout=e.startup_timeout, log_path=self.log_dir / log)
 
     def _launch(self) -> list[EngineServer]:
-        from eagle3_zoo.recipe_engine import replica_devices
+        from eagle3_zoo.recipe.engine import replica_devices
 
         platform = engine_platform(self.engine)
         if not self.regeneration:
@@ -318,7 +318,7 @@ def serve_command(recipe: Recipe, aux_layer_ids: tuple[int, ...], num_layers: in
     engine` it answers the regeneration too, so its context holds a regeneration request. Over `engine.num_nodes`
     nodes, node 0's command serves the API and `node_rank` > 0 gives a headless worker's: vLLM's `serve` command
     (the api_server module ignores ``--headless``) with the same model and parallelism, no host or port."""
-    from eagle3_zoo.recipe import engine_max_model_len, regenerates_in_engine, regeneration_max_model_len
+    from eagle3_zoo.recipe.sections import engine_max_model_len, regenerates_in_engine, regeneration_max_model_len
 
     e, d, cuda = recipe.engine, recipe.data, platform == "cuda"
     spec, kv = hidden_states_configs(aux_layer_ids, num_layers, Path(e.hidden_states_dir).absolute(), platform)
@@ -345,7 +345,7 @@ def serve_command(recipe: Recipe, aux_layer_ids: tuple[int, ...], num_layers: in
 
 def _no_engine_section(engine: EngineConfig, source: str) -> str | None:
     """Why `serve` has nothing to start: the recipe's engine section is absent (all defaults), else None."""
-    from eagle3_zoo.recipe_engine import EngineConfig
+    from eagle3_zoo.recipe.engine import EngineConfig
 
     if engine != EngineConfig():
         return None
@@ -442,7 +442,7 @@ def serve_recipe(recipe: Recipe, host: str = LOOPBACK, port: int = 8000, dry_run
     secret = {"VLLM_API_KEY": api_key_value(key)} if key and not dry_run else {}
     shown = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()),
                       *([f'VLLM_API_KEY="${key}"'] if key else []), *map(shlex.quote, cmd)])
-    from eagle3_zoo.recipe_engine import declared_platform
+    from eagle3_zoo.recipe.engine import declared_platform
 
     why = "engine.platform" if e.platform != "auto" else "a GPU-only key of the engine section" if \
         declared_platform(e) else f"the vLLM build in {python}"

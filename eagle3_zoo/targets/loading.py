@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from eagle3_zoo.recipe import Recipe, TrainerConfig
+    from eagle3_zoo.recipe.sections import Recipe, TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def load_recipe_target(recipe: Recipe, source: str = "recipe", device: str | tor
     """
     from eagle3_zoo.adapters import load_target, load_target_heads
     from eagle3_zoo.adapters.loading import ShardedLoadUnsupported, load_target_skeleton
-    from eagle3_zoo.recipe import validate_against_target
+    from eagle3_zoo.recipe.sections import validate_against_target
 
     t = recipe.target
     device = target_device(recipe.trainer) if device is None else device

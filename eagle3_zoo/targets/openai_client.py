@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
-from eagle3_zoo.locations import env_name_problem, redact_url, url_problem
+from eagle3_zoo.values.locations import env_name_problem, redact_url, url_problem
 
 logger = logging.getLogger(__name__)
 

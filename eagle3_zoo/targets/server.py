@@ -137,7 +137,7 @@ class VLLMServer:
             os.close(fd)
             self.log_path = Path(name)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        from eagle3_zoo.locations import is_hub_id
+        from eagle3_zoo.values.locations import is_hub_id
 
         # a local folder needs no Hub; a Hub id (a large target launched on a GPU node) is downloaded by vLLM itself
         hub = {} if is_hub_id(str(self.model)) else {"HF_HUB_OFFLINE": "1"}
@@ -157,7 +157,7 @@ class VLLMServer:
         return self
 
     def _wait_healthy(self) -> None:
-        from eagle3_zoo.progress import progress_interval_s
+        from eagle3_zoo.util.progress import progress_interval_s
 
         client, start = self.client(), time.monotonic()
         every, last = progress_interval_s(), start  # a start with compilation takes minutes: a line now and then

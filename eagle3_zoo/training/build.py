@@ -19,15 +19,15 @@ import torch
 from typing_extensions import override
 
 from eagle3_zoo.data.datamodule import FeatureDataModule
-from eagle3_zoo.data.engine_stream import StreamingDataModule
+from eagle3_zoo.data.engine.stream import StreamingDataModule
 from eagle3_zoo.drafters import DrafterKind, TargetLayers, get_kind
 from eagle3_zoo.modeling import build_draft_vocab
+from eagle3_zoo.recipe.decisions import drafter_config, run_plan
 from eagle3_zoo.targets.loading import aux_layer_ids_for, load_recipe_target
 from eagle3_zoo.training.module import DrafterModule, with_host_counts
-from eagle3_zoo.training.run_plan import drafter_config, run_plan
 
 if TYPE_CHECKING:
-    from eagle3_zoo.recipe import DrafterConfig, Recipe
+    from eagle3_zoo.recipe.sections import DrafterConfig, Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ class RunDataModule(FeatureDataModule):
                               target_layers=layers)
         self.pad_id = tokenizer.pad_token_id or 0
         if plan.streams:  # hidden states streamed from the engine (online, or hybrid's first pass)
-            from eagle3_zoo.data.engine_stream import streamed_datasets
+            from eagle3_zoo.data.engine.stream import streamed_datasets
 
             if self.num_workers:  # the stream's futures and threads live in this process
                 logger.info("data.num_workers = %d ignored: states streamed from the engine are fetched ahead by "

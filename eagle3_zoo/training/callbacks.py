@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
 
-from eagle3_zoo.progress import _eta, progress_interval_s
+from eagle3_zoo.util.progress import _eta, progress_interval_s
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class ProgressLogCallback(L.Callback):
 
     Args:
         log_every_s: seconds between step lines (default: `EAGLE3_ZOO_LOG_EVERY_S`, else 30).
-        bar: a live bar shows the steps (`eagle3_zoo.progress.use_bar()`): no step lines then.
+        bar: a live bar shows the steps (`eagle3_zoo.util.progress.use_bar()`): no step lines then.
     """
 
     def __init__(self, log_every_s: float | None = None, bar: bool = False):

@@ -20,7 +20,7 @@ class EngineFeedCallback(L.Callback):
     run keeps (`fit` adds it to the error).
 
     Args:
-        feed: the run's `eagle3_zoo.data.engine_feed.EngineFeed`; default: the DataModule's `feed`, read in `setup`
+        feed: the run's `eagle3_zoo.data.engine.feed.EngineFeed`; default: the DataModule's `feed`, read in `setup`
             (Lightning calls the callbacks' `setup` after the DataModule's, which builds `fit`'s run).
     """
 

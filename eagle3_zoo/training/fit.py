@@ -7,7 +7,7 @@ starts the run's processes and then runs Lightning's hooks on every rank (`eagle
 DataModule's `setup` (seed -> load the target -> prepare data (read, regenerate, split, tokenise, draft-vocab counts)
 -> (offline: extract features) -> the draft vocabulary), the callbacks' `setup` (the run identity, checked against
 `output_dir/checkpoints/last.ckpt` if it exists: resumed only when written by a run with the same settings,
-`eagle3_zoo.training.resume`; provenance; then the loggers), the module's `setup` (the drafter) and
+`eagle3_zoo.training.rundir.resume`; provenance; then the loggers), the module's `setup` (the drafter) and
 `configure_model` (FSDP sharding) -> resume -> train -> write `output_dir/drafter/`. A non-finite loss stops
 training; the last (finite) checkpoint stays. Ctrl-C stops it too (`FitInterrupted`, exit 130), naming the
 checkpoint a rerun resumes from (`eagle3_zoo.training.interrupt`).
@@ -36,25 +36,32 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from eagle3_zoo.checkpoint.folder import write_drafter_folder
-from eagle3_zoo.data.engine_feed import EngineFeedError
+from eagle3_zoo.data.engine.feed import EngineFeedError
 from eagle3_zoo.data.tokenize import draft_vocab_coverage
 from eagle3_zoo.drafters import get_kind
-from eagle3_zoo.fileio import atomic_write, recover_replaced_directory
-from eagle3_zoo.progress import use_bar
-from eagle3_zoo.provenance import git_info
-from eagle3_zoo.recipe import DataConfig, Recipe, TauEvalConfig, TrainerConfig, recipe_identity_dict, recipe_to_dict
-from eagle3_zoo.training import resume
+from eagle3_zoo.recipe.decisions import require_accelerator, run_plan, world_size
+from eagle3_zoo.recipe.sections import (
+    DataConfig,
+    Recipe,
+    TauEvalConfig,
+    TrainerConfig,
+    recipe_identity_dict,
+    recipe_to_dict,
+)
 from eagle3_zoo.training.build import NO_VALIDATION, RecipeModule, run_datamodule
 from eagle3_zoo.training.callbacks import ProgressLogCallback, StepProgressBar, TTTScheduleCallback
 from eagle3_zoo.training.engine_callback import EngineFeedCallback
 from eagle3_zoo.training.interrupt import InterruptWatch
 from eagle3_zoo.training.lightning_private import last_global_step_saved, quiet_wandb_logger, save_last_checkpoint
 from eagle3_zoo.training.module import NonFiniteError, all_finite
-from eagle3_zoo.training.outputs import build_provenance, drafter_info, drafter_summary, full_drafter
-from eagle3_zoo.training.record import TrainingRecordCallback
-from eagle3_zoo.training.run_plan import require_accelerator, run_plan, world_size
-from eagle3_zoo.training.rundir import CHECKPOINT_DIR, DRAFTER_DIR
+from eagle3_zoo.training.rundir import resume
+from eagle3_zoo.training.rundir.lock import CHECKPOINT_DIR, DRAFTER_DIR
+from eagle3_zoo.training.rundir.outputs import build_provenance, drafter_info, drafter_summary, full_drafter
+from eagle3_zoo.training.rundir.record import TrainingRecordCallback
 from eagle3_zoo.training.strategies import build_strategy
+from eagle3_zoo.util.fileio import atomic_write, recover_replaced_directory
+from eagle3_zoo.util.progress import use_bar
+from eagle3_zoo.util.provenance import git_info
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +71,7 @@ LAST_CHECKPOINT = "last.ckpt"
 class LastCheckpoint(ModelCheckpoint):
     """`last.ckpt` every N steps *and* at the end of training (ModelCheckpoint alone skips the final step when
     an earlier step was already saved in this run); the final save happens even then when this start trained, so
-    that the checkpoint carries the run's final record (`eagle3_zoo.training.record`: metrics of the last
+    that the checkpoint carries the run's final record (`eagle3_zoo.training.rundir.record`: metrics of the last
     validation, wall time)."""
 
     _start_step = 0
@@ -256,11 +263,11 @@ class RunLoggers(L.Callback):
 def fit(recipe: Recipe, source: str = "recipe") -> Path:
     """Train a drafter as `recipe` says; resumes from `output_dir/checkpoints/last.ckpt` when it exists.
 
-    The run holds `output_dir` for its whole lifetime (`eagle3_zoo.training.rundir`): a second run on it refuses at
+    The run holds `output_dir` for its whole lifetime (`eagle3_zoo.training.rundir.lock`): a second run on it refuses at
     once, naming this one.
 
     Args:
-        recipe: a loaded `eagle3_zoo.recipe.Recipe`.
+        recipe: a loaded `eagle3_zoo.recipe.sections.Recipe`.
         source: where the recipe came from (used in error messages).
 
     Returns:
@@ -269,7 +276,7 @@ def fit(recipe: Recipe, source: str = "recipe") -> Path:
     Raises:
         RunDirectoryInUseError: another run holds `output_dir`.
     """
-    from eagle3_zoo.training.rundir import hold_run_directory
+    from eagle3_zoo.training.rundir.lock import hold_run_directory
 
     with hold_run_directory(recipe.output_dir):  # leftovers of killed runs are removed once it is held
         return _fit(recipe, source)
@@ -285,7 +292,7 @@ def _fit(recipe: Recipe, source: str) -> Path:
     if last.exists():  # a corrupt or foreign checkpoint fails here, before the target and the data are loaded
         resume.read_checkpoint_identity(last)
         if last.is_dir():  # DCP unpickles .metadata with the plain unpickler when it loads: check it safely first
-            from eagle3_zoo.training.checkpoint_io import read_sharded_metadata
+            from eagle3_zoo.training.rundir.checkpoint_io import read_sharded_metadata
 
             resume.refuse_unreadable(last, read_sharded_metadata)
     t = recipe.trainer
@@ -332,7 +339,7 @@ def _fit(recipe: Recipe, source: str) -> Path:
 
 def _hardware(trainer: L.Trainer) -> str:
     """"2 x NVIDIA H100 80GB HBM3" or "Intel(R) Xeon(R) Processor, 2 cores, 2 threads" (for provenance/cards)."""
-    from eagle3_zoo.provenance import machine_info
+    from eagle3_zoo.util.provenance import machine_info
 
     root = trainer.strategy.root_device
     info = machine_info(root)
@@ -343,6 +350,6 @@ def _hardware(trainer: L.Trainer) -> str:
 
 def fit_main(recipe_path: str | Path, overrides: Sequence[str] = ()) -> Path:
     """Load a recipe with dotlist overrides and `fit` it; returns the drafter folder."""
-    from eagle3_zoo.recipe import load_recipe
+    from eagle3_zoo.recipe.sections import load_recipe
 
     return fit(load_recipe(recipe_path, list(overrides)), source=str(recipe_path))

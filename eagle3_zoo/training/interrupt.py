@@ -19,7 +19,7 @@ from pathlib import Path
 import lightning as L
 from typing_extensions import override
 
-from eagle3_zoo.training.checkpoint_io import UnreadableCheckpointError, read_checkpoint_header
+from eagle3_zoo.training.rundir.checkpoint_io import UnreadableCheckpointError, read_checkpoint_header
 
 
 class FitInterrupted(KeyboardInterrupt):

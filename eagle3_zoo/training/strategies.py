@@ -12,7 +12,7 @@ bf16 parameters and reduces gradients in fp32 (`MixedPrecisionPolicy`); the froz
 
 Checkpoints are sharded (torch.distributed.checkpoint, DCP): `last.ckpt` is a directory in which every rank writes
 its own shards (`ShardedCheckpointStrategy`, staged and renamed into place); DCP reshards on load, so it resumes
-under another world size. `eagle3_zoo.training.outputs.consolidate_checkpoint` turns one into a drafter folder.
+under another world size. `eagle3_zoo.training.rundir.outputs.consolidate_checkpoint` turns one into a drafter folder.
 
 A target loaded as a skeleton (`eagle3_zoo.adapters.loading.load_target_skeleton`: decoder layers on the meta
 device) is filled after sharding by `load_target_shards`: each rank reads only the slices it owns from the
@@ -40,13 +40,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from eagle3_zoo.fileio import replace_directory
-from eagle3_zoo.training.run_plan import (  # noqa: F401
+from eagle3_zoo.recipe.decisions import (  # noqa: F401
     fsdp_drafter_dtypes,
     fsdp_shard_size,
     target_skeleton_reason,
     world_size,
 )
+from eagle3_zoo.util.fileio import replace_directory
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
@@ -115,7 +115,7 @@ def fsdp_mesh(mesh: Any, num_nodes: int) -> Any:
     (`("replicate", "shard")`, HSDP: parameters sharded within a node, replicated across nodes, so the slow
     inter-node links carry one gradient all-reduce instead of every all-gather)."""
     world = mesh.size()
-    shard = fsdp_shard_size(world, num_nodes)  # the shard group `plan` reports (eagle3_zoo.training.run_plan)
+    shard = fsdp_shard_size(world, num_nodes)  # the shard group `plan` reports (eagle3_zoo.recipe.decisions)
     if shard == world:
         return mesh["data_parallel"]
     from torch.distributed.device_mesh import init_device_mesh

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from eagle3_zoo.dtypes import DTYPE_NAMES
+from eagle3_zoo.values.dtypes import DTYPE_NAMES
 
 ARCHITECTURE = "DFlashDraftModel"  # z-lab's architecture name, which vLLM maps to its DFlash Qwen3 drafter
 

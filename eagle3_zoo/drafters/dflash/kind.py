@@ -43,7 +43,7 @@ from eagle3_zoo.drafters.dflash.config import DFlashConfig
 from eagle3_zoo.drafters.dflash.decoding import DFlashProposer
 from eagle3_zoo.drafters.dflash.loss import DFlashLossOutput, dflash_loss, select_anchors
 from eagle3_zoo.drafters.dflash.model import DFlashDrafter
-from eagle3_zoo.layout_names import DFLASH_BUILT_IN
+from eagle3_zoo.values.layout_names import DFLASH_BUILT_IN
 
 MICRO_BATCH_STRIDE = 2_654_435_761  # seed offset per micro-batch of a step (odd: see `anchor_generator`)
 

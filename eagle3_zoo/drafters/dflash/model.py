@@ -34,8 +34,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eagle3_zoo.drafters.dflash.config import DFlashConfig
-from eagle3_zoo.dtypes import torch_dtype
-from eagle3_zoo.fileio import atomic_write, atomic_write_text
+from eagle3_zoo.util.fileio import atomic_write, atomic_write_text
+from eagle3_zoo.values.dtypes import torch_dtype
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

@@ -31,7 +31,7 @@ from eagle3_zoo.drafters.dspark.config import DSparkConfig
 from eagle3_zoo.drafters.dspark.decoding import DSparkProposer
 from eagle3_zoo.drafters.dspark.loss import CE_WEIGHT, CONFIDENCE_WEIGHT, TV_WEIGHT, DSparkLossOutput, dspark_loss
 from eagle3_zoo.drafters.dspark.model import DSparkDrafter
-from eagle3_zoo.layout_names import DSPARK_BUILT_IN
+from eagle3_zoo.values.layout_names import DSPARK_BUILT_IN
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,9 @@ class DSparkObjective(DFlashObjective):
         super().__init__(drafter, DFlashTraining(num_anchors=settings.num_anchors), seed)
         self.dspark = settings
 
-    def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,  # type: ignore[override]
-                embed_weight: torch.Tensor, final_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+    def forward(self, aux_hidden: torch.Tensor,  # type: ignore[override]
+                input_ids: torch.Tensor, loss_mask: torch.Tensor, embed_weight: torch.Tensor,
+                final_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                 generator: torch.Generator, chunk: int, position_ids: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None) -> DSparkLossOutput:
         s = self.dspark

@@ -35,8 +35,8 @@ from eagle3_zoo.drafters.eagle3.objective import (
     supervised_positions,
 )
 from eagle3_zoo.drafters.eagle3.ttt import TTTLossOutput
-from eagle3_zoo.layout_names import BUILT_IN
 from eagle3_zoo.modeling import Eagle3Config, Eagle3Drafter
+from eagle3_zoo.values.layout_names import BUILT_IN
 
 
 class Eagle3Kind(DrafterKind):

@@ -34,14 +34,14 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3_zoo.adapters.chat import thinking_enabled
+from eagle3_zoo.chat.formats import thinking_enabled
 from eagle3_zoo.data.ranks import RankSplit
 from eagle3_zoo.data.readers import Conversation
 from eagle3_zoo.data.regenerate import Answer, RegenerateStats, Request, answered_ids, end_ids, regenerate_with
 from eagle3_zoo.targets.openai_client import BadAnswerError, OpenAIClient, ServerError
 
 if TYPE_CHECKING:
-    from eagle3_zoo.recipe import Recipe
+    from eagle3_zoo.recipe.sections import Recipe
 
 logger = logging.getLogger(__name__)
 

@@ -85,7 +85,7 @@ class MemoryPlan:
     gpu_memory_gb: float | None
     lines: list[PlanLine] = field(default_factory=list)
     phases: list[PhasePlan] = field(default_factory=list)
-    decisions: str = ""  # the run plan (`eagle3_zoo.training.run_plan`) in words
+    decisions: str = ""  # the run plan (`eagle3_zoo.recipe.decisions`) in words
     devices_counted: str = ""  # how trainer.devices "auto" / -1 was counted (empty: a count was given)
     tau_off: str = ""  # why the tau evaluation does not run (empty: it runs)
     unit: str = "GPU"  # what one trainer rank runs on (`run_plan.trainer_device`)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from eagle3_zoo.fileio import pickle_refusal
+from eagle3_zoo.util.fileio import pickle_refusal
 
 DRAFTER_INFO_KEY = "eagle3_zoo_drafter"
 """Checkpoint entry with what `consolidate_checkpoint` needs besides the weights: the drafter config, its fc

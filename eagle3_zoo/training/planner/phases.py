@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from eagle3_zoo.dtypes import torch_dtype
-from eagle3_zoo.training.plan_report import PhasePlan, PlanLine, reserve_line
+from eagle3_zoo.training.planner.report import PhasePlan, PlanLine, reserve_line
+from eagle3_zoo.values.dtypes import torch_dtype
 
 if TYPE_CHECKING:
-    from eagle3_zoo.recipe import DataConfig, Recipe, TargetConfig, TrainerConfig
-    from eagle3_zoo.recipe_engine import EngineConfig
+    from eagle3_zoo.recipe.engine import EngineConfig
+    from eagle3_zoo.recipe.sections import DataConfig, Recipe, TargetConfig, TrainerConfig
 
 VLLM_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
 VLLM_BATCHED_TOKENS = 8192  # tokens of one vLLM forward (its chunked-prefill budget on large GPUs): activations
@@ -136,8 +136,8 @@ def regeneration_phase(recipe: Recipe, config: Any, counts: dict[str, int], kv_p
     """Regeneration where `run_plan.regeneration_site` puts it: off, in process on every trainer GPU, one vLLM
     server started here (backend vllm: the whole target on one GPU), the recipe's engine (backend engine) or a server
     outside the run (not planned)."""
-    from eagle3_zoo.recipe import regeneration_max_model_len
-    from eagle3_zoo.training.run_plan import regeneration_site, trainer_device
+    from eagle3_zoo.recipe.decisions import regeneration_site, trainer_device
+    from eagle3_zoo.recipe.sections import regeneration_max_model_len
 
     site, r, d, tr = regeneration_site(recipe.data), recipe.data.regenerate, recipe.data, recipe.trainer
     name = "regeneration"
@@ -171,8 +171,8 @@ def hidden_states_phase(recipe: Recipe, config: Any, counts: dict[str, int], kv_
                         dequant: str) -> PhasePlan:
     """The target's hidden states where `run_plan.hidden_states_site` puts them: in the training step (its lines are
     the training phase's), the offline feature job in process, or the recipe's engine."""
-    from eagle3_zoo.recipe import engine_max_model_len
-    from eagle3_zoo.training.run_plan import hidden_states_site, trainer_device
+    from eagle3_zoo.recipe.decisions import hidden_states_site, trainer_device
+    from eagle3_zoo.recipe.sections import engine_max_model_len
 
     site, t, tr = hidden_states_site(recipe.data), recipe.target, recipe.trainer
     name = "hidden states"

@@ -18,18 +18,18 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from eagle3_zoo.dtypes import torch_dtype
-from eagle3_zoo.recipe import (
+from eagle3_zoo.recipe.sections import (
     features_from_engine,
     streams_features,
     target_in_training_step,
     target_sharded_in_trainer,
 )
+from eagle3_zoo.values.dtypes import torch_dtype
 
 if TYPE_CHECKING:
     import torch
 
-    from eagle3_zoo.recipe import DataConfig, DrafterConfig, Recipe, TrainerConfig
+    from eagle3_zoo.recipe.sections import DataConfig, DrafterConfig, Recipe, TrainerConfig
 
 
 TargetLoad = Literal["whole", "fsdp shard", "heads only"]

@@ -4,7 +4,7 @@ tool result's call id and name), with the one table of role spellings and reason
 Data files are read into messages (`Message.from_record`: ShareGPT ``from``/``value`` or OpenAI ``role``/``content``
 turns, role aliases, any reasoning key), conversations handed to the chat template are validated as messages
 (`Message.parse`: the canonical layout below), and benchmark prompts and training-time tau prompts are built as
-messages; `eagle3_zoo.adapters.chat.render_prompt` renders them all with the same template and template kwargs.
+messages; `eagle3_zoo.chat.formats.render_prompt` renders them all with the same template and template kwargs.
 On disk and in caches a message is its `as_dict` form, a plain JSON object::
 
     {"role": "system" | "user" | "assistant" | "tool", "content": str,

@@ -15,7 +15,7 @@ sides, whichever machine prints the command: `platform` says what the engine run
 server may span `num_nodes` nodes (node 0 serves the API, the others are headless workers that join it at
 `master_addr:master_port`). Each field's own rule sits on the field; the rules that read the engine together with the
 `data` and `trainer` sections, and the decisions those sections make (where the hidden states come from, the engine's
-context length), are the recipe's (`eagle3_zoo.recipe.engine_problems`, `streams_features`, ...).
+context length), are the recipe's (`eagle3_zoo.recipe.sections.engine_problems`, `streams_features`, ...).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
-from eagle3_zoo.dtypes import DTYPE_NAMES
-from eagle3_zoo.locations import path_problem
-from eagle3_zoo.schema import GE0, GT0, ConfigProblem, rule, ruled
+from eagle3_zoo.util.schema import GE0, GT0, ConfigProblem, rule, ruled
+from eagle3_zoo.values.dtypes import DTYPE_NAMES
+from eagle3_zoo.values.locations import path_problem
 
 
 def _url_problem(url: str) -> str | None:

@@ -5,7 +5,7 @@
     plan.not_fitting()           # the phases that do not fit (`eagle3-zoo plan` exits 1 naming them)
 
 What runs where and what of the target each trainer rank loads are the run plan's decisions
-(`eagle3_zoo.training.run_plan`, which the data stage of `fit` and the strategy builder read too); the phases before
+(`eagle3_zoo.recipe.decisions`, which the data stage of `fit` and the strategy builder read too); the phases before
 training are planned in `plan_phases`, this module plans the training phase. In the training phase, lines held for
 the whole run add up; lines of a phase (the training step's activations and, under FSDP, the
 drafter's gathered parameters, unsharded gradients and reduce-scatter input; the tau evaluation's transient
@@ -36,8 +36,8 @@ import torch
 from eagle3_zoo.drafters import StepSizing, step_lines
 from eagle3_zoo.drafters.dflash.sizing import dflash_saved_bytes  # noqa: F401  (re-exported: the DFlash step's sizing)
 from eagle3_zoo.drafters.eagle3.sizing import ttt_saved_bytes
-from eagle3_zoo.dtypes import torch_dtype
-from eagle3_zoo.training.plan_report import (  # noqa: F401  (re-exported: the plan's API)
+from eagle3_zoo.recipe.decisions import compute_dtype, stored_dtype  # noqa: F401
+from eagle3_zoo.training.planner.report import (  # noqa: F401  (re-exported: the plan's API)
     RESERVE_FIXED_GIB,
     RESERVE_FRACTION,
     MemoryPlan,
@@ -46,11 +46,11 @@ from eagle3_zoo.training.plan_report import (  # noqa: F401  (re-exported: the p
     peak,
     reserve_line,
 )
-from eagle3_zoo.training.run_plan import compute_dtype, stored_dtype  # noqa: F401
+from eagle3_zoo.values.dtypes import torch_dtype
 
 if TYPE_CHECKING:
-    from eagle3_zoo.recipe import Recipe
-    from eagle3_zoo.training.run_plan import RunPlan
+    from eagle3_zoo.recipe.decisions import RunPlan
+    from eagle3_zoo.recipe.sections import Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +158,8 @@ def shipped_counts_table() -> dict[str, dict[str, int]]:
 def write_shipped_counts() -> Path:
     """Rebuild the package's table of the shipped targets' parameter counts (after adding or changing a shipped
     target config, or with another transformers version):
-    `python -c "from eagle3_zoo.training.plan import write_shipped_counts; write_shipped_counts()"`."""
-    from eagle3_zoo.fileio import atomic_write_text
+    `python -c "from eagle3_zoo.training.planner.plan import write_shipped_counts; write_shipped_counts()"`."""
+    from eagle3_zoo.util.fileio import atomic_write_text
 
     path = Path(str(resources.files("eagle3_zoo").joinpath(*COUNTS_FILE)))
     atomic_write_text(path, json.dumps(shipped_counts_table(), indent=1, sort_keys=True) + "\n")
@@ -190,7 +190,7 @@ def fsdp_drafter_lines(config: Any, precision: str, shard: int) -> list[PlanLine
     since the reduce-scatter input is allocated after backward freed the activations and the gathered parameters.
     Checked against the buffers FSDP2 allocates in tests/test_plan.py.
     """
-    from eagle3_zoo.training.run_plan import fsdp_drafter_dtypes
+    from eagle3_zoo.recipe.decisions import fsdp_drafter_dtypes
 
     pdt, rdt = fsdp_drafter_dtypes(precision) or (stored_dtype(precision),) * 2
     n, padded = drafter_parameter_count(config), fsdp_padded_numel(config, shard)
@@ -229,7 +229,7 @@ def tau_eval_lines(recipe: Recipe, target_config: Any, dcfg: Any, n_drafter: int
     final hidden it returns) and the drafter's pass over the prompt (at most what a TTT step saves, a causal mask),
     and the fp32 logits rows of the verified path and the drafted frontier. Prompts are bounded by
     `data.max_length` (MT-bench first turns are far shorter)."""
-    from eagle3_zoo.draft_shapes import TreeSpec
+    from eagle3_zoo.values.draft_shapes import TreeSpec
 
     cfg = recipe.trainer.tau_eval
     # the tree `TauEvalCallback` drafts (its defaults), without importing Lightning for it
@@ -267,9 +267,9 @@ def plan_recipe(recipe: Recipe, target_config: Any = None, source: str = "recipe
     """
     from eagle3_zoo.adapters import get_adapter
     from eagle3_zoo.adapters.shipped import shipped_target_config
+    from eagle3_zoo.recipe.decisions import counted_devices, drafter_config, run_plan, trainer_device
     from eagle3_zoo.targets.loading import feature_layer_ids
-    from eagle3_zoo.training.plan_phases import hidden_states_phase, regeneration_phase
-    from eagle3_zoo.training.run_plan import counted_devices, drafter_config, run_plan, trainer_device
+    from eagle3_zoo.training.planner.phases import hidden_states_phase, regeneration_phase
 
     t, tr = recipe.target, recipe.trainer
     if target_config is None:  # a shipped target: resolved from the table (no transformers), else by transformers
@@ -313,7 +313,7 @@ def _training_lines(recipe: Recipe, rp: RunPlan, target_config: Any, dcfg: Any, 
                     dequant: str) -> list[PlanLine]:
     """Per trainer GPU during training: the target (as `rp.target_load` says), the drafter and its optimizer, the
     training step's buffers and the tau evaluation's transient."""
-    from eagle3_zoo.training.run_plan import fsdp_drafter_dtypes, trainer_device
+    from eagle3_zoo.recipe.decisions import fsdp_drafter_dtypes, trainer_device
 
     t, tr = recipe.target, recipe.trainer
     tbytes = rp.target_dtype.itemsize

@@ -29,7 +29,7 @@ end-of-turn token raise `TemplateMappingError` instead of yielding a silently wr
 The full text is tokenised once with character offsets, so the ids equal `apply_chat_template(messages,
 tokenize=True)` and BPE merges across turn boundaries cannot shift the mask.
 
-Messages (`build_chat_example`, `render_prompt`: `eagle3_zoo.adapters.conversation.Message`s or their dict form):
+Messages (`build_chat_example`, `render_prompt`: `eagle3_zoo.chat.conversation.Message`s or their dict form):
 ``{"role": "system"|"user"|"assistant"|"tool", "content": str}``; an assistant message may add ``"reasoning": str``
 (the thinking the target generated before its answer; ``reasoning_content`` and ``thinking`` are accepted as
 aliases) and ``"tool_calls": [{"id": str, "function": {"name": str, "arguments":
@@ -59,9 +59,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-from eagle3_zoo import schema
-from eagle3_zoo.adapters.conversation import Message, parse_messages, validate_tools
-from eagle3_zoo.adapters.testing import TinyTokenizerSpec
+from eagle3_zoo.chat.conversation import Message, parse_messages, validate_tools
+from eagle3_zoo.chat.tiny_tokenizer import TinyTokenizerSpec
+from eagle3_zoo.util import schema
 
 if TYPE_CHECKING:
     import torch

@@ -1,12 +1,12 @@
 """Typed training recipes: the `Recipe` schema (an OmegaConf structured config; types and choices come from the
-annotations, each value rule sits on its field: `eagle3_zoo.schema.ruled`), loading with dotlist overrides, and
+annotations, each value rule sits on its field: `eagle3_zoo.util.schema.ruled`), loading with dotlist overrides, and
 validation that raises every problem (unknown key, wrong type, bad value, missing file) at once in one `RecipeError`.
 
     recipe = load_recipe("recipes/qwen25_7b.yaml", ["trainer.max_steps=2000"])
 
 A recipe is data in every artefact (recipe.yaml, provenance.json, hyperparameters, checkpoints, model cards:
 `recipe_to_dict`): a value that comes from an `${oc.env:VAR}` interpolation is written as that text, never as the
-variable's value, and the secrets the recipe gives the run (`eagle3_zoo.redaction`) are redacted. Only the typed
+variable's value, and the secrets the recipe gives the run (`eagle3_zoo.util.redaction`) are redacted. Only the typed
 `Recipe` the process runs with holds the resolved values.
 """
 
@@ -26,14 +26,15 @@ import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from eagle3_zoo import locations, schema
 from eagle3_zoo.drafters import kind_names, unknown_kind_message
-from eagle3_zoo.dtypes import DTYPE_NAMES
-from eagle3_zoo.locations import EMBEDDED_SHAREGPT, EMBEDDED_TARGET, hub_or_local_problem, path_problem
 from eagle3_zoo.losses import Loss, available_losses, make_loss, params_problems, unknown_loss_message
-from eagle3_zoo.recipe_engine import EngineConfig, device_list, urls_problems
-from eagle3_zoo.redaction import redact_data, register_recipe, register_variable
-from eagle3_zoo.schema import GE0, GT0, UNIT, ConfigProblem, rule, ruled
+from eagle3_zoo.recipe.engine import EngineConfig, device_list, urls_problems
+from eagle3_zoo.util import schema
+from eagle3_zoo.util.redaction import redact_data, register_recipe, register_variable
+from eagle3_zoo.util.schema import GE0, GT0, UNIT, ConfigProblem, rule, ruled
+from eagle3_zoo.values import locations
+from eagle3_zoo.values.dtypes import DTYPE_NAMES
+from eagle3_zoo.values.locations import EMBEDDED_SHAREGPT, EMBEDDED_TARGET, hub_or_local_problem, path_problem
 
 
 class RecipeError(schema.ConfigError):
@@ -533,7 +534,7 @@ def _block_rules(r: Recipe, name: str, section: BlockDrafterSection, weights: st
 def _secret_problems(r: Recipe) -> list[ConfigProblem]:
     """The server URL and the key variable's name: their problems show a redacted value (a URL with a password in it,
     or a key pasted where its variable's name belongs, must not be printed)."""
-    from eagle3_zoo.locations import env_name_problem, redact_url, url_problem
+    from eagle3_zoo.values.locations import env_name_problem, redact_url, url_problem
 
     g = r.data.regenerate
     return [ConfigProblem(key, msg, shown) for key, msg, shown in (
@@ -789,7 +790,7 @@ def recipe_to_dict(recipe: Recipe) -> dict:
 
 
 def recipe_identity_dict(recipe: Recipe) -> dict:
-    """The recipe as a run's identity holds it (`eagle3_zoo.training.resume`, stored in every checkpoint): as
+    """The recipe as a run's identity holds it (`eagle3_zoo.training.rundir.resume`, stored in every checkpoint): as
     `recipe_to_dict`, but a value from `${oc.env:...}` is its text with a digest of the value, so that a resume
     with another value is refused without the value being stored (secrets are redacted: a rotated key trains the
     same drafter)."""
@@ -811,7 +812,7 @@ def resolved_recipe_yaml(recipe: Recipe | DictConfig) -> str:
 def save_resolved_recipe(recipe: Recipe, path: str | os.PathLike) -> Path:
     """Write recipe.yaml (`recipe_to_dict`: resolved, `${oc.env:...}` kept as text, secrets redacted) atomically
     (temp file in the same directory, fsync, rename); the path."""
-    from eagle3_zoo.fileio import atomic_write_text
+    from eagle3_zoo.util.fileio import atomic_write_text
 
     atomic_write_text(Path(path), OmegaConf.to_yaml(OmegaConf.create(recipe_to_dict(recipe)), resolve=False))
     return Path(path)

@@ -17,8 +17,8 @@ import torch
 from eagle3_zoo.checkpoint.folder import drafter_out_dir, write_drafter_folder
 from eagle3_zoo.checkpoint.layouts import layouts
 from eagle3_zoo.drafters import DEFAULT_KIND, get_kind
-from eagle3_zoo.provenance import git_info, package_versions, provenance_json
-from eagle3_zoo.training.checkpoint_io import DRAFTER_INFO_KEY, info_json, read_checkpoint_header, sharded_state
+from eagle3_zoo.training.rundir.checkpoint_io import DRAFTER_INFO_KEY, info_json, read_checkpoint_header, sharded_state
+from eagle3_zoo.util.provenance import git_info, package_versions, provenance_json
 
 
 def drafter_summary(config: Any, num_parameters: int) -> dict[str, Any]:
@@ -119,7 +119,7 @@ def consolidate_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     except (RuntimeError, TypeError) as e:  # missing / unexpected keys, shapes that do not fit the config
         raise ValueError(f"{checkpoint}: its drafter weights do not fit its drafter config "
                          f"({str(e).strip().splitlines()[0]}...)") from None
-    from eagle3_zoo.training.record import RECORD_KEY
+    from eagle3_zoo.training.rundir.record import RECORD_KEY
 
     provenance = info_json(info, "provenance", checkpoint)
     record = meta.get(RECORD_KEY) if isinstance(meta.get(RECORD_KEY), dict) else {}  # wall time, epochs, metrics...

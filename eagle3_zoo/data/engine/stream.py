@@ -20,11 +20,11 @@ import torch
 from torch.utils.data import Dataset
 
 from eagle3_zoo.data.datamodule import FeatureDataModule, ResumableDataLoader
-from eagle3_zoo.data.engine_feed import final_norm_on_cpu
+from eagle3_zoo.data.engine.feed import final_norm_on_cpu
 from eagle3_zoo.data.hybrid_store import HybridStore
 
 if TYPE_CHECKING:
-    from eagle3_zoo.recipe import Recipe
+    from eagle3_zoo.recipe.sections import Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class FeatureStream:
     """The planned batches of one loader, their states requested ahead from an `EngineFeed`.
 
     Args:
-        feed: this rank's `eagle3_zoo.data.engine_feed.EngineFeed`.
+        feed: this rank's `eagle3_zoo.data.engine.feed.EngineFeed`.
         examples: token examples (`id`, `input_ids`, `loss_mask`), indexed by the sampler's indices.
         layers: states per token in a file (the aux layers and the last one).
         hidden_size: the target's hidden size.
@@ -262,10 +262,10 @@ def streamed_datasets(recipe: Recipe, data: Any, target: Any, adapter: Any,
         target, adapter: the target (heads only is enough: its config and final norm are read) and its adapter.
         aux_ids: the aux layers the drafter reads.
     """
-    from eagle3_zoo.data.engine_feed import EngineFeed, run_tag
+    from eagle3_zoo.data.engine.feed import EngineFeed, run_tag
     from eagle3_zoo.data.feature_job import features_dir_for, store_meta
-    from eagle3_zoo.dtypes import torch_dtype
     from eagle3_zoo.targets.deployment import EngineDeployment
+    from eagle3_zoo.values.dtypes import torch_dtype
 
     d, cfg = recipe.data, target.config
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

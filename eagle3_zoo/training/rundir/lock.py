@@ -6,7 +6,7 @@
 The process that starts a run takes an exclusive lock on `output_dir/.eagle3-zoo-run.lock` (`exclusive_lock`:
 flock, released by the operating system when the process dies, so a killed run never blocks the next) for the
 whole run and writes who it is next to it (`.eagle3-zoo-run.json`: pid, host, start time, command, its secrets
-redacted by `eagle3_zoo.redaction`). A second run
+redacted by `eagle3_zoo.util.redaction`). A second run
 on the same directory refuses in one line naming that holder, before it loads anything: two runs would share the
 checkpoint, the logs and the drafter folder, and one result would be lost.
 
@@ -29,8 +29,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from eagle3_zoo.fileio import atomic_write_text, exclusive_lock, remove_dead_stages
-from eagle3_zoo.redaction import redact
+from eagle3_zoo.util.fileio import atomic_write_text, exclusive_lock, remove_dead_stages
+from eagle3_zoo.util.redaction import redact
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def _remove_if_only_the_lock(output_dir: Path) -> None:
 
 def remove_leftovers(output_dir: Path) -> None:
     """What interrupted runs left in `output_dir` (call it holding the run lock: nothing else works there)."""
-    from eagle3_zoo.training.resume import remove_stale_temporaries
+    from eagle3_zoo.training.rundir.resume import remove_stale_temporaries
 
     checkpoints = output_dir / CHECKPOINT_DIR
     remove_stale_temporaries(checkpoints, older_than_s=0.0)

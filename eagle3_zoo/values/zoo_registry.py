@@ -12,8 +12,9 @@ from typing import Any, Literal
 
 import yaml
 
-from eagle3_zoo import layout_names, schema
-from eagle3_zoo.locations import looks_like_hub_id
+from eagle3_zoo.util import schema
+from eagle3_zoo.values import layout_names
+from eagle3_zoo.values.locations import looks_like_hub_id
 
 STATUSES = ("published", "not-yet-published", "recipe-only")
 FORMATS = (*layout_names.BUILT_IN, *layout_names.DFLASH_BUILT_IN)  # the layouts a zoo entry's `format` may name
@@ -93,6 +94,6 @@ def target_hub_id(target: str | None) -> str | None:
 def dataset_hub_id(path: str | None) -> str | None:
     """Hub dataset id of a recipe data source: the registry's `datasets` map for local names (the embedded ShareGPT),
     else the path if it can only be a Hub id (not a local file)."""
-    from eagle3_zoo.locations import is_hub_id
+    from eagle3_zoo.values.locations import is_hub_id
 
     return _hub_id("datasets", path, is_hub_id)

@@ -29,7 +29,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from eagle3_zoo.training.checkpoint_io import DRAFTER_INFO_KEY, UnreadableCheckpointError, read_checkpoint_header
+from eagle3_zoo.training.rundir.checkpoint_io import DRAFTER_INFO_KEY, UnreadableCheckpointError, read_checkpoint_header
 
 logger = logging.getLogger(__name__)
 

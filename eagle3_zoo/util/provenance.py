@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from eagle3_zoo.redaction import redact_data
+from eagle3_zoo.util.redaction import redact_data
 
 PACKAGES = ("eagle3-zoo", "torch", "lightning", "transformers", "torchmetrics", "safetensors", "omegaconf", "peft")
 RESULTS_PACKAGES = ("eagle3-zoo", "torch", "transformers")  # of `PACKAGES`, those an evaluation's results name
@@ -62,7 +62,7 @@ def json_safe(value: Any) -> Any:
 
 def provenance_json(provenance: dict[str, Any]) -> str:
     """provenance.json's text: strict JSON (non-finite numbers as null, anything else unknown as its string), the
-    run's secrets redacted (`eagle3_zoo.redaction`)."""
+    run's secrets redacted (`eagle3_zoo.util.redaction`)."""
     plain = json.loads(json.dumps(provenance, default=str))  # non-JSON types (paths, dtypes) -> str first
     return json.dumps(json_safe(redact_data(plain)), indent=2, allow_nan=False) + "\n"
 

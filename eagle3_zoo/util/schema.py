@@ -1,6 +1,6 @@
 """Typed YAML configs: dataclass schemas whose fields carry their own value rules, read with every problem at once.
 
-The recipe (`eagle3_zoo.recipe`), the zoo registry (`resources/zoo.yaml`) and the chat formats
+The recipe (`eagle3_zoo.recipe.sections`), the zoo registry (`resources/zoo.yaml`) and the chat formats
 (`resources/chat_formats/*.yaml`) are read this way. A schema is a dataclass tree; types and choices come from the
 annotations (`Literal[...]`, `X | None`, `list[X]`, `tuple[X, ...]`, nested dataclasses) and a value rule sits on
 its field (`ruled(default, check)`):
