@@ -126,7 +126,7 @@ def main() -> None:
         if mode == "offline":  # time the feature job on its own (build_run then finds the store complete)
             from eagle3_zoo.data.prepare import prepare_data
 
-            target, tokenizer, adapter = load_recipe_target(recipe)
+            target, tokenizer, adapter = load_recipe_target(recipe.target, recipe.drafter, recipe.trainer)
             data = prepare_data(recipe, tokenizer, adapter, target_id=recipe.target.name_or_path,
                                 vocab_size=target.config.vocab_size)
             start = time.perf_counter()

@@ -12,7 +12,7 @@ from eagle3_zoo.targets.loading import load_recipe_target
 
 recipe_path, folder, n, max_new = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 recipe = load_recipe(recipe_path)
-target, tok, adapter = load_recipe_target(recipe, recipe_path, device="cpu")
+target, tok, adapter = load_recipe_target(recipe.target, recipe.drafter, recipe.trainer, recipe_path, device="cpu")
 drafter = DFlashDrafter.from_pretrained(folder).eval()
 questions = ["What is the capital of France?", "Write a short poem about the sea.",
              "Explain what a neural network is in simple terms.", "Give me three tips for staying productive.",

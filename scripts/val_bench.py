@@ -49,7 +49,7 @@ def main() -> None:
     from eagle3_zoo.targets.loading import load_recipe_target
 
     recipe = load_recipe(args.recipe, args.overrides)
-    target, tokenizer, adapter = load_recipe_target(recipe, args.recipe)
+    target, tokenizer, adapter = load_recipe_target(recipe.target, recipe.drafter, recipe.trainer, args.recipe)
     data = prepare_data(recipe, tokenizer, adapter, target=target, target_id=recipe.target.name_or_path)
     records, skipped = bench_records(data.val_conversations[: args.limit])
     if not records:

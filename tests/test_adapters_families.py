@@ -66,13 +66,15 @@ def test_drafter_defaults_apply_unless_the_recipe_sets_the_field():
 
     target = shipped_target_config("openai/gpt-oss-20b")
     recipe = Recipe()
-    cfg = drafter_config(recipe, target, (2, 12, 21))
+    cfg = drafter_config(recipe.drafter, recipe.target.name_or_path, recipe.trainer.precision, target, (2, 12, 21))
     assert cfg.intermediate_size == 17280 and cfg.hidden_size == target.hidden_size  # SpecForge's gpt-oss drafter
     recipe.drafter.intermediate_size = 5760
-    assert drafter_config(recipe, target, (2, 12, 21)).intermediate_size == 5760
+    assert drafter_config(recipe.drafter, recipe.target.name_or_path, recipe.trainer.precision, target,
+                          (2, 12, 21)).intermediate_size == 5760
     qwen, recipe = get_adapter("qwen3").tiny_config(), Recipe()
     recipe.drafter.draft_vocab_size = 256
-    assert drafter_config(recipe, qwen, (1, 2, 3)).intermediate_size == qwen.intermediate_size  # no defaults
+    assert drafter_config(recipe.drafter, recipe.target.name_or_path, recipe.trainer.precision, qwen,
+                          (1, 2, 3)).intermediate_size == qwen.intermediate_size  # no defaults
 
 
 def test_gemma3_drafter_embeds_tokens_exactly_as_the_target():

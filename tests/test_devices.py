@@ -10,6 +10,7 @@ import pytest
 import torch
 from training_fixtures import tiny_recipe, write_chat_jsonl, write_recipe
 
+from eagle3_zoo.recipe.decisions import run_plan
 from eagle3_zoo.recipe.sections import load_recipe
 
 
@@ -49,7 +50,8 @@ def test_setup_makes_the_ranks_gpu_current_before_the_data_stage(tmp_path, two_g
         raise _Loaded
 
     monkeypatch.setattr(build.RunDataModule, "prepare_run", prepare_run)
-    datamodule = build.run_datamodule(_recipe(tmp_path, accelerator="gpu", devices=2, strategy="ddp"), "r.yaml")
+    recipe = _recipe(tmp_path, accelerator="gpu", devices=2, strategy="ddp")
+    datamodule = build.run_datamodule(recipe, run_plan(recipe), "r.yaml")
     datamodule.trainer = types.SimpleNamespace(local_rank=local_rank)
     with pytest.raises(_Loaded):
         datamodule.setup("fit")
@@ -67,7 +69,7 @@ def test_prepare_by_hand_puts_each_rank_on_its_own_gpu(tmp_path, two_gpus, monke
         monkeypatch.setenv("LOCAL_RANK", local_rank)
     placed = []
 
-    def load(recipe, source="recipe", device=None, **kw):
+    def load(target, drafter, trainer, source="recipe", device=None, **kw):
         placed.append(device)
         raise _Loaded
 

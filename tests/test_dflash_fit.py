@@ -269,7 +269,7 @@ def test_target_layer_ids_out_of_range_is_refused(files):
     path = write_recipe(tmp / "range.yaml", _recipe(tmp, target, data))
     recipe = load_recipe(path, ["drafter.dflash.target_layer_ids=[0,3]"])
     with pytest.raises(RecipeError, match=r"drafter.dflash.target_layer_ids.*valid 0\.\.2"):
-        load_recipe_target(recipe, str(path))
+        load_recipe_target(recipe.target, recipe.drafter, recipe.trainer, str(path))
 
 
 def test_plan_sizes_a_dflash_drafter(files):
@@ -284,8 +284,8 @@ def test_plan_sizes_a_dflash_drafter(files):
 
     recipe = load_recipe(write_recipe(tmp / "plan.yaml", _recipe(tmp, target, data)))
     cfg = AutoConfig.from_pretrained(target)
-    assert feature_layer_ids(recipe, cfg, get_adapter("llama")) == (1, 2, 3)
-    dcfg = drafter_config(recipe, cfg, None)
+    assert feature_layer_ids(recipe.drafter, recipe.target.name_or_path, cfg, get_adapter("llama")) == (1, 2, 3)
+    dcfg = drafter_config(recipe.drafter, recipe.target.name_or_path, recipe.trainer.precision, cfg, None)
     assert get_kind("dflash").num_parameters(dcfg) == sum(
         p.numel() for p in DFlashDrafter(dcfg).parameters())
 

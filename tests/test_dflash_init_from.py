@@ -35,8 +35,8 @@ def run(tmp_path_factory):
     path = write_recipe(tmp / "r.yaml", tiny_recipe(tmp, target, data, drafter=dict(DFLASH)))
     target_config = AutoConfig.from_pretrained(target)
     recipe = load_recipe(path)
-    aux = feature_layer_ids(recipe, target_config, get_adapter("llama"))
-    config = drafter_config(recipe, target_config, aux)
+    aux = feature_layer_ids(recipe.drafter, recipe.target.name_or_path, target_config, get_adapter("llama"))
+    config = drafter_config(recipe.drafter, recipe.target.name_or_path, recipe.trainer.precision, target_config, aux)
     d2t, t2d = build_draft_vocab(torch.arange(512) % 37, config.draft_vocab_size)
     torch.manual_seed(1)
     drafter = get_kind("dflash").build(config, d2t=d2t.long(), t2d=t2d.bool())
@@ -50,8 +50,9 @@ def run(tmp_path_factory):
 
 def _start(run, *overrides):
     recipe = load_recipe(run["path"], list(overrides))
-    aux = feature_layer_ids(recipe, run["target_config"], get_adapter("llama"))
-    return drafter_start(recipe, run["target_config"], torch.arange(512) % 5, aux)
+    aux = feature_layer_ids(recipe.drafter, recipe.target.name_or_path, run["target_config"], get_adapter("llama"))
+    return drafter_start(recipe.drafter, recipe.target.name_or_path, recipe.trainer.precision, run["target_config"],
+                         torch.arange(512) % 5, aux)
 
 
 @pytest.mark.parametrize("layout", ["zlab", "spec"])

@@ -22,6 +22,7 @@ def files(tmp_path_factory):
 
 
 def _start(files, init_layers=None):
+    from eagle3_zoo.recipe.decisions import run_plan
     from eagle3_zoo.training.build import RunDataModule
 
     tmp, target, data = files
@@ -32,7 +33,8 @@ def _start(files, init_layers=None):
     path = write_recipe(tmp / f"{name}.yaml", tiny_recipe(tmp, target, data, drafter=drafter,
                                                          ttt={"steps": 1, "schedule": "constant"},
                                                          output_dir=str(tmp / name)))
-    module = RunDataModule(load_recipe(path))
+    recipe = load_recipe(path)
+    module = RunDataModule(recipe, run_plan(recipe))
     module.prepare_run("cpu")
     torch.manual_seed(0)
     return module, module.drafter_start.build()

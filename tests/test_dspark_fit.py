@@ -238,7 +238,7 @@ def test_dspark_target_layer_ids_out_of_range_is_refused(files):
     path = write_recipe(tmp / "range.yaml", _recipe(tmp, target, data))
     recipe = load_recipe(path, ["drafter.dspark.target_layer_ids=[0,3]"])
     with pytest.raises(RecipeError, match=r"drafter.dspark.target_layer_ids.*valid 0\.\.2"):
-        load_recipe_target(recipe, str(path))
+        load_recipe_target(recipe.target, recipe.drafter, recipe.trainer, str(path))
 
 
 def test_a_resume_with_another_dspark_setting_is_refused():
@@ -261,8 +261,8 @@ def test_plan_sizes_a_dspark_drafter_and_reads_its_layers(files):
     tmp, target, data = files
     recipe = load_recipe(write_recipe(tmp / "plan.yaml", _recipe(tmp, target, data)))
     cfg = AutoConfig.from_pretrained(target)
-    assert feature_layer_ids(recipe, cfg, get_adapter("llama")) == (1, 2, 3)
-    dcfg = drafter_config(recipe, cfg, None)
+    assert feature_layer_ids(recipe.drafter, recipe.target.name_or_path, cfg, get_adapter("llama")) == (1, 2, 3)
+    dcfg = drafter_config(recipe.drafter, recipe.target.name_or_path, recipe.trainer.precision, cfg, None)
     assert type(dcfg).__name__ == "DSparkConfig" and dcfg.markov_rank == 16
     assert get_kind("dspark").num_parameters(dcfg) == sum(p.numel() for p in DSparkDrafter(dcfg).parameters())
 

@@ -228,7 +228,7 @@ def test_recipe_options_reach_the_drafter_and_an_init_drafter_must_match(tmp_pat
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_135m.yaml"
     r = load_recipe(recipe, ["drafter.fc_norm=true", "drafter.norm_output=true", "loss.name=tv",
                              "drafter.draft_vocab_size=64"])
-    cfg = drafter_config(r, tiny_target_config(), (2, 4, 5))
+    cfg = drafter_config(r.drafter, r.target.name_or_path, r.trainer.precision, tiny_target_config(), (2, 4, 5))
     assert cfg.fc_norm and cfg.norm_output and r.loss.name == "tv"
     plain, _ = canonical_dir(tmp_path)
     with pytest.raises(ValueError, match="fc_norm is False in the drafter but drafter.fc_norm = True"):

@@ -427,7 +427,8 @@ def test_drafter_shapes_without_a_build_equal_the_built_drafter(recipe):
     r = load_recipe(recipe)
     target_config = shipped_target_config(r.target.name_or_path)
     adapter = get_adapter(target_config.model_type)
-    base = drafter_config(r, target_config, feature_layer_ids(r, target_config, adapter))
+    base = drafter_config(r.drafter, r.target.name_or_path, r.trainer.precision, target_config,
+                          feature_layer_ids(r.drafter, r.target.name_or_path, target_config, adapter))
     kind = get_kind(r.drafter.kind)
     eagle31 = [base.__class__(**{**base.__dict__, "fc_norm": True, "norm_output": True})] if kind.name == "eagle3" \
         else []

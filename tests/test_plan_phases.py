@@ -163,7 +163,7 @@ def loads(monkeypatch) -> dict:
     """What `build_run` asks `load_recipe_target` for (heads_only, skeleton); the load itself stops the run."""
     seen = {}
 
-    def fake_load(recipe, source, device=None, heads_only=False, skeleton=False):
+    def fake_load(target, drafter, trainer, source, device=None, heads_only=False, skeleton=False):
         seen.update(heads_only=heads_only, skeleton=skeleton)
         raise _Loaded
 

@@ -292,12 +292,12 @@ def test_family_comes_from_the_adapter_registry(tmp_path, monkeypatch):
 def test_validate_against_target():
     r = Recipe()
     r.drafter.aux_layer_ids = [2, 15, 27]
-    validate_against_target(r, num_layers=30, vocab_size=49152, hidden_size=576)
+    validate_against_target(r.drafter, num_layers=30, vocab_size=49152, hidden_size=576)
     r.drafter.draft_vocab_size = 60000
     r.drafter.aux_layer_ids = [2, 15, 30]
     r.drafter.hidden_size = 512
     with pytest.raises(RecipeError) as exc:
-        validate_against_target(r, num_layers=30, vocab_size=49152, hidden_size=576)
+        validate_against_target(r.drafter, num_layers=30, vocab_size=49152, hidden_size=576)
     text = str(exc.value)
     assert "drafter.draft_vocab_size = 60000: exceeds the target vocabulary (49152)" in text
     assert "drafter.aux_layer_ids = [2, 15, 30]: out of range for a 30-layer target (valid 0..29)" in text

@@ -223,12 +223,12 @@ def extract_features(recipe: Recipe, *, target: Any = None, tokenizer: Any = Non
     check_rank(rank, world_size)  # before the target is loaded
     if target is None:
         device = hand_started_device(recipe.trainer, rank) if world_size > 1 else None
-        target, tokenizer, adapter = load_recipe_target(recipe, device=device)
+        target, tokenizer, adapter = load_recipe_target(recipe.target, recipe.drafter, recipe.trainer, device=device)
     target_id = recipe.target.name_or_path
     if data is None:
         data = prepare_data(recipe, tokenizer, adapter, target=target, target_id=target_id,
                             vocab_size=target.config.vocab_size)
-    aux_ids = aux_layer_ids_for(recipe, target, adapter)
+    aux_ids = aux_layer_ids_for(recipe.drafter, recipe.target.name_or_path, target, adapter)
     out_dir = features_dir_for(recipe.data, recipe.target, data.fingerprint, target_id, aux_ids)
     split = RankSplit(rank, world_size) if world_size > 1 else split_for(out_dir)
     model: Any = target
@@ -262,4 +262,4 @@ def _engine_features_fn(recipe: Recipe, target: Any, adapter: Any, aux_ids: tupl
 def _whole_target(recipe: Recipe, device: Any) -> Any:
     from eagle3_zoo.targets.loading import load_recipe_target
 
-    return load_recipe_target(recipe, device=device)[0]
+    return load_recipe_target(recipe.target, recipe.drafter, recipe.trainer, device=device)[0]

@@ -26,7 +26,8 @@ def prepare_recipe(recipe: Recipe, *, rank: int = 0, world_size: int = 1) -> dic
     from eagle3_zoo.targets.loading import hand_started_device, load_recipe_target
 
     check_rank(rank, world_size)  # before the target is loaded
-    target, tokenizer, adapter = load_recipe_target(recipe, device=hand_started_device(recipe.trainer, rank))
+    target, tokenizer, adapter = load_recipe_target(recipe.target, recipe.drafter, recipe.trainer,
+                                                    device=hand_started_device(recipe.trainer, rank))
     split = RankSplit(rank, world_size) if world_size > 1 else None  # processes started by hand share the cache
     data = prepare_data(recipe, tokenizer, adapter, target=target, target_id=recipe.target.name_or_path,
                         vocab_size=target.config.vocab_size, split=split)

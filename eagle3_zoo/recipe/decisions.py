@@ -221,17 +221,20 @@ def drafter_dtype_name(precision: str) -> str:
     return "float32"
 
 
-def drafter_config(recipe: Recipe, target_config: Any, aux_layer_ids: tuple[int, ...] | None) -> Any:
+def drafter_config(drafter: DrafterConfig, target_name: str, precision: str, target_config: Any,
+                   aux_layer_ids: tuple[int, ...] | None) -> Any:
     """The config of a fresh drafter of the recipe's `drafter.kind` (`DrafterKind.config_from`): sized like the target,
     with the family's published-drafter shape (`TargetAdapter.drafter_defaults`) and the recipe's overrides on top.
+    `drafter`: the recipe's `drafter` section; `target_name`: its `target.name_or_path`; `precision`: its
+    `trainer.precision` (the config's dtype).
     A built-in kind that builds its config without torch is not imported (`eagle3_zoo.drafters.config_from`): `plan`
     imports no model code."""
     from eagle3_zoo.adapters import adapter_for
     from eagle3_zoo.drafters import config_from
 
-    defaults, dtype = adapter_for(target_config).drafter_defaults, drafter_dtype_name(recipe.trainer.precision)
-    return config_from(recipe.drafter.kind, recipe.drafter, target_config, aux_layer_ids=aux_layer_ids,
-                       defaults=defaults, target_name=recipe.target.name_or_path, torch_dtype=dtype)
+    defaults, dtype = adapter_for(target_config).drafter_defaults, drafter_dtype_name(precision)
+    return config_from(drafter.kind, drafter, target_config, aux_layer_ids=aux_layer_ids,
+                       defaults=defaults, target_name=target_name, torch_dtype=dtype)
 
 
 @dataclass(frozen=True)

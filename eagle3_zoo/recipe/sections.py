@@ -569,15 +569,16 @@ def validate_recipe(cfg: Recipe | DictConfig, source: str = "recipe") -> None:
     _raise_if(_problems(OmegaConf.to_object(cfg) if isinstance(cfg, DictConfig) else cfg), lambda key: source)
 
 
-def validate_against_target(recipe: Recipe, num_layers: int, vocab_size: int, hidden_size: int,
+def validate_against_target(drafter: DrafterConfig, num_layers: int, vocab_size: int, hidden_size: int,
                             source: str = "recipe") -> None:
-    """Cross-check a recipe against the target's config (known only once the target config is read).
+    """Cross-check a recipe's `drafter` section against the target's config (known only once the target config is
+    read).
 
     Raises:
         RecipeError: draft vocab larger than the target vocab, aux layer ids out of range, or a drafter width
             that differs from the target's (the frozen target embedding feeds the drafter directly).
     """
-    d = recipe.drafter
+    d = drafter
     problems = [ConfigProblem(key, message, value, source) for key, value, broken, message in [
         ("drafter.draft_vocab_size", d.draft_vocab_size, d.draft_vocab_size > vocab_size,
          f"exceeds the target vocabulary ({vocab_size})"),

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from eagle3_zoo.recipe.sections import Recipe, TrainerConfig
+    from eagle3_zoo.recipe.sections import DrafterConfig, TargetConfig, TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +44,14 @@ def hand_started_device(trainer: TrainerConfig, rank: int) -> torch.device:
     return use_device(target_device(trainer, None if local is None else int(local)))
 
 
-def load_recipe_target(recipe: Recipe, source: str = "recipe", device: str | torch.device | None = None,
-                       heads_only: bool = False, skeleton: bool = False) -> tuple[Any, Any, Any]:
-    """Load the recipe's frozen target and check the recipe against its config.
+def load_recipe_target(target: TargetConfig, drafter: DrafterConfig, trainer: TrainerConfig, source: str = "recipe",
+                       device: str | torch.device | None = None, heads_only: bool = False,
+                       skeleton: bool = False) -> tuple[Any, Any, Any]:
+    """Load the recipe's frozen target and check the recipe's drafter against its config.
 
     Args:
-        device: where the target is placed (default `target_device(recipe.trainer)`).
+        target, drafter, trainer: the recipe's `target`, `drafter` and `trainer` sections.
+        device: where the target is placed (default `target_device(trainer)`).
         heads_only: read only the embedding, final norm and lm_head (`load_target_heads`; the rest stays on the
             meta device), for training on stored features.
         skeleton: the decoder layers stay on the meta device for FSDP to fill shard by shard
@@ -66,8 +68,8 @@ def load_recipe_target(recipe: Recipe, source: str = "recipe", device: str | tor
     from eagle3_zoo.adapters.loading import ShardedLoadUnsupported, load_target_skeleton
     from eagle3_zoo.recipe.sections import validate_against_target
 
-    t = recipe.target
-    device = target_device(recipe.trainer) if device is None else device
+    t = target
+    device = target_device(trainer) if device is None else device
     loaded = None
     if skeleton:
         try:
@@ -86,28 +88,29 @@ def load_recipe_target(recipe: Recipe, source: str = "recipe", device: str | tor
         raise ValueError(f"{source}: target.family = {t.family!r} but {t.name_or_path} is a {adapter.model_type!r} "
                          f"model (config.json model_type); set target.family to {adapter.model_type!r} or 'auto'")
     cfg = model.config
-    validate_against_target(recipe, cfg.num_hidden_layers, cfg.vocab_size, cfg.hidden_size, source=source)
+    validate_against_target(drafter, cfg.num_hidden_layers, cfg.vocab_size, cfg.hidden_size, source=source)
     return model, tokenizer, adapter
 
 
-def aux_layer_ids_for(recipe: Recipe, target: Any, adapter: Any) -> tuple[int, ...]:
+def aux_layer_ids_for(drafter: DrafterConfig, target_name: str, target: Any, adapter: Any) -> tuple[int, ...]:
     """The hidden states the data stage produces for the recipe's drafter (`feature_layer_ids`)."""
-    return feature_layer_ids(recipe, target.config, adapter)
+    return feature_layer_ids(drafter, target_name, target.config, adapter)
 
 
-def feature_layer_ids(recipe: Recipe, target_config: Any, adapter: Any) -> tuple[int, ...]:
-    """The target hidden states (HF `output_hidden_states` ids) the data stage produces for the recipe's drafter:
-    `drafter.aux_layer_ids`, else what the recipe's kind of drafter reads (`DrafterKind.features` of the config
-    `config_from` derives; EAGLE-3: the adapter's default three for the target's depth)."""
-    if recipe.drafter.aux_layer_ids is not None:
-        return tuple(int(i) for i in recipe.drafter.aux_layer_ids)
-    if recipe.drafter.kind == "eagle3":  # the adapter declares EAGLE-3's layers (no drafter config needed)
+def feature_layer_ids(drafter: DrafterConfig, target_name: str, target_config: Any, adapter: Any) -> tuple[int, ...]:
+    """The target hidden states (HF `output_hidden_states` ids) the data stage produces for the recipe's drafter
+    (`drafter`: the recipe's `drafter` section; `target_name`: its `target.name_or_path`): `drafter.aux_layer_ids`,
+    else what the recipe's kind of drafter reads (`DrafterKind.features` of the config `config_from` derives;
+    EAGLE-3: the adapter's default three for the target's depth)."""
+    if drafter.aux_layer_ids is not None:
+        return tuple(int(i) for i in drafter.aux_layer_ids)
+    if drafter.kind == "eagle3":  # the adapter declares EAGLE-3's layers (no drafter config needed)
         return tuple(adapter.aux_layer_ids(target_config.num_hidden_layers))
     from eagle3_zoo.drafters import get_kind
 
-    kind = get_kind(recipe.drafter.kind)
-    config = kind.config_from(recipe.drafter, target_config, aux_layer_ids=None, defaults=adapter.drafter_defaults,
-                              target_name=recipe.target.name_or_path, torch_dtype="float32")
+    kind = get_kind(drafter.kind)
+    config = kind.config_from(drafter, target_config, aux_layer_ids=None, defaults=adapter.drafter_defaults,
+                              target_name=target_name, torch_dtype="float32")
     return tuple(kind.features(config).aux_layer_ids)
 
 

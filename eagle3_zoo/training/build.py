@@ -27,6 +27,7 @@ from eagle3_zoo.targets.loading import aux_layer_ids_for, load_recipe_target
 from eagle3_zoo.training.module import DrafterModule, with_host_counts
 
 if TYPE_CHECKING:
+    from eagle3_zoo.recipe.decisions import RunPlan
     from eagle3_zoo.recipe.sections import DrafterConfig, Recipe
 
 logger = logging.getLogger(__name__)
@@ -68,11 +69,12 @@ class DrafterStart:
         return self.kind.num_parameters(self.config)
 
 
-def drafter_start(recipe: Recipe, target_config: Any, counts: torch.Tensor, aux_layer_ids: tuple[int, ...],
-                  target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+def drafter_start(drafter: DrafterConfig, target_name: str, precision: str, target_config: Any, counts: torch.Tensor,
+                  aux_layer_ids: tuple[int, ...], target_head: tuple[torch.Tensor, torch.Tensor | None] | None = None,
                   target_layers: TargetLayers | None = None) -> DrafterStart:
     """A fresh drafter sized like the target (recipe overrides applied) with the draft vocab from `counts`, or the
-    `drafter.init_from` drafter, checked against the target.
+    `drafter.init_from` drafter, checked against the target. `drafter`: the recipe's `drafter` section; `target_name`
+    and `precision`: its `target.name_or_path` and `trainer.precision` (`drafter_config`).
 
     `target_head` = the target's (lm_head weight, final norm weight): with `drafter.init_head = "target"` a fresh
     drafter's lm_head and norm start from them (the kind's `build`). `target_layers` = the target's decoder layers
@@ -82,21 +84,21 @@ def drafter_start(recipe: Recipe, target_config: Any, counts: torch.Tensor, aux_
     Raises:
         ValueError: an `init_from` drafter that does not fit the target (vocab, hidden size, aux layers).
     """
-    kind = get_kind(recipe.drafter.kind)
-    if recipe.drafter.init_from:
-        init = _load_init(recipe.drafter.init_from, target_config, aux_layer_ids, recipe.drafter, kind)
+    kind = get_kind(drafter.kind)
+    if drafter.init_from:
+        init = _load_init(drafter.init_from, target_config, aux_layer_ids, drafter, kind)
         d2t, t2d = kind.draft_vocab(init)
         return DrafterStart(kind, init.config, d2t, t2d, init=init, fc_input_scale=kind.fc_input_scale(init))
-    config = drafter_config(recipe, target_config, aux_layer_ids)
+    config = drafter_config(drafter, target_name, precision, target_config, aux_layer_ids)
     d2t, t2d = build_draft_vocab(counts, config.draft_vocab_size)
-    if recipe.drafter.init_head == "target" and target_head is None:
+    if drafter.init_head == "target" and target_head is None:
         raise ValueError("drafter.init_head = 'target' needs the target's lm_head (and final norm) weights")
-    from_layers = kind.starts_from_target_layers(recipe.drafter)
+    from_layers = kind.starts_from_target_layers(drafter)
     if from_layers and target_layers is None:
         raise ValueError(f"drafter.kind = {kind.name!r} starts its layers from the target's: it needs the target's "
                          "decoder layers")
     return DrafterStart(kind, config, d2t.to(torch.int64), t2d.to(torch.bool),
-                        target_head=target_head if recipe.drafter.init_head == "target" else None,
+                        target_head=target_head if drafter.init_head == "target" else None,
                         target_layers=target_layers if from_layers else None)
 
 
@@ -163,16 +165,17 @@ class RunDataModule(FeatureDataModule):
     `adapter`, `data`, `aux_layer_ids`, `features`, `drafter_start`. `run_datamodule` picks the class.
 
     Args:
-        recipe: a loaded `Recipe`.
+        recipe: a loaded `Recipe` (its data stage, the regeneration and the engine deployment read it).
+        plan: the recipe's `RunPlan` (`run_plan(recipe)`: what of the target this rank loads, whether it streams).
         source: where the recipe came from (error messages).
     """
 
     feed: Any = None  # the engine feed of a run that streams hidden states (`StreamingRunDataModule`)
 
-    def __init__(self, recipe: Recipe, source: str = "recipe"):
+    def __init__(self, recipe: Recipe, plan: RunPlan, source: str = "recipe"):
         super().__init__(None, None, batch_size=recipe.trainer.batch_size, seed=recipe.data.seed,
                          num_workers=recipe.data.num_workers)
-        self.recipe, self.source, self.plan = recipe, source, run_plan(recipe)
+        self.recipe, self.source, self.plan = recipe, source, plan
         self.target: Any = None
         self.tokenizer: Any = None
         self.adapter: Any = None
@@ -212,17 +215,18 @@ class RunDataModule(FeatureDataModule):
         L.seed_everything(recipe.trainer.seed, workers=True, verbose=False)
         if plan.target_load == "whole" and plan.strategy == "fsdp":
             logger.info("every rank loads the whole target: %s", plan.target_load_reason)
-        target, tokenizer, adapter = load_recipe_target(recipe, self.source, device=device,
-                                                        heads_only=plan.target_load == "heads only",
+        target, tokenizer, adapter = load_recipe_target(recipe.target, recipe.drafter, recipe.trainer, self.source,
+                                                        device=device, heads_only=plan.target_load == "heads only",
                                                         skeleton=plan.target_load == "fsdp shard")
         self.target, self.tokenizer, self.adapter = target, tokenizer, adapter
         data = self.data = prepare_data(recipe, tokenizer, adapter, target=target,
                                         target_id=recipe.target.name_or_path, vocab_size=target.config.vocab_size)
-        aux_ids = self.aux_layer_ids = aux_layer_ids_for(recipe, target, adapter)
+        aux_ids = self.aux_layer_ids = aux_layer_ids_for(recipe.drafter, recipe.target.name_or_path, target, adapter)
         norm = adapter.final_norm(target)
         layers = TargetLayers(tuple(dict(layer.named_parameters()) for layer in adapter.decoder_layers(target)),
                               getattr(norm, "weight", None))  # references: a kind that starts from them copies
-        start = drafter_start(recipe, target.config, data.counts, aux_ids,
+        start = drafter_start(recipe.drafter, recipe.target.name_or_path, recipe.trainer.precision, target.config,
+                              data.counts, aux_ids,
                               target_head=(adapter.lm_head(target).weight, getattr(norm, "weight", None)),
                               target_layers=layers)
         self.pad_id = tokenizer.pad_token_id or 0
@@ -255,9 +259,10 @@ class StreamingRunDataModule(RunDataModule, StreamingDataModule):
     stop are `StreamingDataModule`'s."""
 
 
-def run_datamodule(recipe: Recipe, source: str = "recipe") -> RunDataModule:
-    """The DataModule of a recipe's run (`StreamingRunDataModule` when the run plan streams hidden states)."""
-    return (StreamingRunDataModule if run_plan(recipe).streams else RunDataModule)(recipe, source)
+def run_datamodule(recipe: Recipe, plan: RunPlan, source: str = "recipe") -> RunDataModule:
+    """The DataModule of a recipe's run (`StreamingRunDataModule` when its run plan, `plan`, streams hidden
+    states)."""
+    return (StreamingRunDataModule if plan.streams else RunDataModule)(recipe, plan, source)
 
 
 class RecipeModule(DrafterModule):
@@ -267,17 +272,20 @@ class RecipeModule(DrafterModule):
     the data stage's randomness). Lightning calls `setup` before `configure_model` (where FSDP shards the drafter) and
     before it restores a checkpoint. The drafter is built in `setup`, not in `configure_model`: Lightning runs that one
     inside the strategy's tensor init context (the root device, the precision's dtype), which would change where a fresh
-    drafter's random initialisation is drawn; it is drawn on the host in fp32, as `build_run` draws it."""
+    drafter's random initialisation is drawn; it is drawn on the host in fp32, as `build_run` draws it. `plan`: the
+    recipe's `RunPlan`; of the `trainer` section the module keeps the seed and `activation_checkpointing`, which
+    `build_drafter` reads."""
 
-    def __init__(self, recipe: Recipe):
-        t, o, plan = recipe.ttt, recipe.optim, run_plan(recipe)
+    def __init__(self, recipe: Recipe, plan: RunPlan):
+        t, o = recipe.ttt, recipe.optim
         super().__init__(
             None, kind=recipe.drafter.kind, mode="online" if plan.target_in_step else "offline", ttt_steps=t.steps,
             step_weights=t.step_weights or [t.step_weight_decay**k for k in range(t.steps)], lr=o.lr,
             betas=tuple(o.betas), weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, decay=o.decay,
             min_lr_ratio=o.min_lr_ratio, loss=recipe.loss.build(),
             shard_target=plan.target_sharded, drafter_section=recipe.drafter)
-        self.recipe, self.plan = recipe, plan
+        self.seed, self.activation_checkpointing = recipe.trainer.seed, recipe.trainer.activation_checkpointing
+        self.plan = plan
 
     @override
     def setup(self, stage: str) -> None:
@@ -291,9 +299,9 @@ class RecipeModule(DrafterModule):
 
         if datamodule.drafter_start is None:
             raise RuntimeError("RecipeModule: the DataModule has not prepared the run (its setup did not run)")
-        L.seed_everything(self.recipe.trainer.seed, workers=True, verbose=False)
+        L.seed_everything(self.seed, workers=True, verbose=False)
         drafter = datamodule.drafter_start.build()
-        if self.recipe.trainer.activation_checkpointing:
+        if self.activation_checkpointing:
             enable_activation_checkpointing(drafter)
         target, adapter = datamodule.target, datamodule.adapter
         self.set_parts(drafter, adapter, target if self.plan.target_kept else None,
@@ -304,9 +312,10 @@ def build_run(recipe: Recipe, source: str = "recipe", device: Any = None) -> Tra
     """The run `fit` trains, built outside a Trainer: the DataModule's data stage (`RunDataModule.prepare_run`,
     the target loaded on `device`), then the module's drafter (`RecipeModule.build_drafter`), as Lightning's hooks
     build them in `fit`."""
-    datamodule = run_datamodule(recipe, source)
+    plan = run_plan(recipe)
+    datamodule = run_datamodule(recipe, plan, source)
     datamodule.prepare_run(device)
-    module = RecipeModule(recipe)
+    module = RecipeModule(recipe, plan)
     module.build_drafter(datamodule)
     return TrainingRun(recipe, datamodule.target, datamodule.tokenizer, datamodule.adapter, datamodule.data, module,
                        datamodule, datamodule.features)

@@ -43,6 +43,7 @@ from eagle3_zoo.recipe.decisions import require_accelerator, run_plan, world_siz
 from eagle3_zoo.recipe.sections import (
     DataConfig,
     Recipe,
+    TargetConfig,
     TauEvalConfig,
     TrainerConfig,
     recipe_identity_dict,
@@ -214,23 +215,32 @@ class RecipeIdentityCallback(resume.RunIdentityCallback):
     """The identity of a recipe's run and what `eagle3-zoo consolidate` needs (`drafter_info`), worked out in the
     callback's `setup` from what the run's DataModule prepared (`RunDataModule`: the data, the target, the
     `DrafterStart`); a `last.ckpt` written by a run with other settings is refused there, before anything is written
-    and before Lightning restores it. `target_info` and `data_summary` are the run's provenance entries."""
+    and before Lightning restores it. `target_info` and `data_summary` are the run's provenance entries.
 
-    def __init__(self, recipe: Recipe, last: Path, git: dict[str, Any]):
+    Args:
+        identity: the recipe's identity entries (`recipe_identity_dict`); recipe_dict: the resolved recipe
+            (`recipe_to_dict`).
+        target, trainer: the recipe's `target` and `trainer` sections; mode: its `data.mode`.
+        last: the run's `last.ckpt`; git: the code the process runs (`git_info`).
+    """
+
+    def __init__(self, identity: dict[str, Any], recipe_dict: dict[str, Any], target: TargetConfig,
+                 trainer: TrainerConfig, mode: str, last: Path, git: dict[str, Any]):
         super().__init__({}, None)
-        self.recipe, self.last, self.git = recipe, last, git
+        self.recipe_identity, self.recipe_dict, self.last, self.git = identity, recipe_dict, last, git
+        self.target_section, self.trainer_section, self.mode = target, trainer, mode
         self.target_info: dict[str, Any] = {}
         self.data_summary: dict[str, Any] = {}
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        recipe, dm, t = self.recipe, trainer.datamodule, self.recipe.trainer
+        dm, t, target = trainer.datamodule, self.trainer_section, self.target_section
         start, cfg = dm.drafter_start, dm.target.config
-        self.target_info = {"name_or_path": recipe.target.name_or_path, "model_type": dm.adapter.model_type,
-                            "dtype": recipe.target.dtype, "lora_path": recipe.target.lora_path,
+        self.target_info = {"name_or_path": target.name_or_path, "model_type": dm.adapter.model_type,
+                            "dtype": target.dtype, "lora_path": target.lora_path,
                             "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
                             "vocab_size": cfg.vocab_size}
-        self.identity = resume.run_identity(recipe_identity_dict(recipe), data_fingerprint=dm.data.fingerprint,
+        self.identity = resume.run_identity(self.recipe_identity, data_fingerprint=dm.data.fingerprint,
                                             d2t=start.d2t, target=self.target_info,
                                             world_size=world_size(t.devices, t.num_nodes, t.accelerator))
         if self.last.exists():
@@ -238,26 +248,27 @@ class RecipeIdentityCallback(resume.RunIdentityCallback):
             logger.info("resuming from %s (same run settings)", self.last)
         self.data_summary = {**dm.data.summary(), "draft_vocab_coverage": draft_vocab_coverage(dm.data.counts,
                                                                                                start.t2d),
-                             "mode": recipe.data.mode, "features": dm.features}
+                             "mode": self.mode, "features": dm.features}
         drafter = drafter_summary(start.config, start.num_parameters())
-        self.info = drafter_info(start.config, start.fc_input_scale, recipe_to_dict(recipe), build_provenance(
-            recipe_dict=recipe_to_dict(recipe), target=self.target_info, data=self.data_summary, drafter=drafter,
+        self.info = drafter_info(start.config, start.fc_input_scale, self.recipe_dict, build_provenance(
+            recipe_dict=self.recipe_dict, target=self.target_info, data=self.data_summary, drafter=drafter,
             training={"strategy": t.strategy, "precision": t.precision}, git=self.git))
 
 
 class RunLoggers(L.Callback):
     """The run's loggers (`trainer.logger`), given to the Trainer in the callback's `setup`, after the run identity:
     a run refused by its data stage, its target or its resume check writes nothing. The resolved recipe is the
-    loggers' hyperparameters (hparams.yaml, TensorBoard)."""
+    loggers' hyperparameters (hparams.yaml, TensorBoard): `recipe_dict` (`recipe_to_dict`), with the recipe's
+    `trainer` section and `output_dir`."""
 
-    def __init__(self, recipe: Recipe):
-        self.recipe = recipe
+    def __init__(self, trainer: TrainerConfig, output_dir: Path, recipe_dict: dict[str, Any]):
+        self.trainer_section, self.output_dir, self.recipe_dict = trainer, output_dir, recipe_dict
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        trainer.loggers = _loggers(self.recipe.trainer, Path(self.recipe.output_dir))
+        trainer.loggers = _loggers(self.trainer_section, self.output_dir)
         for lg in trainer.loggers:
-            lg.log_hyperparams(recipe_to_dict(self.recipe))
+            lg.log_hyperparams(self.recipe_dict)
 
 
 def fit(recipe: Recipe, source: str = "recipe") -> Path:
@@ -295,15 +306,17 @@ def _fit(recipe: Recipe, source: str) -> Path:
             from eagle3_zoo.training.rundir.checkpoint_io import read_sharded_metadata
 
             resume.refuse_unreadable(last, read_sharded_metadata)
-    t = recipe.trainer
+    t, plan, recipe_dict = recipe.trainer, run_plan(recipe), recipe_to_dict(recipe)
     record = TrainingRecordCallback(start, static={"strategy": t.strategy, "precision": t.precision})
-    identity = RecipeIdentityCallback(recipe, last, git)
+    identity = RecipeIdentityCallback(recipe_identity_dict(recipe), recipe_dict, recipe.target, t, recipe.data.mode,
+                                      last, git)
     tau = _tau_eval_callbacks(t.tau_eval, recipe.data)  # the tokenizer: the DataModule's, in the callback's setup
-    engine = [EngineFeedCallback()] if run_plan(recipe).streams else []  # hidden states streamed from the engine
+    engine = [EngineFeedCallback()] if plan.streams else []  # hidden states streamed from the engine
     interrupt = InterruptWatch()  # Ctrl-C: exit 130 naming the checkpoint kept, not Lightning's sys.exit(1)
     # the loggers are given in RunLoggers' setup, after the identity's: a refused run writes nothing
-    trainer = build_trainer(recipe, [identity, RunLoggers(recipe), record, *engine, *tau, interrupt], logger=False)
-    module, datamodule = RecipeModule(recipe), run_datamodule(recipe, source)
+    loggers = RunLoggers(t, output_dir, recipe_dict)
+    trainer = build_trainer(recipe, [identity, loggers, record, *engine, *tau, interrupt], logger=False)
+    module, datamodule = RecipeModule(recipe, plan), run_datamodule(recipe, plan, source)
     record.hardware, record.static["world_size"] = _hardware(trainer), trainer.world_size
     failed = True
     try:
@@ -328,7 +341,7 @@ def _fit(recipe: Recipe, source: str) -> Path:
     if trainer.is_global_zero:
         # the whole run's record (all starts of fit); a rerun that trained nothing keeps it as it was
         training = record.final if record.final is not None else record.record(trainer)
-        provenance = build_provenance(recipe_dict=recipe_to_dict(recipe), target=target_info, data=data_summary,
+        provenance = build_provenance(recipe_dict=recipe_dict, target=target_info, data=data_summary,
                                       training=training, git=git, drafter=drafter_summary(
                                           trained.config, sum(p.numel() for p in trained.parameters())))
         write_drafter_folder(trained, out, recipe, provenance, kind=module.kind)

@@ -281,7 +281,9 @@ def plan_recipe(recipe: Recipe, target_config: Any = None, source: str = "recipe
     adapter = get_adapter(target_config.model_type)
     rp = run_plan(recipe)
     counts = target_parameter_counts(target_config, adapter)
-    dcfg = drafter_config(recipe, target_config, feature_layer_ids(recipe, target_config, adapter))
+    name = recipe.target.name_or_path
+    dcfg = drafter_config(recipe.drafter, name, recipe.trainer.precision, target_config,
+                          feature_layer_ids(recipe.drafter, name, target_config, adapter))
     quant = (getattr(target_config, "quantization_config", None) or {}).get("quant_method")
     dequant = f"; its {quant} checkpoint dequantised to {t.dtype}" if quant else ""
     counted, assumed = counted_devices(tr.devices, tr.accelerator)
