@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_fixtures import save_tiny_target, tiny_recipe, write_recipe
+from training_fixtures import EAGLE3_ONLY_OVERRIDES, save_tiny_target, tiny_recipe, write_recipe
 
 from eagle3_zoo.drafters import get_kind, kind_names
 from eagle3_zoo.drafters.dflash.model import DFlashDrafter
@@ -196,14 +196,7 @@ def test_consolidate_writes_the_same_dflash_folder(files, trained):
     ("drafter.dflash.num_anchors=0", "drafter.dflash.num_anchors"),
     ("drafter.dflash.mask_token_id=-1", "drafter.dflash.mask_token_id"),
     ("drafter.dflash.num_layerz=2", "drafter.dflash.num_layerz"),
-    ("drafter.aux_layer_ids=[1,2,3]", "drafter.aux_layer_ids"),
-    ("drafter.fc_norm=true", "drafter.fc_norm"),
-    ("drafter.init_head=target", "drafter.init_head"),
-    ("ttt.schedule=ramp", "ttt.schedule"),
-    ("loss.name=tv", "loss.name"),
-    ("optim.precondition_fc=true", "optim.precondition_fc"),
-    ("trainer.tau_eval.every_n_steps=5", "trainer.tau_eval.every_n_steps"),
-    ("trainer.activation_checkpointing=true", "trainer.activation_checkpointing"),
+    *EAGLE3_ONLY_OVERRIDES,
 ])
 def test_bad_dflash_keys_are_refused_naming_the_key(files, override, key):
     from eagle3_zoo.recipe.sections import RecipeError, load_recipe

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_dflash_fit import write_counting_jsonl
-from training_fixtures import save_tiny_target, tiny_recipe, write_recipe
+from training_fixtures import EAGLE3_ONLY_OVERRIDES, save_tiny_target, tiny_recipe, write_recipe
 
 from eagle3_zoo.drafters import get_kind, kind_names, kind_of, kind_of_config
 from eagle3_zoo.drafters.dspark.model import DSparkDrafter
@@ -209,14 +209,7 @@ def test_the_dspark_objective_is_the_recipes(files):
     ("drafter.dspark.mask_token_id=-1", "drafter.dspark.mask_token_id"),
     ("drafter.dspark.weighting=dpace", "drafter.dspark.weighting"),  # DFlash's, not DSpark's
     ("drafter.dspark.num_layerz=2", "drafter.dspark.num_layerz"),
-    ("drafter.aux_layer_ids=[1,2,3]", "drafter.aux_layer_ids"),
-    ("drafter.fc_norm=true", "drafter.fc_norm"),
-    ("drafter.init_head=target", "drafter.init_head"),
-    ("ttt.schedule=ramp", "ttt.schedule"),
-    ("loss.name=tv", "loss.name"),
-    ("optim.precondition_fc=true", "optim.precondition_fc"),
-    ("trainer.tau_eval.every_n_steps=5", "trainer.tau_eval.every_n_steps"),
-    ("trainer.activation_checkpointing=true", "trainer.activation_checkpointing"),
+    *EAGLE3_ONLY_OVERRIDES,
 ])
 def test_bad_dspark_keys_are_refused_naming_the_key(files, override, key):
     from eagle3_zoo.recipe.sections import RecipeError, load_recipe

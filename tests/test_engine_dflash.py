@@ -307,7 +307,16 @@ def test_control_causal_block_fails_the_parity(hf_target, data_file, requests_, 
     def causal(cfg):
         cfg["dflash_config"]["causal"] = True
 
-    engine = _in_vllm(_edited(folder, tmp_path / "causal", causal), requests_, tmp_path / "work")
+    from eagle3_zoo.speculative import engine_eval
+
+    marked = _edited(folder, tmp_path / "causal", causal)
+    # `eval --engine vllm` refuses a folder marked causal (our decoder's blocks are bidirectional, so its figures
+    # would not be the drafter's); the control serves it anyway, as a user of vLLM alone would
+    with pytest.raises(ValueError, match="causal = true"):
+        engine_eval.dflash_layout(marked)
+    monkeypatch.setattr(engine_eval, "dflash_layout",
+                        lambda drafter: {"layout": "z-lab", "block_size": CAUSAL_BLOCK, "target": None})
+    engine = _in_vllm(marked, requests_, tmp_path / "work")
     _report("causal", engine, bidirectional)
     failures = _parity_failures(engine, bidirectional, requests_)
     print(failures)

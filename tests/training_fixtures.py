@@ -293,3 +293,16 @@ def fsdp_tau_eval_rank(rank: int, world_size: int, init_file: str, diverge: bool
         callback.SpeculativeGenerator = generator_class
         if world_size > 1:
             dist.destroy_process_group()
+
+
+# EAGLE-3-only settings a block drafter kind (DFlash, DSpark) refuses, as (override, the key its error names)
+EAGLE3_ONLY_OVERRIDES = [
+    ("drafter.aux_layer_ids=[1,2,3]", "drafter.aux_layer_ids"),
+    ("drafter.fc_norm=true", "drafter.fc_norm"),
+    ("drafter.init_head=target", "drafter.init_head"),
+    ("ttt.schedule=ramp", "ttt.schedule"),
+    ("loss.name=tv", "loss.name"),
+    ("optim.precondition_fc=true", "optim.precondition_fc"),
+    ("trainer.tau_eval.every_n_steps=5", "trainer.tau_eval.every_n_steps"),
+    ("trainer.activation_checkpointing=true", "trainer.activation_checkpointing"),
+]
